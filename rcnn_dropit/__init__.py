@@ -1,0 +1,1 @@
+"""Detection toolkit: torchvision Faster/Mask R-CNN trained with DropIT."""
