@@ -1,0 +1,172 @@
+"""The configuration schema: nested dataclasses with defaults, allowed choices and ranges."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+try:  # the strategy list belongs to dropit_core; fall back to the contract's list without it
+    from dropit_core import STRATEGIES as _STRATEGIES
+except ImportError:
+    _STRATEGIES = (
+        "mink",
+        "parallel_mink",
+        "random",
+        "channel_mink",
+        "channel_random",
+        "block_mink",
+        "pool",
+        "threshold",
+    )
+
+DROPIT_STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
+
+
+def _f(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, **rules: Any):
+    """A dataclass field whose validation rules (choices, ge, gt, le, lt) live in its metadata."""
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=rules)
+    return field(default=default, metadata=rules)
+
+
+@dataclass
+class ModelConfig:
+    """Detector architecture, backbone and initialisation."""
+
+    arch: str = _f("maskrcnn", choices=("maskrcnn", "fasterrcnn"))
+    backbone: str = _f("resnet50", choices=("resnet18", "resnet34", "resnet50", "resnet101"))
+    pretrained_backbone: bool = False  # torchvision ImageNet weights, downloaded
+    backbone_weights: str | None = None  # local file of the same; wins over pretrained_backbone
+    weights: str | None = None
+    trainable_layers: int = _f(3, ge=0, le=5)
+    norm: str = _f("frozen_bn", choices=("frozen_bn", "bn"))
+    num_classes: int = _f(91, ge=2)
+    min_size: int = _f(800, ge=1)
+    max_size: int = _f(1333, ge=1)
+    box_detections_per_img: int = _f(100, ge=1)
+    box_batch_size_per_image: int = _f(512, ge=1)
+    rpn_batch_size_per_image: int = _f(256, ge=1)
+
+
+@dataclass
+class DropITConfig:
+    """Which layers DropIT converts, with which strategy and gamma."""
+
+    enabled: bool = False
+    strategy: str = _f("mink", choices=DROPIT_STRATEGIES)
+    gamma: float = _f(0.8, ge=0.0, lt=1.0)
+    include: list[str] = _f(factory=lambda: ["*"])
+    exclude: list[str] = _f(
+        factory=lambda: [
+            "backbone.body.conv1",
+            "roi_heads.box_predictor.*",
+            "roi_heads.mask_predictor.mask_fcn_logits",
+        ]
+    )
+    options: dict[str, Any] = _f(factory=dict)
+
+
+@dataclass
+class ShapesConfig:
+    """The synthetic shapes data set, used when data.dataset is shapes."""
+
+    num_train: int = _f(200, ge=1)
+    num_val: int = _f(50, ge=1)
+    image_size: int = _f(128, ge=16)
+    num_classes: int = _f(3, ge=1)
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Where the images and annotations are, and how they are loaded."""
+
+    dataset: str = _f("coco", choices=("coco", "shapes"))
+    root: str = "datasets/coco"
+    train_images: str = "train2017"
+    train_ann: str = "annotations/instances_train2017.json"
+    val_images: str = "val2017"
+    val_ann: str = "annotations/instances_val2017.json"
+    shapes: ShapesConfig = _f(factory=ShapesConfig)
+    num_workers: int = _f(4, ge=0)
+    aspect_ratio_group_factor: int = _f(3, ge=-1)
+    hflip_prob: float = _f(0.5, ge=0.0, le=1.0)
+    skip_missing_images: bool = False
+
+
+@dataclass
+class SolverConfig:
+    """Optimizer, learning-rate schedule and numerics."""
+
+    optimizer: str = _f("sgd", choices=("sgd", "adamw"))
+    lr: float = _f(0.02, gt=0.0)
+    momentum: float = _f(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = _f(0.0001, ge=0.0)
+    batch_size: int = _f(2, ge=1)
+    epochs: int = _f(26, ge=1)
+    max_iters: int | None = _f(None, ge=1)
+    scheduler: str = _f("multistep", choices=("multistep", "cosine"))
+    lr_steps: list[int] = _f(factory=lambda: [16, 22])
+    lr_decay: float = _f(0.1, gt=0.0, le=1.0)
+    warmup_iters: int = _f(1000, ge=0)
+    warmup_factor: float = _f(0.001, gt=0.0, le=1.0)
+    clip_grad_norm: float | None = _f(None, gt=0.0)
+    amp: str = _f("none", choices=("none", "fp16", "bf16"))
+    auto_scale_lr: bool = False
+    reference_batch: int = _f(16, ge=1)
+    nonfinite: str = _f("stop", choices=("stop", "skip"))
+
+
+@dataclass
+class TrainConfig:
+    """Run directory, devices, logging and checkpoint cadence."""
+
+    output_dir: str | None = None
+    seed: int = _f(42, ge=0)
+    device: str = _f("auto", choices=("auto", "cpu", "cuda"))
+    log_every: int = _f(20, ge=1)
+    eval_every: int = _f(1, ge=0)
+    checkpoint_every: int = _f(1, ge=0)
+    checkpoint_every_iters: int = _f(0, ge=0)
+    keep_last: int = _f(3, ge=0)
+    sync_bn: bool = False
+    measure_memory: bool = True
+
+
+@dataclass
+class TestConfig:
+    """Inference settings."""
+
+    __test__ = False  # not a pytest test class
+
+    score_thresh: float = _f(0.05, ge=0.0, le=1.0)
+
+
+@dataclass
+class Config:
+    """The whole resolved configuration of one run."""
+
+    name: str = ""
+    model: ModelConfig = _f(factory=ModelConfig)
+    dropit: DropITConfig = _f(factory=DropITConfig)
+    data: DataConfig = _f(factory=DataConfig)
+    solver: SolverConfig = _f(factory=SolverConfig)
+    train: TrainConfig = _f(factory=TrainConfig)
+    test: TestConfig = _f(factory=TestConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict of builtin types (YAML/JSON/checkpoint friendly)."""
+        return dataclasses.asdict(self)
+
+
+def cross_check(cfg: Config) -> list[str]:
+    """Problems that involve more than one key; each item is one error message."""
+    errors = []
+    m, s = cfg.model, cfg.solver
+    if m.max_size < m.min_size:
+        errors.append(f"model.max_size ({m.max_size}) must be >= model.min_size ({m.min_size})")
+    steps = s.lr_steps
+    if any(b <= a for a, b in zip(steps[:-1], steps[1:], strict=True)) or any(x < 1 for x in steps):
+        errors.append(f"solver.lr_steps {steps}: must be positive and strictly increasing")
+    return errors

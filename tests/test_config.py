@@ -1,0 +1,229 @@
+"""Config loading: inheritance, merging, overrides, typing, validation and error messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rcnn_dropit.config import Config, config_from_dict, dump_config, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """Two bases in a sub-folder, one including a third; a leaf on top of both."""
+    write(tmp_path / "base/root.yaml", "model:\n  num_classes: 5\n  min_size: 300\n")
+    write(
+        tmp_path / "base/model.yaml",
+        "_base_: root.yaml\nmodel:\n  arch: fasterrcnn\n  min_size: 400\n"
+        "dropit:\n  options: {chunk: 8, values: int8}\n",
+    )
+    write(tmp_path / "base/solver.yaml", "solver:\n  lr: 0.01\n  lr_steps: [3, 5, 7]\n")
+    return write(
+        tmp_path / "leaf.yaml",
+        "_base_: [base/model.yaml, base/solver.yaml]\n"
+        "model:\n  max_size: 500\nsolver:\n  lr_steps: [2]\ndropit:\n  options: {chunk: 16}\n",
+    )
+
+
+def test_defaults_match_contract():
+    cfg = Config()
+    assert cfg.model.arch == "maskrcnn" and cfg.model.trainable_layers == 3
+    assert cfg.dropit.exclude[0] == "backbone.body.conv1" and cfg.dropit.include == ["*"]
+    assert cfg.data.shapes.image_size == 128 and cfg.solver.lr_steps == [16, 22]
+    assert cfg.solver.max_iters is None and cfg.test.score_thresh == 0.05
+
+
+def test_inheritance_multi_base_and_deep_merge(tree: Path):
+    cfg = load_config(tree)
+    assert cfg.model.arch == "fasterrcnn"  # from base/model.yaml
+    assert cfg.model.num_classes == 5  # from base/root.yaml, two levels down
+    assert cfg.model.min_size == 400  # the nearer base wins
+    assert cfg.model.max_size == 500  # leaf
+    assert cfg.model.backbone == "resnet50"  # schema default
+    assert cfg.solver.lr == 0.01
+    assert cfg.solver.lr_steps == [2]  # lists replace, never concatenate
+    assert cfg.dropit.options == {"chunk": 16, "values": "int8"}  # dicts merge
+    assert cfg.name == "leaf"  # run name defaults to the file stem
+
+
+def test_overrides_are_typed(tree: Path):
+    cfg = load_config(
+        tree,
+        [
+            "solver.lr=1e-4",  # YAML reads this as text; the schema makes it a float
+            "solver.momentum=0",  # int -> float
+            "solver.max_iters=100",
+            "solver.clip_grad_norm=null",
+            "solver.lr_steps=[4, 8]",
+            "dropit.enabled=true",
+            "dropit.include=backbone.*",  # one pattern -> a list of one
+            "dropit.options.values=fp16",  # into the dict, keeping chunk
+            "data.shapes.num_train=7",
+            "name=2017",  # text key: taken as text
+            "train.output_dir=/tmp/run",
+        ],
+    )
+    assert cfg.solver.lr == pytest.approx(1e-4) and isinstance(cfg.solver.lr, float)
+    assert cfg.solver.momentum == 0.0 and isinstance(cfg.solver.momentum, float)
+    assert cfg.solver.max_iters == 100 and cfg.solver.clip_grad_norm is None
+    assert cfg.solver.lr_steps == [4, 8]
+    assert cfg.dropit.enabled is True and cfg.dropit.include == ["backbone.*"]
+    assert cfg.dropit.options == {"chunk": 16, "values": "fp16"}
+    assert cfg.data.shapes.num_train == 7 and cfg.data.shapes.image_size == 128
+    assert cfg.name == "2017" and cfg.train.output_dir == "/tmp/run"
+
+
+def test_scientific_notation_in_file_is_a_float(tmp_path: Path):
+    cfg = load_config(write(tmp_path / "c.yaml", "solver:\n  lr: 1e-3\n  weight_decay: 5e-5\n"))
+    assert cfg.solver.lr == pytest.approx(1e-3) and cfg.solver.weight_decay == pytest.approx(5e-5)
+
+
+def test_unknown_key_in_file_suggests(tmp_path: Path):
+    path = write(tmp_path / "typo.yaml", "model:\n  backbon: resnet18\n")
+    with pytest.raises(ValueError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "'model.backbon'" in msg and "did you mean 'model.backbone'" in msg
+    assert "typo.yaml" in msg
+
+
+def test_unknown_key_in_base_names_the_base(tree: Path):
+    write(tree.parent / "base/solver.yaml", "solver:\n  learning_rate: 0.1\n")
+    with pytest.raises(ValueError, match=r"base/solver\.yaml.*'solver\.learning_rate'"):
+        load_config(tree)
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        (
+            "data.shapes.num_trian=3",
+            r"'data\.shapes\.num_trian'.*did you mean 'data\.shapes\.num_train'",
+        ),
+        ("solvr.lr=0.1", r"'solvr'.*did you mean 'solver'"),
+        ("solver.lr", r"expected key=value"),
+    ],
+)
+def test_bad_override_keys(override: str, pattern: str):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(CONFIGS / "maskrcnn_baseline.yaml", [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("solver.lr=fast", r"solver\.lr = 'fast'.*expected a number"),
+        ("dropit.enabled=1", r"dropit\.enabled = 1.*expected true or false"),
+        ("model.trainable_layers=2.5", r"model\.trainable_layers = 2\.5.*expected an integer"),
+        ("solver.lr_steps=[1, x]", r"solver\.lr_steps\[1\] = 'x'.*expected an integer"),
+        ("dropit.options=3", r"dropit\.options = 3.*mapping"),
+        ("model=resnet", r"model = 'resnet'.*mapping"),
+    ],
+)
+def test_wrong_types(override: str, pattern: str):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(CONFIGS / "maskrcnn_baseline.yaml", [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        (
+            "dropit.gamma=1.0",
+            r"dropit\.gamma = 1\.0 is out of range; it must be >= 0\.0 and < 1\.0",
+        ),
+        ("dropit.gamma=-0.1", r"dropit\.gamma"),
+        ("dropit.strategy=topk", r"dropit\.strategy = 'topk' is not one of mink"),
+        ("model.arch=retinanet", r"model\.arch = 'retinanet' is not one of maskrcnn, fasterrcnn"),
+        ("model.norm=gn", r"model\.norm"),
+        ("model.trainable_layers=6", r"model\.trainable_layers = 6"),
+        ("solver.lr=0", r"solver\.lr = 0\.0 is out of range"),
+        ("solver.batch_size=0", r"solver\.batch_size"),
+        ("solver.epochs=0", r"solver\.epochs"),
+        ("solver.optimizer=adam", r"solver\.optimizer"),
+        ("solver.amp=fp8", r"solver\.amp"),
+        ("solver.lr_steps=[22, 16]", r"solver\.lr_steps \[22, 16\]: must be positive and strictly"),
+        ("train.device=tpu", r"train\.device"),
+        ("data.dataset=voc", r"data\.dataset"),
+        ("model.max_size=100", r"model\.max_size \(100\) must be >= model\.min_size \(800\)"),
+    ],
+)
+def test_validation(override: str, pattern: str):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(CONFIGS / "maskrcnn_baseline.yaml", [override])
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path: Path):
+    path = write(tmp_path / "bad.yaml", "model:\n  arch: maskrcnn\n  backbone: [resnet50\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml: line 4") as err:
+        load_config(path)
+    assert "invalid YAML" in str(err.value)
+
+
+def test_missing_files(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    leaf = write(tmp_path / "leaf.yaml", "_base_: gone.yaml\n")
+    with pytest.raises(FileNotFoundError, match=r"leaf\.yaml: _base_ file .*gone\.yaml"):
+        load_config(leaf)
+
+
+def test_base_cycle_is_detected(tmp_path: Path):
+    write(tmp_path / "a.yaml", "_base_: b.yaml\n")
+    write(tmp_path / "b.yaml", "_base_: a.yaml\n")
+    with pytest.raises(ValueError, match="circular _base_"):
+        load_config(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize(
+    "path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS))
+)
+def test_every_shipped_config_loads(path: Path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_published_recipes():
+    mask = load_config(CONFIGS / "maskrcnn_g0.8.yaml")
+    assert (mask.model.arch, mask.model.backbone, mask.model.norm) == (
+        "maskrcnn",
+        "resnet50",
+        "frozen_bn",
+    )
+    assert mask.model.pretrained_backbone and mask.model.trainable_layers == 3
+    assert (mask.dropit.enabled, mask.dropit.strategy, mask.dropit.gamma) == (True, "mink", 0.8)
+    assert mask.solver.lr_steps == [16, 22] and mask.solver.epochs == 26
+    assert mask.solver.batch_size * 8 == mask.solver.reference_batch == 16
+    assert mask.data.aspect_ratio_group_factor == 3 and mask.model.max_size == 1333
+    faster = load_config(CONFIGS / "fasterrcnn_g0.9.yaml")
+    assert faster.model.arch == "fasterrcnn" and faster.dropit.gamma == 0.9
+    assert not load_config(CONFIGS / "fasterrcnn_baseline.yaml").dropit.enabled
+    demo = load_config(CONFIGS / "demo/maskrcnn_shapes_g0.8.yaml")
+    assert demo.data.dataset == "shapes" and demo.model.backbone == "resnet18"
+    assert not demo.model.pretrained_backbone and demo.dropit.enabled
+
+
+def test_dump_and_reload_round_trip(tmp_path: Path):
+    cfg = load_config(
+        CONFIGS / "maskrcnn_g0.8.yaml", ["dropit.options={chunk: 4}", "solver.lr=1e-3"]
+    )
+    dump_config(cfg, tmp_path / "run/config.yaml")
+    again = load_config(tmp_path / "run/config.yaml")
+    assert again == cfg
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_config_from_dict_validates():
+    with pytest.raises(ValueError, match=r"config dict: unknown key 'model\.depth'"):
+        config_from_dict({"model": {"depth": 50}})
+    with pytest.raises(ValueError, match=r"dropit\.gamma = 2\.0"):
+        config_from_dict({"dropit": {"gamma": 2}})
