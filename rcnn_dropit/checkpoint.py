@@ -1,0 +1,195 @@
+"""Atomic checkpoint files, the last-checkpoint pointer, resume lookup and RNG state."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+POINTER_NAME = "last_checkpoint"
+_NUMBERED = re.compile(r"model_(\d+)\.pth")
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is only durable once the directory entry itself reaches the disk.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    """Run write(file) on a temp file next to path, fsync it, then rename it over path."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):  # disk full, permissions, quota: a user-facing problem
+            raise RuntimeError(f"could not write '{path}': {err}") from err
+        raise
+
+
+def _iteration(path: Path) -> int | None:
+    match = _NUMBERED.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _prune(ckpt_dir: Path, keep_last: int, just_written: Path) -> None:
+    numbered = sorted(
+        (
+            p
+            for p in ckpt_dir.glob("model_*.pth")
+            if _iteration(p) is not None and p != just_written
+        ),
+        key=lambda p: _iteration(p),
+        reverse=True,
+    )
+    for old in numbered[max(keep_last - 1, 0) :]:
+        try:
+            old.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            warnings.warn(f"could not remove old checkpoint '{old}': {err}", stacklevel=3)
+
+
+def save_checkpoint(ckpt_dir: Path | str, name: str, state: dict, keep_last: int) -> Path:
+    """Write state atomically to ckpt_dir/name, point last_checkpoint at it, prune old ones.
+
+    keep_last counts numbered model_<iter>.pth files including the new one; 0 keeps all.
+    """
+    if not name or Path(name).name != name or name.startswith("."):
+        raise ValueError(f"checkpoint name {name!r} must be a plain file name like model_0001.pth")
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / name
+    _write_atomic(path, lambda f: torch.save(state, f))
+    _write_atomic(ckpt_dir / POINTER_NAME, lambda f: f.write(name.encode()))
+    if keep_last > 0:
+        _prune(ckpt_dir, keep_last, path)
+    return path
+
+
+def load_checkpoint(path: Path | str, map_location: Any = "cpu") -> dict:
+    """Load a checkpoint dict with torch.load(weights_only=True)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # torch raises many types for truncated or foreign files
+        raise ValueError(f"checkpoint '{path}' is unreadable or corrupt: {err}") from err
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint '{path}' holds a {type(state).__name__}, not a dict")
+    return state
+
+
+def _looks_valid(path: Path) -> bool:
+    # torch.save writes a zip archive; a truncated one has no central directory.
+    return path.is_file() and zipfile.is_zipfile(path)
+
+
+def find_last_checkpoint(ckpt_dir: Path | str) -> Path | None:
+    """Checkpoint named by the pointer file, else the newest valid model_<iter>.pth, else None."""
+    ckpt_dir = Path(ckpt_dir)
+    pointer = ckpt_dir / POINTER_NAME
+    if pointer.is_file():
+        target = ckpt_dir / pointer.read_text().strip()
+        if _looks_valid(target):
+            return target
+    numbered = [p for p in ckpt_dir.glob("model_*.pth") if _iteration(p) is not None]
+    for candidate in sorted(numbered, key=lambda p: _iteration(p), reverse=True):
+        if _looks_valid(candidate):
+            return candidate
+    return None
+
+
+def resolve_resume(resume: str | Path | None, ckpt_dir: Path | str) -> Path | None:
+    """Checkpoint to resume from: None, 'auto' (last in ckpt_dir, if any) or an existing path."""
+    if resume is None or str(resume) == "":
+        return None
+    if str(resume) == "auto":
+        return find_last_checkpoint(ckpt_dir)
+    path = Path(resume)
+    if not path.is_file():
+        raise FileNotFoundError(f"resume: checkpoint '{path}' does not exist")
+    return path
+
+
+def capture_rng_state() -> dict:
+    """RNG states of python, numpy (if installed), torch CPU and CUDA, as weights_only types."""
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss_next],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Restore what capture_rng_state recorded; CUDA states only for devices present."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state.get("cuda"):
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def check_model_compat(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError if state_dict's keys or shapes do not fit model."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    mismatched = [
+        f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
+    ]
+    if not (missing or unexpected or mismatched):
+        return
+    parts = []
+    for label, keys in (
+        ("missing keys", missing),
+        ("unexpected keys", unexpected),
+        ("shape mismatches", mismatched),
+    ):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            parts.append(f"{len(keys)} {label}: {', '.join(keys[:3])}{more}")
+    hint = ""
+    if unexpected and all(k.startswith("module.") for k in unexpected):
+        hint = " (keys start with 'module.': saved from the DDP wrapper, save model.module)"
+    raise ValueError(
+        "checkpoint is from another model (checkpoint shape vs model shape): "
+        + "; ".join(parts)
+        + hint
+    )
