@@ -1,0 +1,58 @@
+"""ResNet-FPN backbones: ImageNet weights from torchvision or a local file, norm, frozen stages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchvision.models import WeightsEnum, resnet
+from torchvision.models.detection.backbone_utils import BackboneWithFPN, _resnet_fpn_extractor
+from torchvision.ops.misc import FrozenBatchNorm2d
+
+from rcnn_dropit.models.weights import load_state_dict_file, load_strict
+
+_RESNETS = {
+    "resnet18": (resnet.resnet18, resnet.ResNet18_Weights.IMAGENET1K_V1),
+    "resnet34": (resnet.resnet34, resnet.ResNet34_Weights.IMAGENET1K_V1),
+    "resnet50": (resnet.resnet50, resnet.ResNet50_Weights.IMAGENET1K_V1),
+    "resnet101": (resnet.resnet101, resnet.ResNet101_Weights.IMAGENET1K_V1),
+}
+_NORMS = {"frozen_bn": FrozenBatchNorm2d, "bn": nn.BatchNorm2d}
+
+
+def build_backbone(
+    name: str,
+    norm: str = "frozen_bn",
+    trainable_layers: int = 3,
+    pretrained: bool = False,
+    weights_path: str | Path | None = None,
+) -> BackboneWithFPN:
+    """ResNet body + FPN with the first stages frozen as torchvision does (trainable 0..5)."""
+    if name not in _RESNETS:
+        raise ValueError(f"model.backbone: '{name}' is not one of {', '.join(_RESNETS)}")
+    if norm not in _NORMS:
+        raise ValueError(f"model.norm: '{norm}' is not one of {', '.join(_NORMS)}")
+    if not 0 <= trainable_layers <= 5:
+        raise ValueError(f"model.trainable_layers: {trainable_layers} is not in 0..5")
+    factory, enum = _RESNETS[name]
+    body = factory(weights=None, norm_layer=_NORMS[norm])
+    if weights_path is not None:
+        state = load_state_dict_file(weights_path, "model.backbone_weights")
+        # the classifier is dropped by the FPN extractor, so a body-only file is fine too
+        load_strict(body, state, "model.backbone_weights", str(weights_path), ignore_prefix="fc.")
+    elif pretrained:
+        body.load_state_dict(_download(enum, name))
+    return _resnet_fpn_extractor(body, trainable_layers)
+
+
+def _download(enum: WeightsEnum, name: str) -> dict[str, torch.Tensor]:
+    """torchvision's ImageNet weights (cached in TORCH_HOME), with an offline hint on failure."""
+    try:
+        return enum.get_state_dict(progress=False, check_hash=True)
+    except Exception as err:  # urllib/SSL/OS/hash errors all mean the same to the user
+        raise RuntimeError(
+            f"model.pretrained_backbone: the ImageNet weights of {name} ({enum.url}) could not be "
+            f"downloaded ({type(err).__name__}: {err}); download the file elsewhere and set "
+            "model.backbone_weights to the local file"
+        ) from err

@@ -1,0 +1,73 @@
+"""Build torchvision Faster/Mask R-CNN from a Config, then apply DropIT when enabled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torchvision.models.detection import FasterRCNN, MaskRCNN
+
+from rcnn_dropit.config import Config
+from rcnn_dropit.models.backbone import build_backbone
+from rcnn_dropit.models.heads import MLPHead
+from rcnn_dropit.models.weights import load_state_dict_file, load_strict
+
+_ROI_SIZE = 7  # output size of torchvision's default box MultiScaleRoIAlign
+_REPRESENTATION = 1024  # width of the box head's fully-connected layers, as torchvision
+
+
+def build_model(cfg: Config) -> tuple[nn.Module, Any]:
+    """The detector of `cfg.model`, initialised per config; DropIT applied if `cfg.dropit.enabled`.
+
+    Returns (model, record): record is dropit_core's record of converted layers, or [] without
+    DropIT. The model is on CPU and not wrapped in DDP.
+    """
+    m = cfg.model
+    backbone = build_backbone(
+        m.backbone,
+        norm=m.norm,
+        trainable_layers=m.trainable_layers,
+        # a full-model init overwrites the backbone, so downloading ImageNet weights is wasted
+        pretrained=m.pretrained_backbone and m.weights is None,
+        weights_path=m.backbone_weights if m.weights is None else None,
+    )
+    detector = {"maskrcnn": MaskRCNN, "fasterrcnn": FasterRCNN}.get(m.arch)
+    if detector is None:
+        raise ValueError(f"model.arch: '{m.arch}' is not one of maskrcnn, fasterrcnn")
+    model = detector(
+        backbone,
+        num_classes=m.num_classes,
+        min_size=m.min_size,
+        max_size=m.max_size,
+        box_head=MLPHead(backbone.out_channels * _ROI_SIZE**2, _REPRESENTATION),
+        box_detections_per_img=m.box_detections_per_img,
+        box_batch_size_per_image=m.box_batch_size_per_image,
+        rpn_batch_size_per_image=m.rpn_batch_size_per_image,
+        box_score_thresh=cfg.test.score_thresh,
+    )
+    if m.weights is not None:
+        state = load_state_dict_file(m.weights, "model.weights")
+        load_strict(model, state, "model.weights", m.weights)
+    return apply_dropit(model, cfg)
+
+
+def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, Any]:
+    """Convert layers to DropIT per `cfg.dropit` (in place); ([] as record when disabled)."""
+    d = cfg.dropit
+    if not d.enabled:
+        return model, []
+    from dropit_core import to_dropit  # imported here: the toolkit works without DropIT
+
+    exclude = tuple(d.exclude)
+    if getattr(getattr(model, "roi_heads", None), "mask_predictor", None) is None:
+        # the shared default excludes name the mask branch; to_dropit rejects patterns that
+        # match nothing, and a Faster R-CNN has no mask branch to exclude
+        exclude = tuple(p for p in exclude if not p.startswith("roi_heads.mask_"))
+    return to_dropit(
+        model,
+        strategy=d.strategy,
+        gamma=d.gamma,
+        include=tuple(d.include),
+        exclude=exclude,
+        **d.options,
+    )

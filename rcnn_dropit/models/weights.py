@@ -1,0 +1,57 @@
+"""Loading state dicts from local files with one clear error message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_SHOW = 8  # key names listed in an error message
+
+
+def load_state_dict_file(path: str | Path, key: str) -> dict[str, torch.Tensor]:
+    """Tensors from a raw state_dict file or from a checkpoint dict holding one under "model"."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{key}: file '{path}' does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(f"{key}: '{path}' is not a loadable torch file ({err})") from err
+    for nested in ("model", "state_dict"):
+        if isinstance(obj, dict) and isinstance(obj.get(nested), dict):
+            obj = obj[nested]
+            break
+    if not isinstance(obj, dict) or not all(torch.is_tensor(v) for v in obj.values()):
+        raise ValueError(f"{key}: '{path}' holds no state_dict (a mapping of names to tensors)")
+    if obj and all(k.startswith("module.") for k in obj):  # saved from a DDP-wrapped model
+        obj = {k[len("module.") :]: v for k, v in obj.items()}
+    return obj
+
+
+def load_strict(
+    module: nn.Module, state: dict[str, torch.Tensor], key: str, path: str, ignore_prefix: str = ""
+) -> None:
+    """Load every tensor; any missing, unexpected or mis-shaped key is a ValueError naming them."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state and not _ignored(k, ignore_prefix)]
+    unexpected = [k for k in state if k not in own and not _ignored(k, ignore_prefix)]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    problems = [
+        f"{label} ({len(keys)}): {', '.join(keys[:_SHOW])}{' ...' if len(keys) > _SHOW else ''}"
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", shapes))
+        if keys
+    ]
+    if problems:
+        raise ValueError(f"{key}: '{path}' does not match the model: {'; '.join(problems)}")
+    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+
+def _ignored(name: str, prefix: str) -> bool:
+    # BatchNorm counters are absent from FrozenBatchNorm2d and from old ImageNet files
+    return name.endswith("num_batches_tracked") or (bool(prefix) and name.startswith(prefix))

@@ -1,0 +1,206 @@
+"""Model building: architectures, box head, norms, frozen stages, weight files, DropIT hook-up."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from pathlib import Path
+from urllib.error import URLError
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import resnet18, resnet34
+from torchvision.models.detection.faster_rcnn import TwoMLPHead
+from torchvision.ops.misc import FrozenBatchNorm2d
+
+from rcnn_dropit.config import config_from_dict
+from rcnn_dropit.models import MLPHead, build_backbone, build_model
+
+TINY = {
+    "backbone": "resnet18",
+    "pretrained_backbone": False,
+    "trainable_layers": 5,
+    "norm": "bn",
+    "num_classes": 3,
+    "min_size": 64,
+    "max_size": 64,
+    "box_batch_size_per_image": 32,
+    "rpn_batch_size_per_image": 32,
+    "box_detections_per_img": 7,
+}
+LOSSES = {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"}
+
+
+def tiny_cfg(**model):
+    """A validated config for a small ResNet-18 detector, with `model` keys changed."""
+    dropit = model.pop("dropit", {})
+    return config_from_dict({"model": {**TINY, **model}, "dropit": dropit})
+
+
+def sample():
+    """One 64x64 image with one box and its mask."""
+    torch.manual_seed(0)
+    mask = torch.zeros(1, 64, 64, dtype=torch.uint8)
+    mask[0, 10:40, 12:50] = 1
+    target = {
+        "boxes": torch.tensor([[12.0, 10.0, 50.0, 40.0]]),
+        "labels": torch.tensor([1]),
+        "masks": mask,
+    }
+    return [torch.rand(3, 64, 64)], [target]
+
+
+@pytest.mark.parametrize(
+    ("arch", "expected"), [("maskrcnn", LOSSES | {"loss_mask"}), ("fasterrcnn", LOSSES)]
+)
+def test_build_and_train_forward(arch: str, expected: set[str]):
+    model, record = build_model(tiny_cfg(arch=arch))
+    assert record == []
+    assert type(model).__name__ == {"maskrcnn": "MaskRCNN", "fasterrcnn": "FasterRCNN"}[arch]
+    assert isinstance(model.roi_heads.box_head, MLPHead)
+    assert model.roi_heads.box_predictor.cls_score.out_features == 3
+    assert model.transform.min_size == (64,) and model.transform.max_size == 64
+    assert model.roi_heads.detections_per_img == 7
+    assert model.roi_heads.fg_bg_sampler.batch_size_per_image == 32
+    assert model.rpn.fg_bg_sampler.batch_size_per_image == 32
+    assert model.roi_heads.score_thresh == 0.05
+    model.train()
+    losses = model(*sample())
+    assert set(losses) == expected
+    assert all(math.isfinite(v.item()) and v.item() >= 0 for v in losses.values())
+    sum(losses.values()).backward()
+    assert model.roi_heads.box_head.fc6.weight.grad.abs().sum() > 0
+
+
+def test_head_matches_torchvision_two_mlp_head():
+    torch.manual_seed(0)
+    ours, theirs = MLPHead(16 * 2 * 2, 8), TwoMLPHead(16 * 2 * 2, 8)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(5, 16, 2, 2)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    relus = [name for name, mod in ours.named_modules() if isinstance(mod, nn.ReLU)]
+    assert relus == ["relu6", "relu7"]
+    assert sum(p.numel() for m in (ours.relu6, ours.relu7) for p in m.parameters()) == 0
+
+
+@pytest.mark.parametrize("norm", ["frozen_bn", "bn"])
+def test_norm_layer_types(norm: str):
+    body = build_backbone("resnet18", norm=norm, trainable_layers=5).body
+    kinds = {type(m) for m in body.modules() if isinstance(m, (nn.BatchNorm2d, FrozenBatchNorm2d))}
+    assert kinds == {FrozenBatchNorm2d if norm == "frozen_bn" else nn.BatchNorm2d}
+
+
+@pytest.mark.parametrize(
+    ("layers", "trainable"),
+    [
+        (0, set()),
+        (3, {"layer2", "layer3", "layer4"}),
+        (5, {"conv1", "bn1", "layer1", "layer2", "layer3", "layer4"}),
+    ],
+)
+def test_trainable_layers_freeze_the_stem_first(layers: int, trainable: set[str]):
+    backbone = build_backbone("resnet18", norm="bn", trainable_layers=layers)
+    stages = {n.split(".")[0] for n, p in backbone.body.named_parameters() if p.requires_grad}
+    assert stages == trainable
+    assert all(p.requires_grad for p in backbone.fpn.parameters())
+
+
+def test_backbone_weights_from_local_file(tmp_path: Path):
+    torch.manual_seed(1)
+    imagenet = resnet18()  # stands for an ImageNet checkpoint: body + fc classifier
+    torch.save(imagenet.state_dict(), tmp_path / "r18.pth")
+    for norm in ("frozen_bn", "bn"):
+        body = build_backbone("resnet18", norm=norm, weights_path=tmp_path / "r18.pth").body
+        torch.testing.assert_close(body.conv1.weight, imagenet.conv1.weight)
+        torch.testing.assert_close(
+            body.layer4[1].bn2.running_var, imagenet.layer4[1].bn2.running_var
+        )
+
+
+def test_backbone_weights_errors(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match=r"model\.backbone_weights: file .*none\.pth"):
+        build_model(tiny_cfg(backbone_weights=str(tmp_path / "none.pth")))
+    torch.save(resnet34().state_dict(), tmp_path / "r34.pth")
+    with pytest.raises(
+        ValueError, match=r"r34\.pth' does not match the model: unexpected .*layer1\.2"
+    ):
+        build_backbone("resnet18", weights_path=tmp_path / "r34.pth")
+    (tmp_path / "junk.pth").write_text("not a tensor file")
+    with pytest.raises(ValueError, match="not a loadable torch file"):
+        build_backbone("resnet18", weights_path=tmp_path / "junk.pth")
+
+
+def test_pretrained_download_failure_says_what_to_do(monkeypatch: pytest.MonkeyPatch):
+    def offline(*args, **kwargs):
+        raise URLError("no network")
+
+    monkeypatch.setattr("torchvision.models._api.load_state_dict_from_url", offline)
+    with pytest.raises(RuntimeError, match=r"could not be downloaded.*model\.backbone_weights"):
+        build_backbone("resnet18", pretrained=True)
+
+
+@pytest.fixture(scope="module")
+def saved_faster(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """A tiny Faster R-CNN's state_dict and a folder holding it raw and as a checkpoint."""
+    torch.manual_seed(2)
+    state = build_model(tiny_cfg(arch="fasterrcnn"))[0].state_dict()
+    folder = tmp_path_factory.mktemp("weights")
+    torch.save(state, folder / "raw.pth")
+    torch.save({"model": state, "epoch": 3}, folder / "ckpt.pth")
+    return state, folder
+
+
+@pytest.mark.parametrize("name", ["raw.pth", "ckpt.pth"])
+def test_weights_init_round_trip(saved_faster: tuple[dict, Path], name: str):
+    state, folder = saved_faster
+    torch.manual_seed(3)
+    model, _ = build_model(tiny_cfg(arch="fasterrcnn", weights=str(folder / name)))
+    loaded = model.state_dict()
+    assert list(loaded) == list(state)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_weights_with_other_num_classes_is_rejected(saved_faster: tuple[dict, Path]):
+    weights = str(saved_faster[1] / "raw.pth")
+    with pytest.raises(ValueError, match=r"model\.weights: .*shape .*cls_score\.weight"):
+        build_model(tiny_cfg(arch="fasterrcnn", num_classes=5, weights=weights))
+
+
+@pytest.mark.parametrize("arch", ["maskrcnn", "fasterrcnn"])
+def test_dropit_is_applied_per_config(arch: str):
+    if not hasattr(pytest.importorskip("dropit_core"), "to_dropit"):
+        pytest.skip("dropit_core does not export to_dropit yet")
+    cfg = tiny_cfg(arch=arch, dropit={"enabled": True, "strategy": "mink", "gamma": 0.8})
+    model, record = build_model(cfg)
+    paths = [entry.path for entry in record]
+    assert len(record) > 0
+    assert "backbone.body.conv1" not in paths and "roi_heads.box_predictor.cls_score" not in paths
+    assert "roi_heads.box_head.fc6" in paths
+    model.train()
+    losses = model(*sample())
+    assert all(math.isfinite(v.item()) for v in losses.values())
+
+
+def test_dropit_settings_reach_to_dropit(monkeypatch: pytest.MonkeyPatch):
+    calls = []
+
+    def to_dropit(model, **kwargs):  # stand-in that records what build_model asks for
+        calls.append(kwargs)
+        return model, ["converted"]
+
+    monkeypatch.setitem(sys.modules, "dropit_core", types.SimpleNamespace(to_dropit=to_dropit))
+    dropit = {"enabled": True, "gamma": 0.5, "include": ["roi_heads.*"], "options": {"chunk": 4}}
+    model, record = build_model(tiny_cfg(arch="fasterrcnn", dropit=dropit))
+    assert record == ["converted"] and isinstance(model.roi_heads.box_head, MLPHead)
+    assert calls == [
+        {
+            "strategy": "mink",
+            "gamma": 0.5,
+            "include": ("roi_heads.*",),
+            "exclude": ("backbone.body.conv1", "roi_heads.box_predictor.*"),  # no mask branch
+            "chunk": 4,
+        }
+    ]
