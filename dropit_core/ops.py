@@ -1,0 +1,170 @@
+"""Autograd functions: convolution and linear layers that keep a dropped input, and a ReLU that
+keeps a 1-bit mask of its output.
+
+The forward output is exactly the plain op's. The input gradient needs only the weight, and the
+bias gradient only the output gradient, so both are exact; only the weight gradient is computed
+from the rebuilt (dropped) input.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .packing import pack_bits, unpack_bits
+from .strategies import Packed, Strategy
+
+
+class InputCache:
+    """Packs layer inputs with one strategy, sharing a pack between layers fed the same tensor.
+
+    In a ResNet the block input feeds conv1 and the downsample conv, and FPN reads the same stage
+    outputs; in the RPN head one tensor feeds two convs. Packing it once halves or thirds both the
+    work and the bytes. Entries die with the input tensor (weak keys), so nothing outlives a step.
+    """
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def pack(self, x: torch.Tensor, layout: str) -> Packed:
+        """Pack ``x``, or return the pack made earlier in this forward for the same tensor."""
+        hit = self._packs.get(x)
+        if hit is not None and hit[0] == x._version and hit[1] == layout:
+            return hit[2]
+        packed = self.strategy.pack(x, layout)
+        self._packs[x] = (x._version, layout, packed)
+        return packed
+
+    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        """Rebuild the dense (dropped) input."""
+        return self.strategy.unpack(tensors, meta)
+
+    # Weak dictionaries neither pickle nor deep-copy; a copy starts with an empty cache.
+    def __getstate__(self) -> dict:
+        return {"strategy": self.strategy}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["strategy"])
+
+
+class ConvArgs(NamedTuple):
+    """The arguments of ``aten.convolution`` besides input, weight and bias."""
+
+    stride: list[int]
+    padding: list[int]
+    dilation: list[int]
+    transposed: bool
+    output_padding: list[int]
+    groups: int
+
+
+def _zeros_like_shape(ref: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    # A zero-stride stand-in: the input gradient only reads the input's shape.
+    return ref.new_zeros(()).expand(shape)
+
+
+class DropITConvFunction(torch.autograd.Function):
+    """Convolution (plain or transposed) whose weight gradient uses a dropped input cache."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache):
+        out = torch.ops.aten.convolution(x, weight, bias, *args)
+        tensors, meta = cache.pack(x, "conv") if weight.requires_grad else ((), None)
+        ctx.args, ctx.cache, ctx.meta = args, cache, meta
+        ctx.x_shape = x.shape
+        ctx.save_for_backward(weight, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, *tensors = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if need_w:
+            x_hat = ctx.cache.unpack(tuple(tensors), ctx.meta)
+        else:
+            x_hat = _zeros_like_shape(grad, ctx.x_shape)
+        args = ctx.args
+        out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad.contiguous() if not grad.is_contiguous() else grad,
+            x_hat,
+            weight,
+            [out_channels] if need_b else None,
+            *args,
+            [need_x, need_w, need_b],
+        )
+        return gx, gw, gb, None, None
+
+
+class DropITLinearFunction(torch.autograd.Function):
+    """Linear layer over any leading dims whose weight gradient uses a dropped input cache."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, cache: InputCache):
+        out = F.linear(x, weight, bias)
+        if weight.requires_grad:
+            tensors, meta = cache.pack(x.reshape(-1, x.shape[-1]), "linear")
+        else:
+            tensors, meta = (), None
+        ctx.cache, ctx.meta, ctx.x_shape = cache, meta, x.shape
+        ctx.save_for_backward(weight, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, *tensors = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = gw = gb = None
+        if need_x:
+            gx = (g2 @ weight).view(ctx.x_shape)
+        if need_w:
+            x_hat = ctx.cache.unpack(tuple(tensors), ctx.meta)
+            gw = g2.t() @ x_hat
+        if need_b:
+            gb = g2.sum(0)
+        return gx, gw, gb, None
+
+
+class MaskedReLUFunction(torch.autograd.Function):
+    """ReLU that keeps one bit per element (output > 0) for backward instead of the output."""
+
+    @staticmethod
+    def forward(ctx, x, inplace: bool):
+        if inplace:
+            out = x.relu_()
+            ctx.mark_dirty(x)
+        else:
+            out = torch.relu(x)
+        ctx.shape = out.shape
+        ctx.save_for_backward(pack_bits((out > 0).reshape(-1)))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (bits,) = ctx.saved_tensors
+        mask = unpack_bits(bits, grad.numel()).view(ctx.shape)
+        return torch.where(mask, grad, 0), None
+
+
+def autocast_inputs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Cast like autocast would for conv/linear, outside the Function so autograd sees the casts.
+
+    Conv and linear run in the autocast dtype on CUDA (fp16/bf16) and CPU (bf16); doing the same
+    cast here keeps outputs identical to the plain layer and lets the cache hold narrow values.
+    """
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return (
+        x.to(dtype),
+        weight.to(dtype),
+        bias.to(dtype) if bias is not None else None,
+    )

@@ -1,0 +1,78 @@
+"""Compact encodings for a dropped cache: 1-bit position masks and narrow kept values.
+
+A kept element costs its value (4, 2 or 1 byte) and the position mask costs 1 bit per element of
+the whole tensor, so at gamma=0.8 an fp32 cache costs 0.2 * 4 + 1/8 = 0.925 bytes per element
+instead of the published (1 - gamma) * (4 + 4) = 1.6 (value + int32 index).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Multiplying eight 0/1 bytes (read as one little-endian int64) by this constant gathers them into
+# the top byte, bit i coming from byte i: one multiply packs eight flags at memory speed.
+_GATHER = 0x0102040810204080
+
+VALUE_FORMATS = ("same", "fp16", "bf16", "int8")
+_FLOAT_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a flat bool tensor into uint8, 8 flags per byte (little-endian bit order)."""
+    n = mask.numel()
+    pad = (-n) % 8
+    if pad:
+        mask = torch.cat([mask, mask.new_zeros(pad)])
+    if n + pad == 0:
+        return torch.empty(0, dtype=torch.uint8, device=mask.device)
+    words = mask.contiguous().view(torch.uint8).view(torch.int64)
+    # int64 multiply wraps; the arithmetic shift's sign bits are cut off by the mask.
+    return (((words * _GATHER) >> 56) & 0xFF).to(torch.uint8)
+
+
+def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` flags as a flat bool tensor."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    flags = (bits.unsqueeze(-1) >> shifts) & 1
+    return flags.view(torch.bool).reshape(-1)[:n]
+
+
+@dataclass(frozen=True)
+class ValueCodec:
+    """How kept values are stored: as they are, as fp16/bf16, or int8 with a per-chunk scale."""
+
+    fmt: str = "same"
+    int8_chunk: int = 1024
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Encode a flat tensor of kept values into one or two tensors."""
+        if self.fmt == "same":
+            return (values,)
+        if self.fmt in _FLOAT_FORMATS:
+            return (values.to(_FLOAT_FORMATS[self.fmt]),)
+        m = values.numel()
+        pad = (-m) % self.int8_chunk
+        v = torch.nn.functional.pad(values.float(), (0, pad)).view(-1, self.int8_chunk)
+        scale = v.abs().amax(dim=1).clamp_min_(torch.finfo(torch.float32).tiny) / 127.0
+        q = torch.round(v / scale[:, None]).to(torch.int8).view(-1)[:m]
+        return (q, scale)
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Decode what :meth:`encode` returned back to a flat tensor of ``dtype``."""
+        if self.fmt != "int8":
+            return parts[0].to(dtype)
+        q, scale = parts
+        m = q.numel()
+        pad = (-m) % self.int8_chunk
+        v = torch.nn.functional.pad(q, (0, pad)).view(-1, self.int8_chunk).to(torch.float32)
+        return (v * scale[:, None]).view(-1)[:m].to(dtype)
+
+    def nbytes(self, kept: int, elem_size: int) -> int:
+        """Bytes that ``kept`` encoded values take (input element size ``elem_size``)."""
+        if self.fmt == "same":
+            return kept * elem_size
+        if self.fmt in _FLOAT_FORMATS:
+            return kept * 2
+        return kept + 4 * (-(-kept // self.int8_chunk))

@@ -1,0 +1,204 @@
+"""Convert the layers of any ``nn.Module`` to DropIT in place, by module-path patterns, and back.
+
+Conversion swaps the class of matching ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear`` and
+``nn.ReLU`` modules for a DropIT subclass: parameters, buffers, hooks and ``state_dict()`` stay
+exactly as they were, so optimizers, checkpoints and DDP see the same model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import (
+    ConvArgs,
+    DropITConvFunction,
+    DropITLinearFunction,
+    InputCache,
+    MaskedReLUFunction,
+    autocast_inputs,
+)
+from .strategies import build_strategy
+
+
+def _training_step(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # Under no_grad/eval (or a frozen layer fed a constant) run the plain op: zero selection work.
+    return torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
+
+
+class DropITConv2d(nn.Conv2d):
+    """``nn.Conv2d`` whose weight gradient is computed from a dropped input cache."""
+
+    dropit_cache: InputCache
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _training_step(x, self.weight):
+            return super().forward(x)
+        padding = self.padding
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = (0, 0)
+        elif isinstance(padding, str):
+            x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
+        x, w, b = autocast_inputs(x, self.weight, self.bias)
+        args = ConvArgs(
+            list(self.stride), list(padding), list(self.dilation), False, [0, 0], self.groups
+        )
+        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache)
+
+
+def _explicit_padding(x, padding: str, kernel_size, dilation) -> tuple[torch.Tensor, tuple]:
+    if padding == "valid":
+        return x, (0, 0)
+    pads = []
+    for k, d in zip(reversed(kernel_size), reversed(dilation), strict=True):
+        total = d * (k - 1)
+        pads += [total // 2, total - total // 2]
+    return F.pad(x, pads), (0, 0)
+
+
+class DropITConvTranspose2d(nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` whose weight gradient is computed from a dropped input cache."""
+
+    dropit_cache: InputCache
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        if not _training_step(x, self.weight):
+            return super().forward(x, output_size)
+        output_padding = self._output_padding(
+            x, output_size, list(self.stride), list(self.padding), list(self.kernel_size), 2,
+            list(self.dilation),
+        )  # fmt: skip
+        x, w, b = autocast_inputs(x, self.weight, self.bias)
+        args = ConvArgs(
+            list(self.stride),
+            list(self.padding),
+            list(self.dilation),
+            True,
+            list(output_padding),
+            self.groups,
+        )
+        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache)
+
+
+class DropITLinear(nn.Linear):
+    """``nn.Linear`` whose weight gradient is computed from a dropped input cache."""
+
+    dropit_cache: InputCache
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _training_step(x, self.weight):
+            return super().forward(x)
+        x, w, b = autocast_inputs(x, self.weight, self.bias)
+        return DropITLinearFunction.apply(x, w, b, self.dropit_cache)
+
+
+class DropITReLU(nn.ReLU):
+    """``nn.ReLU`` that keeps a 1-bit mask of its output for backward, not the output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return super().forward(x)
+        return MaskedReLUFunction.apply(x, self.inplace)
+
+
+_DROPIT_CLASS: dict[type, type] = {
+    nn.Conv2d: DropITConv2d,
+    nn.ConvTranspose2d: DropITConvTranspose2d,
+    nn.Linear: DropITLinear,
+    nn.ReLU: DropITReLU,
+}
+_PLAIN_CLASS = {v: k for k, v in _DROPIT_CLASS.items()}
+
+
+@dataclass(frozen=True)
+class ConvertedLayer:
+    """One converted module: its dotted path, its original kind and the strategy it uses."""
+
+    path: str
+    kind: str
+    strategy: str
+
+
+def _matches(path: str, pattern: str) -> bool:
+    # A pattern selects a module and everything under it ("roi_heads" covers roi_heads.*).
+    return fnmatch.fnmatchcase(path, pattern) or path.startswith(pattern.rstrip(".*") + ".")
+
+
+def _check_patterns(kind: str, patterns: Sequence[str], paths: list[str]) -> None:
+    if isinstance(patterns, str):
+        raise ValueError(f"DropIT {kind} must be a list of patterns, got the string {patterns!r}")
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ValueError(f"DropIT {kind} pattern {pattern!r} is not a string")
+        if not any(_matches(p, pattern) for p in paths):
+            close = difflib.get_close_matches(pattern, paths, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"DropIT {kind} pattern {pattern!r} matches no module{hint}")
+
+
+def to_dropit(
+    model: nn.Module,
+    strategy: str = "mink",
+    gamma: float = 0.8,
+    include: Sequence[str] = ("*",),
+    exclude: Sequence[str] = (),
+    relu: bool = True,
+    **options: Any,
+) -> tuple[nn.Module, list[ConvertedLayer]]:
+    """Convert matching conv/linear layers (and ReLUs, when ``relu``) to DropIT, in place.
+
+    ``include``/``exclude`` are fnmatch patterns on module paths as ``named_modules()`` gives them;
+    a pattern also covers the modules below the one it names. ``options`` go to the strategy
+    (e.g. ``chunk=16384``, ``values="int8"``). Returns the model and what was converted.
+    """
+    built = build_strategy(strategy, gamma, **options)
+    named = [(p, m) for p, m in model.named_modules() if p]
+    paths = [p for p, _ in named]
+    _check_patterns("include", include, paths)
+    _check_patterns("exclude", exclude, paths)
+    if not isinstance(relu, bool):
+        raise ValueError(f"DropIT option relu={relu!r} must be true or false")
+    already = [p for p, m in named if type(m) in _PLAIN_CLASS]
+    if already:
+        raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")
+
+    cache = InputCache(built)
+    record: list[ConvertedLayer] = []
+    for path, module in named:
+        plain = type(module)
+        if plain not in _DROPIT_CLASS or (plain is nn.ReLU and not relu):
+            continue
+        if not any(_matches(path, p) for p in include) or any(_matches(path, p) for p in exclude):
+            continue
+        module.__class__ = _DROPIT_CLASS[plain]
+        if plain is not nn.ReLU:
+            module.dropit_cache = cache
+        label = "relu-mask" if plain is nn.ReLU else built.describe()
+        record.append(ConvertedLayer(path, plain.__name__, label))
+    if not any(r.kind != "ReLU" for r in record):
+        raise ValueError("DropIT converted no conv/linear layer: include/exclude leave none")
+    return model, record
+
+
+def from_dropit(model: nn.Module) -> nn.Module:
+    """Turn every DropIT layer of ``model`` back into its plain class, in place."""
+    for module in model.modules():
+        plain = _PLAIN_CLASS.get(type(module))
+        if plain is None:
+            continue
+        module.__class__ = plain
+        module.__dict__.pop("dropit_cache", None)
+    return model
+
+
+def is_dropit(module: nn.Module) -> bool:
+    """Whether ``module`` is a converted DropIT layer."""
+    return type(module) in _PLAIN_CLASS

@@ -1,0 +1,462 @@
+"""Which elements of a layer input to keep for the weight gradient, and how to rebuild the rest.
+
+Every strategy turns a layer input ``x`` into a few small tensors plus plain-Python metadata
+(:meth:`Strategy.pack`) and rebuilds a dense tensor of ``x``'s shape from them in backward
+(:meth:`Strategy.unpack`). Dropped elements come back as zeros (pooling: as block means).
+
+Layouts: ``"conv"`` inputs are ``(..., H, W)``; a *plane* is one ``H x W`` map of one sample and
+channel. ``"linear"`` inputs are ``(..., F)``, seen as an ``R x F`` matrix; a *channel* is one of the
+F feature columns.
+
+Costs, for an input of n elements, kept fraction ``1 - gamma``, ``v`` bytes per stored value
+(4 fp32, 2 fp16/bf16, 1 int8 + 4 bytes of scale per ``int8_chunk`` values):
+
+================  =====================================  ===========================================
+strategy          cache bytes                            extra time in forward (backward: a scatter)
+================  =====================================  ===========================================
+mink              ceil(n/8) + kept*v                     one global k-th value of |x|: O(n) select
+                                                         on a dense |x| copy (the published method)
+parallel_mink     ceil(n/8) + kept*v                     top-k inside chunks of D elements, in
+                                                         slices of ~4M elements: no dense temporary
+random            kept*v (mask rebuilt from a seed)      one random number per element
+threshold         ceil(n/8) + kept*v                     gamma-quantile of 64Ki sampled |x|: O(n),
+                                                         no sort; kept count approximate
+channel_mink      kept_planes*(H*W)*v + 4*kept_planes    one L2 norm per plane, top-k over planes
+channel_random    same as channel_mink                   a permutation of the planes
+block_mink        kept_blocks*b*b*v + 4*kept_blocks      one L2 norm per b x b block, top-k blocks
+pool              ceil(H/f)*ceil(W/f)*planes*v           one average pool (f from gamma or option)
+================  =====================================  ===========================================
+
+``kept`` is ``int((1 - gamma) * n)`` for mink and per chunk for parallel_mink; elements tied with
+the threshold are kept too, and zeros are never stored (they rebuild as zeros anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .packing import VALUE_FORMATS, ValueCodec, pack_bits, unpack_bits
+
+Packed = tuple[tuple[torch.Tensor, ...], Any]
+
+# Element-wise strategies work through the tensor in slices of this many elements, so that their
+# bool/abs temporaries stay a few MB however large the layer input is.
+_SLICE = 1 << 22
+# Distinct-position sampling for `threshold`: index i*_PRIME mod n visits n distinct positions when
+# gcd(_PRIME, n) == 1 and, unlike a plain stride, does not lock onto rows or channels.
+_PRIME = 2654435761
+_SAMPLE_DEFAULT = 1 << 16
+
+_COMMON_OPTIONS: dict[str, type] = {"values": str, "int8_chunk": int}
+STRATEGY_OPTIONS: dict[str, dict[str, type]] = {
+    "mink": {},
+    "parallel_mink": {"chunk": int},
+    "random": {"seed": int},
+    "threshold": {"sample": int},
+    "channel_mink": {},
+    "channel_random": {"seed": int},
+    "block_mink": {"block": int},
+    "pool": {"factor": int},
+}
+STRATEGIES: tuple[str, ...] = tuple(STRATEGY_OPTIONS)
+
+
+def _keep_count(gamma: float, n: int) -> int:
+    return int((1.0 - gamma) * n)
+
+
+def _tiny(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).tiny
+
+
+class Strategy:
+    """Base class: pick what to keep of a layer input and rebuild a dense tensor from it."""
+
+    name = ""
+
+    def __init__(self, gamma: float, codec: ValueCodec) -> None:
+        self.gamma = gamma
+        self.codec = codec
+
+    def pack(self, x: torch.Tensor, layout: str) -> Packed:
+        """Compress ``x`` (a ``"conv"`` or ``"linear"`` input) into tensors plus metadata."""
+        raise NotImplementedError
+
+    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        """Rebuild a dense tensor of the packed input's shape and dtype."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """Short human-readable form, e.g. ``mink(gamma=0.8)``."""
+        return f"{self.name}(gamma={self.gamma})"
+
+
+class _Elementwise(Strategy):
+    """Keep single elements: a packed 1-bit position mask plus the kept values."""
+
+    stores_mask = True
+
+    def _begin(self, flat: torch.Tensor) -> Any:
+        """Per-tensor state computed once before the slices (e.g. a global threshold)."""
+        return None
+
+    def _slice_mask(self, piece: torch.Tensor, start: int, state: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _slice_len(self) -> int:
+        return _SLICE
+
+    def pack(self, x: torch.Tensor, layout: str) -> Packed:
+        flat = x.reshape(-1)
+        n = flat.numel()
+        state = self._begin(flat)
+        step = self._slice_len()
+        bits, values, counts = [], [], []
+        for start in range(0, n, step):
+            piece = flat[start : start + step]
+            mask = self._slice_mask(piece, start, state)
+            kept = piece[mask]
+            values.append(kept)
+            counts.append(kept.numel())
+            if self.stores_mask:
+                bits.append(pack_bits(mask))
+        if not values:  # an empty input
+            values, bits = [flat], [pack_bits(flat.new_zeros(0, dtype=torch.bool))]
+        vals = values[0] if len(values) == 1 else torch.cat(values)
+        parts = self.codec.encode(vals)
+        if self.stores_mask:
+            packed_bits = bits[0] if len(bits) == 1 else torch.cat(bits)
+            parts = (packed_bits, *parts)
+        return parts, (tuple(x.shape), x.dtype, tuple(counts), state)
+
+    def _rebuild_mask(self, tensors: tuple[torch.Tensor, ...], start: int, length: int, state: Any):
+        bits = tensors[0][start // 8 : (start + length + 7) // 8]
+        return unpack_bits(bits, length)
+
+    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+        shape, dtype, counts, state = meta
+        value_parts = tensors[1:] if self.stores_mask else tensors
+        values = self.codec.decode(tuple(value_parts), dtype)
+        n = math.prod(shape)
+        dense = torch.zeros(n, dtype=dtype, device=values.device)
+        step = self._slice_len()
+        offset = 0
+        # One slice's mask at a time: the only full-size tensor alive here is `dense` itself.
+        for i, start in enumerate(range(0, n, step)):
+            length = min(step, n - start)
+            mask = self._rebuild_mask(tensors, start, length, state)
+            dense[start : start + length].masked_scatter_(mask, values[offset : offset + counts[i]])
+            offset += counts[i]
+        return dense.view(shape)
+
+
+class MinK(_Elementwise):
+    """Keep the int((1-gamma)*n) largest |x| of the whole tensor (the published DropIT)."""
+
+    name = "mink"
+
+    def _begin(self, flat: torch.Tensor) -> torch.Tensor:
+        n = flat.numel()
+        k = _keep_count(self.gamma, n)
+        if k == 0:
+            return torch.full((), math.inf, device=flat.device)
+        if k == n:
+            return torch.full((), _tiny(flat.dtype), device=flat.device)
+        a = flat.abs()
+        # The (n-k+1)-th smallest is the k-th largest; clamping to the smallest normal number
+        # drops exact zeros, which rebuild as zeros anyway.
+        thr = torch.kthvalue(a.float() if a.dtype == torch.bfloat16 else a, n - k + 1).values
+        return thr.float().clamp_min(_tiny(flat.dtype))
+
+    def _slice_mask(self, piece: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
+        return piece.abs() >= state
+
+
+class ParallelMinK(_Elementwise):
+    """Min-K inside each chunk of D consecutive elements (the paper's "Parallel Min-K")."""
+
+    name = "parallel_mink"
+
+    def __init__(self, gamma: float, codec: ValueCodec, chunk: int = 1 << 14) -> None:
+        super().__init__(gamma, codec)
+        if chunk < 1:
+            raise ValueError(f"DropIT option chunk={chunk} is invalid: allowed integers >= 1")
+        self.chunk = chunk
+
+    def _slice_len(self) -> int:
+        # A multiple of both the chunk (chunks never straddle slices) and 8 (whole mask bytes).
+        return self.chunk * 8 * max(1, _SLICE // (self.chunk * 8))
+
+    def _rows_mask(self, a: torch.Tensor) -> torch.Tensor:
+        rows, d = a.shape
+        k = _keep_count(self.gamma, d)
+        if k == 0:
+            return torch.zeros_like(a, dtype=torch.bool)
+        if k == d:
+            return a >= _tiny(a.dtype)
+        top = torch.topk(a, k, dim=1, sorted=False).values
+        thr = top.amin(dim=1, keepdim=True).clamp_min(_tiny(a.dtype))
+        return a >= thr
+
+    def _slice_mask(self, piece: torch.Tensor, start: int, state: Any) -> torch.Tensor:
+        a = piece.abs()
+        full = (a.numel() // self.chunk) * self.chunk
+        if full == a.numel():
+            return self._rows_mask(a.view(-1, self.chunk)).view(-1)
+        mask = torch.empty(a.numel(), dtype=torch.bool, device=a.device)
+        if full:
+            mask[:full] = self._rows_mask(a[:full].view(-1, self.chunk)).view(-1)
+        mask[full:] = self._rows_mask(a[full:].view(1, -1)).view(-1)
+        return mask
+
+    def describe(self) -> str:
+        return f"parallel_mink(gamma={self.gamma}, chunk={self.chunk})"
+
+
+class Threshold(_Elementwise):
+    """Keep |x| above the gamma-quantile estimated from a fixed-size sample: O(n), no sort."""
+
+    name = "threshold"
+
+    def __init__(self, gamma: float, codec: ValueCodec, sample: int = _SAMPLE_DEFAULT) -> None:
+        super().__init__(gamma, codec)
+        if sample < 1:
+            raise ValueError(f"DropIT option sample={sample} is invalid: allowed integers >= 1")
+        self.sample = sample
+
+    def _begin(self, flat: torch.Tensor) -> torch.Tensor:
+        n = flat.numel()
+        tiny = _tiny(flat.dtype)
+        if self.gamma == 0.0 or n == 0:
+            return torch.full((), tiny, device=flat.device)
+        s = min(n, self.sample)
+        prime = _PRIME if math.gcd(_PRIME, n) == 1 else 1_000_000_007
+        idx = torch.arange(s, device=flat.device, dtype=torch.int64).mul_(prime % n).remainder_(n)
+        sample = flat[idx].abs().float()
+        q = min(s, max(1, math.ceil(self.gamma * s)))
+        return torch.kthvalue(sample, q).values.clamp_min(tiny)
+
+    def _slice_mask(self, piece: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
+        return piece.abs() >= state
+
+    def describe(self) -> str:
+        return f"threshold(gamma={self.gamma}, sample={self.sample})"
+
+
+class RandomKeep(_Elementwise):
+    """Keep each element with probability 1-gamma; the mask is rebuilt from a stored seed."""
+
+    name = "random"
+    stores_mask = False
+
+    def __init__(self, gamma: float, codec: ValueCodec, seed: int = 0) -> None:
+        super().__init__(gamma, codec)
+        self._seeds = torch.Generator().manual_seed(seed)
+
+    def _begin(self, flat: torch.Tensor) -> int:
+        return int(torch.randint(0, 2**62, (1,), generator=self._seeds).item())
+
+    def _slice_mask(self, piece: torch.Tensor, start: int, state: int) -> torch.Tensor:
+        gen = torch.Generator(device=piece.device).manual_seed(state + start)
+        return torch.rand(piece.numel(), generator=gen, device=piece.device) >= self.gamma
+
+    def _rebuild_mask(self, tensors, start, length, state):
+        gen = torch.Generator(device=tensors[0].device).manual_seed(state + start)
+        return torch.rand(length, generator=gen, device=tensors[0].device) >= self.gamma
+
+
+def _units(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rows to select among: planes (conv) or feature columns, transposed to rows (linear)."""
+    if layout == "conv":
+        return x.reshape(-1, x.shape[-2] * x.shape[-1])
+    return x.reshape(-1, x.shape[-1]).t()
+
+
+def _restore_units(
+    idx: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...], layout: str, dtype
+) -> torch.Tensor:
+    n_units = math.prod(shape[:-2]) if layout == "conv" else shape[-1]
+    dense = torch.zeros(n_units, rows.shape[1], dtype=dtype, device=rows.device)
+    dense.index_copy_(0, idx.long(), rows.to(dtype))
+    if layout == "conv":
+        return dense.view(shape)
+    return dense.t().reshape(shape)
+
+
+class _ChannelBase(Strategy):
+    """Keep whole planes (conv) or feature columns (linear)."""
+
+    def _choose(self, units: torch.Tensor, k: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pack(self, x: torch.Tensor, layout: str) -> Packed:
+        units = _units(x, layout)
+        k = _keep_count(self.gamma, units.shape[0])
+        idx = self._choose(units, k)
+        rows = units.index_select(0, idx).reshape(-1)
+        parts = self.codec.encode(rows)
+        return (idx.to(torch.int32), *parts), (tuple(x.shape), x.dtype, layout, units.shape[1])
+
+    def unpack(self, tensors, meta) -> torch.Tensor:
+        shape, dtype, layout, width = meta
+        rows = self.codec.decode(tuple(tensors[1:]), dtype).view(-1, width)
+        return _restore_units(tensors[0], rows, shape, layout, dtype)
+
+
+class ChannelMinK(_ChannelBase):
+    """Drop the planes/feature columns with the smallest L2 norm."""
+
+    name = "channel_mink"
+
+    def _choose(self, units: torch.Tensor, k: int) -> torch.Tensor:
+        norms = torch.linalg.vector_norm(units.float(), dim=1)
+        return torch.topk(norms, k, sorted=False).indices
+
+
+class ChannelRandom(_ChannelBase):
+    """Keep a uniformly random set of planes/feature columns."""
+
+    name = "channel_random"
+
+    def __init__(self, gamma: float, codec: ValueCodec, seed: int = 0) -> None:
+        super().__init__(gamma, codec)
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def _choose(self, units: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.randperm(units.shape[0], generator=self._gen)[:k].to(units.device)
+
+
+def _as_planes(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "conv":
+        return x.reshape(-1, x.shape[-2], x.shape[-1])
+    return x.reshape(1, -1, x.shape[-1])
+
+
+class BlockMinK(Strategy):
+    """Keep the b x b blocks of each plane with the largest L2 norm (block-sparse rows, BSR)."""
+
+    name = "block_mink"
+
+    def __init__(self, gamma: float, codec: ValueCodec, block: int = 4) -> None:
+        super().__init__(gamma, codec)
+        if block < 1:
+            raise ValueError(f"DropIT option block={block} is invalid: allowed integers >= 1")
+        self.block = block
+
+    def pack(self, x: torch.Tensor, layout: str) -> Packed:
+        b = self.block
+        planes = _as_planes(x, layout)
+        m, h, w = planes.shape
+        ph, pw = (-h) % b, (-w) % b
+        if ph or pw:
+            planes = F.pad(planes, (0, pw, 0, ph))
+        hb, wb = (h + ph) // b, (w + pw) // b
+        grid = planes.view(m, hb, b, wb, b)
+        norms = torch.linalg.vector_norm(grid.float(), dim=(2, 4)).view(-1)
+        k = _keep_count(self.gamma, norms.numel())
+        flat_idx = torch.topk(norms, k, sorted=False).indices
+        mi, rest = flat_idx // (hb * wb), flat_idx % (hb * wb)
+        blocks = grid[mi, rest // wb, :, rest % wb, :].reshape(-1)
+        parts = self.codec.encode(blocks)
+        meta = (tuple(x.shape), x.dtype, (m, h, w, hb, wb))
+        return (flat_idx.to(torch.int32), *parts), meta
+
+    def unpack(self, tensors, meta) -> torch.Tensor:
+        shape, dtype, (m, h, w, hb, wb) = meta
+        b = self.block
+        flat_idx = tensors[0].long()
+        blocks = self.codec.decode(tuple(tensors[1:]), dtype).view(-1, b, b)
+        grid = torch.zeros(m, hb, b, wb, b, dtype=dtype, device=blocks.device)
+        mi, rest = flat_idx // (hb * wb), flat_idx % (hb * wb)
+        grid[mi, rest // wb, :, rest % wb, :] = blocks
+        planes = grid.view(m, hb * b, wb * b)[:, :h, :w]
+        return planes.reshape(shape)
+
+
+class Pool(Strategy):
+    """Cache an f x f average pool of each plane; backward upsamples it (Barley & Froening).
+
+    The factor defaults to round(1/sqrt(1-gamma)) so that about 1-gamma of the input is kept
+    (gamma=0.75 -> 2, 0.9 -> 3); linear inputs are pooled by f*f along the features.
+    """
+
+    name = "pool"
+
+    def __init__(self, gamma: float, codec: ValueCodec, factor: int | None = None) -> None:
+        super().__init__(gamma, codec)
+        if factor is None:
+            factor = max(1, round((1.0 - gamma) ** -0.5))
+        if factor < 1:
+            raise ValueError(f"DropIT option factor={factor} is invalid: allowed integers >= 1")
+        self.factor = factor
+
+    def pack(self, x: torch.Tensor, layout: str) -> Packed:
+        f = self.factor
+        if layout == "conv":
+            planes = x.reshape(-1, 1, x.shape[-2], x.shape[-1])
+            pooled = F.avg_pool2d(planes, f, f, ceil_mode=True)
+        else:
+            rows = x.reshape(-1, 1, x.shape[-1])
+            pooled = F.avg_pool1d(rows, f * f, f * f, ceil_mode=True)
+        parts = self.codec.encode(pooled.reshape(-1))
+        return parts, (tuple(x.shape), x.dtype, layout, tuple(pooled.shape))
+
+    def unpack(self, tensors, meta) -> torch.Tensor:
+        shape, dtype, layout, pooled_shape = meta
+        f = self.factor
+        pooled = self.codec.decode(tuple(tensors), dtype).view(pooled_shape)
+        if layout == "conv":
+            up = pooled.repeat_interleave(f, dim=-2).repeat_interleave(f, dim=-1)
+            return up[..., : shape[-2], : shape[-1]].reshape(shape)
+        up = pooled.repeat_interleave(f * f, dim=-1)
+        return up[..., : shape[-1]].reshape(shape)
+
+    def describe(self) -> str:
+        return f"pool(gamma={self.gamma}, factor={self.factor})"
+
+
+_CLASSES: dict[str, Callable[..., Strategy]] = {
+    "mink": MinK,
+    "parallel_mink": ParallelMinK,
+    "random": RandomKeep,
+    "threshold": Threshold,
+    "channel_mink": ChannelMinK,
+    "channel_random": ChannelRandom,
+    "block_mink": BlockMinK,
+    "pool": Pool,
+}
+
+
+def build_strategy(name: str, gamma: float, **options: Any) -> Strategy:
+    """Validate a strategy name, gamma and options; return the strategy object."""
+    if not isinstance(name, str) or name not in _CLASSES:
+        raise ValueError(f"unknown DropIT strategy {name!r}: allowed {', '.join(STRATEGIES)}")
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
+        raise ValueError(f"DropIT gamma={gamma!r} is not a number: allowed 0 <= gamma < 1")
+    gamma = float(gamma)
+    if not 0.0 <= gamma < 1.0:
+        raise ValueError(f"DropIT gamma={gamma} is out of range: allowed 0 <= gamma < 1")
+    allowed = {**STRATEGY_OPTIONS[name], **_COMMON_OPTIONS}
+    for key, value in options.items():
+        if key not in allowed:
+            raise ValueError(
+                f"DropIT option {key!r} does not apply to strategy {name!r}: "
+                f"allowed {', '.join(sorted(allowed)) or 'none'}"
+            )
+        want = allowed[key]
+        if isinstance(value, bool) or not isinstance(value, want):
+            raise ValueError(
+                f"DropIT option {key}={value!r} has the wrong type: expected {want.__name__}"
+            )
+    fmt = options.pop("values", "same")
+    if fmt not in VALUE_FORMATS:
+        raise ValueError(f"DropIT option values={fmt!r} is invalid: allowed {VALUE_FORMATS}")
+    chunk = options.pop("int8_chunk", 1024)
+    if chunk < 1:
+        raise ValueError(f"DropIT option int8_chunk={chunk} is invalid: allowed integers >= 1")
+    return _CLASSES[name](gamma, ValueCodec(fmt, chunk), **options)
