@@ -166,6 +166,12 @@ def cross_check(cfg: Config) -> list[str]:
     m, s = cfg.model, cfg.solver
     if m.max_size < m.min_size:
         errors.append(f"model.max_size ({m.max_size}) must be >= model.min_size ({m.min_size})")
+    shapes = cfg.data.shapes
+    if cfg.data.dataset == "shapes" and m.num_classes != shapes.num_classes + 1:
+        errors.append(
+            f"model.num_classes ({m.num_classes}) must be data.shapes.num_classes + 1 "
+            f"({shapes.num_classes + 1}: the shape classes plus background)"
+        )
     steps = s.lr_steps
     if any(b <= a for a, b in zip(steps[:-1], steps[1:], strict=True)) or any(x < 1 for x in steps):
         errors.append(f"solver.lr_steps {steps}: must be positive and strictly increasing")

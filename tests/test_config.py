@@ -158,8 +158,19 @@ def test_wrong_types(override: str, pattern: str):
     ],
 )
 def test_validation(override: str, pattern: str):
+    """Each bad value is rejected with a message naming the key, the value and what is allowed."""
     with pytest.raises(ValueError, match=pattern):
         load_config(CONFIGS / "maskrcnn_baseline.yaml", [override])
+
+
+def test_shapes_class_count_must_match_the_model():
+    demo = CONFIGS / "demo/maskrcnn_shapes_baseline.yaml"
+    with pytest.raises(ValueError, match=r"model\.num_classes \(4\) must be data\.shapes"):
+        load_config(demo, ["data.shapes.num_classes=2"])
+    assert (
+        load_config(demo, ["data.shapes.num_classes=2", "model.num_classes=3"]).model.num_classes
+        == 3
+    )
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path: Path):
@@ -204,6 +215,7 @@ def test_published_recipes():
     assert mask.solver.lr_steps == [16, 22] and mask.solver.epochs == 26
     assert mask.solver.batch_size * 8 == mask.solver.reference_batch == 16
     assert mask.data.aspect_ratio_group_factor == 3 and mask.model.max_size == 1333
+    assert mask.model.num_classes == 81 and demo_classes() == 4
     faster = load_config(CONFIGS / "fasterrcnn_g0.9.yaml")
     assert faster.model.arch == "fasterrcnn" and faster.dropit.gamma == 0.9
     assert not load_config(CONFIGS / "fasterrcnn_baseline.yaml").dropit.enabled
@@ -227,3 +239,8 @@ def test_config_from_dict_validates():
         config_from_dict({"model": {"depth": 50}})
     with pytest.raises(ValueError, match=r"dropit\.gamma = 2\.0"):
         config_from_dict({"dropit": {"gamma": 2}})
+
+
+def demo_classes() -> int:
+    """Model classes of the shapes demo: 3 shapes + background."""
+    return load_config(CONFIGS / "demo/fasterrcnn_shapes.yaml").model.num_classes
