@@ -1,0 +1,58 @@
+"""Inference over the validation loader, feeding the COCO evaluator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from rcnn_dropit.distributed import is_main_process
+from rcnn_dropit.evaluation import COCOEvaluator
+
+
+def iou_types_for(arch: str) -> tuple[str, ...]:
+    """COCO iou types a model architecture produces."""
+    return ("bbox", "segm") if arch == "maskrcnn" else ("bbox",)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside a DistributedDataParallel wrapper (or the model itself)."""
+    return model.module if hasattr(model, "module") else model
+
+
+@torch.inference_mode()
+def evaluate(
+    model: nn.Module,
+    val_loader,
+    device: torch.device,
+    iou_types: tuple[str, ...],
+    output_dir: Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run the model over every validation image once and return COCO metrics (on every rank)."""
+    dataset = val_loader.dataset
+    evaluator = COCOEvaluator(
+        dataset.coco, iou_types=iou_types, label_to_cat_id=dataset.label_to_cat_id
+    )
+    # Evaluate the plain module: DDP adds nothing at inference and would sync buffers per call.
+    net = unwrap(model)
+    was_training = net.training
+    net.eval()
+    try:
+        bar = tqdm(
+            val_loader,
+            desc="eval",
+            disable=not (progress and is_main_process()),
+            dynamic_ncols=True,
+            leave=False,
+        )
+        for images, targets in bar:
+            images = [img.to(device, non_blocking=True) for img in images]
+            outputs = net(images)
+            outputs = [{k: v.to("cpu") for k, v in out.items()} for out in outputs]
+            evaluator.update(outputs, [int(t["image_id"]) for t in targets])
+        return evaluator.evaluate(output_dir)
+    finally:
+        net.train(was_training)

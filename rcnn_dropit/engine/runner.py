@@ -1,0 +1,313 @@
+"""Run setup for training and testing: output dir, seeding, model/data/optimizer, DDP, resume."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from rcnn_dropit.checkpoint import check_model_compat, load_checkpoint, resolve_resume
+from rcnn_dropit.config import Config, dump_config, load_config
+from rcnn_dropit.data import build_train_loader, build_val_loader, ensure_dataset
+from rcnn_dropit.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_object,
+    cleanup,
+    init_distributed,
+    is_main_process,
+)
+from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
+from rcnn_dropit.engine.memory_report import write_memory_report
+from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterations
+from rcnn_dropit.engine.trainer import Schedule, Trainer
+from rcnn_dropit.evaluation import format_metrics_table
+from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, truncate_metrics
+from rcnn_dropit.models import build_model
+
+# What a run writes; --overwrite removes exactly these, never anything else in the folder.
+RUN_ARTIFACTS = (
+    "config.yaml",
+    "metrics.jsonl",
+    "metrics.jsonl.tmp",
+    "checkpoints",
+    "coco_results_bbox.json",
+    "coco_results_segm.json",
+    "eval.json",
+    "memory.json",
+)
+T = TypeVar("T")
+_USER_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+
+
+def say(message: str) -> None:
+    """Print a line on rank 0 (through tqdm so progress bars stay intact)."""
+    if is_main_process():
+        tqdm.write(message)
+
+
+def main_first(fn: Callable[[], T]) -> T:
+    """Run fn on rank 0 only and share its result; a user error it raises is raised on every
+    rank, so no rank waits forever for a rank that failed."""
+    outcome: tuple[str, object] = ("ok", None)
+    caught = None
+    if is_main_process():
+        try:
+            outcome = ("ok", fn())
+        except (ValueError, FileNotFoundError) as err:
+            outcome, caught = (type(err).__name__, str(err)), err
+    outcome = broadcast_object(outcome)
+    if caught is not None:
+        raise caught
+    if outcome[0] != "ok":
+        raise _USER_ERRORS[outcome[0]](outcome[1])
+    barrier()
+    return outcome[1]
+
+
+def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Path:
+    """--output-dir, else train.output_dir, else outputs/<name> (name defaults to the stem)."""
+    if output_dir:
+        return Path(output_dir)
+    if cfg.train.output_dir:
+        return Path(cfg.train.output_dir)
+    return Path("outputs") / (cfg.name or "run")
+
+
+def check_output_dir(out: Path, resume: str | None, overwrite: bool) -> None:
+    """Refuse to mix a new run into a used folder; --overwrite clears our own files first."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output dir '{out}' exists and is not a folder")
+    if resume is not None or not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise ValueError(
+            f"output dir '{out}' is not empty; pass --resume auto to continue that run, "
+            "--overwrite to replace it, or --output-dir to choose another folder"
+        )
+    for name in RUN_ARTIFACTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def seed_all(seed: int) -> None:
+    """Seed python, numpy (if present) and torch generators."""
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+
+
+def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
+    """(model to train, plain model): DropIT-converted, on device, SyncBN and DDP as configured."""
+    net, _record = build_model(cfg)
+    if cfg.train.sync_bn and info.distributed:
+        if cfg.model.norm == "bn":
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+        else:
+            say("note: train.sync_bn ignored: model.norm is frozen_bn (nothing to synchronise)")
+    net.to(info.device)
+    if not info.distributed:
+        return net, net
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    return DistributedDataParallel(net, device_ids=device_ids), net
+
+
+def make_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """GradScaler for fp16 on CUDA; bf16 and fp32 need none."""
+    if amp != "fp16":
+        return None
+    if device.type != "cuda":
+        raise ValueError("solver.amp: fp16 needs a CUDA device; use bf16 or none on CPU")
+    return torch.amp.GradScaler("cuda")
+
+
+@dataclass
+class TrainResult:
+    """What a finished training run produced."""
+
+    output_dir: Path
+    metrics: dict
+    iteration: int
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def train(
+    config: str | Path,
+    overrides: Sequence[str] = (),
+    resume: str | None = None,
+    output_dir: str | Path | None = None,
+    overwrite: bool = False,
+) -> TrainResult:
+    """Train per config (single process or under torchrun), evaluate, write the run directory."""
+    cfg = load_config(config, overrides)
+    info = init_distributed(cfg.train.device)
+    try:
+        return _train(cfg, info, resume, output_dir, overwrite)
+    finally:
+        cleanup()
+
+
+def _train(
+    cfg: Config,
+    info: DistInfo,
+    resume: str | None,
+    output_dir: str | Path | None,
+    overwrite: bool,
+) -> TrainResult:
+    out = resolve_output_dir(cfg, output_dir)
+    scaler = make_scaler(cfg.solver.amp, info.device)
+    main_first(lambda: check_output_dir(out, resume, overwrite))
+    ckpt_path = main_first(lambda: resolve_resume(resume, out / "checkpoints"))
+    if resume is not None and ckpt_path is None:
+        say(f"note: no checkpoint in '{out / 'checkpoints'}'; starting from scratch")
+
+    def setup_dir() -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out / "config.yaml")
+        ensure_dataset(cfg)
+
+    main_first(setup_dir)
+
+    seed_all(cfg.train.seed)  # same initial weights on every rank
+    model, net = prepare_model(cfg, info)
+    seed_all(cfg.train.seed + info.rank)  # different augmentation/sampling noise per rank
+    train_loader = build_train_loader(cfg, info.distributed, seed=cfg.train.seed)
+    val_loader = build_val_loader(cfg, info.distributed)
+    ipe = len(train_loader.batch_sampler)
+    total = total_iterations(cfg.solver.epochs, ipe, cfg.solver.max_iters)
+    optimizer, scheduler = build_optimizer_and_scheduler(
+        cfg.solver, model, ipe, total, world_size=info.world_size
+    )
+
+    start_iter, rng_state, state = 0, None, None
+    if ckpt_path is not None:
+        state = load_checkpoint(ckpt_path, map_location="cpu")
+        done = state.get("sampler", {}).get("iters_per_epoch", ipe)
+        if done != ipe:
+            raise ValueError(
+                f"--resume: checkpoint '{ckpt_path}' was written with {done} iterations per "
+                f"epoch, this run has {ipe} (batch size, world size or dataset changed)"
+            )
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state.get("scaler") is not None:
+            scaler.load_state_dict(state["scaler"])
+        start_iter, rng_state = int(state["iteration"]), state["rng"]
+        say(f"resumed from '{ckpt_path}' at iteration {start_iter}")
+    if is_main_process() and resume is not None:
+        truncate_metrics(out / "metrics.jsonl", start_iter)  # drop what the new run will redo
+    writer = MetricsWriter(out / "metrics.jsonl") if is_main_process() else NullWriter()
+
+    def on_eval(iteration: int, metrics: dict) -> None:
+        if iteration != total:  # the final table is printed once, below
+            say(f"evaluation at iteration {iteration}:\n{format_metrics_table(metrics)}")
+
+    schedule = Schedule(
+        iters_per_epoch=ipe,
+        total_iters=total,
+        log_every=cfg.train.log_every,
+        eval_every=cfg.train.eval_every,
+        checkpoint_every=cfg.train.checkpoint_every,
+        checkpoint_every_iters=cfg.train.checkpoint_every_iters,
+    )
+    trainer = Trainer(
+        cfg,
+        model,
+        optimizer,
+        scheduler,
+        scaler,
+        train_loader,
+        val_loader,
+        info.device,
+        out,
+        writer,
+        schedule,
+        iou_types_for(cfg.model.arch),
+        on_eval=on_eval,
+    )
+    if state is not None:
+        trainer.load_state(state)
+    say(
+        f"training {cfg.model.arch} for {total} iterations ({ipe} per epoch, "
+        f"{info.world_size} process(es) on {info.device.type}) into '{out}'"
+    )
+    try:
+        trainer.train(start_iter, rng_state)
+        metrics = trainer.last_eval
+        if metrics is None or trainer.last_eval_iter != total:
+            # e.g. resumed from the final checkpoint: its evaluation may never have finished
+            metrics = trainer.run_eval(total)
+        if cfg.train.measure_memory:
+            write_memory_report(cfg, net, train_loader, info.device, trainer, out)
+    finally:
+        writer.close()
+    if is_main_process():
+        _write_json(out / "eval.json", {**metrics, "iter": total})
+        say(f"final evaluation ({metrics['num_images']} images):\n{format_metrics_table(metrics)}")
+    barrier()
+    return TrainResult(out, metrics, total)
+
+
+def test(
+    config: str | Path,
+    checkpoint: str | Path,
+    output_dir: str | Path | None = None,
+    overrides: Sequence[str] = (),
+) -> dict:
+    """Evaluate a checkpoint's weights on the validation set; writes eval.json and COCO results."""
+    cfg = load_config(config, overrides)
+    info = init_distributed(cfg.train.device)
+    try:
+        ckpt = Path(checkpoint)
+        if not ckpt.is_file():
+            raise FileNotFoundError(f"--checkpoint: file '{ckpt}' does not exist")
+        out = Path(output_dir) if output_dir else resolve_output_dir(cfg) / "test"
+        main_first(lambda: (out.mkdir(parents=True, exist_ok=True), ensure_dataset(cfg)))
+        net, _record = build_model(cfg)
+        state = load_checkpoint(ckpt, map_location="cpu")
+        weights = state["model"] if isinstance(state, dict) and "model" in state else state
+        load_model_weights(net, weights, ckpt)
+        net.to(info.device)
+        val_loader = build_val_loader(cfg, info.distributed)
+        metrics = evaluate(net, val_loader, info.device, iou_types_for(cfg.model.arch), out)
+        if is_main_process():
+            iteration = state.get("iteration") if isinstance(state, dict) else None
+            _write_json(out / "eval.json", {**metrics, "iter": iteration, "checkpoint": str(ckpt)})
+            say(f"evaluation of '{ckpt}' ({metrics['num_images']} images):")
+            say(format_metrics_table(metrics))
+        barrier()
+        return metrics
+    finally:
+        cleanup()
+
+
+def load_model_weights(net: nn.Module, weights: dict, path: Path) -> None:
+    """Load a checkpoint's model weights, failing with one message naming what does not fit."""
+    try:
+        check_model_compat(net, weights)
+    except ValueError as err:
+        raise ValueError(f"--checkpoint '{path}': {err}") from None
+    net.load_state_dict(weights)

@@ -1,0 +1,367 @@
+"""The training loop: iterations, logging, checkpoint-then-evaluate, non-finite guard."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+from tqdm import tqdm
+
+from rcnn_dropit.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from rcnn_dropit.distributed import barrier, get_world_size, is_main_process
+from rcnn_dropit.engine.data_position import epoch_batches
+from rcnn_dropit.engine.evaluator_loop import evaluate, unwrap
+from rcnn_dropit.logging_utils import peak_memory_mb
+
+LOSS_KEYS_ORDER = (
+    "loss_classifier",
+    "loss_box_reg",
+    "loss_mask",
+    "loss_objectness",
+    "loss_rpn_box_reg",
+)
+
+
+@dataclass
+class Schedule:
+    """Iteration accounting of a run; epochs are counted from 1 in records."""
+
+    iters_per_epoch: int
+    total_iters: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    checkpoint_every_iters: int
+
+    def epoch_of(self, iteration: int) -> int:
+        """1-based epoch that iteration `iteration` (1-based) belongs to."""
+        return (iteration - 1) // self.iters_per_epoch + 1
+
+    def _epoch_end_every(self, iteration: int, every: int) -> bool:
+        return (
+            every > 0
+            and iteration % self.iters_per_epoch == 0
+            and (iteration // self.iters_per_epoch) % every == 0
+        )
+
+    def should_log(self, iteration: int) -> bool:
+        """Log every log_every iterations, and the last one."""
+        return iteration % self.log_every == 0 or iteration == self.total_iters
+
+    def should_checkpoint(self, iteration: int) -> bool:
+        """Checkpoint at epoch multiples, iteration multiples and the end."""
+        by_iters = self.checkpoint_every_iters > 0 and iteration % self.checkpoint_every_iters == 0
+        return (
+            iteration == self.total_iters
+            or by_iters
+            or self._epoch_end_every(iteration, self.checkpoint_every)
+        )
+
+    def should_eval(self, iteration: int) -> bool:
+        """Evaluate at eval_every epoch multiples and at the end."""
+        return iteration == self.total_iters or self._epoch_end_every(iteration, self.eval_every)
+
+
+@dataclass
+class LogWindow:
+    """Sums since the last logged step; stored in checkpoints so resumed logs match exactly."""
+
+    count: int = 0
+    losses: dict[str, float] = field(default_factory=dict)
+    time: float = 0.0
+    data_time: float = 0.0
+
+    def add(self, losses: dict[str, float], step_time: float, data_time: float) -> None:
+        """Accumulate one iteration."""
+        self.count += 1
+        for key, value in losses.items():
+            self.losses[key] = self.losses.get(key, 0.0) + value
+        self.time += step_time
+        self.data_time += data_time
+
+    def state_dict(self) -> dict:
+        """Plain-dict form for checkpoints."""
+        return {
+            "count": self.count,
+            "losses": dict(self.losses),
+            "time": self.time,
+            "data_time": self.data_time,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> LogWindow:
+        """Rebuild from state_dict() output (None: empty window)."""
+        if not state:
+            return cls()
+        return cls(state["count"], dict(state["losses"]), state["time"], state["data_time"])
+
+
+def autocast_context(amp: str, device: torch.device):
+    """Autocast for solver.amp (none | fp16 | bf16) on the device's type."""
+    if amp == "none":
+        return contextlib.nullcontext()
+    dtype = torch.float16 if amp == "fp16" else torch.bfloat16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _to_device(targets: list[dict], device: torch.device) -> list[dict]:
+    return [
+        {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
+        for t in targets
+    ]
+
+
+def _ordered(keys) -> list[str]:
+    known = [k for k in LOSS_KEYS_ORDER if k in keys]
+    return known + sorted(k for k in keys if k not in LOSS_KEYS_ORDER)
+
+
+def reduce_losses(loss_dict: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Mean of each loss term over ranks (NaN anywhere stays NaN) as Python floats."""
+    keys = _ordered(loss_dict)
+    values = torch.stack([loss_dict[k].detach().float() for k in keys])
+    if get_world_size() > 1:
+        torch_dist.all_reduce(values)
+        values /= get_world_size()
+    return dict(zip(keys, values.tolist(), strict=True))
+
+
+def nonfinite_message(iteration: int, losses: dict[str, float]) -> str:
+    """Message naming the iteration and every loss term with its value."""
+    terms = ", ".join(f"{k}={v:.6g}" for k, v in losses.items())
+    return (
+        f"non-finite loss at iteration {iteration}: {terms} "
+        "(solver.nonfinite=stop; lower solver.lr, set solver.clip_grad_norm, "
+        "or set solver.nonfinite=skip to skip such steps)"
+    )
+
+
+class Trainer:
+    """Runs iterations [start, total) with logging, checkpoints and evaluation."""
+
+    def __init__(
+        self,
+        cfg,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler | None,
+        train_loader,
+        val_loader,
+        device: torch.device,
+        output_dir: Path,
+        writer,
+        schedule: Schedule,
+        iou_types: tuple[str, ...],
+        on_eval: Callable[[int, dict], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.device = device
+        self.output_dir = Path(output_dir)
+        self.writer = writer
+        self.schedule = schedule
+        self.iou_types = iou_types
+        self.on_eval = on_eval
+        self.window = LogWindow()
+        self.skipped_steps = 0
+        self.train_time = 0.0
+        self.train_images = 0
+        self.last_eval: dict | None = None
+        self.last_lr = optimizer.param_groups[0]["lr"]
+        self.last_eval_iter: int | None = None
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self, images: list[torch.Tensor], targets: list[dict], iteration: int) -> dict:
+        """Forward, non-finite guard, backward, clip, optimizer and scheduler step."""
+        solver = self.cfg.solver
+        with autocast_context(solver.amp, self.device):
+            loss_dict = self.model(images, targets)
+        total = sum(loss_dict.values())
+        # One small all-reduce per step: every rank must agree on skipping/stopping or DDP hangs.
+        logged = reduce_losses(loss_dict)
+        logged = {"loss": sum(logged.values()), **logged}
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_lr = self.optimizer.param_groups[0]["lr"]  # the lr this iteration uses
+        if not all(math.isfinite(v) for v in logged.values()):
+            if solver.nonfinite == "stop":
+                raise FloatingPointError(nonfinite_message(iteration, logged))
+            self.skipped_steps += 1
+            if is_main_process():
+                tqdm.write(
+                    f"warning: {nonfinite_message(iteration, logged).split(' (')[0]}; "
+                    f"step skipped ({self.skipped_steps} so far)"
+                )
+            self.scheduler.step()  # the lr schedule follows iterations, skipped or not
+            return logged
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            self.scaler.scale(total).backward()
+            if solver.clip_grad_norm:
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+                torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            total.backward()
+            if solver.clip_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
+            self.optimizer.step()
+        self.scheduler.step()
+        return logged
+
+    # ---- side effects ---------------------------------------------------------------------
+    def _log(self, iteration: int, bar: tqdm) -> None:
+        w = self.window
+        if w.count == 0:
+            return
+        images = self.cfg.solver.batch_size * get_world_size() * w.count
+        record = {
+            "type": "train",
+            "iter": iteration,
+            "epoch": self.schedule.epoch_of(iteration),
+            "lr": self.last_lr,
+            **{k: v / w.count for k, v in w.losses.items()},
+            "time": w.time / w.count,
+            "data_time": w.data_time / w.count,
+            "images_per_sec": images / w.time if w.time > 0 else 0.0,
+            "peak_mem_mb": peak_memory_mb(self.device),
+            "skipped_steps": self.skipped_steps,
+        }
+        self.writer.write(record)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}", refresh=False)
+        self.window = LogWindow()
+
+    def checkpoint_state(self, iteration: int) -> dict:
+        """Full training state for resuming exactly at `iteration`."""
+        ipe = self.schedule.iters_per_epoch
+        return {
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "epoch": iteration // ipe,
+            "iteration": iteration,
+            "rng": capture_rng_state(),
+            "config": self.cfg.to_dict(),
+            "sampler": {
+                "epoch": iteration // ipe,
+                "batches_done": iteration % ipe,
+                "iters_per_epoch": ipe,
+            },
+            "log_window": self.window.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def save(self, iteration: int) -> None:
+        """Write a checkpoint on rank 0, with every rank waiting around the write."""
+        barrier()
+        if is_main_process():
+            save_checkpoint(
+                self.output_dir / "checkpoints",
+                f"model_{iteration:07d}.pth",
+                self.checkpoint_state(iteration),
+                keep_last=self.cfg.train.keep_last,
+            )
+        barrier()
+
+    def run_eval(self, iteration: int) -> dict:
+        """Evaluate without disturbing the training RNG streams, then record the metrics."""
+        rng = capture_rng_state()  # eval draws random numbers (loader seeds); keep resume exact
+        metrics = evaluate(
+            self.model, self.val_loader, self.device, self.iou_types, self.output_dir
+        )
+        restore_rng_state(rng)
+        self.writer.write(
+            {
+                "type": "eval",
+                "iter": iteration,
+                "epoch": self.schedule.epoch_of(iteration),
+                **metrics,
+            }
+        )
+        self.last_eval, self.last_eval_iter = metrics, iteration
+        if self.on_eval is not None:
+            self.on_eval(iteration, metrics)
+        return metrics
+
+    def load_state(self, state: dict) -> None:
+        """Restore the loop's own bookkeeping from a checkpoint."""
+        self.window = LogWindow.from_state(state.get("log_window"))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _batches(self, start: int, rng_state: dict | None) -> Iterator[tuple[int, list, list]]:
+        """Yield (iteration, images, targets) for iterations start+1..total, epoch by epoch."""
+        ipe = self.schedule.iters_per_epoch
+        iteration = start
+        while iteration < self.schedule.total_iters:
+            epoch_index = iteration // ipe
+            batches = epoch_batches(self.train_loader, epoch_index, iteration - epoch_index * ipe)
+            if rng_state is not None:
+                # Restore only now: preparing the epoch above must not shift the streams.
+                restore_rng_state(rng_state)
+                rng_state = None
+            for images, targets in batches:
+                iteration += 1
+                yield iteration, images, targets
+                if iteration >= self.schedule.total_iters or iteration % ipe == 0:
+                    break
+            else:
+                raise RuntimeError(
+                    f"train loader ended after iteration {iteration}, expected "
+                    f"{ipe} batches per epoch"
+                )
+
+    def train(self, start_iter: int = 0, rng_state: dict | None = None) -> dict | None:
+        """Train from `start_iter` to the end; returns the metrics of the last evaluation."""
+        schedule = self.schedule
+        self.model.train()
+        bar = tqdm(
+            total=schedule.total_iters,
+            initial=start_iter,
+            desc="train",
+            disable=not is_main_process(),
+            dynamic_ncols=True,
+        )
+        batch_images = self.cfg.solver.batch_size * get_world_size()
+        try:
+            t_prev = time.perf_counter()
+            for iteration, images, targets in self._batches(start_iter, rng_state):
+                t_data = time.perf_counter()
+                images = [img.to(self.device, non_blocking=True) for img in images]
+                targets = _to_device(targets, self.device)
+                losses = self.step(images, targets, iteration)
+                t_end = time.perf_counter()
+                self.window.add(losses, t_end - t_prev, t_data - t_prev)
+                self.train_time += t_end - t_prev
+                self.train_images += batch_images
+                bar.update(1)
+                if schedule.should_log(iteration):
+                    self._log(iteration, bar)
+                if schedule.should_checkpoint(iteration):
+                    self.save(iteration)  # checkpoint first, so a crash in eval loses nothing
+                if schedule.should_eval(iteration):
+                    self.run_eval(iteration)
+                    self.model.train()
+                t_prev = time.perf_counter()
+        finally:
+            bar.close()
+        return self.last_eval
+
+    @property
+    def images_per_sec(self) -> float:
+        """Training throughput over this process's iterations (all ranks' images)."""
+        return self.train_images / self.train_time if self.train_time > 0 else 0.0

@@ -1,0 +1,321 @@
+"""Engine: schedules, tiny CPU trainings with real COCOeval, exact resume, output-dir and
+non-finite guards."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from rcnn_dropit.checkpoint import load_checkpoint
+from rcnn_dropit.engine import runner as runner_module
+from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
+from rcnn_dropit.engine.runner import check_output_dir, train
+from rcnn_dropit.engine.trainer import Schedule, Trainer
+from rcnn_dropit.logging_utils import NullWriter, read_metrics, truncate_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+MASK_CFG = REPO / "configs/demo/maskrcnn_shapes_baseline.yaml"
+FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
+LOSS_KEYS = ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg")
+
+
+def tiny_opts(root: Path, *extra: str) -> list[str]:
+    """Overrides for a seconds-long CPU run: 8 train / 4 val images of 64 px, batch 2."""
+    return [
+        f"data.root={root}",
+        "data.shapes.num_train=8",
+        "data.shapes.num_val=4",
+        "data.shapes.image_size=64",
+        "data.num_workers=0",
+        "model.min_size=64",
+        "model.max_size=64",
+        "model.box_batch_size_per_image=32",
+        "model.rpn_batch_size_per_image=32",
+        "model.box_detections_per_img=20",
+        "solver.batch_size=2",
+        "solver.warmup_iters=2",
+        "train.device=cpu",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.keep_last=1",
+        "train.measure_memory=false",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def shapes_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data") / "shapes"
+
+
+def train_records(run: Path) -> list[dict]:
+    return [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"]
+
+
+def check_ap(block: dict) -> None:
+    for name in ("AP", "AP50", "AP75"):
+        assert isinstance(block[name], float) and 0.0 <= block[name] <= 1.0
+    for name in ("APs", "APm", "APl"):  # COCOeval gives -1 where an area range has no objects
+        assert block[name] == -1.0 or 0.0 <= block[name] <= 1.0
+
+
+# ---- learning-rate schedule --------------------------------------------------------------
+
+
+def _lrs(solver, ipe: int, total: int, n: int) -> list[float]:
+    model = nn.Linear(2, 2)
+    opt, sched = build_optimizer_and_scheduler(solver, model, ipe, total)
+    lrs = []
+    for _ in range(n):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def _solver(**kw) -> SimpleNamespace:
+    base = dict(
+        optimizer="sgd",
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=0.0,
+        batch_size=2,
+        auto_scale_lr=False,
+        reference_batch=16,
+        scheduler="multistep",
+        lr_steps=[2, 3],
+        lr_decay=0.1,
+        warmup_iters=4,
+        warmup_factor=0.001,
+    )
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_multistep_with_warmup() -> None:
+    lrs = _lrs(_solver(), ipe=5, total=20, n=20)
+    assert lrs[0] == pytest.approx(0.1 * 0.001)  # warmup starts at lr * warmup_factor
+    assert lrs[2] == pytest.approx(0.1 * (0.001 * 0.5 + 0.5))  # linear half-way
+    assert lrs[4] == pytest.approx(0.1)  # warmup over after 4 iterations
+    assert lrs[9] == pytest.approx(0.1)  # last iteration of epoch 2 (0-based epoch 1)
+    assert lrs[10] == pytest.approx(0.01)  # first iteration of 0-based epoch 2: first drop
+    assert lrs[15] == pytest.approx(0.001)  # second drop at epoch 3
+    assert lrs[19] == pytest.approx(0.001)
+
+
+def test_cosine_reaches_zero_and_adamw() -> None:
+    solver = _solver(scheduler="cosine", warmup_iters=0, optimizer="adamw")
+    fn = lr_factor_fn("cosine", total_iters=10)
+    assert fn(0) == 1.0 and fn(5) == pytest.approx(0.5) and fn(10) == pytest.approx(0.0)
+    lrs = _lrs(solver, ipe=5, total=10, n=10)
+    assert lrs[0] == pytest.approx(0.1)
+    assert lrs[-1] == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 9 / 10)))
+
+
+def test_auto_scale_lr() -> None:
+    solver = _solver(auto_scale_lr=True, batch_size=2, reference_batch=16)
+    assert scaled_lr(solver, world_size=8) == pytest.approx(0.1)
+    assert scaled_lr(solver, world_size=2) == pytest.approx(0.025)
+    assert scaled_lr(_solver(), world_size=8) == pytest.approx(0.1)
+
+
+# ---- tiny trainings ------------------------------------------------------------------------
+
+
+def test_train_maskrcnn_two_iterations(tmp_path, shapes_root) -> None:
+    run = tmp_path / "run"
+    result = train(
+        MASK_CFG,
+        tiny_opts(shapes_root, "solver.max_iters=2", "train.measure_memory=true"),
+        output_dir=run,
+    )
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "eval.json",
+        "memory.json",
+        "coco_results_bbox.json",
+        "coco_results_segm.json",
+        "checkpoints/last_checkpoint",
+        "checkpoints/model_0000002.pth",
+    ):
+        assert (run / name).is_file(), name
+    final = json.loads((run / "eval.json").read_text())
+    assert final["iter"] == 2 and final["num_images"] == 4
+    check_ap(final["bbox"])
+    check_ap(final["segm"])
+    assert result.metrics["bbox"] == final["bbox"]
+    records = train_records(run)
+    assert [r["iter"] for r in records] == [1, 2]
+    for r in records:
+        assert math.isfinite(r["loss"]) and r["loss"] > 0
+        assert r["loss"] == pytest.approx(sum(r[k] for k in (*LOSS_KEYS, "loss_mask")))
+        assert r["images_per_sec"] > 0 and r["peak_mem_mb"] > 0 and r["epoch"] == 1
+    assert records[0]["lr"] == pytest.approx(0.02 * 0.001)  # demo lr, warmup start
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "eval"]
+    assert [e["iter"] for e in evals] == [2]
+    memory = json.loads((run / "memory.json").read_text())
+    assert memory["images_per_sec"] > 0
+    state = load_checkpoint(run / "checkpoints/model_0000002.pth")
+    assert state["iteration"] == 2 and state["sampler"]["batches_done"] == 2
+    assert not any(k.startswith("module.") for k in state["model"])
+
+
+@pytest.fixture(scope="module")
+def faster_straight(tmp_path_factory, shapes_root) -> Path:
+    """Faster R-CNN trained 4 iterations (one epoch of 8 images) without interruption."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    train(FASTER_CFG, tiny_opts(shapes_root, "solver.max_iters=4"), output_dir=run)
+    return run
+
+
+def test_train_fasterrcnn_eval(faster_straight) -> None:
+    final = json.loads((faster_straight / "eval.json").read_text())
+    assert set(final) == {"bbox", "num_images", "iter"}
+    assert final["num_images"] == 4 and final["iter"] == 4
+    check_ap(final["bbox"])
+    assert not (faster_straight / "coco_results_segm.json").exists()
+    assert [r["iter"] for r in train_records(faster_straight)] == [1, 2, 3, 4]
+
+
+def test_resume_matches_uninterrupted(tmp_path, shapes_root, faster_straight, monkeypatch) -> None:
+    run = tmp_path / "run"
+    opts = tiny_opts(shapes_root, "solver.max_iters=4", "train.checkpoint_every_iters=2")
+    real_step = Trainer.step
+
+    def crash_at_3(self, images, targets, iteration):
+        if iteration == 3:
+            raise KeyboardInterrupt  # the job is killed mid-epoch, after the checkpoint at 2
+        return real_step(self, images, targets, iteration)
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "step", crash_at_3)
+        with pytest.raises(KeyboardInterrupt):
+            train(FASTER_CFG, opts, output_dir=run)
+    assert [r["iter"] for r in train_records(run)] == [1, 2]
+    with open(run / "metrics.jsonl", "a") as f:  # a record the killed run wrote past its checkpoint
+        f.write(json.dumps({"type": "train", "iter": 3, "loss": 0.0}) + "\n")
+
+    train(FASTER_CFG, opts, output_dir=run, resume="auto")
+
+    straight = load_checkpoint(faster_straight / "checkpoints/model_0000004.pth")
+    resumed = load_checkpoint(run / "checkpoints/model_0000004.pth")
+    assert straight["model"].keys() == resumed["model"].keys()
+    for key, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][key]), key
+    a, b = train_records(faster_straight), train_records(run)
+    assert [r["iter"] for r in b] == [1, 2, 3, 4]  # nothing duplicated
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "lr", *LOSS_KEYS):
+            assert ra[key] == rb[key], (ra["iter"], key)
+    assert (
+        json.loads((run / "eval.json").read_text())["bbox"]
+        == json.loads((faster_straight / "eval.json").read_text())["bbox"]
+    )
+
+
+# ---- guards ----------------------------------------------------------------------------------
+
+
+def test_used_output_dir_is_refused(tmp_path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty; pass --resume auto .* --overwrite"):
+        check_output_dir(run, resume=None, overwrite=False)
+    check_output_dir(run, resume="auto", overwrite=False)  # resuming is allowed
+    check_output_dir(run, resume=None, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]  # only our files removed
+    check_output_dir(tmp_path / "new", resume=None, overwrite=False)
+
+
+def test_train_refuses_used_output_dir(tmp_path, shapes_root) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="not empty"):
+        train(MASK_CFG, tiny_opts(shapes_root, "solver.max_iters=1"), output_dir=run)
+    assert (run / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_nonfinite_loss_stops_with_terms(tmp_path, shapes_root, monkeypatch) -> None:
+    real_build = runner_module.build_model
+
+    def build_nan_model(cfg):
+        model, record = real_build(cfg)
+        forward = model.forward
+
+        def nan_forward(images, targets=None):
+            out = forward(images, targets)
+            if model.training:
+                out["loss_box_reg"] = out["loss_box_reg"] * float("nan")
+            return out
+
+        model.forward = nan_forward
+        return model, record
+
+    monkeypatch.setattr(runner_module, "build_model", build_nan_model)
+    with pytest.raises(FloatingPointError) as info:
+        train(FASTER_CFG, tiny_opts(shapes_root, "solver.max_iters=2"), output_dir=tmp_path / "r")
+    message = str(info.value)
+    assert "iteration 1" in message and "loss_box_reg=nan" in message
+    assert "loss_classifier=" in message and "solver.nonfinite=skip" in message
+
+
+class _ToyDetector(nn.Module):
+    """Returns a loss dict like torchvision detectors; NaN on chosen calls."""
+
+    def __init__(self, nan_calls: set[int]) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2))
+        self.calls = 0
+        self.nan_calls = nan_calls
+
+    def forward(self, images, targets):
+        self.calls += 1
+        loss = (self.w**2).sum()
+        if self.calls in self.nan_calls:
+            loss = loss * float("nan")
+        return {"loss_classifier": loss, "loss_box_reg": loss * 0.5}
+
+
+def _toy_trainer(nonfinite: str, nan_calls: set[int]) -> Trainer:
+    cfg = SimpleNamespace(
+        solver=SimpleNamespace(
+            amp="none", nonfinite=nonfinite, clip_grad_norm=1.0, batch_size=1, lr_steps=[]
+        )
+    )
+    model = _ToyDetector(nan_calls)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0)
+    schedule = Schedule(4, 4, 1, 0, 0, 0)
+    return Trainer(
+        cfg, model, opt, sched, None, None, None, torch.device("cpu"), Path("."), NullWriter(),
+        schedule, ("bbox",),
+    )  # fmt: skip
+
+
+def test_nonfinite_skip_leaves_weights_and_counts() -> None:
+    trainer = _toy_trainer("skip", nan_calls={2})
+    trainer.step([], [], 1)
+    after_first = trainer.model.w.detach().clone()
+    logged = trainer.step([], [], 2)
+    assert math.isnan(logged["loss"]) and trainer.skipped_steps == 1
+    assert torch.equal(trainer.model.w.detach(), after_first)  # no update from the NaN step
+    assert trainer.scheduler.last_epoch == 2  # the schedule still follows iterations
+    trainer.step([], [], 3)
+    assert not torch.equal(trainer.model.w.detach(), after_first)
+
+
+def test_truncate_metrics(tmp_path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"type": "train", "iter": i} for i in (1, 2, 3)] + [{"type": "eval", "iter": 3}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"type": "tr')
+    assert truncate_metrics(path, 2) == 2
+    assert [r["iter"] for r in read_metrics(path)] == [1, 2]
