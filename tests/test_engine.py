@@ -160,7 +160,9 @@ def test_train_maskrcnn_two_iterations(tmp_path, shapes_root) -> None:
     evals = [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "eval"]
     assert [e["iter"] for e in evals] == [2]
     memory = json.loads((run / "memory.json").read_text())
-    assert memory["images_per_sec"] > 0
+    assert memory["images_per_sec"] > 0 and memory["cuda_peak_mb"] is None
+    assert memory["saved_mb"] > 0 and memory["by_type"]["Conv2d"] > 0
+    assert memory["saved_mb"] == pytest.approx(memory["converted_mb"] + memory["unconverted_mb"])
     state = load_checkpoint(run / "checkpoints/model_0000002.pth")
     assert state["iteration"] == 2 and state["sampler"]["batches_done"] == 2
     assert not any(k.startswith("module.") for k in state["model"])

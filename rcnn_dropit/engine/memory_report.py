@@ -1,4 +1,4 @@
-"""memory.json: saved-activation memory of one training step, peak memory and throughput."""
+"""memory.json: saved-activation memory of one training step, its peak memory, throughput."""
 
 from __future__ import annotations
 
@@ -8,47 +8,45 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dropit_core import memory
 from rcnn_dropit.distributed import is_main_process
-from rcnn_dropit.logging_utils import peak_memory_mb
+from rcnn_dropit.engine.data_position import epoch_batches
+from rcnn_dropit.engine.trainer import autocast_context, move_targets
 
 
-def saved_activation_report(net: nn.Module, images: list, targets: list) -> dict:
-    """Saved-tensor accounting of one forward (dropit_core.memory); empty when unavailable."""
-    try:
-        from dropit_core import memory  # the lead's accounting API; optional until it lands
-    except ImportError:
-        return {}
-    measure = getattr(memory, "measure_saved", None)
-    if measure is None:
-        return {}
-    return dict(measure(lambda: sum(net(images, targets).values()), net))
+def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: torch.device):
+    """One forward+backward of the plain model: saved-tensor report and the step's peaks."""
+    net.train()
+    memory.reset_cuda_peak(device)
+    memory.reset_peak_rss()
+    with autocast_context(amp, device):
+        losses, report = memory.saved_activations(net, lambda: net(images, targets))
+    sum(losses.values()).backward()
+    net.zero_grad(set_to_none=True)  # the measurement must leave no gradients behind
+    cuda_peak = memory.cuda_peak_mb(device) if device.type == "cuda" else None
+    return report.as_dict(), cuda_peak, memory.peak_rss_mb()
 
 
 def write_memory_report(
-    cfg, net: nn.Module, train_loader, device: torch.device, trainer, out: Path
-):
-    """Measure one step of the plain model on the first batch and write memory.json on rank 0."""
-    from rcnn_dropit.engine.data_position import epoch_batches
-    from rcnn_dropit.engine.trainer import _to_device, autocast_context
-
-    images, targets = next(epoch_batches(train_loader, 0))
-    images = [img.to(device) for img in images]
-    targets = _to_device(targets, device)
-    was_training = net.training
-    net.train()
+    cfg, net: nn.Module, train_loader, device: torch.device, images_per_sec: float, out: Path
+) -> dict:
+    """Measure one step on the first training batch (every rank: SyncBN needs all); rank 0
+    writes memory.json."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        with autocast_context(cfg.solver.amp, device):
-            saved = saved_activation_report(net, images, targets)
-    net.train(was_training)
-    net.zero_grad(set_to_none=True)
+        images, targets = next(epoch_batches(train_loader, 0))
+        images = [img.to(device) for img in images]
+        saved, cuda_peak, rss_peak = measure_step(
+            net, images, move_targets(targets, device), cfg.solver.amp, device
+        )
     report = {
-        "saved_mb": saved.get("saved_mb"),
-        "by_type": saved.get("by_type", {}),
-        "converted_mb": saved.get("converted_mb"),
-        "unconverted_mb": saved.get("unconverted_mb"),
-        "cuda_peak_mb": peak_memory_mb(device) if device.type == "cuda" else None,
-        "peak_mem_mb": peak_memory_mb(device),
-        "images_per_sec": trainer.images_per_sec,
+        "saved_mb": saved["saved_mb"],
+        "by_type": saved["by_type_mb"],
+        "converted_mb": saved["converted_mb"],
+        "unconverted_mb": saved["unconverted_mb"],
+        "cuda_peak_mb": cuda_peak,
+        "step_peak_rss_mb": rss_peak,
+        "images_per_sec": images_per_sec,
+        "batch_size": len(images),
         "dropit": {
             "enabled": cfg.dropit.enabled,
             "strategy": cfg.dropit.strategy,

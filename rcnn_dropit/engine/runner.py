@@ -261,7 +261,7 @@ def _train(
             # e.g. resumed from the final checkpoint: its evaluation may never have finished
             metrics = trainer.run_eval(total)
         if cfg.train.measure_memory:
-            write_memory_report(cfg, net, train_loader, info.device, trainer, out)
+            write_memory_report(cfg, net, train_loader, info.device, trainer.images_per_sec, out)
     finally:
         writer.close()
     if is_main_process():

@@ -111,7 +111,8 @@ def autocast_context(amp: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _to_device(targets: list[dict], device: torch.device) -> list[dict]:
+def move_targets(targets: list[dict], device: torch.device) -> list[dict]:
+    """Targets with their tensors on `device` (image ids stay plain ints)."""
     return [
         {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
         for t in targets
@@ -342,7 +343,7 @@ class Trainer:
             for iteration, images, targets in self._batches(start_iter, rng_state):
                 t_data = time.perf_counter()
                 images = [img.to(self.device, non_blocking=True) for img in images]
-                targets = _to_device(targets, self.device)
+                targets = move_targets(targets, self.device)
                 losses = self.step(images, targets, iteration)
                 t_end = time.perf_counter()
                 self.window.add(losses, t_end - t_prev, t_data - t_prev)

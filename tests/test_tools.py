@@ -1,0 +1,154 @@
+"""tools/train.py and tools/test.py as a user runs them: exit codes, one-line errors, eval."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rcnn_dropit.checkpoint import save_checkpoint
+from rcnn_dropit.config import load_config
+from rcnn_dropit.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
+
+
+def run_tool(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The tool as a user starts it: a fresh interpreter (slow: imports torch)."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / script), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+def call_tool(script: str, *args: str, capsys) -> subprocess.CompletedProcess:
+    """The tool's main() in this process (fast); same exit code and output as run_tool."""
+    spec = importlib.util.spec_from_file_location(f"tool_{script[:-3]}", REPO / "tools" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    code = module.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(script, code, out, err)
+
+
+def tiny_opts(root: Path) -> list[str]:
+    return [
+        f"data.root={root}",
+        "data.shapes.num_train=8",
+        "data.shapes.num_val=4",
+        "data.shapes.image_size=64",
+        "data.num_workers=0",
+        "model.min_size=64",
+        "model.max_size=64",
+        "model.box_detections_per_img=20",
+        "train.device=cpu",
+    ]
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_train_bad_config_key_exits_2(tmp_path) -> None:
+    proc = run_tool(
+        "train.py", "--config", str(FASTER_CFG), "--opts", "solver.lrr=0.1", cwd=tmp_path
+    )
+    assert_one_line_error(proc, "solver.lrr")
+    assert not (tmp_path / "outputs").exists()  # nothing written for a rejected config
+
+
+def test_train_missing_config_and_used_dir_exit_2(tmp_path, capsys) -> None:
+    proc = call_tool("train.py", "--config", str(tmp_path / "nope.yaml"), capsys=capsys)
+    assert_one_line_error(proc, "nope.yaml")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    proc = call_tool(
+        "train.py",
+        "--config",
+        str(FASTER_CFG),
+        "--output-dir",
+        str(run),
+        "--opts",
+        *tiny_opts(tmp_path / "shapes"),
+        capsys=capsys,
+    )
+    assert_one_line_error(proc, str(run), "--resume auto", "--overwrite")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of an untrained tiny Faster R-CNN, as the trainer writes them."""
+    base = tmp_path_factory.mktemp("tools")
+    cfg = load_config(FASTER_CFG, tiny_opts(base / "shapes"))
+    torch.manual_seed(0)
+    model, _ = build_model(cfg)
+    state = {"model": model.state_dict(), "iteration": 7, "config": cfg.to_dict()}
+    return save_checkpoint(base / "checkpoints", "model_0000007.pth", state, keep_last=1)
+
+
+def test_test_tool_evaluates_checkpoint(tmp_path, checkpoint) -> None:
+    out = tmp_path / "eval"
+    opts = tiny_opts(checkpoint.parents[1] / "shapes")
+    proc = run_tool(
+        "test.py",
+        "--config",
+        str(FASTER_CFG),
+        "--checkpoint",
+        str(checkpoint),
+        "--output-dir",
+        str(out),
+        "--opts",
+        *opts,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| bbox |" in proc.stdout
+    result = json.loads((out / "eval.json").read_text())
+    assert result["num_images"] == 4 and result["iter"] == 7
+    assert 0.0 <= result["bbox"]["AP"] <= 1.0
+    assert (out / "coco_results_bbox.json").is_file()
+
+
+def test_test_tool_rejects_wrong_model_and_missing_file(tmp_path, checkpoint, capsys) -> None:
+    opts = tiny_opts(checkpoint.parents[1] / "shapes")
+    proc = call_tool(
+        "test.py",
+        "--config",
+        str(FASTER_CFG),
+        "--checkpoint",
+        str(tmp_path / "missing.pth"),
+        "--opts",
+        *opts,
+        capsys=capsys,
+    )
+    assert_one_line_error(proc, "missing.pth")
+    proc = call_tool(
+        "test.py",
+        "--config",
+        str(FASTER_CFG),
+        "--checkpoint",
+        str(checkpoint),
+        "--output-dir",
+        str(tmp_path / "e"),
+        "--opts",
+        *opts,
+        "model.backbone=resnet34",
+        capsys=capsys,
+    )
+    assert_one_line_error(proc, str(checkpoint), "missing keys")
