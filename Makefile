@@ -1,0 +1,33 @@
+# One entry point for setup, demo, tests, benchmark and lint. CI runs `make test` (.ci/run).
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench lint format
+
+setup: $(STAMP)
+
+# Re-installs only when pyproject.toml changes; torch/torchvision are pinned to the tested pair.
+$(STAMP): pyproject.toml
+	[ -x $(PY) ] || python3 -m venv $(VENV)
+	$(PY) -m pip install torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -e '.[test]'
+	touch $@
+
+# Trains the shapes Mask R-CNN with DropIT (data generated on first use) and prints the AP table.
+demo: setup
+	$(PY) tools/train.py --config configs/demo/maskrcnn_shapes_g0.8.yaml --overwrite
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) tools/bench.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
