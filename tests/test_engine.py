@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from rcnn_dropit.checkpoint import load_checkpoint
@@ -21,6 +22,7 @@ from rcnn_dropit.logging_utils import NullWriter, read_metrics, truncate_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 MASK_CFG = REPO / "configs/demo/maskrcnn_shapes_baseline.yaml"
+MASK_DROPIT_CFG = REPO / "configs/demo/maskrcnn_shapes_g0.8.yaml"
 FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
 LOSS_KEYS = ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg")
 
@@ -127,10 +129,10 @@ def test_auto_scale_lr() -> None:
 # ---- tiny trainings ------------------------------------------------------------------------
 
 
-def test_train_maskrcnn_two_iterations(tmp_path, shapes_root) -> None:
+def test_train_maskrcnn_dropit_two_iterations(tmp_path, shapes_root) -> None:
     run = tmp_path / "run"
     result = train(
-        MASK_CFG,
+        MASK_DROPIT_CFG,
         tiny_opts(shapes_root, "solver.max_iters=2", "train.measure_memory=true"),
         output_dir=run,
     )
@@ -163,6 +165,9 @@ def test_train_maskrcnn_two_iterations(tmp_path, shapes_root) -> None:
     assert memory["images_per_sec"] > 0 and memory["cuda_peak_mb"] is None
     assert memory["saved_mb"] > 0 and memory["by_type"]["Conv2d"] > 0
     assert memory["saved_mb"] == pytest.approx(memory["converted_mb"] + memory["unconverted_mb"])
+    assert memory["converted_mb"] > 0 and memory["dropit"]["gamma"] == 0.8
+    saved = yaml.safe_load((run / "config.yaml").read_text())["dropit"]
+    assert saved["enabled"] is True and saved["strategy"] == "mink"
     state = load_checkpoint(run / "checkpoints/model_0000002.pth")
     assert state["iteration"] == 2 and state["sampler"]["batches_done"] == 2
     assert not any(k.startswith("module.") for k in state["model"])

@@ -118,10 +118,12 @@ def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
     """(model to train, plain model): DropIT-converted, on device, SyncBN and DDP as configured."""
     net, _record = build_model(cfg)
     if cfg.train.sync_bn and info.distributed:
-        if cfg.model.norm == "bn":
-            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
-        else:
+        if cfg.model.norm != "bn":
             say("note: train.sync_bn ignored: model.norm is frozen_bn (nothing to synchronise)")
+        elif info.device.type != "cuda":
+            say("note: train.sync_bn ignored: SyncBatchNorm needs CUDA devices")
+        else:
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     net.to(info.device)
     if not info.distributed:
         return net, net
