@@ -19,8 +19,8 @@ mink              ceil(n/8) + kept*v                     one global k-th value o
 parallel_mink     ceil(n/8) + kept*v                     top-k inside chunks of D elements, in
                                                          slices of ~4M elements: no dense temporary
 random            kept*v (mask rebuilt from a seed)      one random number per element
-threshold         ceil(n/8) + kept*v                     gamma-quantile of 64Ki sampled |x|: O(n),
-                                                         no sort; kept count approximate
+threshold         ceil(n/8) + kept*v                     gamma-quantile of ~64Ki |x| read at a prime
+                                                         stride: O(n), no sort; kept count approximate
 channel_mink      kept_planes*(H*W)*v + 4*kept_planes    one L2 norm per plane, top-k over planes
 channel_random    same as channel_mink                   a permutation of the planes
 block_mink        kept_blocks*b*b*v + 4*kept_blocks      one L2 norm per b x b block, top-k blocks
@@ -47,9 +47,6 @@ Packed = tuple[tuple[torch.Tensor, ...], Any]
 # Element-wise strategies work through the tensor in slices of this many elements, so that their
 # bool/abs temporaries stay a few MB however large the layer input is.
 _SLICE = 1 << 22
-# Distinct-position sampling for `threshold`: index i*_PRIME mod n visits n distinct positions when
-# gcd(_PRIME, n) == 1 and, unlike a plain stride, does not lock onto rows or channels.
-_PRIME = 2654435761
 _SAMPLE_DEFAULT = 1 << 16
 
 _COMMON_OPTIONS: dict[str, type] = {"values": str, "int8_chunk": int}
@@ -72,6 +69,14 @@ def _keep_count(gamma: float, n: int) -> int:
 
 def _tiny(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).tiny
+
+
+def _prime_at_least(n: int) -> int:
+    """Smallest prime >= n (n is small here: numel / sample size)."""
+    candidate = max(2, n)
+    while any(candidate % d == 0 for d in range(2, math.isqrt(candidate) + 1)):
+        candidate += 1
+    return candidate
 
 
 class Strategy:
@@ -234,11 +239,11 @@ class Threshold(_Elementwise):
         tiny = _tiny(flat.dtype)
         if self.gamma == 0.0 or n == 0:
             return torch.full((), tiny, device=flat.device)
-        s = min(n, self.sample)
-        prime = _PRIME if math.gcd(_PRIME, n) == 1 else 1_000_000_007
-        idx = torch.arange(s, device=flat.device, dtype=torch.int64).mul_(prime % n).remainder_(n)
-        sample = flat[idx].abs().float()
-        q = min(s, max(1, math.ceil(self.gamma * s)))
+        # A strided view costs nothing to take; a prime stride shares no factor with the
+        # power-of-two widths of CNN feature maps, so the sample does not lock onto columns.
+        stride = _prime_at_least(max(1, n // self.sample))
+        sample = flat[::stride].abs().float()
+        q = min(sample.numel(), max(1, math.ceil(self.gamma * sample.numel())))
         return torch.kthvalue(sample, q).values.clamp_min(tiny)
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""Benchmark DropIT variants against the baseline on Mask R-CNN R50-FPN; prints JSON lines.
+
+python tools/bench.py                          # COCO recipe (FrozenBN, 3 trainable stages)
+python tools/bench.py --scratch                # BatchNorm2d, all stages trainable
+python tools/bench.py --variants mink:0.9:values=int8 threshold:0.8 --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEFAULT_VARIANTS = [
+    "mink:0.8",
+    "parallel_mink:0.8",
+    "random:0.8",
+    "threshold:0.8",
+    "mink:0.9",
+    "mink:0.9:values=int8",
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=DEFAULT_VARIANTS,
+        help="strategy:gamma[:key=value,...] (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--scratch", action="store_true", help="BatchNorm2d model trained from scratch"
+    )
+    parser.add_argument("--image-size", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per side (median)")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    args = parser.parse_args()
+
+    from rcnn_dropit.benchmark import markdown_table, parse_variant, run_benchmark
+
+    try:
+        variants = [parse_variant(v) for v in args.variants]
+        rows = run_benchmark(variants, args.scratch, args.image_size, args.repeats, args.device)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    print()
+    print(markdown_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    # Large blocks mmapped from the OS go back to it when freed, so RSS tracks live tensors.
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    sys.exit(main())
