@@ -4,9 +4,9 @@ Every strategy turns a layer input ``x`` into a few small tensors plus plain-Pyt
 (:meth:`Strategy.pack`) and rebuilds a dense tensor of ``x``'s shape from them in backward
 (:meth:`Strategy.unpack`). Dropped elements come back as zeros (pooling: as block means).
 
-Layouts: ``"conv"`` inputs are ``(..., H, W)``; a *plane* is one ``H x W`` map of one sample and
-channel. ``"linear"`` inputs are ``(..., F)``, seen as an ``R x F`` matrix; a *channel* is one of the
-F feature columns.
+Layouts: ``"conv"`` inputs are ``(..., H, W)``; a *plane* is one ``H x W`` map of one sample
+and channel. ``"linear"`` inputs are ``(..., F)``, seen as an ``R x F`` matrix; a *channel* is
+one of the F feature columns.
 
 Costs, for an input of n elements, kept fraction ``1 - gamma``, ``v`` bytes per stored value
 (4 fp32, 2 fp16/bf16, 1 int8 + 4 bytes of scale per ``int8_chunk`` values):
@@ -19,8 +19,9 @@ mink              ceil(n/8) + kept*v                     one global k-th value o
 parallel_mink     ceil(n/8) + kept*v                     top-k inside chunks of D elements, in
                                                          slices of ~4M elements: no dense temporary
 random            kept*v (mask rebuilt from a seed)      one random number per element
-threshold         ceil(n/8) + kept*v                     gamma-quantile of ~64Ki |x| read at a prime
-                                                         stride: O(n), no sort; kept count approximate
+threshold         ceil(n/8) + kept*v                     gamma-quantile of ~64Ki |x| read at a
+                                                         prime stride: O(n), no sort; kept count
+                                                         approximate
 channel_mink      kept_planes*(H*W)*v + 4*kept_planes    one L2 norm per plane, top-k over planes
 channel_random    same as channel_mink                   a permutation of the planes
 block_mink        kept_blocks*b*b*v + 4*kept_blocks      one L2 norm per b x b block, top-k blocks

@@ -146,6 +146,15 @@ def _memory(model: nn.Module, batch, device: torch.device) -> dict[str, Any]:
     return out
 
 
+def _alternate(fn, base, model, batch, dev, repeats: int) -> tuple[list[float], list[float]]:
+    """Time ``fn`` on baseline and variant alternately, so drifts in machine load hit both."""
+    t_base, t_var = [], []
+    for _ in range(repeats):
+        t_base.append(timed(lambda: fn(base, batch), dev)[1])
+        t_var.append(timed(lambda: fn(model, batch), dev)[1])
+    return t_base, t_var
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 4)
 
@@ -180,12 +189,8 @@ def run_benchmark(
             for n in grads
             if n in converted
         ]
-        step_b, step_v, eval_b, eval_v = [], [], [], []
-        for _ in range(repeats):
-            step_b.append(timed(lambda: _step(base, batch), dev)[1])
-            step_v.append(timed(lambda: _step(model, batch), dev)[1])
-            eval_b.append(timed(lambda: _eval(base, batch), dev)[1])
-            eval_v.append(timed(lambda: _eval(model, batch), dev)[1])
+        step_b, step_v = _alternate(_step, base, model, batch, dev, repeats)
+        eval_b, eval_v = _alternate(_eval, base, model, batch, dev, repeats)
         med = statistics.median
         rows.append(
             {
@@ -206,7 +211,6 @@ def run_benchmark(
             }
         )
         from_dropit(model)
-        del model
     return rows
 
 
