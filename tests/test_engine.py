@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -224,6 +225,20 @@ def test_resume_matches_uninterrupted(tmp_path, shapes_root, faster_straight, mo
         json.loads((run / "eval.json").read_text())["bbox"]
         == json.loads((faster_straight / "eval.json").read_text())["bbox"]
     )
+
+
+def test_resume_redoes_an_unfinished_evaluation(tmp_path, shapes_root, faster_straight) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(faster_straight, run)
+    (run / "eval.json").unlink()
+    kept = [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    opts = tiny_opts(shapes_root, "solver.max_iters=4")
+    result = train(FASTER_CFG, opts, output_dir=run, resume="auto")  # killed while evaluating
+    assert result.iteration == 4 and (run / "eval.json").is_file()
+    records = read_metrics(run / "metrics.jsonl")
+    assert [(r["type"], r["iter"]) for r in records][-2:] == [("train", 4), ("eval", 4)]
+    assert records[-1]["bbox"] == json.loads((faster_straight / "eval.json").read_text())["bbox"]
 
 
 # ---- guards ----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from rcnn_dropit.engine.memory_report import write_memory_report
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterations
 from rcnn_dropit.engine.trainer import Schedule, Trainer
 from rcnn_dropit.evaluation import format_metrics_table
-from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, truncate_metrics
+from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, read_metrics, truncate_metrics
 from rcnn_dropit.models import build_model
 
 # What a run writes; --overwrite removes exactly these, never anything else in the folder.
@@ -140,6 +140,30 @@ def make_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler | None:
     return torch.amp.GradScaler("cuda")
 
 
+def restore_training_state(
+    state: dict,
+    path: Path,
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler | None,
+    iters_per_epoch: int,
+) -> None:
+    """Load weights, optimizer, scheduler and scaler from a checkpoint (RNG comes later)."""
+    done = state.get("sampler", {}).get("iters_per_epoch", iters_per_epoch)
+    if done != iters_per_epoch:
+        raise ValueError(
+            f"--resume: checkpoint '{path}' was written with {done} iterations per epoch, "
+            f"this run has {iters_per_epoch} (batch size, world size or dataset changed)"
+        )
+    net.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler") is not None:
+        scaler.load_state_dict(state["scaler"])
+    say(f"resumed from '{path}' at iteration {state['iteration']}")
+
+
 @dataclass
 class TrainResult:
     """What a finished training run produced."""
@@ -198,29 +222,31 @@ def _train(
     train_loader = build_train_loader(cfg, info.distributed, seed=cfg.train.seed)
     val_loader = build_val_loader(cfg, info.distributed)
     ipe = len(train_loader.batch_sampler)
+    if ipe == 0:
+        raise ValueError(f"data: the training set of '{cfg.data.root}' yields no batches")
     total = total_iterations(cfg.solver.epochs, ipe, cfg.solver.max_iters)
     optimizer, scheduler = build_optimizer_and_scheduler(
         cfg.solver, model, ipe, total, world_size=info.world_size
     )
 
-    start_iter, rng_state, state = 0, None, None
+    state = None
     if ckpt_path is not None:
         state = load_checkpoint(ckpt_path, map_location="cpu")
-        done = state.get("sampler", {}).get("iters_per_epoch", ipe)
-        if done != ipe:
-            raise ValueError(
-                f"--resume: checkpoint '{ckpt_path}' was written with {done} iterations per "
-                f"epoch, this run has {ipe} (batch size, world size or dataset changed)"
-            )
-        net.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state.get("scaler") is not None:
-            scaler.load_state_dict(state["scaler"])
-        start_iter, rng_state = int(state["iteration"]), state["rng"]
-        say(f"resumed from '{ckpt_path}' at iteration {start_iter}")
+        restore_training_state(state, ckpt_path, net, optimizer, scheduler, scaler, ipe)
+    start_iter = int(state["iteration"]) if state is not None else 0
+    rng_state = state["rng"] if state is not None else None
     if is_main_process() and resume is not None:
         truncate_metrics(out / "metrics.jsonl", start_iter)  # drop what the new run will redo
+    # A run killed while evaluating after its checkpoint: do that evaluation first.
+    eval_missing = main_first(
+        lambda: (
+            start_iter > 0
+            and not any(
+                r.get("type") == "eval" and r.get("iter") == start_iter
+                for r in read_metrics(out / "metrics.jsonl")
+            )
+        )
+    )
     writer = MetricsWriter(out / "metrics.jsonl") if is_main_process() else NullWriter()
 
     def on_eval(iteration: int, metrics: dict) -> None:
@@ -257,6 +283,8 @@ def _train(
         f"{info.world_size} process(es) on {info.device.type}) into '{out}'"
     )
     try:
+        if eval_missing and schedule.should_eval(start_iter):
+            trainer.run_eval(start_iter)
         trainer.train(start_iter, rng_state)
         metrics = trainer.last_eval
         if metrics is None or trainer.last_eval_iter != total:
