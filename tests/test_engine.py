@@ -307,7 +307,7 @@ class _ToyDetector(nn.Module):
         return {"loss_classifier": loss, "loss_box_reg": loss * 0.5}
 
 
-def _toy_trainer(nonfinite: str, nan_calls: set[int]) -> Trainer:
+def _toy_trainer(nonfinite: str, nan_calls: set[int], scaler=None) -> Trainer:
     cfg = SimpleNamespace(
         solver=SimpleNamespace(
             amp="none", nonfinite=nonfinite, clip_grad_norm=1.0, batch_size=1, lr_steps=[]
@@ -318,7 +318,7 @@ def _toy_trainer(nonfinite: str, nan_calls: set[int]) -> Trainer:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0)
     schedule = Schedule(4, 4, 1, 0, 0, 0)
     return Trainer(
-        cfg, model, opt, sched, None, None, None, torch.device("cpu"), Path("."), NullWriter(),
+        cfg, model, opt, sched, scaler, None, None, torch.device("cpu"), Path("."), NullWriter(),
         schedule, ("bbox",),
     )  # fmt: skip
 
@@ -333,6 +333,17 @@ def test_nonfinite_skip_leaves_weights_and_counts() -> None:
     assert trainer.scheduler.last_epoch == 2  # the schedule still follows iterations
     trainer.step([], [], 3)
     assert not torch.equal(trainer.model.w.detach(), after_first)
+
+
+def test_scaled_step_clips_true_gradients() -> None:
+    # GradScaler("cpu") runs the same code path as the CUDA fp16 scaler used in training.
+    trainer = _toy_trainer("stop", nan_calls=set(), scaler=torch.amp.GradScaler("cpu"))
+    before = trainer.model.w.detach().clone()
+    trainer.step([], [], 1)
+    # d/dw of 1.5 * |w|^2 at w=1 is 3 per element; clipped to norm 1 before the lr 0.1 step
+    expected = before - 0.1 * torch.full((2,), 1 / math.sqrt(2))
+    assert torch.allclose(trainer.model.w.detach(), expected, atol=1e-5)
+    assert trainer.scaler.get_scale() == 65536.0
 
 
 def test_truncate_metrics(tmp_path) -> None:
