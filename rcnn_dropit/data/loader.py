@@ -1,0 +1,187 @@
+"""Datasets and DataLoaders from the config: dataset paths, shapes generation, loaders."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .coco import CocoDetection
+from .samplers import GroupedBatchSampler, ShardSampler, aspect_ratio_groups, dist_rank_and_size
+from .shapes import FORMAT_VERSION, make_shapes
+from .transforms import build_transforms
+
+_SHAPES_DEFAULT_ROOT = "datasets/shapes"
+_COCO_DEFAULT_ROOT = "datasets/coco"
+_SHAPES_KEYS = ("num_train", "num_val", "image_size", "num_classes", "seed")
+
+
+def _field(obj: Any, name: str) -> Any:
+    """Attribute or mapping key (data.shapes may be a dataclass or a plain dict)."""
+    return obj[name] if isinstance(obj, dict) else getattr(obj, name)
+
+
+def _shapes_params(cfg: Any) -> dict:
+    return {k: int(_field(cfg.data.shapes, k)) for k in _SHAPES_KEYS}
+
+
+def dataset_root(cfg: Any) -> Path:
+    """cfg.data.root; for shapes an empty or COCO-default root means datasets/shapes."""
+    root = cfg.data.root
+    if cfg.data.dataset == "shapes" and root in ("", None, _COCO_DEFAULT_ROOT):
+        root = _SHAPES_DEFAULT_ROOT
+    return Path(root)
+
+
+def dataset_paths(cfg: Any, split: str) -> tuple[Path, Path, str, str]:
+    """(image folder, annotation file, their config keys) of 'train' or 'val'."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split: '{split}' is not one of 'train', 'val'")
+    root = dataset_root(cfg)
+    if cfg.data.dataset == "shapes":
+        # fixed layout written by make_shapes; the COCO file-name keys do not apply
+        return (
+            root / split,
+            root / "annotations" / f"instances_{split}.json",
+            "data.root",
+            "data.root",
+        )
+    images_key, ann_key = f"data.{split}_images", f"data.{split}_ann"
+    return (
+        root / getattr(cfg.data, f"{split}_images"),
+        root / getattr(cfg.data, f"{split}_ann"),
+        images_key,
+        ann_key,
+    )
+
+
+def ensure_dataset(cfg: Any) -> None:
+    """Make sure the configured dataset is on disk: generate shapes if missing, check COCO paths."""
+    dataset = cfg.data.dataset
+    if dataset == "shapes":
+        _ensure_shapes(dataset_root(cfg), _shapes_params(cfg))
+    elif dataset == "coco":
+        root = dataset_root(cfg)
+        if not root.is_dir():
+            raise FileNotFoundError(f"data.root: folder '{root}' does not exist")
+        for split in ("train", "val"):
+            images, ann, images_key, ann_key = dataset_paths(cfg, split)
+            if not images.is_dir():
+                raise FileNotFoundError(f"{images_key}: folder '{images}' does not exist")
+            if not ann.is_file():
+                raise FileNotFoundError(f"{ann_key}: annotation file '{ann}' does not exist")
+    else:
+        raise ValueError(f"data.dataset: '{dataset}' is not one of 'coco', 'shapes'")
+
+
+def _ensure_shapes(root: Path, params: dict) -> None:
+    """Generate into a temporary sibling folder and rename it, so no half dataset is ever seen."""
+    marker = root / "annotations" / "instances_val.json"
+    if not marker.is_file():
+        if root.exists() and any(root.iterdir()):
+            raise ValueError(
+                f"data.root: folder '{root}' exists but holds no shapes dataset "
+                "(annotations/instances_val.json); remove it or choose another data.root"
+            )
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+        try:
+            make_shapes(tmp, **params)
+            if root.exists():
+                root.rmdir()  # empty folder
+            os.rename(tmp, root)
+        except OSError:
+            # another process (e.g. another rank) finished first: use its copy
+            if not marker.is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    found = json.loads(marker.read_text()).get("info", {}).get("shapes", {})
+    wanted = {**params, "version": FORMAT_VERSION}
+    if found != wanted:
+        raise ValueError(
+            f"data.root: shapes dataset in '{root}' was generated with {found}, but data.shapes "
+            f"asks for {wanted}; delete the folder or choose another data.root"
+        )
+
+
+def build_dataset(cfg: Any, split: str, seed: int = 0) -> CocoDetection:
+    """Dataset of one split with its transforms (random flip for 'train' only)."""
+    images, ann, images_key, ann_key = dataset_paths(cfg, split)
+    train = split == "train"
+    return CocoDetection(
+        images,
+        ann,
+        train=train,
+        transforms=build_transforms(train, float(cfg.data.hflip_prob)),
+        skip_missing_images=bool(cfg.data.skip_missing_images),
+        seed=seed,
+        image_key=images_key,
+        ann_key=ann_key,
+    )
+
+
+def collate(batch: list) -> tuple[list[torch.Tensor], list[dict]]:
+    """Detection batches stay lists: images differ in size until the model pads them."""
+    return [item[0] for item in batch], [item[1] for item in batch]
+
+
+def _seed_worker(worker_id: int) -> None:
+    # torch seeds each worker from the loader's generator; derive python/numpy from it as well
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def build_train_loader(cfg: Any, distributed: bool, seed: int = 0) -> DataLoader:
+    """Shuffled, aspect-ratio grouped training batches; see GroupedBatchSampler for resuming.
+
+    ``train_loader.batch_sampler`` has ``set_epoch(epoch)`` and ``set_start_batch(k)``.
+    """
+    ensure_dataset(cfg)
+    dataset = build_dataset(cfg, "train", seed=seed)
+    rank, world_size = dist_rank_and_size(distributed)
+    # one code path for 1 and N processes: shuffle depends only on (seed, epoch)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False
+    )
+    groups = aspect_ratio_groups(dataset.image_sizes, int(cfg.data.aspect_ratio_group_factor))
+    batch_sampler = GroupedBatchSampler(
+        sampler, groups, int(cfg.solver.batch_size), emit_epoch=True
+    )
+    return _loader(dataset, batch_sampler, int(cfg.data.num_workers), seed + rank)
+
+
+def build_val_loader(cfg: Any, distributed: bool) -> DataLoader:
+    """Every validation image exactly once over all ranks, in order, batch size 1.
+
+    Batch size 1 keeps results independent of the number of ranks (batching pads images).
+    """
+    ensure_dataset(cfg)
+    dataset = build_dataset(cfg, "val")
+    rank, world_size = dist_rank_and_size(distributed)
+    sampler = ShardSampler(len(dataset), rank, world_size)
+    batch_sampler = torch.utils.data.BatchSampler(sampler, batch_size=1, drop_last=False)
+    return _loader(dataset, batch_sampler, int(cfg.data.num_workers), 0)
+
+
+def _loader(dataset: CocoDetection, batch_sampler: Any, num_workers: int, seed: int) -> DataLoader:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=num_workers,
+        collate_fn=collate,
+        worker_init_fn=_seed_worker,
+        generator=generator,
+        persistent_workers=False,
+    )
