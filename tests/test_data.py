@@ -1,0 +1,437 @@
+"""Tests of rcnn_dropit.data: COCO parsing, shapes generation, transforms, samplers, loaders."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pycocotools.mask as mask_utils
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DistributedSampler
+
+from rcnn_dropit.data import (
+    CocoDetection,
+    GroupedBatchSampler,
+    aspect_ratio_groups,
+    build_train_loader,
+    build_transforms,
+    build_val_loader,
+    ensure_dataset,
+    hflip,
+    make_shapes,
+    segmentation_to_mask,
+    shard_indices,
+)
+
+SHAPES = {"num_train": 6, "num_val": 3, "image_size": 64, "num_classes": 3, "seed": 1}
+
+
+def make_cfg(root: Path, dataset: str = "shapes", **data_overrides) -> SimpleNamespace:
+    """Stand-in for the Config object with exactly the attributes the data module reads."""
+    data = {
+        "dataset": dataset,
+        "root": str(root),
+        "train_images": "train2017",
+        "train_ann": "annotations/instances_train2017.json",
+        "val_images": "val2017",
+        "val_ann": "annotations/instances_val2017.json",
+        "shapes": SimpleNamespace(**SHAPES),
+        "num_workers": 0,
+        "aspect_ratio_group_factor": 3,
+        "hflip_prob": 0.5,
+        "skip_missing_images": False,
+        **data_overrides,
+    }
+    return SimpleNamespace(data=SimpleNamespace(**data), solver=SimpleNamespace(batch_size=2))
+
+
+@pytest.fixture(scope="module")
+def shapes_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shapes")
+    make_shapes(root, **SHAPES)
+    return root
+
+
+def mask_box(mask: torch.Tensor) -> list[int]:
+    ys, xs = torch.nonzero(mask, as_tuple=True)
+    return [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def test_shapes_load_consistent(shapes_root):
+    ds = CocoDetection(
+        shapes_root / "train",
+        shapes_root / "annotations/instances_train.json",
+        train=True,
+        transforms=build_transforms(False, 0.0),
+    )
+    assert ds.num_classes == 4
+    assert ds.class_names == ["__background__", "circle", "square", "triangle"]
+    assert ds.stats["images_in_file"] == 6
+    assert ds.stats["dropped_without_annotations"] == 1  # the generated empty image
+    assert len(ds) == 5
+    n_objects = 0
+    for i in range(len(ds)):
+        image, target = ds[i]
+        h, w = image.shape[1:]
+        assert image.dtype == torch.float32 and 0.0 <= image.min() and image.max() <= 1.0
+        assert target["boxes"].dtype == torch.float32
+        assert target["labels"].dtype == torch.int64
+        assert target["masks"].dtype == torch.uint8 and target["masks"].shape[1:] == (h, w)
+        assert 1 <= len(target["labels"]) <= 4
+        assert ((target["labels"] >= 1) & (target["labels"] <= 3)).all()
+        for box, mask, area in zip(target["boxes"], target["masks"], target["area"], strict=True):
+            assert torch.allclose(box, torch.tensor(mask_box(mask), dtype=torch.float32), atol=1)
+            assert int(mask.sum()) == int(area)
+        n_objects += len(target["labels"])
+    assert n_objects == ds.stats["annotations_used"]
+
+
+def test_shapes_json_has_both_segmentation_kinds(shapes_root):
+    doc = json.loads((shapes_root / "annotations/instances_train.json").read_text())
+    kinds = {type(a["segmentation"]).__name__ for a in doc["annotations"]}
+    assert kinds == {"list", "dict"}
+    for ann in doc["annotations"]:
+        img = doc["images"][ann["image_id"] - 1]
+        mask = segmentation_to_mask(ann["segmentation"], img["height"], img["width"])
+        assert int(mask.sum()) == ann["area"] > 0
+        if isinstance(ann["segmentation"], dict):
+            assert isinstance(ann["segmentation"]["counts"], str)
+
+
+def test_shapes_deterministic(tmp_path):
+    def digest(root: Path) -> dict:
+        return {
+            str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))
+            if p.is_file()
+        }
+
+    make_shapes(tmp_path / "a", 4, 2, 48, 6, seed=3)
+    make_shapes(tmp_path / "b", 4, 2, 48, 6, seed=3)
+    make_shapes(tmp_path / "c", 4, 2, 48, 6, seed=4)
+    a, b, c = digest(tmp_path / "a"), digest(tmp_path / "b"), digest(tmp_path / "c")
+    assert len(a) == 4 + 2 + 2 and a == b
+    assert a != c
+
+
+def test_make_shapes_rejects_bad_args(tmp_path):
+    with pytest.raises(ValueError, match="num_classes: 7"):
+        make_shapes(tmp_path, 2, 2, 64, 7, 0)
+
+
+# ---------------------------------------------------------------- hand-written COCO
+
+
+def write_png(path: Path, w: int, h: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((h, w, 3), 128, dtype=np.uint8)).save(path)
+
+
+def tiny_coco(root: Path) -> tuple[Path, Path]:
+    """Four images: mixed annotations, empty, crowd-only, and an RLE-only one."""
+    images = root / "img"
+    for name, w, h in [("a.png", 20, 10), ("b.png", 8, 8), ("c.png", 8, 8), ("d.png", 6, 5)]:
+        write_png(images / name, w, h)
+    small = np.zeros((5, 6), dtype=np.uint8)
+    small[1:3, 1:4] = 1
+    rle = mask_utils.encode(np.asfortranarray(small))
+    doc = {
+        "images": [
+            {"id": 1, "file_name": "a.png", "width": 20, "height": 10},
+            {"id": 2, "file_name": "b.png", "width": 8, "height": 8},
+            {"id": 3, "file_name": "c.png", "width": 8, "height": 8},
+            {"id": 4, "file_name": "d.png", "width": 6, "height": 5},
+        ],
+        "categories": [{"id": 7, "name": "cat"}, {"id": 3, "name": "dog"}],
+        "annotations": [
+            # polygon, box sticks out of the image on the right: clipped to x2 = 20
+            {"id": 10, "image_id": 1, "category_id": 7, "bbox": [15, 2, 10, 4], "area": 20,
+             "iscrowd": 0, "segmentation": [[15, 2, 20, 2, 20, 6, 15, 6]]},
+            # uncompressed RLE (column-major run lengths over 10x20)
+            {"id": 11, "image_id": 1, "category_id": 3, "bbox": [0, 0, 1, 3], "area": 3,
+             "iscrowd": 0, "segmentation": {"size": [10, 20], "counts": [0, 3, 197]}},
+            {"id": 12, "image_id": 1, "category_id": 3, "bbox": [2, 2, 0, 5], "area": 0,
+             "iscrowd": 0, "segmentation": [[2, 2, 2, 7, 2, 7]]},  # degenerate: zero width
+            {"id": 13, "image_id": 1, "category_id": 7, "bbox": [0, 0, 20, 10], "area": 200,
+             "iscrowd": 1, "segmentation": {"size": [10, 20], "counts": [0, 200]}},
+            {"id": 14, "image_id": 3, "category_id": 7, "bbox": [0, 0, 4, 4], "area": 16,
+             "iscrowd": 1,
+             "segmentation": {"size": [8, 8], "counts": [0, 4, 4, 4, 4, 4, 4, 4, 36]}},
+            # compressed RLE with counts as str
+            {"id": 15, "image_id": 4, "category_id": 3, "bbox": [1, 1, 3, 2], "area": 6,
+             "iscrowd": 0, "segmentation": {"size": [5, 6], "counts": rle["counts"].decode()}},
+        ],
+    }  # fmt: skip
+    ann = root / "instances.json"
+    ann.write_text(json.dumps(doc))
+    return images, ann
+
+
+def test_tiny_coco_train_counts_and_targets(tmp_path):
+    images, ann = tiny_coco(tmp_path)
+    ds = CocoDetection(images, ann, train=True, transforms=build_transforms(False, 0.0))
+    assert ds.stats == {
+        "images_in_file": 4,
+        "images": 2,
+        "dropped_without_annotations": 2,  # b.png empty, c.png crowd only
+        "skipped_missing_images": 0,
+        "annotations_used": 3,
+        "crowd_annotations": 2,
+        "degenerate_boxes": 1,
+    }
+    assert ds.image_ids == [1, 4]
+    assert ds.num_classes == 3 and ds.cat_ids == [3, 7]
+    assert ds.label_to_cat_id(1) == 3 and ds.label_to_cat_id(2) == 7
+    assert ds.cat_id_to_label(7) == 2
+
+    _, t = ds[0]
+    assert t["image_id"] == 1
+    assert t["labels"].tolist() == [2, 1]
+    assert t["boxes"].tolist() == [[15.0, 2.0, 20.0, 6.0], [0.0, 0.0, 1.0, 3.0]]
+    assert t["iscrowd"].tolist() == [0, 0]
+    assert t["masks"].shape == (2, 10, 20)
+    assert t["masks"][0].sum() == 20 and mask_box(t["masks"][0]) == [15, 2, 20, 6]
+    assert t["masks"][1, :3, 0].tolist() == [1, 1, 1] and t["masks"][1].sum() == 3
+
+    _, t = ds[1]
+    assert t["masks"].shape == (1, 5, 6) and t["masks"].sum() == 6
+    assert mask_box(t["masks"][0]) == [1, 1, 4, 3]
+
+
+def test_tiny_coco_val_keeps_all_images(tmp_path):
+    images, ann = tiny_coco(tmp_path)
+    ds = CocoDetection(images, ann, train=False, transforms=build_transforms(False, 0.0))
+    assert len(ds) == 4 and ds.stats["dropped_without_annotations"] == 0
+    _, t = ds[1]
+    assert t["boxes"].shape == (0, 4) and t["masks"].shape == (0, 8, 8)
+    assert sorted(ds.coco.getImgIds()) == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_error_missing_folder_and_file(tmp_path):
+    images, ann = tiny_coco(tmp_path)
+    with pytest.raises(FileNotFoundError, match="data.val_images: folder .*nope"):
+        CocoDetection(tmp_path / "nope", ann, train=False, image_key="data.val_images")
+    with pytest.raises(FileNotFoundError, match="data.val_ann: annotation file .*none.json"):
+        CocoDetection(images, tmp_path / "none.json", train=False, ann_key="data.val_ann")
+    cfg = make_cfg(tmp_path / "coco", dataset="coco")
+    with pytest.raises(FileNotFoundError, match="data.root: folder"):
+        ensure_dataset(cfg)
+    (tmp_path / "coco" / "train2017").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="data.train_ann: annotation file"):
+        ensure_dataset(cfg)
+
+
+def test_error_not_coco(tmp_path):
+    images, _ = tiny_coco(tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"annotations": [], "categories": []}))
+    with pytest.raises(ValueError, match="missing key 'images'"):
+        CocoDetection(images, bad, train=True)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a COCO file"):
+        CocoDetection(images, bad, train=True)
+
+
+def test_error_unknown_category(tmp_path):
+    images, ann = tiny_coco(tmp_path)
+    doc = json.loads(ann.read_text())
+    doc["annotations"][2]["category_id"] = 99
+    ann.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="annotation 12 has category_id 99"):
+        CocoDetection(images, ann, train=True)
+
+
+def test_missing_and_unreadable_images(tmp_path):
+    images, ann = tiny_coco(tmp_path)
+    (images / "a.png").unlink()
+    with pytest.raises(FileNotFoundError, match="a.png.*skip_missing_images"):
+        CocoDetection(images, ann, train=False)
+    (images / "b.png").write_bytes(b"not an image")
+    ds = CocoDetection(images, ann, train=False, skip_missing_images=True)
+    assert ds.stats["skipped_missing_images"] == 2 and ds.image_ids == [3, 4]
+    # without the skip option a corrupt file fails when loaded, naming the file
+    write_png(images / "a.png", 20, 10)
+    ds = CocoDetection(images, ann, train=False)
+    with pytest.raises(ValueError, match="b.png' cannot be read"):
+        ds[1]
+
+
+# ---------------------------------------------------------------- transforms
+
+
+def test_hflip_moves_boxes_and_masks_together(shapes_root):
+    ds = CocoDetection(shapes_root / "val", shapes_root / "annotations/instances_val.json", False)
+    image, target = ds[0]
+    flipped_image, flipped = hflip(image, target)
+    w = image.shape[-1]
+    assert torch.equal(flipped_image, image.flip(-1))
+    for box, mask in zip(flipped["boxes"], flipped["masks"], strict=True):
+        assert mask_box(mask) == [int(v) for v in box.tolist()]
+    orig = target["boxes"]
+    assert torch.equal(flipped["boxes"][:, 0], w - orig[:, 2])
+    assert torch.equal(flipped["boxes"][:, 2], w - orig[:, 0])
+    again_image, again = hflip(flipped_image, flipped)
+    assert torch.equal(again_image, image) and torch.equal(again["boxes"], orig)
+    assert torch.equal(again["masks"], target["masks"])
+
+
+def test_random_flip_probability():
+    image = torch.arange(6, dtype=torch.uint8).reshape(1, 2, 3)
+    target = {"boxes": torch.tensor([[0.0, 0.0, 1.0, 2.0]]), "masks": torch.ones(1, 2, 3)}
+    always, never = build_transforms(True, 1.0), build_transforms(True, 0.0)
+    out, t = always(image, target, random.Random(0))
+    assert out.dtype == torch.float32 and t["boxes"].tolist() == [[2.0, 0.0, 3.0, 2.0]]
+    assert torch.equal(out * 255, image.flip(-1).float())
+    out, t = never(image, target, random.Random(0))
+    assert torch.equal(t["boxes"], target["boxes"])
+    flips = sum(
+        build_transforms(True, 0.5)(image, target, random.Random(i))[1]["boxes"][0, 0] == 2
+        for i in range(400)
+    )
+    assert 150 < flips < 250
+
+
+# ---------------------------------------------------------------- samplers
+
+
+SIZES = [(640, 480), (480, 640), (500, 500), (640, 480), (480, 640), (1000, 300), (640, 480)] * 3
+
+
+def test_aspect_ratio_groups():
+    groups = aspect_ratio_groups([(640, 480), (480, 640), (500, 500), (1000, 300), (100, 400)], 3)
+    assert groups == [4, 1, 3, 6, -1]
+    assert aspect_ratio_groups(SIZES, -1) == [0] * len(SIZES)
+
+
+def make_batch_sampler(world_size=1, rank=0, batch_size=2, factor=3, seed=0):
+    sampler = DistributedSampler(
+        range(len(SIZES)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+    )
+    return GroupedBatchSampler(sampler, aspect_ratio_groups(SIZES, factor), batch_size)
+
+
+def test_grouped_batches_cover_once_and_share_group():
+    groups = aspect_ratio_groups(SIZES, 3)
+    bs = make_batch_sampler(batch_size=3)
+    for epoch in range(3):
+        bs.set_epoch(epoch)
+        batches = list(bs)
+        assert len(batches) == len(bs) == 7
+        flat = sorted(i for b in batches for i in b)
+        assert flat == list(range(len(SIZES)))
+        full = [b for b in batches if len({groups[i] for i in b}) == 1]
+        # 21 images in groups of 9, 6, 3, 3: at most the leftovers are mixed, and here none are
+        assert len(full) == 7 and all(len(b) == 3 for b in batches)
+
+
+def test_grouped_batches_deterministic_per_epoch():
+    a, b = make_batch_sampler(), make_batch_sampler()
+    a.set_epoch(1)
+    b.set_epoch(1)
+    assert list(a) == list(b)
+    b.set_epoch(2)
+    assert list(a) != list(b)
+    c = make_batch_sampler(seed=5)
+    c.set_epoch(1)
+    assert list(a) != list(c)
+
+
+def test_grouped_batches_resume_mid_epoch():
+    bs = make_batch_sampler()
+    bs.set_epoch(4)
+    full = list(bs)
+    resumed = make_batch_sampler()
+    resumed.set_epoch(4)
+    resumed.set_start_batch(5)
+    assert list(resumed) == full[5:]
+    assert list(resumed) == full  # the skip applies to one pass only
+    with pytest.raises(ValueError, match="start batch 99"):
+        resumed.set_start_batch(99)
+    keyed = GroupedBatchSampler(bs.sampler, bs.group_ids, 2, emit_epoch=True)
+    keyed.set_epoch(4)
+    assert next(iter(keyed)) == [(i, 4) for i in full[0]]
+
+
+def test_grouped_batches_equal_count_per_rank():
+    for world_size in (2, 3, 4):
+        counts, seen = set(), []
+        for rank in range(world_size):
+            bs = make_batch_sampler(world_size, rank, batch_size=2)
+            bs.set_epoch(7)
+            batches = list(bs)
+            counts.add(len(batches))
+            assert len(batches) == len(bs)
+            seen += [i for b in batches for i in b]
+        assert len(counts) == 1  # DDP would hang on unequal counts
+        assert set(seen) == set(range(len(SIZES)))
+
+
+def test_val_sharding_exactly_once():
+    for n in (0, 1, 5, 7, 10):
+        for world_size in (1, 2, 3):
+            shards = [shard_indices(n, r, world_size) for r in range(world_size)]
+            assert sorted(i for s in shards for i in s) == list(range(n))
+            assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    with pytest.raises(ValueError):
+        shard_indices(5, 3, 3)
+
+
+# ---------------------------------------------------------------- loaders
+
+
+def test_ensure_dataset_generates_shapes_once(tmp_path):
+    root = tmp_path / "ds" / "shapes"
+    cfg = make_cfg(root)
+    ensure_dataset(cfg)
+    assert (root / "annotations/instances_val.json").is_file()
+    assert sorted(p.name for p in root.parent.iterdir()) == ["shapes"]  # no temp folder left
+    stamp = (root / "train/000000.png").stat().st_mtime_ns
+    ensure_dataset(cfg)
+    assert (root / "train/000000.png").stat().st_mtime_ns == stamp
+    other = make_cfg(root)
+    other.data.shapes.num_train = 7
+    with pytest.raises(ValueError, match="generated with"):
+        ensure_dataset(other)
+
+
+def test_loaders_on_shapes(shapes_root):
+    cfg = make_cfg(shapes_root)
+    train = build_train_loader(cfg, distributed=False, seed=3)
+    assert len(train) == 3  # 5 usable images, batch 2
+    train.batch_sampler.set_epoch(0)
+    seen = []
+    for images, targets in train:
+        assert isinstance(images, list) and isinstance(targets, list)
+        assert len(images) == len(targets) <= 2
+        seen += [t["image_id"] for t in targets]
+        for image, t in zip(images, targets, strict=True):
+            for box, mask in zip(t["boxes"], t["masks"], strict=True):
+                assert mask_box(mask) == [int(v) for v in box.tolist()]
+            assert image.shape[1:] == t["masks"].shape[1:]
+    assert sorted(seen) == sorted(train.dataset.image_ids)
+
+    val = build_val_loader(cfg, distributed=False)
+    assert [t["image_id"] for _, ts in val for t in ts] == [1, 2, 3]
+    assert val.dataset.label_to_cat_id(3) == 3
+
+
+def test_train_augmentation_independent_of_workers(shapes_root):
+    def epoch_boxes(num_workers: int) -> list:
+        cfg = make_cfg(shapes_root, num_workers=num_workers, hflip_prob=0.5)
+        loader = build_train_loader(cfg, distributed=False, seed=11)
+        loader.batch_sampler.set_epoch(2)
+        return [t["boxes"].tolist() for _, ts in loader for t in ts]
+
+    assert epoch_boxes(0) == epoch_boxes(1)
