@@ -1,0 +1,137 @@
+"""Markdown tables of report rows: AP with deltas, memory/throughput, run description."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from rcnn_dropit.report.groups import Row
+from rcnn_dropit.report.runs import METRIC_KEYS
+
+DASH = "-"
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(
+    header: Sequence[str], rows: Sequence[Sequence[object]], numeric_from: int
+) -> str:
+    """A pipe table; columns from index numeric_from on are right-aligned."""
+    align = ["---" if i < numeric_from else "---:" for i in range(len(header))]
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt_ap(value: float | None) -> str:
+    """AP in [0, 1] as x100 with one decimal."""
+    return DASH if value is None else f"{value * 100:.1f}"
+
+
+def fmt_delta(value: float | None, base: float | None) -> str:
+    """' (+0.6)' style AP delta (x100); empty without both."""
+    if value is None or base is None:
+        return ""
+    # Difference of the shown one-decimal values, so that a reader's subtraction gives the same.
+    delta = round(float(fmt_ap(value)) - float(fmt_ap(base)), 1)
+    return f" ({'+' if delta >= 0 else '-'}{abs(delta):.1f})"
+
+
+def fmt_ratio(value: float | None, base: float | None) -> str:
+    """value / base with two decimals."""
+    if value is None or base is None or base <= 0:
+        return DASH
+    return f"{value / base:.2f}"
+
+
+def fmt_num(value: float | None, digits: int) -> str:
+    """A plain number, or a dash when missing."""
+    return DASH if value is None else f"{value:.{digits}f}"
+
+
+def row_name(row: Row, baseline: Row | None) -> str:
+    """First-column label, marking the baseline."""
+    return f"{row.label} (baseline)" if row is baseline else row.label
+
+
+def ap_table(rows: Sequence[Row], baseline: Row | None, family: str, grouped: bool) -> str:
+    """AP, AP50, ..., APl (x100) per row; other rows carry their delta to the baseline."""
+    header = ["run", *(["n"] if grouped else []), *METRIC_KEYS]
+    if grouped:
+        header.append("AP per seed")
+    body = []
+    for row in rows:
+        cells: list[object] = [row_name(row, baseline)]
+        if grouped:
+            cells.append(len(row.runs))
+        for key in METRIC_KEYS:
+            value = row.metric(family, key)
+            base = None if baseline is None or row is baseline else baseline.metric(family, key)
+            cells.append(fmt_ap(value) + fmt_delta(value, base))
+        if grouped:
+            cells.append(", ".join(fmt_ap(v) for v in row.values(family, "AP")) or DASH)
+        body.append(cells)
+    return markdown_table(header, body, numeric_from=1)
+
+
+def memory_table(rows: Sequence[Row], baseline: Row | None) -> str:
+    """Saved-activation MB, peak MB and images/s, each with its ratio to the baseline."""
+    header = ["run", "saved MB", "saved ratio", "peak MB", "peak ratio", "images/s", "speed ratio"]
+    body = []
+    for row in rows:
+        body.append(
+            [
+                row_name(row, baseline),
+                fmt_num(row.saved_mb, 1),
+                fmt_ratio(row.saved_mb, baseline.saved_mb if baseline else None),
+                fmt_num(row.peak_mb, 1),
+                fmt_ratio(row.peak_mb, baseline.peak_mb if baseline else None),
+                fmt_num(row.images_per_sec, 2),
+                fmt_ratio(row.images_per_sec, baseline.images_per_sec if baseline else None),
+            ]
+        )
+    return markdown_table(header, body, numeric_from=1)
+
+
+def _options(row: Row) -> str:
+    opts = row.first.options
+    if not opts:
+        return DASH
+    return ", ".join(
+        f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in opts.items()
+    )
+
+
+def _joined(values: Sequence[object]) -> str:
+    distinct = list(dict.fromkeys(values))
+    return ", ".join(DASH if v is None else str(v) for v in distinct) or DASH
+
+
+def description_table(rows: Sequence[Row], baseline: Row | None, grouped: bool) -> str:
+    """What each row is: arch, DropIT setting, seed(s), iterations, evaluated images, folder."""
+    header = ["run", "arch", "backbone", "dropit", "gamma", "options", "seed"]
+    header += ["n"] if grouped else []
+    header += ["iterations", "val images", "directory"]
+    body = []
+    for row in rows:
+        run = row.first
+        cells: list[object] = [
+            row_name(row, baseline),
+            run.cfg("model.arch", DASH),
+            run.cfg("model.backbone", DASH),
+            run.strategy or "off",
+            DASH if run.gamma is None else f"{run.gamma:g}",
+            _options(row),
+            _joined([r.seed for r in row.runs]),
+        ]
+        if grouped:
+            cells.append(len(row.runs))
+        cells += [
+            _joined([r.iterations for r in row.runs]),
+            _joined([r.num_images for r in row.runs]),
+            ", ".join(f"`{r.path}`" for r in row.runs),
+        ]
+        body.append(cells)
+    return markdown_table(header, body, numeric_from=len(header))
