@@ -107,7 +107,7 @@ class DropITLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, cache: InputCache):
         out = F.linear(x, weight, bias)
         if weight.requires_grad:
-            tensors, meta = cache.pack(x.reshape(-1, x.shape[-1]), "linear")
+            tensors, meta = cache.pack(x, "linear")
         else:
             tensors, meta = (), None
         ctx.cache, ctx.meta, ctx.x_shape = cache, meta, x.shape
@@ -124,14 +124,17 @@ class DropITLinearFunction(torch.autograd.Function):
             gx = (g2 @ weight).view(ctx.x_shape)
         if need_w:
             x_hat = ctx.cache.unpack(tuple(tensors), ctx.meta)
-            gw = g2.t() @ x_hat
+            gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
         if need_b:
             gb = g2.sum(0)
         return gx, gw, gb, None
 
 
 class MaskedReLUFunction(torch.autograd.Function):
-    """ReLU that keeps one bit per element (output > 0) for backward instead of the output."""
+    """ReLU that keeps one bit per element (output <= 0) for backward instead of the output.
+
+    Storing "blocked" rather than "passes" lets NaN through exactly as the plain ReLU backward.
+    """
 
     @staticmethod
     def forward(ctx, x, inplace: bool):
@@ -141,14 +144,14 @@ class MaskedReLUFunction(torch.autograd.Function):
         else:
             out = torch.relu(x)
         ctx.shape = out.shape
-        ctx.save_for_backward(pack_bits((out > 0).reshape(-1)))
+        ctx.save_for_backward(pack_bits((out <= 0).reshape(-1)))
         return out
 
     @staticmethod
     def backward(ctx, grad):
         (bits,) = ctx.saved_tensors
-        mask = unpack_bits(bits, grad.numel()).view(ctx.shape)
-        return torch.where(mask, grad, 0), None
+        blocked = unpack_bits(bits, grad.numel()).view(ctx.shape)
+        return grad.masked_fill(blocked, 0), None
 
 
 def autocast_inputs(

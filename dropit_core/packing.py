@@ -27,7 +27,10 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
         mask = torch.cat([mask, mask.new_zeros(pad)])
     if n + pad == 0:
         return torch.empty(0, dtype=torch.uint8, device=mask.device)
-    words = mask.contiguous().view(torch.uint8).view(torch.int64)
+    mask = mask.contiguous()
+    if mask.data_ptr() % 8:  # reading bytes as int64 needs 8-byte alignment
+        mask = mask.clone()
+    words = mask.view(torch.uint8).view(torch.int64)
     # int64 multiply wraps; the arithmetic shift's sign bits are cut off by the mask.
     return (((words * _GATHER) >> 56) & 0xFF).to(torch.uint8)
 
@@ -56,8 +59,9 @@ class ValueCodec:
         pad = (-m) % self.int8_chunk
         v = torch.nn.functional.pad(values.float(), (0, pad)).view(-1, self.int8_chunk)
         scale = v.abs().amax(dim=1).clamp_min_(torch.finfo(torch.float32).tiny) / 127.0
-        q = torch.round(v / scale[:, None]).to(torch.int8).view(-1)[:m]
-        return (q, scale)
+        q = torch.round(v / scale[:, None]).to(torch.int8).view(-1)
+        # Slicing off the padding would still keep it alive in the storage: copy instead.
+        return (q[:m].clone() if pad else q, scale)
 
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         """Decode what :meth:`encode` returned back to a flat tensor of ``dtype``."""

@@ -28,9 +28,14 @@ from .ops import (
 from .strategies import build_strategy
 
 
-def _training_step(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # Under no_grad/eval (or a frozen layer fed a constant) run the plain op: zero selection work.
-    return torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
+def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
+    # In eval, under no_grad, or for a frozen layer fed a constant, run the plain op: zero
+    # selection work.
+    return (
+        module.training
+        and torch.is_grad_enabled()
+        and (module.weight.requires_grad or x.requires_grad)
+    )
 
 
 class DropITConv2d(nn.Conv2d):
@@ -39,7 +44,7 @@ class DropITConv2d(nn.Conv2d):
     dropit_cache: InputCache
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _training_step(x, self.weight):
+        if not _training_step(self, x):
             return super().forward(x)
         padding = self.padding
         if self.padding_mode != "zeros":
@@ -70,7 +75,7 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
     dropit_cache: InputCache
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
-        if not _training_step(x, self.weight):
+        if not _training_step(self, x):
             return super().forward(x, output_size)
         output_padding = self._output_padding(
             x, output_size, list(self.stride), list(self.padding), list(self.kernel_size), 2,
@@ -94,7 +99,7 @@ class DropITLinear(nn.Linear):
     dropit_cache: InputCache
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _training_step(x, self.weight):
+        if not _training_step(self, x):
             return super().forward(x)
         x, w, b = autocast_inputs(x, self.weight, self.bias)
         return DropITLinearFunction.apply(x, w, b, self.dropit_cache)
@@ -104,7 +109,7 @@ class DropITReLU(nn.ReLU):
     """``nn.ReLU`` that keeps a 1-bit mask of its output for backward, not the output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (torch.is_grad_enabled() and x.requires_grad):
+        if not (self.training and torch.is_grad_enabled() and x.requires_grad):
             return super().forward(x)
         return MaskedReLUFunction.apply(x, self.inplace)
 
@@ -129,7 +134,7 @@ class ConvertedLayer:
 
 def _matches(path: str, pattern: str) -> bool:
     # A pattern selects a module and everything under it ("roi_heads" covers roi_heads.*).
-    return fnmatch.fnmatchcase(path, pattern) or path.startswith(pattern.rstrip(".*") + ".")
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + ".*")
 
 
 def _check_patterns(kind: str, patterns: Sequence[str], paths: list[str]) -> None:
@@ -170,21 +175,28 @@ def to_dropit(
     if already:
         raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")
 
+    chosen = [
+        (path, module)
+        for path, module in named
+        if type(module) in _DROPIT_CLASS
+        and (relu or type(module) is not nn.ReLU)
+        and any(_matches(path, p) for p in include)
+        and not any(_matches(path, p) for p in exclude)
+    ]
+    if all(type(m) is nn.ReLU for _, m in chosen):
+        raise ValueError(
+            f"DropIT include={list(include)} with exclude={list(exclude)} selects no "
+            "Conv2d/ConvTranspose2d/Linear layer"
+        )
     cache = InputCache(built)
     record: list[ConvertedLayer] = []
-    for path, module in named:
+    for path, module in chosen:  # convert only once everything is validated
         plain = type(module)
-        if plain not in _DROPIT_CLASS or (plain is nn.ReLU and not relu):
-            continue
-        if not any(_matches(path, p) for p in include) or any(_matches(path, p) for p in exclude):
-            continue
         module.__class__ = _DROPIT_CLASS[plain]
         if plain is not nn.ReLU:
             module.dropit_cache = cache
         label = "relu-mask" if plain is nn.ReLU else built.describe()
         record.append(ConvertedLayer(path, plain.__name__, label))
-    if not any(r.kind != "ReLU" for r in record):
-        raise ValueError("DropIT converted no conv/linear layer: include/exclude leave none")
     return model, record
 
 

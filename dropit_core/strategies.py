@@ -240,9 +240,10 @@ class Threshold(_Elementwise):
         tiny = _tiny(flat.dtype)
         if self.gamma == 0.0 or n == 0:
             return torch.full((), tiny, device=flat.device)
-        # A strided view costs nothing to take; a prime stride shares no factor with the
+        # A strided view costs nothing to take; an odd prime stride shares no factor with the
         # power-of-two widths of CNN feature maps, so the sample does not lock onto columns.
-        stride = _prime_at_least(max(1, n // self.sample))
+        stride = n // self.sample
+        stride = 1 if stride <= 1 else _prime_at_least(max(3, stride))
         sample = flat[::stride].abs().float()
         q = min(sample.numel(), max(1, math.ceil(self.gamma * sample.numel())))
         return torch.kthvalue(sample, q).values.clamp_min(tiny)

@@ -117,12 +117,6 @@ def test_counts_are_per_forward_and_hooks_are_removed() -> None:
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ValueCodec.encode returns int8 values as a [:m] slice of the chunk-padded tensor: "
-    "the kept storage is ceil(m/int8_chunk)*int8_chunk bytes, more than the documented "
-    "kept + 4*ceil(kept/int8_chunk)",
-)
 def test_int8_cache_storage_matches_the_formula() -> None:
     model = _model()
     to_dropit(model, strategy="mink", gamma=0.8, values="int8", int8_chunk=16)

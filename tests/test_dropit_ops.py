@@ -245,11 +245,6 @@ def test_no_grad_runs_no_strategy_code(monkeypatch, index: int, mode: str) -> No
         assert torch.equal(drop(x), plain(x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="patch._training_step ignores module.training: in eval mode with grad enabled the "
-    "DropIT layer still packs (comment there says 'Under no_grad/eval ... run the plain op')",
-)
 @pytest.mark.parametrize("index", [0, 2])
 def test_eval_mode_runs_no_strategy_code(monkeypatch, index: int) -> None:
     plain, shape = _layers()[index]

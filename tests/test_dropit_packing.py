@@ -54,11 +54,6 @@ def test_unpack_bits_of_a_byte_slice() -> None:
     assert torch.equal(unpack_bits(bits[2:5], 20), mask[16:36])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pack_bits views the bool storage as int64: a flat slice whose storage offset is not a "
-    "multiple of 8 (and whose length is) raises RuntimeError",
-)
 def test_pack_bits_accepts_a_sliced_mask() -> None:
     gen = torch.Generator().manual_seed(2)
     big = torch.rand(20, generator=gen) < 0.5

@@ -167,12 +167,6 @@ def test_threshold_is_the_quantile_of_a_prime_stride_sample(
     assert _cache_bytes(tensors) == math.ceil(n / 8) + 4 * kept
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Threshold._begin: stride = _prime_at_least(max(1, n // sample)) is 2 whenever "
-    "n < 3*sample (_prime_at_least(1) == 2), so the sample reads only even positions and locks "
-    "onto even columns of even-width maps; the kept fraction is then far from 1-gamma",
-)
 @pytest.mark.parametrize("shape,options", [((4, 16, 8, 8), {}), ((5, 8, 8, 8), {"sample": 1024})])
 def test_threshold_sample_does_not_lock_onto_columns(shape, options) -> None:
     # Even columns are 100x smaller than odd ones: a sample of even columns only puts the
