@@ -15,6 +15,11 @@ from torch import nn
 
 POINTER_NAME = "last_checkpoint"
 _NUMBERED = re.compile(r"model_(\d+)\.pth")
+_TMP = re.compile(r"\..+\.tmp-(\d+)")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -41,7 +46,9 @@ def _write_atomic(path: Path, write: Any) -> None:
     except BaseException as err:
         tmp.unlink(missing_ok=True)
         if isinstance(err, OSError):  # disk full, permissions, quota: a user-facing problem
-            raise RuntimeError(f"could not write '{path}': {err}") from err
+            raise CheckpointWriteError(
+                f"could not write '{path}': {err}; the previous checkpoint is kept"
+            ) from err
         raise
 
 
@@ -69,6 +76,26 @@ def _prune(ckpt_dir: Path, keep_last: int, just_written: Path) -> None:
             warnings.warn(f"could not remove old checkpoint '{old}': {err}", stacklevel=3)
 
 
+def _remove_stale_tmp(ckpt_dir: Path) -> None:
+    # Temp files of writers killed mid-write (kill -9, OOM): as large as a checkpoint each.
+    for tmp in ckpt_dir.glob(".*.tmp-*"):
+        match = _TMP.fullmatch(tmp.name)
+        if match and not _pid_alive(int(match.group(1))):
+            tmp.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists but belongs to someone else
+    return True
+
+
 def save_checkpoint(ckpt_dir: Path | str, name: str, state: dict, keep_last: int) -> Path:
     """Write state atomically to ckpt_dir/name, point last_checkpoint at it, prune old ones.
 
@@ -79,6 +106,7 @@ def save_checkpoint(ckpt_dir: Path | str, name: str, state: dict, keep_last: int
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / name
+    _remove_stale_tmp(ckpt_dir)
     _write_atomic(path, lambda f: torch.save(state, f))
     _write_atomic(ckpt_dir / POINTER_NAME, lambda f: f.write(name.encode()))
     if keep_last > 0:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from rcnn_dropit.checkpoint import CheckpointWriteError
+
 
 def add_opts_argument(parser: argparse.ArgumentParser) -> None:
     """--opts key=value ... config overrides."""
@@ -25,9 +27,10 @@ def run_cli(fn: Callable[[], object]) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    except FloatingPointError as err:
-        # Training diverged: not a usage error, but the message says all there is to say.
-        print(f"error: {err}", file=sys.stderr)
+    except (FloatingPointError, CheckpointWriteError, OSError) as err:
+        # Training diverged, or the disk is full: not a usage error, but the message says all
+        # there is to say (the last good checkpoint stays usable for --resume auto).
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

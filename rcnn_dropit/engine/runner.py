@@ -15,7 +15,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from rcnn_dropit.checkpoint import check_model_compat, load_checkpoint, resolve_resume
+from rcnn_dropit.checkpoint import (
+    check_model_compat,
+    find_last_checkpoint,
+    load_checkpoint,
+    resolve_resume,
+)
 from rcnn_dropit.config import Config, dump_config, load_config
 from rcnn_dropit.data import build_train_loader, build_val_loader, ensure_dataset
 from rcnn_dropit.distributed import (
@@ -83,8 +88,9 @@ def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Pat
     return Path("outputs") / (cfg.name or "run")
 
 
-def check_output_dir(out: Path, resume: str | None, overwrite: bool) -> None:
-    """Refuse to mix a new run into a used folder; --overwrite clears our own files first."""
+def check_output_dir(out: Path, resume: str | None, overwrite: bool, clear: bool = True) -> None:
+    """Refuse to mix a new run into a used folder; --overwrite clears our own files first
+    (unless clear=False: check only, so nothing is lost if a later check fails)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"output dir '{out}' exists and is not a folder")
     if resume is not None or not out.is_dir() or not any(out.iterdir()):
@@ -94,6 +100,12 @@ def check_output_dir(out: Path, resume: str | None, overwrite: bool) -> None:
             f"output dir '{out}' is not empty; pass --resume auto to continue that run, "
             "--overwrite to replace it, or --output-dir to choose another folder"
         )
+    if clear:
+        remove_run_artifacts(out)
+
+
+def remove_run_artifacts(out: Path) -> None:
+    """Delete the files a run writes (RUN_ARTIFACTS) from out, nothing else."""
     for name in RUN_ARTIFACTS:
         path = out / name
         if path.is_dir():
@@ -150,6 +162,16 @@ def restore_training_state(
     iters_per_epoch: int,
 ) -> None:
     """Load weights, optimizer, scheduler and scaler from a checkpoint (RNG comes later)."""
+    lacking = [k for k in ("model", "optimizer", "scheduler", "iteration", "rng") if k not in state]
+    if lacking:
+        raise ValueError(
+            f"--resume: '{path}' is not a training checkpoint (it lacks {', '.join(lacking)}); "
+            "to start from its weights use model.weights=PATH without --resume"
+        )
+    try:
+        check_model_compat(net, state["model"])
+    except ValueError as err:
+        raise ValueError(f"--resume: checkpoint '{path}': {err}") from None
     done = state.get("sampler", {}).get("iters_per_epoch", iters_per_epoch)
     if done != iters_per_epoch:
         raise ValueError(
@@ -157,11 +179,28 @@ def restore_training_state(
             f"this run has {iters_per_epoch} (batch size, world size or dataset changed)"
         )
     net.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except ValueError as err:  # e.g. other trainable layers: parameter groups differ
+        raise ValueError(
+            f"--resume: checkpoint '{path}': its optimizer state does not fit this run ({err})"
+        ) from None
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
     say(f"resumed from '{path}' at iteration {state['iteration']}")
+
+
+def say_dropped(dataset: object, split: str) -> None:
+    """Tell the user how many images and boxes the data set left out, if any."""
+    stats = getattr(dataset, "stats", {})
+    parts = []
+    if stats.get("skipped_missing_images"):
+        parts.append(f"skipped {stats['skipped_missing_images']} missing or unreadable images")
+    if stats.get("degenerate_boxes"):
+        parts.append(f"dropped {stats['degenerate_boxes']} boxes with non-positive width or height")
+    if parts:
+        say(f"note: data ({split}): {'; '.join(parts)}")
 
 
 @dataclass
@@ -189,10 +228,29 @@ def train(
     """Train per config (single process or under torchrun), evaluate, write the run directory."""
     cfg = load_config(config, overrides)
     info = init_distributed(cfg.train.device)
+    out = resolve_output_dir(cfg, output_dir)
+    created = not out.exists()
     try:
         return _train(cfg, info, resume, output_dir, overwrite)
+    except (ValueError, FileNotFoundError):
+        if created and is_main_process():
+            discard_unfinished_run(out)
+        raise
     finally:
         cleanup()
+
+
+def discard_unfinished_run(out: Path) -> None:
+    """Remove a run folder this invocation made if it holds no checkpoint yet.
+
+    A bad input found only once training runs (e.g. an unreadable image) then leaves no
+    half-made run directory behind.
+    """
+    if not out.is_dir() or find_last_checkpoint(out / "checkpoints") is not None:
+        return
+    remove_run_artifacts(out)
+    if not any(out.iterdir()):
+        out.rmdir()
 
 
 def _train(
@@ -204,23 +262,21 @@ def _train(
 ) -> TrainResult:
     out = resolve_output_dir(cfg, output_dir)
     scaler = make_scaler(cfg.solver.amp, info.device)
-    main_first(lambda: check_output_dir(out, resume, overwrite))
+    # Everything a user can get wrong (data, model, checkpoint) is checked before the run
+    # directory is touched, so a rejected run leaves no half-made folder behind.
+    main_first(lambda: check_output_dir(out, resume, overwrite, clear=False))
     ckpt_path = main_first(lambda: resolve_resume(resume, out / "checkpoints"))
     if resume is not None and ckpt_path is None:
         say(f"note: no checkpoint in '{out / 'checkpoints'}'; starting from scratch")
-
-    def setup_dir() -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, out / "config.yaml")
-        ensure_dataset(cfg)
-
-    main_first(setup_dir)
+    main_first(lambda: ensure_dataset(cfg))
 
     seed_all(cfg.train.seed)  # same initial weights on every rank
     model, net = prepare_model(cfg, info)
     seed_all(cfg.train.seed + info.rank)  # different augmentation/sampling noise per rank
     train_loader = build_train_loader(cfg, info.distributed, seed=cfg.train.seed)
     val_loader = build_val_loader(cfg, info.distributed)
+    say_dropped(train_loader.dataset, "train")
+    say_dropped(val_loader.dataset, "val")
     ipe = len(train_loader.batch_sampler)
     if ipe == 0:
         raise ValueError(f"data: the training set of '{cfg.data.root}' yields no batches")
@@ -233,6 +289,14 @@ def _train(
     if ckpt_path is not None:
         state = load_checkpoint(ckpt_path, map_location="cpu")
         restore_training_state(state, ckpt_path, net, optimizer, scheduler, scaler, ipe)
+
+    def setup_dir() -> None:
+        check_output_dir(out, resume, overwrite)  # --overwrite clears only now
+        out.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out / "config.yaml")
+
+    main_first(setup_dir)
+
     start_iter = int(state["iteration"]) if state is not None else 0
     rng_state = state["rng"] if state is not None else None
     if is_main_process() and resume is not None:
