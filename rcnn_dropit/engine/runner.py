@@ -379,13 +379,15 @@ def test(
         if not ckpt.is_file():
             raise FileNotFoundError(f"--checkpoint: file '{ckpt}' does not exist")
         out = Path(output_dir) if output_dir else resolve_output_dir(cfg) / "test"
-        main_first(lambda: (out.mkdir(parents=True, exist_ok=True), ensure_dataset(cfg)))
+        main_first(lambda: ensure_dataset(cfg))
         net, _record = build_model(cfg)
         state = load_checkpoint(ckpt, map_location="cpu")
         weights = state["model"] if isinstance(state, dict) and "model" in state else state
         load_model_weights(net, weights, ckpt)
         net.to(info.device)
         val_loader = build_val_loader(cfg, info.distributed)
+        # made only once the checkpoint and the data are known to be good
+        main_first(lambda: out.mkdir(parents=True, exist_ok=True))
         metrics = evaluate(net, val_loader, info.device, iou_types_for(cfg.model.arch), out)
         if is_main_process():
             iteration = state.get("iteration") if isinstance(state, dict) else None
