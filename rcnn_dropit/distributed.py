@@ -123,8 +123,15 @@ def resolve_device(device_pref: str, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError("device 'cuda' was requested but CUDA is not available; use auto or cpu")
     count = torch.cuda.device_count()
+    if count == 1:
+        # One visible GPU per process (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank):
+        # the launcher already chose it, whatever the local rank.
+        return torch.device("cuda", 0)
     if local_rank >= count:
-        raise ValueError(f"local rank {local_rank} has no GPU: only {count} visible on this node")
+        raise ValueError(
+            f"local rank {local_rank} has no GPU: only {count} visible on this node "
+            "(start at most one process per GPU: --nproc_per_node, --ntasks-per-node)"
+        )
     return torch.device("cuda", local_rank)
 
 

@@ -18,7 +18,6 @@ from tqdm import tqdm
 from rcnn_dropit.checkpoint import (
     check_model_compat,
     find_last_checkpoint,
-    load_checkpoint,
     resolve_resume,
 )
 from rcnn_dropit.config import Config, dump_config, load_config
@@ -34,6 +33,7 @@ from rcnn_dropit.distributed import (
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
 from rcnn_dropit.engine.memory_report import write_memory_report
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterations
+from rcnn_dropit.engine.rank_state import load_on_every_rank, rng_state_for_rank
 from rcnn_dropit.engine.trainer import Schedule, Trainer
 from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, read_metrics, truncate_metrics
@@ -287,7 +287,7 @@ def _train(
 
     state = None
     if ckpt_path is not None:
-        state = load_checkpoint(ckpt_path, map_location="cpu")
+        state = load_on_every_rank(ckpt_path)
         restore_training_state(state, ckpt_path, net, optimizer, scheduler, scaler, ipe)
 
     def setup_dir() -> None:
@@ -298,7 +298,7 @@ def _train(
     main_first(setup_dir)
 
     start_iter = int(state["iteration"]) if state is not None else 0
-    rng_state = state["rng"] if state is not None else None
+    rng_state = rng_state_for_rank(state, info.rank, info.world_size) if state is not None else None
     if is_main_process() and resume is not None:
         truncate_metrics(out / "metrics.jsonl", start_iter)  # drop what the new run will redo
     # A run killed while evaluating after its checkpoint: do that evaluation first.
@@ -376,12 +376,16 @@ def test(
     info = init_distributed(cfg.train.device)
     try:
         ckpt = Path(checkpoint)
-        if not ckpt.is_file():
-            raise FileNotFoundError(f"--checkpoint: file '{ckpt}' does not exist")
+
+        def check_checkpoint() -> None:
+            if not ckpt.is_file():
+                raise FileNotFoundError(f"--checkpoint: file '{ckpt}' does not exist")
+
+        main_first(check_checkpoint)  # rank 0 decides, so no rank fails alone
         out = Path(output_dir) if output_dir else resolve_output_dir(cfg) / "test"
         main_first(lambda: ensure_dataset(cfg))
         net, _record = build_model(cfg)
-        state = load_checkpoint(ckpt, map_location="cpu")
+        state = load_on_every_rank(ckpt)
         weights = state["model"] if isinstance(state, dict) and "model" in state else state
         load_model_weights(net, weights, ckpt)
         net.to(info.device)

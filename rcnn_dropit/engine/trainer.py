@@ -18,6 +18,7 @@ from rcnn_dropit.checkpoint import capture_rng_state, restore_rng_state, save_ch
 from rcnn_dropit.distributed import barrier, get_world_size, is_main_process
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.evaluator_loop import evaluate, unwrap
+from rcnn_dropit.engine.rank_state import gather_rng_states
 from rcnn_dropit.logging_utils import peak_memory_mb
 
 LOSS_KEYS_ORDER = (
@@ -268,15 +269,17 @@ class Trainer:
 
     def save(self, iteration: int) -> None:
         """Write a checkpoint on rank 0, with every rank waiting around the write."""
-        barrier()
+        rng_per_rank = gather_rng_states()  # a collective, so also the barrier before the write
         if is_main_process():
+            state = self.checkpoint_state(iteration)
+            state["rng_per_rank"] = rng_per_rank  # each rank resumes its own random streams
             save_checkpoint(
                 self.output_dir / "checkpoints",
                 f"model_{iteration:07d}.pth",
-                self.checkpoint_state(iteration),
+                state,
                 keep_last=self.cfg.train.keep_last,
             )
-        barrier()
+        barrier()  # nobody reads the checkpoint (or moves on) before it is complete
 
     def run_eval(self, iteration: int) -> dict:
         """Evaluate without disturbing the training RNG streams, then record the metrics."""
