@@ -1,0 +1,429 @@
+"""Real torchrun jobs on CPU (gloo): a 2-process Mask R-CNN + DropIT run, distributed evaluation
+equal to single-process evaluation, two "nodes" on loopback, one DDP step equal to a
+single-process step, and an elastic restart after a worker is killed.
+
+Every job is `python -m torch.distributed.run` in a subprocess with OMP_NUM_THREADS=1, on a free
+port, with 64 px images, ResNet-18 and num_workers=0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rcnn_dropit.checkpoint import load_checkpoint
+from rcnn_dropit.config import load_config
+from rcnn_dropit.data import make_shapes
+from rcnn_dropit.engine import runner
+from rcnn_dropit.logging_utils import read_metrics
+from rcnn_dropit.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_PY = REPO / "tools/train.py"
+TEST_PY = REPO / "tools/test.py"
+MASK_DROPIT_CFG = REPO / "configs/demo/maskrcnn_shapes_g0.8.yaml"
+FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
+JOB_TIMEOUT_S = 300
+# Launcher variables of an enclosing job must not leak into the jobs started here.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def job_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def torchrun(launch: list[str], script: Path, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *launch, str(script), *args]
+
+
+def single_node(nproc: int = 2) -> list[str]:
+    return [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+
+
+def run_job(cmd: list[str]) -> str:
+    """Run a job to the end; its output (all ranks and the launcher) if it succeeded."""
+    proc = subprocess.run(
+        cmd,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-4000:]}"
+    return proc.stdout
+
+
+def shapes_opts(root: Path, *extra: str) -> list[str]:
+    """A seconds-long CPU run on the shapes set: 8 train / 3 val images of 64 px (an odd count:
+    2 ranks evaluate 2 + 1 images, where padding would evaluate one twice)."""
+    return [
+        f"data.root={root}",
+        "data.shapes.num_train=8",
+        "data.shapes.num_val=3",
+        "data.shapes.image_size=64",
+        "data.num_workers=0",
+        "model.min_size=64",
+        "model.max_size=64",
+        "model.box_batch_size_per_image=32",
+        "model.rpn_batch_size_per_image=32",
+        "model.box_detections_per_img=20",
+        "solver.batch_size=1",
+        "solver.warmup_iters=0",
+        "train.device=cpu",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.measure_memory=false",
+        *extra,
+    ]
+
+
+def twin_opts(root: Path, batch_size: int, *extra: str) -> list[str]:
+    """Faster R-CNN on the twin set (see twin_root) where one SGD step is batch-split exact:
+    frozen BatchNorm, no flip, no warmup, no clipping, and sampler sizes above the anchor and
+    proposal counts of a 64 px image, so every anchor and proposal is taken."""
+    return [
+        "data.dataset=coco",
+        f"data.root={root}",
+        "data.train_images=train",
+        "data.train_ann=annotations/instances_train.json",
+        "data.val_images=val",
+        "data.val_ann=annotations/instances_val.json",
+        "data.num_workers=0",
+        "data.hflip_prob=0",
+        "model.num_classes=4",
+        "model.norm=frozen_bn",
+        "model.min_size=64",
+        "model.max_size=64",
+        "model.rpn_batch_size_per_image=4096",
+        "model.box_batch_size_per_image=4096",
+        "model.box_detections_per_img=20",
+        f"solver.batch_size={batch_size}",
+        "solver.warmup_iters=0",
+        "solver.clip_grad_norm=null",
+        "train.device=cpu",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.measure_memory=false",
+        *extra,
+    ]
+
+
+def train_records(run: Path) -> list[dict]:
+    return [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"]
+
+
+def sorted_results(path: Path) -> list[str]:
+    return sorted(json.dumps(r, sort_keys=True) for r in json.loads(path.read_text()))
+
+
+@pytest.fixture(scope="module")
+def shapes_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data") / "shapes"
+    make_shapes(root, num_train=8, num_val=3, image_size=64, num_classes=3, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def twin_root(tmp_path_factory, shapes_root) -> Path:
+    """Two training images with the same pixels and boxes but different classes.
+
+    Same pixels and boxes: each image has the same anchors, labels and proposals, hence the same
+    counts that R-CNN losses are normalised by. Different classes: the two ranks' box-head
+    gradients differ, so a rank that did not contribute would change the averaged step.
+    """
+    root = tmp_path_factory.mktemp("data") / "twin"
+    (root / "annotations").mkdir(parents=True)
+    doc = json.loads((shapes_root / "annotations/instances_train.json").read_text())
+    image = next(
+        im for im in doc["images"] if any(a["image_id"] == im["id"] for a in doc["annotations"])
+    )
+    anns = [a for a in doc["annotations"] if a["image_id"] == image["id"]]
+    (root / "train").mkdir()
+    images, annotations = [], []
+    for twin in (1, 2):
+        shutil.copy(shapes_root / "train" / image["file_name"], root / "train" / f"{twin}.png")
+        images.append({**image, "id": twin, "file_name": f"{twin}.png"})
+        for ann in anns:
+            category = ann["category_id"] if twin == 1 else ann["category_id"] % 3 + 1
+            annotations.append(
+                {**ann, "id": len(annotations) + 1, "image_id": twin, "category_id": category}
+            )
+    doc.update(images=images, annotations=annotations)
+    (root / "annotations/instances_train.json").write_text(json.dumps(doc))
+    # One validation image (the first twin) keeps the evaluation at the end short.
+    (root / "val").mkdir()
+    shutil.copy(root / "train/1.png", root / "val/1.png")
+    doc.update(images=images[:1], annotations=[a for a in annotations if a["image_id"] == 1])
+    (root / "annotations/instances_val.json").write_text(json.dumps(doc))
+    return root
+
+
+# ---- 2 processes, one node ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mask_run(tmp_path_factory, shapes_root) -> tuple[Path, str]:
+    """Mask R-CNN + DropIT gamma=0.8, 2 processes x 1 image, 2 iterations, then evaluation."""
+    run = tmp_path_factory.mktemp("mask") / "run"
+    opts = shapes_opts(shapes_root, "solver.max_iters=2")
+    args = ["--config", str(MASK_DROPIT_CFG), "--output-dir", str(run), "--opts", *opts]
+    return run, run_job(torchrun(single_node(), TRAIN_PY, args))
+
+
+def test_two_process_maskrcnn_dropit_run(mask_run, shapes_root) -> None:
+    run, output = mask_run
+    # Rank 0 alone writes and prints: exactly the run files, each line once.
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == [
+        "checkpoints",
+        "checkpoints/last_checkpoint",
+        "checkpoints/model_0000002.pth",
+        "coco_results_bbox.json",
+        "coco_results_segm.json",
+        "config.yaml",
+        "eval.json",
+        "metrics.jsonl",
+    ]
+    assert (
+        output.count("training maskrcnn for 2 iterations (4 per epoch, 2 process(es) on cpu)") == 1
+    )
+    assert output.count("final evaluation (3 images)") == 1
+    records = read_metrics(run / "metrics.jsonl")
+    assert [(r["type"], r["iter"]) for r in records] == [("train", 1), ("train", 2), ("eval", 2)]
+    assert records[0]["images_per_sec"] > 0 and records[0]["loss_mask"] > 0
+    # Every validation image evaluated exactly once over the two ranks.
+    val_ids = {
+        im["id"]
+        for im in json.loads((shapes_root / "annotations/instances_val.json").read_text())["images"]
+    }
+    final = json.loads((run / "eval.json").read_text())
+    assert final["num_images"] == len(val_ids) == 3 and final["iter"] == 2
+    assert {
+        r["image_id"] for r in json.loads((run / "coco_results_bbox.json").read_text())
+    } <= val_ids
+    assert "dropit:\n  enabled: true" in (run / "config.yaml").read_text()
+    state = load_checkpoint(run / "checkpoints/model_0000002.pth")
+    assert state["iteration"] == 2 and not any(k.startswith("module.") for k in state["model"])
+    # Each rank's random streams are kept, so a resumed rank continues its own.
+    first, second = (r["torch"] for r in state["rng_per_rank"])
+    assert torch.equal(state["rng"]["torch"], first) and not torch.equal(first, second)
+
+
+def test_distributed_eval_matches_single_process(mask_run, shapes_root, tmp_path) -> None:
+    run, _ = mask_run
+    ckpt = run / "checkpoints/model_0000002.pth"
+    opts = shapes_opts(shapes_root)
+    dist_out, single_out = tmp_path / "dist", tmp_path / "single"
+    args = ["--config", str(MASK_DROPIT_CFG), "--checkpoint", str(ckpt)]
+    run_job(
+        torchrun(single_node(), TEST_PY, [*args, "--output-dir", str(dist_out), "--opts", *opts])
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same kernels as the OMP_NUM_THREADS=1 workers
+    try:
+        single = runner.test(MASK_DROPIT_CFG, ckpt, output_dir=single_out, overrides=opts)
+    finally:
+        torch.set_num_threads(threads)
+    distributed = json.loads((dist_out / "eval.json").read_text())
+    assert distributed["num_images"] == single["num_images"] == 3
+    for iou_type in ("bbox", "segm"):
+        assert distributed[iou_type] == single[iou_type]
+        assert sorted_results(dist_out / f"coco_results_{iou_type}.json") == sorted_results(
+            single_out / f"coco_results_{iou_type}.json"
+        )
+    # The evaluation inside the 2-process training run saw the same weights.
+    trained = json.loads((run / "eval.json").read_text())
+    assert trained["bbox"] == single["bbox"] and trained["segm"] == single["segm"]
+    assert json.loads((single_out / "coco_results_segm.json").read_text())  # detections compared
+
+
+# ---- two nodes, and one step equal to a single-process step ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory, twin_root) -> tuple[Path, list[str]]:
+    """Two torchrun invocations as two nodes of one process each, c10d rendezvous on loopback;
+    Faster R-CNN on the twin set, 1 image per rank, 2 iterations, a checkpoint after each."""
+    run = tmp_path_factory.mktemp("nodes") / "run"
+    endpoint = f"127.0.0.1:{free_port()}"
+    opts = twin_opts(twin_root, 1, "solver.max_iters=2", "train.checkpoint_every_iters=1")
+    args = ["--config", str(FASTER_CFG), "--output-dir", str(run), "--opts", *opts]
+    jobs = []
+    for node_rank in (0, 1):
+        launch = [
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node_rank}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={endpoint}",
+            "--rdzv_id=two-nodes",
+        ]
+        cmd = torchrun(launch, TRAIN_PY, args)
+        jobs.append(
+            subprocess.Popen(
+                cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = []
+    try:
+        for job in jobs:
+            outputs.append(job.communicate(timeout=JOB_TIMEOUT_S)[0])
+    finally:
+        for job in jobs:
+            job.kill()
+    for job, output in zip(jobs, outputs, strict=True):
+        assert job.returncode == 0, output[-4000:]
+    return run, outputs
+
+
+def test_two_nodes_on_loopback(two_node_run) -> None:
+    run, outputs = two_node_run
+    both = "".join(outputs)
+    assert (
+        both.count("training fasterrcnn for 2 iterations (1 per epoch, 2 process(es) on cpu)") == 1
+    )
+    assert [r["iter"] for r in train_records(run)] == [1, 2]
+    final = json.loads((run / "eval.json").read_text())
+    assert final["num_images"] == 1 and final["iter"] == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "last_checkpoint",
+        "model_0000001.pth",
+        "model_0000002.pth",
+    ]
+
+
+def test_one_ddp_step_matches_single_process(two_node_run, twin_root, tmp_path) -> None:
+    """2 ranks x 1 image and 1 process x 2 images make the same SGD step.
+
+    Why it is exact up to float summation order: DDP averages the ranks' gradients, which equals
+    the gradient of the single process's loss when every loss term is a per-image sum divided by
+    a count that is the same on every image. R-CNN losses are means over sampled anchors and
+    proposals of the whole batch; here the sampler batch sizes exceed the counts, so all of them
+    are taken (no random subsampling), and the twin images share pixels and boxes, so each
+    image has the same count. Frozen BatchNorm has no batch statistics, flips are off, and both
+    runs start from the same seeded weights with the same lr (no warmup, no auto scaling).
+    """
+    run, _ = two_node_run
+    single_run = tmp_path / "single"
+    opts = twin_opts(twin_root, 2, "solver.max_iters=1")
+    runner.train(FASTER_CFG, opts, output_dir=single_run)
+    # The loss logged under DDP is the mean over ranks: the single process's batch loss.
+    ddp_loss = next(r["loss"] for r in train_records(run) if r["iter"] == 1)
+    assert ddp_loss == pytest.approx(train_records(single_run)[0]["loss"], rel=1e-5)
+    single = load_checkpoint(single_run / "checkpoints/model_0000001.pth")["model"]
+    ddp = load_checkpoint(run / "checkpoints/model_0000001.pth")["model"]
+    cfg = load_config(FASTER_CFG, opts)
+    runner.seed_all(cfg.train.seed)  # the initial weights, as the runner makes them
+    start = build_model(cfg)[0].state_dict()
+    step_sq = diff_sq = 0.0
+    for name, value in single.items():
+        torch.testing.assert_close(ddp[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        if value.is_floating_point():
+            step_sq += (value - start[name]).double().square().sum().item()
+            diff_sq += (ddp[name] - value).double().square().sum().item()
+    # A real step (the update has norm ~0.4), matched to ~1e-6 of its size.
+    assert step_sq**0.5 > 0.1 and (diff_sq / step_sq) ** 0.5 < 1e-4
+
+
+# ---- elastic restart --------------------------------------------------------------------------
+
+# tools/train.py with a hook: rank 1 of the first attempt stops at iteration 2 (after the
+# checkpoint at 1) and waits there to be killed.
+PARKED_TRAIN = """
+import os, runpy, sys, time
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from rcnn_dropit.engine.trainer import Trainer
+
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+    real_step = Trainer.step
+
+    def parked_step(self, images, targets, iteration):
+        if iteration == 2:
+            Path({pid_file!r}).write_text(str(os.getpid()))
+            time.sleep(600)
+        return real_step(self, images, targets, iteration)
+
+    Trainer.step = parked_step
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def test_killed_worker_resumes_from_newest_checkpoint(two_node_run, twin_root, tmp_path) -> None:
+    """torchrun --max-restarts=1 with --resume auto: SIGKILL of a worker mid-run restarts the
+    group, which continues from the newest checkpoint and ends as the uninterrupted run."""
+    straight, _ = two_node_run
+    run, pid_file, script = tmp_path / "run", tmp_path / "parked.pid", tmp_path / "parked.py"
+    script.write_text(
+        PARKED_TRAIN.format(repo=str(REPO), pid_file=str(pid_file), train=str(TRAIN_PY))
+    )
+    opts = twin_opts(twin_root, 1, "solver.max_iters=2", "train.checkpoint_every_iters=1")
+    args = [
+        "--config",
+        str(FASTER_CFG),
+        "--output-dir",
+        str(run),
+        "--resume",
+        "auto",
+        "--opts",
+        *opts,
+    ]
+    launch = [
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+    ]
+    job = subprocess.Popen(
+        torchrun(launch, script, args),
+        # A fresh rendezvous store per restart (README, Elastic restarts): with torch's shared
+        # store a restarted rank can read the dead attempt's gloo address and fail to connect.
+        env={**job_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not pid_file.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid_file.exists(), "rank 1 never reached iteration 2"
+        time.sleep(0.2)  # the pid is written before sleeping starts
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        output = job.communicate(timeout=JOB_TIMEOUT_S)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, output[-4000:]
+    assert output.count("note: no checkpoint in") == 1  # the first attempt started fresh
+    assert f"resumed from '{run / 'checkpoints/model_0000001.pth'}' at iteration 1" in output
+    records, reference = train_records(run), train_records(straight)
+    assert [r["iter"] for r in records] == [1, 2]
+    assert [r["loss"] for r in records] == [r["loss"] for r in reference]
+    resumed = load_checkpoint(run / "checkpoints/model_0000002.pth")["model"]
+    uninterrupted = load_checkpoint(straight / "checkpoints/model_0000002.pth")["model"]
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
+    assert (
+        json.loads((run / "eval.json").read_text())["bbox"]
+        == json.loads((straight / "eval.json").read_text())["bbox"]
+    )
