@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import types
 import typing
 from collections.abc import Sequence
@@ -76,12 +77,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"config file '{path}' does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})"
+        ) from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ValueError(f"{path}:{where}: invalid YAML: {err.problem or err}") from None
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, ValueError, OverflowError) as err:
+        # ValueError: a scalar YAML resolves but cannot build, e.g. the date 2001-13-01
         raise ValueError(f"{path}: invalid YAML: {err}") from None
     if data is None:
         return {}
@@ -224,31 +230,39 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
 
 
 def _to_int(value: Any, key: str, source: str) -> int:
+    number: Any = None
     if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
+        number = value
+    elif isinstance(value, str):
         try:
-            number = float(value.strip())  # "1e3" reads as 1000
+            as_float = float(value.strip())  # "1e3" reads as 1000
         except ValueError:
-            number = None
-        if number is not None and number.is_integer():
-            return int(number)
-    _wrong(key, value, "an integer", source)
+            as_float = None
+        if as_float is not None and as_float.is_integer():
+            number = int(as_float)
+    if number is None:
+        _wrong(key, value, "an integer", source)
+    if abs(number) >= 2**63:  # torch seeds, sizes and counts are 64-bit
+        _wrong(key, value, "an integer of at most 63 bits", source)
+    return number
 
 
 def _to_float(value: Any, key: str, source: str) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as text
-        try:
+    try:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as text
             return float(value.strip())
-        except ValueError:
-            pass
+    except (ValueError, OverflowError):  # text that is no number; an int beyond float range
+        pass
     _wrong(key, value, "a number", source)
 
 
 def _wrong(key: str, value: Any, expected: str, source: str) -> typing.NoReturn:
-    raise ValueError(f"{source}: {key} = {value!r} has the wrong type; expected {expected}")
+    shown = repr(value)
+    if len(shown) > 60:  # e.g. a 400-digit number: the start identifies it
+        shown = shown[:57] + "..."
+    raise ValueError(f"{source}: {key} = {shown} has the wrong type; expected {expected}")
 
 
 def _is_str_type(hint: Any) -> bool:
@@ -293,9 +307,10 @@ def _validate(key: str, value: Any, rules: typing.Mapping[str, Any], source: str
     choices = rules.get("choices")
     if choices is not None and value not in choices:
         raise ValueError(f"{source}: {key} = {value!r} is not one of {', '.join(choices)}")
-    ops = {"ge": (">=", float.__ge__), "gt": (">", float.__gt__)}
-    ops |= {"le": ("<=", float.__le__), "lt": ("<", float.__lt__)}
+    ops = {"ge": (">=", operator.ge), "gt": (">", operator.gt)}
+    ops |= {"le": ("<=", operator.le), "lt": ("<", operator.lt)}
     used = [r for r in ops if r in rules]
-    if any(not ops[r][1](float(value), float(rules[r])) for r in used):
+    # compared as they are: float() of a huge int overflows; NaN fails every comparison
+    if any(not ops[r][1](value, rules[r]) for r in used):
         allowed = " and ".join(f"{ops[r][0]} {rules[r]}" for r in used)
         raise ValueError(f"{source}: {key} = {value!r} is out of range; it must be {allowed}")
