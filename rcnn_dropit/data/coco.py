@@ -19,11 +19,9 @@ from PIL import Image, UnidentifiedImageError
 from pycocotools.coco import COCO
 from torchvision.transforms.functional import pil_to_tensor
 
-Transform = Callable[[torch.Tensor, dict, random.Random], tuple[torch.Tensor, dict]]
+from .coco_check import check_coco
 
-_REQUIRED_TOP = ("images", "annotations", "categories")
-_REQUIRED_IMAGE = ("id", "file_name", "width", "height")
-_REQUIRED_ANN = ("id", "image_id", "category_id", "bbox")
+Transform = Callable[[torch.Tensor, dict, random.Random], tuple[torch.Tensor, dict]]
 
 
 def load_coco_json(ann_file: str | Path, key: str = "annotation file") -> dict:
@@ -35,24 +33,7 @@ def load_coco_json(ann_file: str | Path, key: str = "annotation file") -> dict:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{key}: '{path}' is not valid JSON ({err})") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{key}: '{path}' is not a COCO file: top level must be an object")
-    for name in _REQUIRED_TOP:
-        if name not in data:
-            raise ValueError(f"{key}: '{path}' is not a COCO file: missing key '{name}'")
-    for img in data["images"]:
-        for name in _REQUIRED_IMAGE:
-            if name not in img:
-                raise ValueError(
-                    f"{key}: '{path}' is not a COCO file: image {img.get('id', '?')} lacks '{name}'"
-                )
-    for ann in data["annotations"]:
-        for name in _REQUIRED_ANN:
-            if name not in ann:
-                raise ValueError(
-                    f"{key}: '{path}' is not a COCO file: annotation {ann.get('id', '?')} "
-                    f"lacks '{name}'"
-                )
+    check_coco(data, f"{key}: '{path}'")
     return data
 
 
@@ -287,10 +268,16 @@ class CocoDetection(torch.utils.data.Dataset):
         rec = self._records[index]
         image = self.load_image(rec)
         h, w = rec["height"], rec["width"]
-        masks = [
-            _box_mask(box, h, w) if not seg else segmentation_to_mask(seg, h, w)
-            for box, seg in zip(rec["boxes"], rec["segs"], strict=True)
-        ]
+        try:
+            masks = [
+                _box_mask(box, h, w) if not seg else segmentation_to_mask(seg, h, w)
+                for box, seg in zip(rec["boxes"], rec["segs"], strict=True)
+            ]
+        except (ValueError, OverflowError) as err:  # pycocotools: e.g. invalid RLE counts
+            raise ValueError(
+                f"{self.ann_file}: a segmentation of image {rec['image_id']} cannot be "
+                f"decoded: {err}"
+            ) from err
         target = {
             "boxes": torch.from_numpy(rec["boxes"]),
             "labels": torch.from_numpy(rec["labels"]),
