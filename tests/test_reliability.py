@@ -226,6 +226,11 @@ CONFIG_CASES = {
     "wrong_type": ("", ["solver.batch_size=two"], ["solver.batch_size = 'two'", "an integer"]),
     "gamma_range": ("", ["dropit.gamma=1.5"], ["dropit.gamma = 1.5", "out of range", "< 1.0"]),
     "unknown_strategy": ("", ["dropit.strategy=topk"], ["'topk'", "is not one of", "mink"]),
+    "yaml_code_tag": (
+        "name: !!python/object/apply:os.system ['touch yaml-ran']\n",
+        [],
+        ["bad.yaml", "invalid YAML", "python/object/apply"],
+    ),
     "dropit_option": (
         "dropit:\n  enabled: true\n  options: {bogus: 1}\n",
         [],
@@ -247,6 +252,7 @@ def test_bad_config_is_one_error_line_and_no_run_dir(case, tmp_path, shapes) -> 
     for fragment in fragments:
         assert fragment in line, line
     assert not out.exists()
+    assert not (tmp_path / "yaml-ran").exists()  # safe loading: YAML tags never run code
 
 
 def _missing_root(root: Path) -> list[str]:
@@ -388,6 +394,53 @@ def test_test_tool_rejects_a_checkpoint_of_another_model(tmp_path, shapes, faste
     line = error_line(proc)
     assert str(faster_checkpoint) in line and "checkpoint is from another model" in line
     assert not out.exists()
+
+
+class _RunsCode:
+    """Unpickling this would create a file: what a malicious checkpoint could do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_checkpoint_with_code_is_refused_without_running_it(tmp_path, shapes) -> None:
+    marker, evil = tmp_path / "pickle-ran", tmp_path / "model_0000001.pth"
+    torch.save({"model": {}, "iteration": 1, "payload": _RunsCode(marker)}, evil)
+    out = tmp_path / "run"
+    proc = run_tool(
+        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--resume", str(evil),
+        "--opts", *tiny_opts(shapes), cwd=tmp_path,
+    )  # fmt: skip
+    line = error_line(proc)
+    assert f"checkpoint '{evil}' is unreadable or corrupt" in line and "weights_only" in line
+    assert not marker.exists() and not out.exists()
+
+
+def test_nonfinite_loss_stops_or_skips(tmp_path, shapes) -> None:
+    # lr 1e12 makes every loss NaN from iteration 2 on
+    opts = tiny_opts(shapes, "solver.lr=1e12", "solver.warmup_iters=0", "solver.max_iters=3")
+    out = tmp_path / "stop"
+    proc = run_tool(
+        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--opts", *opts,
+        cwd=tmp_path,
+    )  # fmt: skip
+    line = error_line(proc, code=1)
+    assert line.startswith("error: non-finite loss at iteration 2: loss=nan, loss_classifier=nan")
+    assert "loss_rpn_box_reg=" in line and "solver.nonfinite=skip" in line
+    out = tmp_path / "skip"
+    proc = run_tool(
+        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out),
+        "--opts", *opts, "solver.nonfinite=skip", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning: non-finite loss at iteration 2: loss=nan" in proc.stdout
+    records = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "train"]
+    assert [(r["iter"], r["skipped_steps"]) for r in records] == [(1, 0), (2, 1), (3, 2)]
+    weights = load_checkpoint(out / "checkpoints/model_0000003.pth")["model"]
+    assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
 
 
 # ---- a full disk -------------------------------------------------------------------------------
