@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dropit_core import from_dropit, is_dropit, to_dropit
+from dropit_core import build_strategy, from_dropit, is_dropit, to_dropit
 from dropit_core.memory import (
     cuda_peak_mb,
     peak_rss_mb,
@@ -68,12 +68,16 @@ def parse_variant(text: str) -> Variant:
     return Variant(parts[0], gamma, options)
 
 
-def build_detector(scratch: bool, image_size: int) -> nn.Module:
+def build_detector(
+    scratch: bool, image_size: int, rois_per_image: int = 512, backbone: str = "resnet50"
+) -> nn.Module:
     """Mask R-CNN R50-FPN with random weights: COCO recipe, or BatchNorm from scratch."""
     overrides = [
+        f"model.backbone={backbone}",
         "model.pretrained_backbone=false",
         f"model.min_size={image_size}",
         f"model.max_size={image_size}",
+        f"model.box_batch_size_per_image={rois_per_image}",
     ]
     if scratch:
         overrides += ["model.norm=bn", "model.trainable_layers=5"]
@@ -165,16 +169,20 @@ def run_benchmark(
     image_size: int = 512,
     repeats: int = 5,
     device: str = "cpu",
-) -> list[dict[str, Any]]:
-    """Measure the baseline and each variant; one result dict per row (baseline first)."""
+    rois_per_image: int = 512,
+    backbone: str = "resnet50",
+) -> Iterator[dict[str, Any]]:
+    """Measure the baseline, then each variant; yields one result dict per row as it is done."""
+    for v in variants:  # fail on a bad variant before minutes of model building
+        build_strategy(v.strategy, v.gamma, **v.options)
     dev = torch.device(device)
     batch = make_batch(image_size, dev)
-    base = build_detector(scratch, image_size).to(dev).train()
+    base = build_detector(scratch, image_size, rois_per_image, backbone).to(dev).train()
     for _ in range(2):  # warm up: allocator, gradient buffers, lazy inits
         _step(base, batch)
     base_mem = _memory(base, batch, dev)
     exact = _weight_grads(base, batch)
-    rows = [{"variant": "baseline", "strategy": None, "gamma": None, "options": {}, **base_mem}]
+    yield {"variant": "baseline", "strategy": None, "gamma": None, "options": {}, **base_mem}
     for v in variants:
         model = to_dropit(copy.deepcopy(base), v.strategy, v.gamma, exclude=EXCLUDE, **v.options)[0]
         for _ in range(2):
@@ -192,7 +200,7 @@ def run_benchmark(
         step_b, step_v = _alternate(_step, base, model, batch, dev, repeats)
         eval_b, eval_v = _alternate(_eval, base, model, batch, dev, repeats)
         med = statistics.median
-        rows.append(
+        yield (
             {
                 "variant": v.label,
                 "strategy": v.strategy,
@@ -211,7 +219,6 @@ def run_benchmark(
             }
         )
         from_dropit(model)
-    return rows
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -47,14 +47,17 @@ def main() -> int:
 
     from rcnn_dropit.benchmark import markdown_table, parse_variant, run_benchmark
 
+    rows = []
     try:
         variants = [parse_variant(v) for v in args.variants]
-        rows = run_benchmark(variants, args.scratch, args.image_size, args.repeats, args.device)
+        for row in run_benchmark(
+            variants, args.scratch, args.image_size, args.repeats, args.device
+        ):
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for row in rows:
-        print(json.dumps(row), flush=True)
     print()
     print(markdown_table(rows))
     if args.json:
