@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint format
+.PHONY: setup demo test bench lint format study
 
 setup: $(STAMP)
 
@@ -31,3 +31,9 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# The accuracy study (8 CPU runs, about 2.5 hours here) in the background; resumable.
+study: setup
+	mkdir -p outputs/study
+	nohup $(PY) tools/study.py > outputs/study/study.log 2>&1 &
+	@echo "study running in the background: tail -f outputs/study/study.log"
