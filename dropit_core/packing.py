@@ -31,8 +31,8 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     if mask.data_ptr() % 8:  # reading bytes as int64 needs 8-byte alignment
         mask = mask.clone()
     words = mask.view(torch.uint8).view(torch.int64)
-    # int64 multiply wraps; the arithmetic shift's sign bits are cut off by the mask.
-    return (((words * _GATHER) >> 56) & 0xFF).to(torch.uint8)
+    # int64 multiply wraps; the cast keeps the low byte, which drops the shift's sign bits.
+    return ((words * _GATHER) >> 56).to(torch.uint8)
 
 
 def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
