@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="configs/study/shapes_maskrcnn.yaml")
-    parser.add_argument("--out", default="outputs/study", help="folder of the run directories")
+    parser.add_argument(
+        "--out", default="docs/results/shapes_runs", help="folder of the run directories"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--report", default="docs/results/shapes.md")
     args = parser.parse_args(argv)
