@@ -64,8 +64,15 @@ def parse_variant(text: str) -> Variant:
     options: dict[str, Any] = {}
     for item in ":".join(parts[2:]).split(",") if len(parts) > 2 else []:
         key, _, value = item.partition("=")
-        options[key] = int(value) if value.lstrip("-").isdigit() else value
+        options[key] = _option_value(value)
     return Variant(parts[0], gamma, options)
+
+
+def _option_value(text: str) -> Any:
+    """``4096`` -> int, ``true``/``false`` -> bool, anything else stays text."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def build_detector(

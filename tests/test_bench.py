@@ -12,6 +12,7 @@ def test_parse_variant_reads_strategy_gamma_and_typed_options() -> None:
     assert v == Variant("parallel_mink", 0.8, {"chunk": 4096, "values": "int8"})
     assert v.label == "parallel_mink 0.8 chunk=4096 values=int8"
     assert parse_variant("mink:0.9").options == {}
+    assert parse_variant("mink:0.8:relu=false").options == {"relu": False}
 
 
 @pytest.mark.parametrize("text", ["mink", "mink:high"])
