@@ -47,6 +47,8 @@ class ModelConfig:
     box_detections_per_img: int = _f(100, ge=1)
     box_batch_size_per_image: int = _f(512, ge=1)
     rpn_batch_size_per_image: int = _f(256, ge=1)
+    # One anchor size per FPN level (P2..P6), 3 aspect ratios each, as torchvision's default.
+    anchor_sizes: list[int] = _f(factory=lambda: [32, 64, 128, 256, 512])
 
 
 @dataclass
@@ -164,6 +166,11 @@ def cross_check(cfg: Config) -> list[str]:
     """Problems that involve more than one key; each item is one error message."""
     errors = []
     m, s = cfg.model, cfg.solver
+    sizes = m.anchor_sizes
+    if len(sizes) != 5 or any(a <= 0 for a in sizes) or sorted(sizes) != sizes:
+        errors.append(
+            f"model.anchor_sizes {sizes}: must be 5 positive increasing sizes, one per FPN level"
+        )
     if m.max_size < m.min_size:
         errors.append(f"model.max_size ({m.max_size}) must be >= model.min_size ({m.min_size})")
     shapes = cfg.data.shapes

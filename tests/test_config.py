@@ -244,3 +244,12 @@ def test_config_from_dict_validates():
 def demo_classes() -> int:
     """Model classes of the shapes demo: 3 shapes + background."""
     return load_config(CONFIGS / "demo/fasterrcnn_shapes.yaml").model.num_classes
+
+
+def test_anchor_sizes_default_and_validation() -> None:
+    from rcnn_dropit.config import load_config
+
+    cfg = load_config("configs/maskrcnn_baseline.yaml")
+    assert cfg.model.anchor_sizes == [32, 64, 128, 256, 512]
+    with pytest.raises(ValueError, match=r"model.anchor_sizes \[64, 32, 128, 256, 512\]"):
+        load_config("configs/maskrcnn_baseline.yaml", ["model.anchor_sizes=[64,32,128,256,512]"])

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
+from torchvision.models.detection.anchor_utils import AnchorGenerator
 
 from rcnn_dropit.config import Config
 from rcnn_dropit.models.backbone import build_backbone
@@ -43,6 +44,9 @@ def build_model(cfg: Config) -> tuple[nn.Module, Any]:
         box_detections_per_img=m.box_detections_per_img,
         box_batch_size_per_image=m.box_batch_size_per_image,
         rpn_batch_size_per_image=m.rpn_batch_size_per_image,
+        rpn_anchor_generator=AnchorGenerator(
+            tuple((size,) for size in m.anchor_sizes), ((0.5, 1.0, 2.0),) * len(m.anchor_sizes)
+        ),
         box_score_thresh=cfg.test.score_thresh,
     )
     if m.weights is not None:
