@@ -189,6 +189,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
+    """Give every rank rank ``src``'s buffers (BatchNorm running statistics).
+
+    DDP syncs buffers only at the start of a training forward, so after the last step each rank
+    holds the statistics of its own last batch; evaluating then would not be evaluating the
+    model that rank 0 checkpoints.
+    """
+    if not _active() or dist.get_world_size() == 1:
+        return
+    for buf in module.buffers():
+        dist.broadcast(buf.data, src)
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Picklable object from every rank, in rank order, on every rank."""
     if not _active() or dist.get_world_size() == 1:

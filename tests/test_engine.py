@@ -20,6 +20,7 @@ from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn
 from rcnn_dropit.engine.runner import check_output_dir, train
 from rcnn_dropit.engine.trainer import Schedule, Trainer
 from rcnn_dropit.logging_utils import NullWriter, read_metrics, truncate_metrics
+from tests.tiny import tiny_opts as shared_tiny_opts
 
 REPO = Path(__file__).resolve().parents[1]
 MASK_CFG = REPO / "configs/demo/maskrcnn_shapes_baseline.yaml"
@@ -29,27 +30,8 @@ LOSS_KEYS = ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box
 
 
 def tiny_opts(root: Path, *extra: str) -> list[str]:
-    """Overrides for a seconds-long CPU run: 8 train / 4 val images of 64 px, batch 2."""
-    return [
-        f"data.root={root}",
-        "data.shapes.num_train=8",
-        "data.shapes.num_val=4",
-        "data.shapes.image_size=64",
-        "data.num_workers=0",
-        "model.min_size=64",
-        "model.max_size=64",
-        "model.box_batch_size_per_image=32",
-        "model.rpn_batch_size_per_image=32",
-        "model.box_detections_per_img=20",
-        "solver.batch_size=2",
-        "solver.warmup_iters=2",
-        "train.device=cpu",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "train.keep_last=1",
-        "train.measure_memory=false",
-        *extra,
-    ]
+    """Overrides for a seconds-long CPU run (tests/tiny.py), keeping one checkpoint."""
+    return shared_tiny_opts(root, "train.keep_last=1", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import torch
 from rcnn_dropit.checkpoint import load_checkpoint
 from rcnn_dropit.data import make_shapes
 from rcnn_dropit.logging_utils import read_metrics
+from tests.tiny import tiny_opts as shared_tiny_opts
 
 REPO = Path(__file__).resolve().parents[1]
 FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
@@ -117,28 +118,8 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def tiny_opts(root: Path, *extra: str) -> list[str]:
-    """A seconds-long CPU run: 8 train / 4 val shapes images of 64 px, frozen ResNet-18 body."""
-    return [
-        f"data.root={root}",
-        "data.shapes.num_train=8",
-        "data.shapes.num_val=4",
-        "data.shapes.image_size=64",
-        "data.num_workers=0",
-        "model.min_size=64",
-        "model.max_size=64",
-        "model.trainable_layers=0",
-        "model.norm=frozen_bn",
-        "model.box_batch_size_per_image=32",
-        "model.rpn_batch_size_per_image=32",
-        "model.box_detections_per_img=20",
-        "solver.batch_size=2",
-        "solver.warmup_iters=2",
-        "train.device=cpu",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "train.measure_memory=false",
-        *extra,
-    ]
+    """A seconds-long CPU run (tests/tiny.py) with a frozen ResNet-18 body."""
+    return shared_tiny_opts(root, "model.trainable_layers=0", "model.norm=frozen_bn", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 from rcnn_dropit.checkpoint import save_checkpoint
 from rcnn_dropit.config import load_config
 from rcnn_dropit.models import build_model
+from tests.tiny import tiny_opts as shared_tiny_opts
 
 REPO = Path(__file__).resolve().parents[1]
 FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
@@ -42,17 +43,7 @@ def call_tool(script: str, *args: str, capsys) -> subprocess.CompletedProcess:
 
 
 def tiny_opts(root: Path) -> list[str]:
-    return [
-        f"data.root={root}",
-        "data.shapes.num_train=8",
-        "data.shapes.num_val=4",
-        "data.shapes.image_size=64",
-        "data.num_workers=0",
-        "model.min_size=64",
-        "model.max_size=64",
-        "model.box_detections_per_img=20",
-        "train.device=cpu",
-    ]
+    return shared_tiny_opts(root)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:

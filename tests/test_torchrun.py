@@ -27,6 +27,7 @@ from rcnn_dropit.data import make_shapes
 from rcnn_dropit.engine import runner
 from rcnn_dropit.logging_utils import read_metrics
 from rcnn_dropit.models import build_model
+from tests.tiny import tiny_opts as shared_tiny_opts
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_PY = REPO / "tools/train.py"
@@ -76,25 +77,7 @@ def run_job(cmd: list[str]) -> str:
 def shapes_opts(root: Path, *extra: str) -> list[str]:
     """A seconds-long CPU run on the shapes set: 8 train / 3 val images of 64 px (an odd count:
     2 ranks evaluate 2 + 1 images, where padding would evaluate one twice)."""
-    return [
-        f"data.root={root}",
-        "data.shapes.num_train=8",
-        "data.shapes.num_val=3",
-        "data.shapes.image_size=64",
-        "data.num_workers=0",
-        "model.min_size=64",
-        "model.max_size=64",
-        "model.box_batch_size_per_image=32",
-        "model.rpn_batch_size_per_image=32",
-        "model.box_detections_per_img=20",
-        "solver.batch_size=1",
-        "solver.warmup_iters=0",
-        "train.device=cpu",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "train.measure_memory=false",
-        *extra,
-    ]
+    return shared_tiny_opts(root, "solver.warmup_iters=0", *extra, num_val=3, batch_size=1)
 
 
 def twin_opts(root: Path, batch_size: int, *extra: str) -> list[str]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from rcnn_dropit.distributed import is_main_process
+from rcnn_dropit.distributed import broadcast_buffers, is_main_process
 from rcnn_dropit.evaluation import COCOEvaluator
 
 
@@ -38,6 +38,7 @@ def evaluate(
     )
     # Evaluate the plain module: DDP adds nothing at inference and would sync buffers per call.
     net = unwrap(model)
+    broadcast_buffers(net)  # every rank evaluates exactly the weights rank 0 checkpoints
     was_training = net.training
     net.eval()
     try:
