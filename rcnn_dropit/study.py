@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from rcnn_dropit.report import build_report
 
@@ -62,6 +63,7 @@ def run_study(
     for i, run in enumerate(runs, 1):
         run_dir = out_root / run.name
         if (run_dir / "eval.json").is_file():
+            _check_same_config(run_dir, config, run.overrides)
             print(f"[{i}/{len(runs)}] {run.name}: finished, skipped", flush=True)
             continue
         resume = "auto" if run_dir.exists() else None
@@ -74,6 +76,21 @@ def run_study(
     if report is not None:
         Path(report).write_text(_header(config, seeds) + markdown)
     return markdown
+
+
+def _check_same_config(run_dir: Path, config: str | Path, overrides: Sequence[str]) -> None:
+    """A finished run counts only if it was trained with the study's current config."""
+    from rcnn_dropit.config import load_config
+
+    want = load_config(config, overrides).to_dict()
+    have = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    for cfg in (want, have):
+        cfg.get("train", {}).pop("output_dir", None)
+    if want != have:
+        raise ValueError(
+            f"study run '{run_dir}' was trained with a different config than {config} gives now; "
+            "move it away (or restore the config) so the study does not mix settings"
+        )
 
 
 def _header(config: str | Path, seeds: Sequence[int]) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
+import pytest
 
 import rcnn_dropit.engine as engine
+from rcnn_dropit.config import dump_config, load_config
 from rcnn_dropit.study import run_study, study_runs
 
 
@@ -24,22 +25,13 @@ def test_runs_are_seed_major_with_names_and_overrides() -> None:
     assert "train.seed=2" in runs[7].overrides
 
 
+CONFIG = "configs/study/shapes_maskrcnn.yaml"
+
+
 def _fake_run(run_dir: Path, overrides: tuple[str, ...], ap: float) -> None:
-    opts = dict(o.split("=", 1) for o in overrides)
-    enabled = opts["dropit.enabled"] == "true"
-    cfg = {
-        "name": opts["name"],
-        "model": {"arch": "maskrcnn", "backbone": "resnet18"},
-        "dropit": {
-            "enabled": enabled,
-            "strategy": opts.get("dropit.strategy", "mink"),
-            "gamma": 0.8,
-            "options": {},
-        },
-        "train": {"seed": int(opts["train.seed"])},
-    }
+    """A finished run directory as training would leave it, without training."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    dump_config(load_config(CONFIG, overrides), run_dir / "config.yaml")
     metrics = {k: ap for k in ("AP", "AP50", "AP75", "APs", "APm", "APl")}
     (run_dir / "eval.json").write_text(json.dumps({"bbox": metrics, "segm": metrics, "iter": 4}))
 
@@ -58,7 +50,7 @@ def test_study_skips_finished_resumes_started_and_reports(tmp_path: Path, monkey
 
     monkeypatch.setattr(engine, "train", fake_train)
     report = tmp_path / "shapes.md"
-    markdown = run_study("configs/study/shapes_maskrcnn.yaml", out, seeds=[1], report=report)
+    markdown = run_study(CONFIG, out, seeds=[1], report=report)
     assert calls == [
         ("mink_0.8_s1", "auto"),
         ("parallel_mink_0.8_s1", None),
@@ -69,3 +61,12 @@ def test_study_skips_finished_resumes_started_and_reports(tmp_path: Path, monkey
     assert "tools/study.py --config configs/study/shapes_maskrcnn.yaml --seeds 1" in text
     assert "30.0 (-20.0)" in markdown  # random's box AP against the baseline's 50.0
     assert "49.0 (-1.0)" in markdown
+
+
+def test_finished_run_with_another_config_is_refused(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "study"
+    first = study_runs([1])[0]
+    _fake_run(out / first.name, (*first.overrides, "solver.lr=0.01"), 0.5)
+    monkeypatch.setattr(engine, "train", lambda *a, **k: pytest.fail("must not train"))
+    with pytest.raises(ValueError, match="trained with a different config"):
+        run_study(CONFIG, out, seeds=[1])
