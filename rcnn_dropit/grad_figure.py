@@ -17,7 +17,7 @@ from rcnn_dropit.benchmark import EXCLUDE, _weight_grads, build_detector, make_b
 DEFAULT_LAYERS = (
     "backbone.body.layer2.0.conv2",
     "backbone.body.layer4.0.conv2",
-    "backbone.fpn.layer_blocks.0",
+    "backbone.fpn.layer_blocks.0.0",
     "roi_heads.box_head.fc6",
     "roi_heads.mask_head.0.0",
 )
