@@ -6,21 +6,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-try:  # the strategy list belongs to dropit_core; fall back to the contract's list without it
-    from dropit_core import STRATEGIES as _STRATEGIES
-except ImportError:
-    _STRATEGIES = (
-        "mink",
-        "parallel_mink",
-        "random",
-        "channel_mink",
-        "channel_random",
-        "block_mink",
-        "pool",
-        "threshold",
-    )
+from dropit_core import STRATEGIES
 
-DROPIT_STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
+DROPIT_STRATEGIES: tuple[str, ...] = STRATEGIES  # dropit_core owns the list
 
 
 def _f(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, **rules: Any):
