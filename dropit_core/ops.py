@@ -67,16 +67,21 @@ def _zeros_like_shape(ref: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return ref.new_zeros(()).expand(shape)
 
 
+def _save_for_backward(ctx, x, weight, cache: InputCache, layout: str) -> None:
+    """Keep the weight (input gradient) and, when the weight trains, the packed input."""
+    tensors, meta = cache.pack(x, layout) if weight.requires_grad else ((), None)
+    ctx.cache, ctx.meta, ctx.x_shape = cache, meta, x.shape
+    ctx.save_for_backward(weight, *tensors)
+
+
 class DropITConvFunction(torch.autograd.Function):
     """Convolution (plain or transposed) whose weight gradient uses a dropped input cache."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache):
         out = torch.ops.aten.convolution(x, weight, bias, *args)
-        tensors, meta = cache.pack(x, "conv") if weight.requires_grad else ((), None)
-        ctx.args, ctx.cache, ctx.meta = args, cache, meta
-        ctx.x_shape = x.shape
-        ctx.save_for_backward(weight, *tensors)
+        ctx.args = args
+        _save_for_backward(ctx, x, weight, cache, "conv")
         return out
 
     @staticmethod
@@ -90,7 +95,7 @@ class DropITConvFunction(torch.autograd.Function):
         args = ctx.args
         out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
         gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad.contiguous() if not grad.is_contiguous() else grad,
+            grad.contiguous(),  # a no-op when it already is
             x_hat,
             weight,
             [out_channels] if need_b else None,
@@ -106,12 +111,7 @@ class DropITLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache: InputCache):
         out = F.linear(x, weight, bias)
-        if weight.requires_grad:
-            tensors, meta = cache.pack(x, "linear")
-        else:
-            tensors, meta = (), None
-        ctx.cache, ctx.meta, ctx.x_shape = cache, meta, x.shape
-        ctx.save_for_backward(weight, *tensors)
+        _save_for_backward(ctx, x, weight, cache, "linear")
         return out
 
     @staticmethod
