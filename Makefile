@@ -35,5 +35,5 @@ format: setup
 # The accuracy study (8 CPU runs, about 2.5 hours here) in the background; resumable.
 study: setup
 	mkdir -p outputs/study
-	nohup $(PY) tools/study.py > outputs/study/study.log 2>&1 &
+	nohup $(PY) tools/study.py --jobs 2 > outputs/study/study.log 2>&1 &
 	@echo "study running in the background: tail -f outputs/study/study.log"

@@ -24,8 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--report", default="docs/results/shapes.md")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained side by side, sharing the CPU cores (2 is fastest on 2 cores)",
+    )
     args = parser.parse_args(argv)
-    return run_cli(lambda: print(run_study(args.config, args.out, args.seeds, args.report)))
+    return run_cli(
+        lambda: print(run_study(args.config, args.out, args.seeds, args.report, args.jobs))
+    )
 
 
 if __name__ == "__main__":
