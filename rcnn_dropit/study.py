@@ -185,7 +185,12 @@ def _start_run(
 
 
 def _child_train(
-    config: str, overrides: tuple[str, ...], resume: str | None, run_dir: str, log: str, threads: int
+    config: str,
+    overrides: tuple[str, ...],
+    resume: str | None,
+    run_dir: str,
+    log: str,
+    threads: int,
 ) -> None:
     """Child-process body: send output to the log, limit threads, train; exit 1 on error."""
     with open(log, "a", buffering=1) as stream:
