@@ -29,6 +29,11 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     ).item()
 
 
+def _norm_ratio(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """||approx|| / ||exact||: cosine misses a gradient that keeps its direction but shrinks."""
+    return (approx.double().norm() / exact.double().norm().clamp_min(1e-30)).item()
+
+
 def gradient_study(
     gammas: Sequence[float],
     strategies: Sequence[str],
@@ -36,8 +41,8 @@ def gradient_study(
     image_size: int = 512,
     backbone: str = "resnet50",
 ) -> dict[str, Any]:
-    """Cosine similarity to the exact weight gradient for each (strategy, gamma), and the
-    gradients of ``layers`` at each setting for the histograms."""
+    """Cosine similarity and norm ratio to the exact weight gradient for each (strategy, gamma),
+    and the gradients of ``layers`` at each setting for the histograms."""
     batch = make_batch(image_size, torch.device("cpu"))
     base = build_detector(False, image_size, backbone=backbone).train()
     exact = _weight_grads(base, batch)
@@ -53,11 +58,14 @@ def gradient_study(
             approx = _weight_grads(model, batch)
             converted = [r.path for r in record if r.kind != "ReLU" and r.path in approx]
             per_layer = {n: _cosine(approx[n], exact[n]) for n in converted}
+            norms = {n: _norm_ratio(approx[n], exact[n]) for n in converted}
             per_gamma.append(
                 {
                     "gamma": gamma,
                     "mean": sum(per_layer.values()) / len(per_layer),
+                    "norm_ratio": sum(norms.values()) / len(norms),
                     "layers": {n: per_layer[n] for n in layers if n in per_layer},
+                    "layers_norm_ratio": {n: norms[n] for n in layers if n in norms},
                 }
             )
             grads[f"{strategy} {gamma:g}"] = {n: approx[n] for n in layers}
@@ -72,15 +80,19 @@ def plot(result: dict[str, Any], out_dir: Path, hist_gamma: float) -> list[Path]
     from matplotlib.figure import Figure
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    fig = Figure(figsize=(6, 4))
+    fig = Figure(figsize=(11, 4))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    cos_ax, norm_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for strategy, rows in result["cosine"].items():
-        ax.plot([r["gamma"] for r in rows], [r["mean"] for r in rows], marker="o", label=strategy)
-    ax.set_xlabel("gamma (fraction dropped)")
-    ax.set_ylabel("cosine similarity to exact weight gradient\n(mean over converted layers)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        gammas = [r["gamma"] for r in rows]
+        cos_ax.plot(gammas, [r["mean"] for r in rows], marker="o", label=strategy)
+        norm_ax.plot(gammas, [r["norm_ratio"] for r in rows], marker="o", label=strategy)
+    cos_ax.set_ylabel("cosine similarity to exact weight gradient\n(mean over converted layers)")
+    norm_ax.set_ylabel("norm of DropIT / exact weight gradient\n(mean over converted layers)")
+    for ax in (cos_ax, norm_ax):
+        ax.set_xlabel("gamma (fraction dropped)")
+        ax.grid(alpha=0.3)
+        ax.legend()
     curves = out_dir / "grad_cosine_vs_gamma.png"
     fig.tight_layout()
     fig.savefig(curves, dpi=110)
@@ -104,5 +116,5 @@ def plot(result: dict[str, Any], out_dir: Path, hist_gamma: float) -> list[Path]
 
 
 def save_json(result: dict[str, Any], path: Path) -> None:
-    """The cosine figures as JSON (gradients left out)."""
+    """The cosine and norm-ratio figures as JSON (gradients left out)."""
     path.write_text(json.dumps({k: v for k, v in result.items() if k != "_grads"}, indent=2))

@@ -18,7 +18,10 @@ def test_cosine_falls_with_gamma_and_figures_are_written(tmp_path: Path) -> None
     # Keeping everything reproduces the exact gradient; dropping 90% moves it away.
     assert exact["mean"] == pytest.approx(1.0, abs=1e-6)
     assert 0.0 < dropped["mean"] < exact["mean"]
-    assert set(dropped["layers"]) == set(LAYERS)
+    # mink keeps the largest 10%: the gradient shrinks, but far less than to 10% of its norm
+    assert exact["norm_ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert 0.1 < dropped["norm_ratio"] < 1.0
+    assert set(dropped["layers"]) == set(LAYERS) == set(dropped["layers_norm_ratio"])
     paths = plot(result, tmp_path, hist_gamma=0.9)
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

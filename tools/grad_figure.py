@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         save_json(result, args.out / "grad_cosine.json")
         print(f"wrote {args.out / 'grad_cosine.json'}")
+        for strategy, rows in result["cosine"].items():
+            for row in rows:
+                print(
+                    f"{strategy} gamma {row['gamma']:g}: cosine {row['mean']:.3f}, "
+                    f"norm ratio {row['norm_ratio']:.3f}"
+                )
 
     return run_cli(run)
 
