@@ -32,7 +32,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The accuracy study (8 CPU runs, about 2.5 hours here) in the background; resumable.
+# The accuracy study (8 CPU runs, two at a time, about 1.5 hours here) in the background; resumable.
 study: setup
 	mkdir -p outputs/study
 	nohup $(PY) tools/study.py --jobs 2 > outputs/study/study.log 2>&1 &
