@@ -66,7 +66,8 @@ def test_study_skips_finished_resumes_started_and_reports(tmp_path: Path, monkey
 def test_finished_run_with_another_config_is_refused(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "study"
     first = study_runs([1])[0]
-    _fake_run(out / first.name, (*first.overrides, "solver.lr=0.01"), 0.5)
+    # an lr the study config does not use
+    _fake_run(out / first.name, (*first.overrides, "solver.lr=0.123"), 0.5)
     monkeypatch.setattr(engine, "train", lambda *a, **k: pytest.fail("must not train"))
     with pytest.raises(ValueError, match="trained with a different config"):
         run_study(CONFIG, out, seeds=[1])
