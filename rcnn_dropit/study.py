@@ -100,7 +100,7 @@ def _train_in_turn(
 
     for i, run in todo:
         run_dir = out_root / run.name
-        resume = "auto" if run_dir.exists() else None
+        resume = _resume_flag(run_dir)
         print(f"[{i}/{total}] {run.name}: {'resuming' if resume else 'training'}", flush=True)
         start = time.time()
         train(config, overrides=run.overrides, resume=resume, output_dir=run_dir)
@@ -128,7 +128,7 @@ def _train_side_by_side(
         while pending and len(running) < jobs:
             i, run = pending.pop(0)
             run_dir = out_root / run.name
-            resume = "auto" if run_dir.exists() else None
+            resume = _resume_flag(run_dir)
             log = out_root / f"{run.name}.log"
             print(
                 f"[{i}/{total}] {run.name}: {'resuming' if resume else 'training'} "
@@ -157,6 +157,11 @@ def _train_side_by_side(
 
 
 _POLL_SECONDS = 2.0
+
+
+def _resume_flag(run_dir: Path) -> str | None:
+    """A started run (its folder exists) resumes from its newest checkpoint, if it has one."""
+    return "auto" if run_dir.exists() else None
 
 
 def _cpu_count() -> int:
