@@ -37,6 +37,12 @@ class ModelConfig:
     rpn_batch_size_per_image: int = _f(256, ge=1)
     # One anchor size per FPN level (P2..P6), 3 aspect ratios each, as torchvision's default.
     anchor_sizes: list[int] = _f(factory=lambda: [32, 64, 128, 256, 512])
+    # Widths of the parts built on the backbone; torchvision's values by default. Narrower parts
+    # make a model for CPU work (the shapes study and demo); the COCO recipe keeps these.
+    fpn_channels: int = _f(256, ge=1)  # FPN output channels, so also the RPN and RoI features
+    box_head_width: int = _f(1024, ge=1)  # width of the box head's two fully-connected layers
+    mask_head_channels: int = _f(256, ge=1)  # channels of the mask head's convs and deconv
+    mask_head_convs: int = _f(4, ge=1)  # number of 3x3 convs in the mask head
 
 
 @dataclass
@@ -66,6 +72,7 @@ class ShapesConfig:
     image_size: int = _f(128, ge=16)
     num_classes: int = _f(3, ge=1)
     seed: int = 0
+    first_class: int = _f(0, ge=0, le=5)  # classes are the shape names from this index on
 
 
 @dataclass
@@ -117,6 +124,7 @@ class TrainConfig:
     device: str = _f("auto", choices=("auto", "cpu", "cuda"))
     log_every: int = _f(20, ge=1)
     eval_every: int = _f(1, ge=0)
+    eval_every_iters: int = _f(0, ge=0)  # also evaluate every N iterations (0: off)
     checkpoint_every: int = _f(1, ge=0)
     checkpoint_every_iters: int = _f(0, ge=0)
     keep_last: int = _f(3, ge=0)
@@ -162,6 +170,11 @@ def cross_check(cfg: Config) -> list[str]:
     if m.max_size < m.min_size:
         errors.append(f"model.max_size ({m.max_size}) must be >= model.min_size ({m.min_size})")
     shapes = cfg.data.shapes
+    if cfg.data.dataset == "shapes" and shapes.first_class + shapes.num_classes > 6:
+        errors.append(
+            f"data.shapes.first_class ({shapes.first_class}) + data.shapes.num_classes "
+            f"({shapes.num_classes}) must be <= 6, the number of shape kinds"
+        )
     if cfg.data.dataset == "shapes" and m.num_classes != shapes.num_classes + 1:
         errors.append(
             f"model.num_classes ({m.num_classes}) must be data.shapes.num_classes + 1 "

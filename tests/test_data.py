@@ -126,6 +126,23 @@ def test_shapes_deterministic(tmp_path):
 def test_make_shapes_rejects_bad_args(tmp_path):
     with pytest.raises(ValueError, match="num_classes: 7"):
         make_shapes(tmp_path, 2, 2, 64, 7, 0)
+    with pytest.raises(ValueError, match="num_classes: 4 is not in 1..3"):
+        make_shapes(tmp_path, 2, 2, 64, 4, 0, first_class=3)
+    with pytest.raises(ValueError, match="first_class: 6"):
+        make_shapes(tmp_path, 2, 2, 64, 1, 0, first_class=6)
+
+
+def test_shapes_first_class_draws_other_objects(tmp_path):
+    """A set from first_class 3 has the last three shape kinds only, labelled 1..3."""
+    make_shapes(tmp_path / "other", 6, 2, 64, 3, seed=5, first_class=3)
+    doc = json.loads((tmp_path / "other/annotations/instances_train.json").read_text())
+    assert [c["name"] for c in doc["categories"]] == ["ellipse", "diamond", "hexagon"]
+    assert {a["category_id"] for a in doc["annotations"]} <= {1, 2, 3}
+    assert doc["info"]["shapes"]["first_class"] == 3
+    # the default set records no first_class, as sets made before the option did
+    make_shapes(tmp_path / "plain", 2, 2, 64, 3, seed=5)
+    plain = json.loads((tmp_path / "plain/annotations/instances_val.json").read_text())
+    assert "first_class" not in plain["info"]["shapes"]
 
 
 # ---------------------------------------------------------------- hand-written COCO

@@ -305,6 +305,15 @@ def _toy_trainer(nonfinite: str, nan_calls: set[int], scaler=None) -> Trainer:
     )  # fmt: skip
 
 
+def test_eval_every_iters_checkpoints_then_evaluates() -> None:
+    schedule = Schedule(10, 40, 5, 0, 0, 0, eval_every_iters=15)
+    evals = [i for i in range(1, 41) if schedule.should_eval(i)]
+    ckpts = [i for i in range(1, 41) if schedule.should_checkpoint(i)]
+    assert evals == [15, 30, 40]
+    assert ckpts == evals  # every evaluation has the checkpoint of the weights it scores
+    assert [i for i in range(1, 41) if Schedule(10, 40, 5, 2, 0, 0).should_eval(i)] == [20, 40]
+
+
 def test_nonfinite_skip_leaves_weights_and_counts() -> None:
     trainer = _toy_trainer("skip", nan_calls={2})
     trainer.step([], [], 1)

@@ -204,3 +204,45 @@ def test_dropit_settings_reach_to_dropit(monkeypatch: pytest.MonkeyPatch):
             "chunk": 4,
         }
     ]
+
+
+def test_default_widths_match_torchvision_maskrcnn():
+    """Default widths build torchvision's own shapes, so COCO weights files keep loading."""
+    from torchvision.models.detection import maskrcnn_resnet50_fpn
+
+    ours, _ = build_model(tiny_cfg(backbone="resnet50", num_classes=91))
+    theirs = maskrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=91)
+    mine = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    ref = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+    assert mine == ref
+
+
+def test_width_options_build_narrow_parts():
+    model, _ = build_model(
+        tiny_cfg(fpn_channels=32, box_head_width=64, mask_head_channels=16, mask_head_convs=2)
+    )
+    fpn = model.backbone.fpn
+    assert model.backbone.out_channels == 32
+    assert [b[0].out_channels for b in fpn.layer_blocks] == [32] * 4
+    assert [b[0].in_channels for b in fpn.inner_blocks] == [64, 128, 256, 512]
+    assert model.rpn.head.conv[0][0].in_channels == 32
+    heads = model.roi_heads
+    assert (heads.box_head.fc6.in_features, heads.box_head.fc6.out_features) == (32 * 49, 64)
+    assert heads.box_predictor.cls_score.in_features == 64
+    assert heads.box_predictor.cls_score.out_features == 3
+    assert [m[0].out_channels for m in heads.mask_head] == [16, 16]
+    assert heads.mask_head[0][0].in_channels == 32
+    assert heads.mask_predictor.conv5_mask.in_channels == 16
+    assert heads.mask_predictor.mask_fcn_logits.out_channels == 3
+    # and it trains: every loss is finite and every trainable parameter gets a gradient
+    model.train()
+    images, targets = sample()
+    losses = model(images, targets)
+    sum(losses.values()).backward()
+    assert all(torch.isfinite(v) for v in losses.values())
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_width_options_are_validated():
+    with pytest.raises(ValueError, match="model.fpn_channels"):
+        tiny_cfg(fpn_channels=0)

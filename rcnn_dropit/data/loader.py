@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .coco import CocoDetection
 from .samplers import GroupedBatchSampler, ShardSampler, aspect_ratio_groups, dist_rank_and_size
-from .shapes import FORMAT_VERSION, make_shapes
+from .shapes import make_shapes, shapes_info
 from .transforms import build_transforms
 
 _SHAPES_DEFAULT_ROOT = "datasets/shapes"
@@ -24,13 +24,18 @@ _COCO_DEFAULT_ROOT = "datasets/coco"
 _SHAPES_KEYS = ("num_train", "num_val", "image_size", "num_classes", "seed")
 
 
-def _field(obj: Any, name: str) -> Any:
+def _field(obj: Any, name: str, *default: Any) -> Any:
     """Attribute or mapping key (data.shapes may be a dataclass or a plain dict)."""
-    return obj[name] if isinstance(obj, dict) else getattr(obj, name)
+    if isinstance(obj, dict):
+        return obj.get(name, default[0]) if default else obj[name]
+    return getattr(obj, name, *default)
 
 
 def _shapes_params(cfg: Any) -> dict:
-    return {k: int(_field(cfg.data.shapes, k)) for k in _SHAPES_KEYS}
+    shapes = cfg.data.shapes
+    params = {k: int(_field(shapes, k)) for k in _SHAPES_KEYS}
+    params["first_class"] = int(_field(shapes, "first_class", 0))  # optional in plain dicts
+    return params
 
 
 def dataset_root(cfg: Any) -> Path:
@@ -105,7 +110,7 @@ def _ensure_shapes(root: Path, params: dict) -> None:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     found = json.loads(marker.read_text()).get("info", {}).get("shapes", {})
-    wanted = {**params, "version": FORMAT_VERSION}
+    wanted = shapes_info(**params)
     if found != wanted:
         raise ValueError(
             f"data.root: shapes dataset in '{root}' was generated with {found}, but data.shapes "

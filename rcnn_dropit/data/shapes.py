@@ -23,10 +23,22 @@ def make_shapes(
     image_size: int,
     num_classes: int,
     seed: int,
+    first_class: int = 0,
 ) -> None:
-    """Write root/{train,val}/*.png and root/annotations/instances_{train,val}.json."""
-    if not 1 <= num_classes <= len(CLASS_NAMES):
-        raise ValueError(f"data.shapes.num_classes: {num_classes} is not in 1..{len(CLASS_NAMES)}")
+    """Write root/{train,val}/*.png and root/annotations/instances_{train,val}.json.
+
+    The classes are CLASS_NAMES[first_class : first_class + num_classes]: a set made with another
+    first_class (and seed) has other objects, e.g. to pretrain a backbone for the fine-tune study.
+    """
+    if not 0 <= first_class < len(CLASS_NAMES):
+        raise ValueError(
+            f"data.shapes.first_class: {first_class} is not in 0..{len(CLASS_NAMES) - 1}"
+        )
+    if not 1 <= num_classes <= len(CLASS_NAMES) - first_class:
+        raise ValueError(
+            f"data.shapes.num_classes: {num_classes} is not in 1..{len(CLASS_NAMES) - first_class}"
+            f" (with first_class {first_class}, of {len(CLASS_NAMES)} shapes)"
+        )
     if image_size < 32:
         raise ValueError(f"data.shapes.image_size: {image_size} must be >= 32")
     if num_train < 1 or num_val < 1:
@@ -35,17 +47,10 @@ def make_shapes(
         )
     root = Path(root)
     (root / "annotations").mkdir(parents=True, exist_ok=True)
-    params = {
-        "num_train": num_train,
-        "num_val": num_val,
-        "image_size": image_size,
-        "num_classes": num_classes,
-        "seed": seed,
-        "version": FORMAT_VERSION,
-    }
+    params = shapes_info(num_train, num_val, image_size, num_classes, seed, first_class)
+    names = CLASS_NAMES[first_class : first_class + num_classes]
     categories = [
-        {"id": i + 1, "name": name, "supercategory": "shape"}
-        for i, name in enumerate(CLASS_NAMES[:num_classes])
+        {"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(names)
     ]
     for split_id, (split, count) in enumerate((("train", num_train), ("val", num_val))):
         (root / split).mkdir(exist_ok=True)
@@ -53,7 +58,7 @@ def make_shapes(
         images, annotations = [], []
         for i in range(count):
             rng = np.random.default_rng([seed, split_id, i])
-            pixels, objects = _render(rng, image_size, num_classes, empty=i in empty)
+            pixels, objects = _render(rng, image_size, names, empty=i in empty)
             file_name = f"{i:06d}.png"
             Image.fromarray(pixels).save(root / split / file_name, format="PNG")
             h, w = pixels.shape[:2]
@@ -70,6 +75,23 @@ def make_shapes(
         (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(doc))
 
 
+def shapes_info(
+    num_train: int, num_val: int, image_size: int, num_classes: int, seed: int, first_class: int = 0
+) -> dict:
+    """The parameters recorded in (and compared against) a generated set's annotation files."""
+    info = {
+        "num_train": num_train,
+        "num_val": num_val,
+        "image_size": image_size,
+        "num_classes": num_classes,
+        "seed": seed,
+        "version": FORMAT_VERSION,
+    }
+    if first_class:  # recorded only when set, so sets made before the option still match
+        info["first_class"] = first_class
+    return info
+
+
 def _empty_images(count: int, seed: int, split_id: int) -> set[int]:
     """About 1 in 20 images has no object, so the 'drop empty images' path is exercised."""
     if count < 4:
@@ -80,7 +102,7 @@ def _empty_images(count: int, seed: int, split_id: int) -> set[int]:
 
 
 def _render(
-    rng: np.random.Generator, size: int, num_classes: int, empty: bool
+    rng: np.random.Generator, size: int, names: tuple[str, ...], empty: bool
 ) -> tuple[np.ndarray, list[dict]]:
     """One image (uint8 HxWx3) and its annotations without ids."""
     short = round(0.75 * size)
@@ -89,7 +111,7 @@ def _render(
     if empty:
         return image, []
     for _ in range(100):
-        shapes = [_sample_shape(rng, h, w, num_classes) for _ in range(rng.integers(1, 5))]
+        shapes = [_sample_shape(rng, h, w, names) for _ in range(rng.integers(1, 5))]
         visible = _visible_masks([s["full"] for s in shapes])
         kept = [v.sum() / s["full"].sum() for v, s in zip(visible, shapes, strict=True)]
         if min(kept) >= _MIN_VISIBLE:
@@ -136,10 +158,10 @@ def _contrasting_color(rng: np.random.Generator, against: np.ndarray) -> np.ndar
     return 255.0 - against
 
 
-def _sample_shape(rng: np.random.Generator, h: int, w: int, num_classes: int) -> dict:
+def _sample_shape(rng: np.random.Generator, h: int, w: int, names: tuple[str, ...]) -> dict:
     """Class, geometry and full (unoccluded) mask of one object inside the image."""
-    label = int(rng.integers(num_classes))
-    name = CLASS_NAMES[label]
+    label = int(rng.integers(len(names)))
+    name = names[label]
     radius = rng.uniform(0.1, 0.22) * min(h, w)
     cx = rng.uniform(radius + 1, w - radius - 1)
     cy = rng.uniform(radius + 1, h - radius - 1)

@@ -324,6 +324,7 @@ def _train(
         eval_every=cfg.train.eval_every,
         checkpoint_every=cfg.train.checkpoint_every,
         checkpoint_every_iters=cfg.train.checkpoint_every_iters,
+        eval_every_iters=cfg.train.eval_every_iters,
     )
     trainer = Trainer(
         cfg,

@@ -40,6 +40,7 @@ class Schedule:
     eval_every: int
     checkpoint_every: int
     checkpoint_every_iters: int
+    eval_every_iters: int = 0
 
     def epoch_of(self, iteration: int) -> int:
         """1-based epoch that iteration `iteration` (1-based) belongs to."""
@@ -57,17 +58,26 @@ class Schedule:
         return iteration % self.log_every == 0 or iteration == self.total_iters
 
     def should_checkpoint(self, iteration: int) -> bool:
-        """Checkpoint at epoch multiples, iteration multiples and the end."""
+        """Checkpoint at epoch multiples, iteration multiples, before evaluations and at the end."""
         by_iters = self.checkpoint_every_iters > 0 and iteration % self.checkpoint_every_iters == 0
         return (
             iteration == self.total_iters
             or by_iters
             or self._epoch_end_every(iteration, self.checkpoint_every)
+            or self._every_iters(iteration, self.eval_every_iters)  # checkpoint, then evaluate
         )
 
     def should_eval(self, iteration: int) -> bool:
-        """Evaluate at eval_every epoch multiples and at the end."""
-        return iteration == self.total_iters or self._epoch_end_every(iteration, self.eval_every)
+        """Evaluate at eval_every epoch multiples, eval_every_iters multiples and at the end."""
+        return (
+            iteration == self.total_iters
+            or self._epoch_end_every(iteration, self.eval_every)
+            or self._every_iters(iteration, self.eval_every_iters)
+        )
+
+    @staticmethod
+    def _every_iters(iteration: int, every: int) -> bool:
+        return every > 0 and iteration % every == 0
 
 
 @dataclass

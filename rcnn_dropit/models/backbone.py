@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torchvision.models import WeightsEnum, resnet
 from torchvision.models.detection.backbone_utils import BackboneWithFPN, _resnet_fpn_extractor
+from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
@@ -27,6 +28,7 @@ def build_backbone(
     trainable_layers: int = 3,
     pretrained: bool = False,
     weights_path: str | Path | None = None,
+    fpn_channels: int = 256,
 ) -> BackboneWithFPN:
     """ResNet body + FPN with the first stages frozen as torchvision does (trainable 0..5)."""
     if name not in _RESNETS:
@@ -43,7 +45,17 @@ def build_backbone(
         load_strict(body, state, "model.backbone_weights", str(weights_path), ignore_prefix="fc.")
     elif pretrained:
         body.load_state_dict(_download(enum, name))
-    return _resnet_fpn_extractor(body, trainable_layers)
+    # torchvision's extractor freezes the stages; its FPN width is fixed at 256
+    backbone = _resnet_fpn_extractor(body, trainable_layers)
+    if fpn_channels == backbone.out_channels:
+        return backbone
+    return BackboneWithFPN(
+        body,
+        {f"layer{k}": str(k - 1) for k in range(1, 5)},
+        [body.inplanes // 8 * 2**i for i in range(4)],  # channels of layer1..layer4
+        fpn_channels,
+        extra_blocks=LastLevelMaxPool(),
+    )
 
 
 def _download(enum: WeightsEnum, name: str) -> dict[str, torch.Tensor]:

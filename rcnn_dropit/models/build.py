@@ -7,6 +7,8 @@ from typing import Any
 from torch import nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
 from rcnn_dropit.config import Config
 from rcnn_dropit.models.backbone import build_backbone
@@ -14,7 +16,6 @@ from rcnn_dropit.models.heads import MLPHead
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
 
 _ROI_SIZE = 7  # output size of torchvision's default box MultiScaleRoIAlign
-_REPRESENTATION = 1024  # width of the box head's fully-connected layers, as torchvision
 
 
 def build_model(cfg: Config) -> tuple[nn.Module, Any]:
@@ -31,16 +32,28 @@ def build_model(cfg: Config) -> tuple[nn.Module, Any]:
         # a full-model init overwrites the backbone, so downloading ImageNet weights is wasted
         pretrained=m.pretrained_backbone and m.weights is None,
         weights_path=m.backbone_weights if m.weights is None else None,
+        fpn_channels=m.fpn_channels,
     )
-    detector = {"maskrcnn": MaskRCNN, "fasterrcnn": FasterRCNN}.get(m.arch)
-    if detector is None:
+    if m.arch not in ("maskrcnn", "fasterrcnn"):
         raise ValueError(f"model.arch: '{m.arch}' is not one of maskrcnn, fasterrcnn")
+    # the heads are built here because torchvision fixes their widths (1024 and 256)
+    heads: dict[str, nn.Module] = {
+        "box_head": MLPHead(backbone.out_channels * _ROI_SIZE**2, m.box_head_width),
+        "box_predictor": FastRCNNPredictor(m.box_head_width, m.num_classes),
+    }
+    detector = FasterRCNN
+    if m.arch == "maskrcnn":
+        detector = MaskRCNN
+        width = m.mask_head_channels
+        heads["mask_head"] = MaskRCNNHeads(
+            backbone.out_channels, [width] * m.mask_head_convs, dilation=1
+        )
+        heads["mask_predictor"] = MaskRCNNPredictor(width, width, m.num_classes)
     model = detector(
         backbone,
-        num_classes=m.num_classes,
         min_size=m.min_size,
         max_size=m.max_size,
-        box_head=MLPHead(backbone.out_channels * _ROI_SIZE**2, _REPRESENTATION),
+        **heads,
         box_detections_per_img=m.box_detections_per_img,
         box_batch_size_per_image=m.box_batch_size_per_image,
         rpn_batch_size_per_image=m.rpn_batch_size_per_image,
