@@ -32,8 +32,9 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The accuracy study (8 CPU runs, two at a time, about 1.5 hours here) in the background; resumable.
+# The accuracy study (configs/study/plan.yaml: two regimes, ~40 CPU runs, two at a time, about
+# 4 hours here) in the background; resumable: run it again to continue where it stopped.
 study: setup
 	mkdir -p outputs/study
-	nohup $(PY) tools/study.py --jobs 2 > outputs/study/study.log 2>&1 &
+	nohup $(PY) tools/study.py --plan configs/study/plan.yaml --jobs 2 >> outputs/study/study.log 2>&1 &
 	@echo "study running in the background: tail -f outputs/study/study.log"

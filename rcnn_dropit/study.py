@@ -1,8 +1,14 @@
-"""The accuracy study: the same Mask R-CNN run for several DropIT settings and seeds, resumable.
+"""The accuracy study: a plan of runs (regimes x DropIT settings x seeds), trained resumably.
 
-Each run is an ordinary run directory under the study folder. A run with an ``eval.json`` is
-finished and skipped; a run with checkpoints is resumed; so re-running the study after an
-interruption continues where it stopped. The report of all runs is written at the end.
+A plan (``configs/study/plan.yaml``) names the regimes (a config each), the settings (config
+overrides each) and groups of (regimes, settings, seeds). Every run is an ordinary run directory
+``<out>/<regime>/<setting>_s<seed>``: one with an ``eval.json`` is finished and skipped (after
+checking it was trained with today's config), one with checkpoints is resumed. Runs go seed-major,
+so a study cut short has every setting at seed 1 before any at seed 2.
+
+A regime may start from a backbone the study trains itself (``pretrain``): a baseline run on a
+separate shapes set, exported as the ``model.backbone_weights`` file the regime's config names.
+Runs that need that file wait until it exists.
 
 With ``jobs > 1`` the runs train side by side in child processes that share the cores. On a small
 CPU this is faster than one run after another: part of each step (RoIAlign's backward, NMS, the
@@ -11,131 +17,238 @@ Python between ops) uses one core only, and two one-thread runs fill the gaps of
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
-from rcnn_dropit.report import build_report
-
-# (label, overrides): the paper's contrast at gamma=0.8 against the exact baseline.
-DEFAULT_SETTINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("baseline", ("dropit.enabled=false",)),
-    ("mink_0.8", ("dropit.enabled=true", "dropit.strategy=mink", "dropit.gamma=0.8")),
-    (
-        "parallel_mink_0.8",
-        ("dropit.enabled=true", "dropit.strategy=parallel_mink", "dropit.gamma=0.8"),
-    ),
-    ("random_0.8", ("dropit.enabled=true", "dropit.strategy=random", "dropit.gamma=0.8")),
-)
+PRETRAIN = "pretrain"  # folder and run name of the study's own backbone pretraining
+TIMES_FILE = "study_times.jsonl"  # one record per finished or failed run: the budget's account
 
 
 @dataclass(frozen=True)
 class StudyRun:
-    """One run of the study: its folder name and config overrides."""
+    """One run: its folder under the study root, config, overrides and backbone dependencies."""
 
-    name: str
+    name: str  # "<regime>/<setting>_s<seed>", or "pretrain/pretrain"
+    config: str
     overrides: tuple[str, ...]
+    needs: str | None = None  # a file that must exist before the run starts
+    exports: str | None = None  # after the run: its backbone is written to this file
 
 
-def study_runs(
-    seeds: Sequence[int], settings: Sequence[tuple[str, Sequence[str]]] = DEFAULT_SETTINGS
-) -> list[StudyRun]:
-    """All runs, seed-major so that a cut-short study still has every setting at seed 1."""
-    return [
-        StudyRun(f"{label}_s{seed}", (*overrides, f"train.seed={seed}", f"name={label}_s{seed}"))
-        for seed in seeds
-        for label, overrides in settings
-    ]
+@dataclass(frozen=True)
+class Group:
+    """Settings trained in some regimes with some seeds."""
+
+    regimes: tuple[str, ...]
+    settings: tuple[str, ...]
+    seeds: tuple[int, ...]
 
 
-def run_study(
-    config: str | Path,
-    out_root: str | Path,
-    seeds: Sequence[int] = (1, 2),
-    report: str | Path | None = None,
-    jobs: int = 1,
-) -> str:
-    """Train every missing run of the study (``jobs`` at a time), then write the grouped report."""
+@dataclass(frozen=True)
+class Plan:
+    """What the study trains and where it writes."""
+
+    out: Path
+    report: Path
+    regimes: dict[str, str]  # name -> config file
+    settings: dict[str, tuple[str, ...]]  # name -> overrides
+    groups: tuple[Group, ...]
+    pretrain_config: str | None = None
+    pretrain_for: tuple[str, ...] = field(default_factory=tuple)  # regimes using its backbone
+
+
+class PlanError(ValueError):
+    """A study plan file that cannot be used; the message names the key and what is allowed."""
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and check a plan YAML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"study plan: file '{path}' does not exist")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise PlanError(f"study plan '{path}': must be a mapping")
+    known = {"out", "report", "regimes", "settings", "groups", "pretrain"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlanError(f"study plan '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
+    regimes = _mapping(data, "regimes", path)
+    settings = {k: tuple(map(str, v or ())) for k, v in _mapping(data, "settings", path).items()}
+    groups = []
+    for i, g in enumerate(data.get("groups") or []):
+        group = Group(
+            tuple(g.get("regimes", ())), tuple(g.get("settings", ())), tuple(g.get("seeds", ()))
+        )
+        for kind, names, allowed in (
+            ("regime", group.regimes, regimes),
+            ("setting", group.settings, settings),
+        ):
+            bad = [n for n in names if n not in allowed]
+            if bad or not names:
+                raise PlanError(
+                    f"study plan '{path}': groups[{i}] {kind}s {list(names)}: "
+                    f"each must be one of {sorted(allowed)}"
+                )
+        if not group.seeds or not all(isinstance(s, int) and s >= 0 for s in group.seeds):
+            raise PlanError(f"study plan '{path}': groups[{i}] seeds must be integers >= 0")
+        groups.append(group)
+    pre = data.get("pretrain") or {}
+    pretrain_for = tuple(pre.get("for", ()))
+    if any(r not in regimes for r in pretrain_for):
+        raise PlanError(f"study plan '{path}': pretrain.for {list(pretrain_for)}: unknown regime")
+    return Plan(
+        out=Path(data.get("out", "docs/results/shapes_runs")),
+        report=Path(data.get("report", "docs/results/shapes.md")),
+        regimes={k: str(v) for k, v in regimes.items()},
+        settings=settings,
+        groups=tuple(groups),
+        pretrain_config=pre.get("config"),
+        pretrain_for=pretrain_for,
+    )
+
+
+def _mapping(data: dict, key: str, path: Path) -> dict:
+    value = data.get(key)
+    if not isinstance(value, dict) or not value:
+        raise PlanError(f"study plan '{path}': '{key}' must be a non-empty mapping")
+    return value
+
+
+def backbone_file(plan: Plan) -> str | None:
+    """The model.backbone_weights file the pretrained regimes load (None without pretraining)."""
+    if not plan.pretrain_for:
+        return None
+    from rcnn_dropit.config import load_config
+
+    files = {load_config(plan.regimes[r]).model.backbone_weights for r in plan.pretrain_for}
+    if len(files) != 1 or None in files:
+        raise PlanError(
+            f"study plan: the regimes {list(plan.pretrain_for)} must all name one "
+            f"model.backbone_weights file in their configs (found {sorted(map(str, files))})"
+        )
+    return files.pop()
+
+
+def plan_runs(plan: Plan) -> list[StudyRun]:
+    """Every run of the plan: the pretraining first, then seed-major in plan order."""
+    weights = backbone_file(plan)
+    runs = []
+    if weights is not None:
+        runs.append(
+            StudyRun(
+                f"{PRETRAIN}/{PRETRAIN}",
+                str(plan.pretrain_config),
+                (f"name={PRETRAIN}",),
+                exports=weights,
+            )
+        )
+    seen = set()
+    for seed in sorted({s for g in plan.groups for s in g.seeds}):
+        for group in plan.groups:
+            if seed not in group.seeds:
+                continue
+            for regime in group.regimes:
+                for setting in group.settings:
+                    name = f"{regime}/{setting}_s{seed}"
+                    if name in seen:
+                        continue
+                    seen.add(name)
+                    overrides = (
+                        *plan.settings[setting],
+                        f"train.seed={seed}",
+                        f"name={setting}_s{seed}",
+                    )
+                    needs = weights if regime in plan.pretrain_for else None
+                    runs.append(StudyRun(name, plan.regimes[regime], overrides, needs=needs))
+    return runs
+
+
+def run_study(plan_path: str | Path, jobs: int = 1, regimes: Sequence[str] = ()) -> str:
+    """Train every missing run (``jobs`` at a time), then write the report; returns it."""
     if jobs < 1:
         raise ValueError(f"jobs: {jobs} must be >= 1")
-    out_root = Path(out_root)
-    runs = study_runs(seeds)
+    plan = load_plan(plan_path)
+    unknown = [r for r in regimes if r not in plan.regimes]
+    if unknown:
+        raise PlanError(f"--regimes {unknown}: each must be one of {sorted(plan.regimes)}")
+    runs = plan_runs(plan)
+    if regimes:
+        wanted = {*regimes, PRETRAIN}
+        runs = [r for r in runs if r.name.split("/")[0] in wanted]
     todo = []
     for i, run in enumerate(runs, 1):
-        run_dir = out_root / run.name
-        if (run_dir / "eval.json").is_file():
-            _check_same_config(run_dir, config, run.overrides)
-            print(f"[{i}/{len(runs)}] {run.name}: finished, skipped", flush=True)
+        run_dir = plan.out / run.name
+        if run.exports and Path(run.exports).is_file():
+            print(f"[{i}/{len(runs)}] {run.name}: backbone {run.exports} exists, skipped")
+        elif (run_dir / "eval.json").is_file():
+            _check_same_config(run_dir, run.config, run.overrides)
+            if run.exports:  # finished, but its exported backbone is gone (a new machine)
+                todo.append((i, run))
+            else:
+                print(f"[{i}/{len(runs)}] {run.name}: finished, skipped", flush=True)
         else:
             todo.append((i, run))
-    if jobs == 1:
-        failed = _train_in_turn(config, out_root, todo, len(runs))
-    else:
-        failed = _train_side_by_side(config, out_root, todo, len(runs), jobs)
-    dirs = [out_root / r.name for r in runs]
-    markdown = build_report(dirs, baseline=dirs[0], out=report, group_seeds=True)
-    if report is not None:
-        Path(report).write_text(_header(config, seeds, jobs) + markdown)
+    failed = _schedule(plan, todo, len(runs), jobs)
+    from rcnn_dropit.report.study_report import write_study_report
+
+    markdown = write_study_report(plan, plan_path, jobs)
     if failed:
         raise RuntimeError(
-            f"study runs failed: {', '.join(failed)}; their logs are in {out_root}; "
+            f"study runs failed: {', '.join(failed)}; their logs are in {plan.out}; "
             "run the study again to resume them"
         )
     return markdown
 
 
-def _train_in_turn(
-    config: str | Path, out_root: Path, todo: list[tuple[int, StudyRun]], total: int
-) -> list[str]:
-    """Train the runs one after another in this process (errors propagate)."""
-    from rcnn_dropit.engine import train  # the engine pulls in torchvision; keep import lazy
-
-    for i, run in todo:
-        run_dir = out_root / run.name
-        resume = _resume_flag(run_dir)
-        print(f"[{i}/{total}] {run.name}: {'resuming' if resume else 'training'}", flush=True)
-        start = time.time()
-        train(config, overrides=run.overrides, resume=resume, output_dir=run_dir)
-        print(f"[{i}/{total}] {run.name}: done in {time.time() - start:.0f} s", flush=True)
-    return []
-
-
-def _train_side_by_side(
-    config: str | Path,
-    out_root: Path,
-    todo: list[tuple[int, StudyRun]],
-    total: int,
-    jobs: int,
-) -> list[str]:
-    """Train the runs in up to ``jobs`` child processes at once; returns the names that failed."""
+def _schedule(plan: Plan, todo: list[tuple[int, StudyRun]], total: int, jobs: int) -> list[str]:
+    """Train the runs, up to ``jobs`` child processes at once; returns the names that failed."""
+    if not todo:
+        return []
     from rcnn_dropit.config import load_config
     from rcnn_dropit.data.loader import ensure_dataset
 
-    if todo:  # generate the dataset once here, not in two children at the same moment
-        ensure_dataset(load_config(config, todo[0][1].overrides))
-    out_root.mkdir(parents=True, exist_ok=True)
+    # generate each dataset once here, not in two children at the same moment
+    for config in dict.fromkeys(run.config for _, run in todo):
+        ensure_dataset(load_config(config))
+    plan.out.mkdir(parents=True, exist_ok=True)
     threads = max(1, _cpu_count() // jobs)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     pending, running, failed = list(todo), [], []
+    slot = 0
     while pending or running:
-        while pending and len(running) < jobs:
-            i, run = pending.pop(0)
-            run_dir = out_root / run.name
-            resume = _resume_flag(run_dir)
-            log = out_root / f"{run.name}.log"
+        ready = [e for e in pending if e[1].needs is None or Path(e[1].needs).is_file()]
+        if not ready and not running:  # what they wait for will not come: its run failed
+            failed += [run.name for _, run in pending]
+            for i, run in pending:
+                print(f"[{i}/{total}] {run.name}: NOT RUN ({run.needs} missing)", flush=True)
+            break
+        while ready and len(running) < jobs:
+            entry = ready.pop(0)
+            pending.remove(entry)
+            i, run = entry
+            run_dir = plan.out / run.name
+            resume = _resume_flag(run_dir, run)
+            log = run_dir.parent / f"{run_dir.name}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            gpu = slot % gpus if gpus else None  # round-robin: children do not share cuda:0
+            slot += 1
             print(
                 f"[{i}/{total}] {run.name}: {'resuming' if resume else 'training'} "
-                f"({threads} thread(s), log {log})",
+                f"({threads} thread(s){'' if gpu is None else f', GPU {gpu}'}, log {log})",
                 flush=True,
             )
-            proc = _start_run(config, run, resume, run_dir, log, threads)
+            proc = _start_run(run, resume, run_dir, log, threads, gpu)
             running.append((i, run, proc, time.time()))
         time.sleep(_POLL_SECONDS)
         for entry in list(running):
@@ -145,7 +258,11 @@ def _train_side_by_side(
             proc.join()
             running.remove(entry)
             took = time.time() - start
-            if proc.exitcode == 0:
+            ok = proc.exitcode == 0
+            if ok and run.exports:
+                ok = _export(plan.out / run.name, run.exports)
+            _record_time(plan.out, run.name, took, ok, jobs, threads)
+            if ok:
                 print(f"[{i}/{total}] {run.name}: done in {took:.0f} s", flush=True)
             else:
                 failed.append(run.name)
@@ -159,9 +276,52 @@ def _train_side_by_side(
 _POLL_SECONDS = 2.0
 
 
-def _resume_flag(run_dir: Path) -> str | None:
-    """A started run (its folder exists) resumes from its newest checkpoint, if it has one."""
-    return "auto" if run_dir.exists() else None
+def _resume_flag(run_dir: Path, run: StudyRun) -> str | None:
+    """A started run resumes from its newest checkpoint; a finished pretraining re-exports."""
+    if not run_dir.exists():
+        return None
+    from rcnn_dropit.checkpoint import find_last_checkpoint
+
+    if (run_dir / "eval.json").is_file() and find_last_checkpoint(run_dir / "checkpoints") is None:
+        return "retrain"  # finished on another machine: its checkpoint was never committed
+    return "auto"
+
+
+def _export(run_dir: Path, target: str) -> bool:
+    """Write the run's backbone to ``target`` and record its digest next to the run."""
+    from rcnn_dropit.checkpoint import find_last_checkpoint
+    from rcnn_dropit.models.weights import export_backbone
+
+    ckpt = find_last_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        print(f"{run_dir}: no checkpoint to export the backbone from", flush=True)
+        return False
+    digest = export_backbone(ckpt, target)
+    record = run_dir / "backbone_sha256.txt"
+    previous = record.read_text().split()[0] if record.is_file() else None
+    if previous is not None and previous != digest:
+        print(
+            f"{run_dir}: the retrained backbone differs from the one recorded ({previous[:12]} "
+            f"now {digest[:12]}); runs trained before used the old one",
+            flush=True,
+        )
+    record.write_text(f"{digest}  {Path(target).name}\n")
+    print(f"backbone of {run_dir} written to {target} (sha256 {digest[:12]})", flush=True)
+    return True
+
+
+def _record_time(out: Path, name: str, seconds: float, ok: bool, jobs: int, threads: int) -> None:
+    """Append one line to the study's time account (what the budget was spent on)."""
+    record = {
+        "run": name,
+        "seconds": round(seconds, 1),
+        "ok": ok,
+        "jobs": jobs,
+        "threads": threads,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    with open(out / TIMES_FILE, "a") as stream:
+        stream.write(json.dumps(record) + "\n")
 
 
 def _cpu_count() -> int:
@@ -172,17 +332,17 @@ def _cpu_count() -> int:
 
 
 def _start_run(
-    config: str | Path,
     run: StudyRun,
     resume: str | None,
     run_dir: Path,
     log: Path,
     threads: int,
+    gpu: int | None,
 ) -> multiprocessing.process.BaseProcess:
     """One run in a fresh (spawned) process; its output goes to ``log``."""
     proc = multiprocessing.get_context("spawn").Process(
         target=_child_train,
-        args=(str(config), run.overrides, resume, str(run_dir), str(log), threads),
+        args=(run.config, run.overrides, resume, str(run_dir), str(log), threads, gpu),
         name=run.name,
     )
     proc.start()
@@ -196,8 +356,11 @@ def _child_train(
     run_dir: str,
     log: str,
     threads: int,
+    gpu: int | None = None,
 ) -> None:
     """Child-process body: send output to the log, limit threads, train; exit 1 on error."""
+    if gpu is not None:  # before anything initialises CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     with open(log, "a", buffering=1) as stream:
         os.dup2(stream.fileno(), 1)
         os.dup2(stream.fileno(), 2)
@@ -206,7 +369,14 @@ def _child_train(
         from rcnn_dropit.engine import train
 
         try:
-            train(config, overrides=overrides, resume=resume, output_dir=run_dir)
+            retrain = resume == "retrain"
+            train(
+                config,
+                overrides=overrides,
+                resume=None if retrain else resume,
+                output_dir=run_dir,
+                overwrite=retrain,
+            )
         except Exception as exc:  # the parent reports the exit code; the log keeps the trace
             import traceback
 
@@ -224,22 +394,17 @@ def _check_same_config(run_dir: Path, config: str | Path, overrides: Sequence[st
     for cfg in (want, have):
         cfg.get("train", {}).pop("output_dir", None)
     if want != have:
+        diff = _first_difference(want, have)
         raise ValueError(
-            f"study run '{run_dir}' was trained with a different config than {config} gives now; "
-            "move it away (or restore the config) so the study does not mix settings"
+            f"study run '{run_dir}' was trained with a different config than {config} gives now "
+            f"({diff}); move it away (or restore the config) so the study does not mix settings"
         )
 
 
-def _header(config: str | Path, seeds: Sequence[int], jobs: int = 1) -> str:
-    from rcnn_dropit.config import load_config
-
-    num_val = load_config(config).data.shapes.num_val
-    return (
-        "# Accuracy study on the synthetic shapes set\n\n"
-        f"Produced by `python tools/study.py --config {config} --seeds "
-        f"{' '.join(map(str, seeds))} --jobs {jobs}` (or `make study`) on {platform.machine()} "
-        f"{platform.system()}, {_cpu_count()} CPU cores, torch {torch.__version__}. "
-        "Every run trains the same config for the same number of iterations; only the DropIT "
-        "setting and the seed differ. AP is COCOeval on the "
-        f"{num_val} validation images of the shapes set.\n\n"
-    )
+def _first_difference(want: Any, have: Any, prefix: str = "") -> str:
+    """The first dotted key whose value differs, for the error message."""
+    if isinstance(want, dict) and isinstance(have, dict):
+        for key in sorted(set(want) | set(have)):
+            if want.get(key) != have.get(key):
+                return _first_difference(want.get(key), have.get(key), f"{prefix}{key}.")
+    return f"{prefix.rstrip('.')}: now {want!r}, run has {have!r}"

@@ -1,4 +1,4 @@
-"""The shapes study driver: run list, skipping finished runs, resuming started ones, report."""
+"""The study driver: plan, run order, skip/resume, pretraining dependency, report, statistics."""
 
 from __future__ import annotations
 
@@ -6,84 +6,104 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-import rcnn_dropit.engine as engine
+import rcnn_dropit.study as study
 from rcnn_dropit.config import dump_config, load_config
-from rcnn_dropit.study import run_study, study_runs
+from rcnn_dropit.report.paired import paired_diff, spread, t95
+from rcnn_dropit.study import PlanError, StudyRun, load_plan, plan_runs, run_study
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_runs_are_seed_major_with_names_and_overrides() -> None:
-    runs = study_runs([1, 2])
-    assert [r.name for r in runs[:4]] == [
-        "baseline_s1",
-        "mink_0.8_s1",
-        "parallel_mink_0.8_s1",
-        "random_0.8_s1",
+def write_plan(tmp_path: Path, groups: str | None = None) -> Path:
+    """A plan of two regimes over the real study configs, the backbone file inside tmp_path."""
+    finetune = tmp_path / "finetune.yaml"
+    finetune.write_text(
+        f"_base_: {ROOT / 'configs/study/finetune.yaml'}\n"
+        f"model:\n  backbone_weights: {tmp_path / 'backbone.pth'}\n"
+    )
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        f"out: {tmp_path / 'runs'}\nreport: {tmp_path / 'report' / 'shapes.md'}\n"
+        f"pretrain: {{config: {ROOT / 'configs/study/pretrain.yaml'}, for: [finetune]}}\n"
+        f"regimes: {{scratch: {ROOT / 'configs/study/scratch.yaml'}, finetune: {finetune}}}\n"
+        "settings:\n"
+        "  baseline: [dropit.enabled=false]\n"
+        "  mink_0.8: [dropit.enabled=true, dropit.strategy=mink, dropit.gamma=0.8]\n"
+        "  random_0.8: [dropit.enabled=true, dropit.strategy=random, dropit.gamma=0.8]\n"
+        + (
+            groups
+            or "groups:\n"
+            "  - {regimes: [scratch, finetune], settings: [baseline, mink_0.8], seeds: [1, 2]}\n"
+            "  - {regimes: [scratch], settings: [random_0.8], seeds: [1]}\n"
+        )
+    )
+    return plan
+
+
+def test_runs_start_with_pretraining_then_go_seed_major(tmp_path: Path) -> None:
+    runs = plan_runs(load_plan(write_plan(tmp_path)))
+    assert [r.name for r in runs] == [
+        "pretrain/pretrain",
+        "scratch/baseline_s1",
+        "scratch/mink_0.8_s1",
+        "finetune/baseline_s1",
+        "finetune/mink_0.8_s1",
+        "scratch/random_0.8_s1",
+        "scratch/baseline_s2",
+        "scratch/mink_0.8_s2",
+        "finetune/baseline_s2",
+        "finetune/mink_0.8_s2",
     ]
-    assert len(runs) == 8 and runs[4].name == "baseline_s2"
-    assert "dropit.strategy=parallel_mink" in runs[2].overrides
-    assert "train.seed=2" in runs[7].overrides
+    backbone = str(tmp_path / "backbone.pth")
+    assert runs[0].exports == backbone and runs[0].needs is None
+    assert [r.needs for r in runs[1:5]] == [None, None, backbone, backbone]
+    assert runs[2].overrides == (
+        "dropit.enabled=true",
+        "dropit.strategy=mink",
+        "dropit.gamma=0.8",
+        "train.seed=1",
+        "name=mink_0.8_s1",
+    )
 
 
-CONFIG = "configs/study/shapes_maskrcnn.yaml"
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ("groups:\n  - {regimes: [scratch], settings: [mink_0.9], seeds: [1]}\n", "mink_0.9"),
+        ("groups:\n  - {regimes: [cifar], settings: [baseline], seeds: [1]}\n", "cifar"),
+        ("groups:\n  - {regimes: [scratch], settings: [baseline], seeds: []}\n", "seeds"),
+        ("groups: []\nbudget: 4\n", "unknown key"),
+    ],
+)
+def test_bad_plans_name_the_problem(tmp_path: Path, groups: str, message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        load_plan(write_plan(tmp_path, groups))
 
 
-def _fake_run(run_dir: Path, overrides: tuple[str, ...], ap: float) -> None:
+def _fake_run(run: StudyRun, run_dir: Path, ap: float, evals: tuple[int, ...] = ()) -> None:
     """A finished run directory as training would leave it, without training."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(load_config(CONFIG, overrides), run_dir / "config.yaml")
+    dump_config(load_config(run.config, run.overrides), run_dir / "config.yaml")
     metrics = {k: ap for k in ("AP", "AP50", "AP75", "APs", "APm", "APl")}
-    (run_dir / "eval.json").write_text(json.dumps({"bbox": metrics, "segm": metrics, "iter": 4}))
-
-
-def test_study_skips_finished_resumes_started_and_reports(tmp_path: Path, monkeypatch) -> None:
-    out = tmp_path / "study"
-    runs = study_runs([1])
-    _fake_run(out / runs[0].name, runs[0].overrides, 0.5)  # finished before
-    (out / runs[1].name).mkdir(parents=True)  # started, interrupted
-    calls = []
-
-    def fake_train(config, overrides, resume, output_dir):
-        calls.append((Path(output_dir).name, resume))
-        ap = 0.3 if "dropit.strategy=random" in overrides else 0.49
-        _fake_run(Path(output_dir), tuple(overrides), ap)
-
-    monkeypatch.setattr(engine, "train", fake_train)
-    report = tmp_path / "shapes.md"
-    markdown = run_study(CONFIG, out, seeds=[1], report=report)
-    assert calls == [
-        ("mink_0.8_s1", "auto"),
-        ("parallel_mink_0.8_s1", None),
-        ("random_0.8_s1", None),
+    (run_dir / "eval.json").write_text(json.dumps({"bbox": metrics, "segm": metrics, "iter": 8}))
+    records = [{"type": "train", "iter": 4, "loss": 1.0, "images_per_sec": 2.0}]
+    records += [
+        {"type": "eval", "iter": it, "bbox": {"AP": ap * it / 8}, "segm": {"AP": ap * it / 8}}
+        for it in evals
     ]
-    text = report.read_text()
-    assert text.startswith("# Accuracy study on the synthetic shapes set")
-    assert "tools/study.py --config configs/study/shapes_maskrcnn.yaml --seeds 1" in text
-    assert "30.0 (-20.0)" in markdown  # random's box AP against the baseline's 50.0
-    assert "49.0 (-1.0)" in markdown
-
-
-def test_finished_run_with_another_config_is_refused(tmp_path: Path, monkeypatch) -> None:
-    out = tmp_path / "study"
-    first = study_runs([1])[0]
-    # an lr the study config does not use
-    _fake_run(out / first.name, (*first.overrides, "solver.lr=0.123"), 0.5)
-    monkeypatch.setattr(engine, "train", lambda *a, **k: pytest.fail("must not train"))
-    with pytest.raises(ValueError, match="trained with a different config"):
-        run_study(CONFIG, out, seeds=[1])
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 class _FakeProcess:
     """Stands in for a child process: the run 'finishes' after a set number of polls."""
 
-    live: list[_FakeProcess] = []
-    most_at_once = 0
-
-    def __init__(self, run_dir: Path, overrides: tuple[str, ...], fail: bool) -> None:
-        self.run_dir, self.overrides, self.fail, self.polls = run_dir, overrides, fail, 2
+    def __init__(self, run: StudyRun, run_dir: Path, ap: float, fail: bool, live: list) -> None:
+        self.run, self.run_dir, self.ap, self.fail, self.live = run, run_dir, ap, fail, live
+        self.polls = 2
         self.exitcode: int | None = None
-        _FakeProcess.live.append(self)
-        _FakeProcess.most_at_once = max(_FakeProcess.most_at_once, len(_FakeProcess.live))
+        live.append(self)
 
     def is_alive(self) -> bool:
         self.polls -= 1
@@ -92,58 +112,126 @@ class _FakeProcess:
         if self.exitcode is None:
             self.exitcode = 1 if self.fail else 0
             if not self.fail:
-                _fake_run(self.run_dir, self.overrides, 0.4)
-            _FakeProcess.live.remove(self)
+                _fake_run(self.run, self.run_dir, self.ap, evals=(4, 8))
+            self.live.remove(self)
         return False
 
     def join(self) -> None:
         assert self.exitcode is not None
 
 
-def test_side_by_side_runs_at_most_jobs_at_once_and_names_failures(
-    tmp_path: Path, monkeypatch, capsys
-) -> None:
-    import rcnn_dropit.study as study
+def _fake_scheduler(monkeypatch, fail: str = "", gpus: int = 0) -> list:
+    started, live, most = [], [], [0]
+    seeds_ap = {"baseline": 0.50, "mink_0.8": 0.495, "random_0.8": 0.30}
 
-    out = tmp_path / "study"
-    started = []
+    def fake_start(run, resume, run_dir, log, threads, gpu):
+        setting, _, seed = Path(run.name).name.rpartition("_s")
+        if run.needs is not None:
+            assert Path(run.needs).is_file(), f"{run.name} started before its backbone existed"
+        started.append((run.name, resume, threads, gpu))
+        ap = seeds_ap.get(setting, 0.4) + 0.01 * (int(seed) if seed.isdigit() else 0)
+        proc = _FakeProcess(run, run_dir, ap, fail=run.name == fail, live=live)
+        most[0] = max(most[0], len(live))
+        return proc
 
-    def fake_start(config, run, resume, run_dir, log, threads):
-        started.append((run.name, resume, threads, log.name))
-        return _FakeProcess(run_dir, run.overrides, fail=run.name == "random_0.8_s1")
+    def fake_export(run_dir, target):
+        Path(target).write_bytes(b"weights")
+        return True
 
     monkeypatch.setattr(study, "_start_run", fake_start)
+    monkeypatch.setattr(study, "_export", fake_export)
     monkeypatch.setattr(study, "_POLL_SECONDS", 0.0)
     monkeypatch.setattr(study, "_cpu_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr("rcnn_dropit.data.loader.ensure_dataset", lambda cfg: None)
-    (out / "mink_0.8_s1").mkdir(parents=True)  # interrupted earlier: resumed
-    report = tmp_path / "shapes.md"
-    with pytest.raises(RuntimeError, match="study runs failed: random_0.8_s1"):
-        run_study(CONFIG, out, seeds=[1], report=report, jobs=2)
-    assert started == [
-        ("baseline_s1", None, 2, "baseline_s1.log"),
-        ("mink_0.8_s1", "auto", 2, "mink_0.8_s1.log"),
-        ("parallel_mink_0.8_s1", None, 2, "parallel_mink_0.8_s1.log"),
-        ("random_0.8_s1", None, 2, "random_0.8_s1.log"),
-    ]
-    assert _FakeProcess.most_at_once == 2
-    assert "random_0.8_s1: FAILED (exit 1)" in capsys.readouterr().out
-    text = report.read_text()  # the report is still written, naming the missing run
-    assert "--jobs 2" in text and "random_0.8_s1" in text
+    started.append(most)
+    return started
 
 
-def test_jobs_must_be_positive(tmp_path: Path) -> None:
+def test_study_skips_finished_resumes_started_waits_for_backbone_and_reports(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    plan_file = write_plan(tmp_path)
+    plan = load_plan(plan_file)
+    runs = {r.name: r for r in plan_runs(plan)}
+    out = tmp_path / "runs"
+    _fake_run(runs["scratch/baseline_s1"], out / "scratch/baseline_s1", 0.51)  # finished
+    (out / "scratch/mink_0.8_s1").mkdir(parents=True)  # started, interrupted
+    started = _fake_scheduler(monkeypatch, fail="scratch/random_0.8_s1", gpus=2)
+    most = started.pop()
+    with pytest.raises(RuntimeError, match="study runs failed: scratch/random_0.8_s1"):
+        run_study(plan_file, jobs=2)
+    names = [s[0] for s in started]
+    assert "scratch/baseline_s1" not in names and len(names) == 9
+    assert started[1] == ("scratch/mink_0.8_s1", "auto", 2, 1)  # resumed, second GPU
+    assert names.index("pretrain/pretrain") < names.index("finetune/baseline_s1")
+    assert most[0] == 2
+    assert "scratch/random_0.8_s1: FAILED (exit 1)" in capsys.readouterr().out
+    times = (out / "study_times.jsonl").read_text().splitlines()
+    assert len(times) == 9 and json.loads(times[0])["jobs"] == 2
+
+    text = (tmp_path / "report/shapes.md").read_text()
+    assert "## Regime: scratch" in text and "## Regime: finetune" in text
+    # scratch mink: seeds 1, 2 at 50.5 / 51.5 against baseline 51.0 (finished before) / 52.0
+    assert "| mink_0.8 | 1,2 | 51.0 ± 0.7 | 51.0 ± 0.7 | -0.5 [-0.5, -0.5] (n=2)" in text
+    assert "scratch, mink_0.8: **keeps AP**" in text
+    assert "scratch, random_0.8" not in text  # only the paper's settings get a verdict line
+    assert "finetune, parallel_mink_0.8: not measured yet." in text
+    assert "| baseline | 52.0 / 52.0 |" not in text  # the pre-finished baseline had no evals
+    assert "iter 4 | iter 8" in text
+
+
+def test_a_failed_pretraining_leaves_its_dependents_unrun(tmp_path: Path, monkeypatch) -> None:
+    plan_file = write_plan(tmp_path)
+    started = _fake_scheduler(monkeypatch, fail="pretrain/pretrain")
+    started.pop()
+    with pytest.raises(RuntimeError, match="finetune/baseline_s1") as err:
+        run_study(plan_file, jobs=1)
+    assert "pretrain/pretrain" in str(err.value)
+    assert not any(name.startswith("finetune/") for name, *_ in started)
+
+
+def test_finished_run_with_another_config_is_refused(tmp_path: Path, monkeypatch) -> None:
+    plan_file = write_plan(tmp_path)
+    run = plan_runs(load_plan(plan_file))[1]
+    other = StudyRun(run.name, run.config, (*run.overrides, "solver.lr=0.123"))
+    _fake_run(other, tmp_path / "runs" / run.name, 0.5)
+    _fake_scheduler(monkeypatch)
+    with pytest.raises(ValueError, match=r"different config .*solver.lr: now 0.02, run has 0.123"):
+        run_study(plan_file, jobs=1)
+
+
+def test_jobs_and_regimes_are_checked(tmp_path: Path) -> None:
+    plan_file = write_plan(tmp_path)
     with pytest.raises(ValueError, match="jobs: 0 must be >= 1"):
-        run_study(CONFIG, tmp_path, seeds=[1], jobs=0)
+        run_study(plan_file, jobs=0)
+    with pytest.raises(PlanError, match=r"--regimes \['cifar'\]"):
+        run_study(plan_file, regimes=["cifar"])
 
 
 def test_child_process_logs_error_and_exits_nonzero(tmp_path: Path) -> None:
-    from rcnn_dropit.study import StudyRun, _start_run
+    from rcnn_dropit.study import _start_run
 
     log = tmp_path / "bad.log"
-    run = StudyRun("bad", ("solver.lr=-1",))
-    proc = _start_run(CONFIG, run, None, tmp_path / "bad", log, threads=1)
+    run = StudyRun("scratch/bad", str(ROOT / "configs/study/scratch.yaml"), ("solver.lr=-1",))
+    proc = _start_run(run, None, tmp_path / "bad", log, threads=1, gpu=None)
     proc.join(timeout=120)
     assert proc.exitcode == 1
     assert "solver.lr" in log.read_text()
     assert not (tmp_path / "bad").exists()  # nothing trained, nothing left behind
+
+
+def test_paired_statistics() -> None:
+    d = paired_diff({1: 3.0, 2: 5.0, 3: 7.0}, {1: 2.0, 2: 3.0, 3: 4.0, 4: 9.0})
+    assert d is not None and d.n == 3 and d.mean == pytest.approx(2.0)
+    half = 4.303 * 1.0 / 3**0.5  # t(2) * sd of the differences (1, 2, 3) / sqrt(3)
+    assert (d.low, d.high) == (pytest.approx(2.0 - half), pytest.approx(2.0 + half))
+    one = paired_diff({1: 1.0, 5: 2.0}, {1: 0.5})
+    assert one is not None and (one.n, one.mean, one.low) == (1, 0.5, None)
+    assert paired_diff({1: 1.0}, {2: 1.0}) is None
+    s = spread([1.0, 3.0])
+    assert s is not None and (s.mean, s.std) == (2.0, pytest.approx(2**0.5))
+    assert t95(11) == 2.228 and t95(100) == 1.96
+    with pytest.raises(ValueError):
+        t95(0)

@@ -1,6 +1,7 @@
-"""Run the shapes accuracy study (baseline, mink, parallel_mink, random at gamma=0.8; 2 seeds).
+"""Run the shapes accuracy study of a plan (regimes x DropIT settings x seeds), resumably.
 
-Resumable: finished runs are skipped and interrupted ones resumed. Writes the grouped report.
+Finished runs are skipped and interrupted ones resumed; the report is written at the end
+(--report-only writes it from the runs on disk without training).
 """
 
 from __future__ import annotations
@@ -12,28 +13,41 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from rcnn_dropit.engine.cli import run_cli  # noqa: E402
-from rcnn_dropit.study import run_study  # noqa: E402
+from rcnn_dropit.study import load_plan, plan_runs, run_study  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default="configs/study/shapes_maskrcnn.yaml")
-    parser.add_argument(
-        "--out", default="docs/results/shapes_runs", help="folder of the run directories"
-    )
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--report", default="docs/results/shapes.md")
+    parser.add_argument("--plan", default="configs/study/plan.yaml")
     parser.add_argument(
         "--jobs",
         type=int,
         default=1,
         help="runs trained side by side, sharing the CPU cores (2 is fastest on 2 cores)",
     )
-    args = parser.parse_args(argv)
-    return run_cli(
-        lambda: print(run_study(args.config, args.out, args.seeds, args.report, args.jobs))
+    parser.add_argument("--regimes", nargs="+", default=[], help="only these regimes")
+    parser.add_argument("--list", action="store_true", help="print the planned runs and exit")
+    parser.add_argument(
+        "--report-only", action="store_true", help="write the report, train nothing"
     )
+    args = parser.parse_args(argv)
+
+    def go() -> None:
+        if args.list:
+            plan = load_plan(args.plan)
+            for run in plan_runs(plan):
+                done = (plan.out / run.name / "eval.json").is_file()
+                print(f"{'done ' if done else 'todo '} {run.name}  {' '.join(run.overrides)}")
+            return
+        if args.report_only:
+            from rcnn_dropit.report.study_report import write_study_report
+
+            print(write_study_report(load_plan(args.plan), args.plan, args.jobs))
+            return
+        print(run_study(args.plan, args.jobs, args.regimes))
+
+    return run_cli(go)
 
 
 if __name__ == "__main__":

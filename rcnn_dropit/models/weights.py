@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -55,3 +58,30 @@ def load_strict(
 def _ignored(name: str, prefix: str) -> bool:
     # BatchNorm counters are absent from FrozenBatchNorm2d and from old ImageNet files
     return name.endswith("num_batches_tracked") or (bool(prefix) and name.startswith(prefix))
+
+
+_BODY = "backbone.body."  # where a detector keeps its ResNet body
+
+
+def export_backbone(checkpoint: str | Path, out: str | Path) -> str:
+    """Write the ResNet body of a detector checkpoint as a model.backbone_weights file.
+
+    The file holds what torchvision's ImageNet files hold (the body without the classifier), so a
+    config loads it exactly as it would load ImageNet weights. Written atomically; returns the
+    file's SHA-256.
+    """
+    state = load_state_dict_file(checkpoint, "checkpoint")
+    body = {k[len(_BODY) :]: v.clone() for k, v in state.items() if k.startswith(_BODY)}
+    if not body:
+        raise ValueError(f"checkpoint: '{checkpoint}' holds no '{_BODY}*' tensors (no detector)")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            torch.save(body, stream)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return hashlib.sha256(out.read_bytes()).hexdigest()

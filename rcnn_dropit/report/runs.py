@@ -34,6 +34,8 @@ class Run:
     saved_mb: float | None
     peak_mb: float | None
     notes: tuple[str, ...]  # what was missing or damaged but did not stop the run being used
+    # (iteration, family -> AP) of every evaluation in metrics.jsonl, the final one included
+    evals: tuple[tuple[int, dict[str, float]], ...] = ()
 
     def cfg(self, dotted: str, default: Any = None) -> Any:
         """Value at a dotted config path such as 'dropit.gamma', or default."""
@@ -159,6 +161,12 @@ def load_run(path: str | Path) -> Run:
         for r in train
         if isinstance(r.get("iter"), int) and (loss := _number(r.get("loss"))) is not None
     )
+    evals = tuple(
+        (int(r["iter"]), aps)
+        for r in records
+        if r.get("type") == "eval" and isinstance(r.get("iter"), int)
+        if (aps := _ap_values(r))
+    )
     speeds = [v for r in train if (v := _number(r.get("images_per_sec"))) and v > 0]
     peaks = [v for r in train if (v := _number(r.get("peak_mem_mb"))) and v > 0]
 
@@ -195,4 +203,16 @@ def load_run(path: str | Path) -> Run:
         saved_mb=_number(memory.get("saved_mb")),
         peak_mb=max(peaks) if peaks else None,
         notes=tuple(notes),
+        evals=evals,
     )
+
+
+def _ap_values(record: dict[str, Any]) -> dict[str, float]:
+    """family -> AP of one evaluation record (families without a usable AP left out)."""
+    found = {}
+    for family in FAMILIES:
+        block = record.get(family)
+        value = _number(block.get("AP")) if isinstance(block, dict) else None
+        if value is not None and value >= 0:
+            found[family] = value
+    return found
