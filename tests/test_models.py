@@ -246,3 +246,25 @@ def test_width_options_build_narrow_parts():
 def test_width_options_are_validated():
     with pytest.raises(ValueError, match="model.fpn_channels"):
         tiny_cfg(fpn_channels=0)
+
+
+def test_exported_backbone_loads_as_backbone_weights(tmp_path: Path):
+    """A detector checkpoint's body, exported, initialises a new detector's body exactly."""
+    from rcnn_dropit.models.weights import export_backbone
+
+    source, _ = build_model(tiny_cfg(fpn_channels=32))
+    torch.save({"model": source.state_dict(), "iteration": 3}, tmp_path / "ckpt.pth")
+    digest = export_backbone(tmp_path / "ckpt.pth", tmp_path / "out" / "body.pth")
+    assert len(digest) == 64
+    target, _ = build_model(
+        tiny_cfg(
+            norm="frozen_bn", trainable_layers=3, backbone_weights=str(tmp_path / "out/body.pth")
+        )
+    )
+    body, ref = target.backbone.body.state_dict(), source.backbone.body.state_dict()
+    assert body.keys() <= ref.keys() and len(body) > 50
+    assert all(torch.equal(body[k], ref[k]) for k in body)
+    with pytest.raises(ValueError, match="no 'backbone.body"):
+        torch.save({"x": torch.zeros(1)}, tmp_path / "bad.pth")
+        export_backbone(tmp_path / "bad.pth", tmp_path / "never.pth")
+    assert not (tmp_path / "never.pth").exists()
