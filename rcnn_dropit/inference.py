@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import nn
 from torchvision.transforms.functional import pil_to_tensor
 
@@ -158,19 +158,23 @@ def list_images(path: str | Path) -> list[Path]:
     return found
 
 
+def _not_an_image(path: Path, err: Exception) -> ValueError:
+    return ValueError(
+        f"--input: '{path}' is not an image that can be read "
+        f"(allowed: {', '.join(IMAGE_SUFFIXES)}; {err})"
+    )
+
+
 def read_image(path: str | Path) -> torch.Tensor:
-    """An image file as uint8 RGB CHW; a file that is not an image is a ValueError naming it."""
+    """An image file as uint8 RGB CHW, upright per its EXIF orientation (as photos are shown)."""
     path = Path(path)
     try:
         with Image.open(path) as pil:
-            return pil_to_tensor(pil.convert("RGB"))
+            return pil_to_tensor(ImageOps.exif_transpose(pil).convert("RGB"))
     except FileNotFoundError:
         raise FileNotFoundError(f"--input: '{path}' does not exist") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
-        raise ValueError(
-            f"--input: '{path}' is not an image that can be read "
-            f"(allowed: {', '.join(IMAGE_SUFFIXES)}; {err})"
-        ) from None
+        raise _not_an_image(path, err) from None
 
 
 def check_images(paths: Sequence[Path]) -> None:
@@ -180,10 +184,7 @@ def check_images(paths: Sequence[Path]) -> None:
             with Image.open(path) as pil:
                 pil.verify()
         except (UnidentifiedImageError, OSError, SyntaxError) as err:
-            raise ValueError(
-                f"--input: '{path}' is not an image that can be read "
-                f"(allowed: {', '.join(IMAGE_SUFFIXES)}; {err})"
-            ) from None
+            raise _not_an_image(path, err) from None
 
 
 def image_ids_for(paths: Sequence[Path], mapping: str | Path | None = None) -> list[int]:

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -16,6 +17,7 @@ from pycocotools.coco import COCO
 from rcnn_dropit.checkpoint import save_checkpoint
 from rcnn_dropit.config import dump_config, load_config
 from rcnn_dropit.data import ensure_dataset
+from rcnn_dropit.inference import class_names_for
 from rcnn_dropit.models import build_model
 from rcnn_dropit.visualize import (
     CAPTION_HEIGHT,
@@ -184,6 +186,23 @@ def test_val_gallery_is_one_picture_with_its_path_printed(tiny_run, capsys) -> N
     height = CAPTION_HEIGHT + sum(h for _, h in panels) + 4 * GAP
     with Image.open(path) as pic:
         assert pic.size == (width, height)
+        sheet = torch.from_numpy(np.array(pic.convert("RGB"))).permute(2, 0, 1)
+    # the ground-truth column shows every annotated class of those images in its colour
+    truth = sheet[:, CAPTION_HEIGHT + 2 * GAP :, 2 * GAP + max(w for w, _ in panels) :]
+    shown = {im["id"] for im in sorted(gt["images"], key=lambda im: im["id"])[:2]}
+    labels = {a["category_id"] for a in gt["annotations"] if a["image_id"] in shown}
+    assert labels  # shapes category ids are the labels 1..K
+    for label in labels:
+        color = torch.tensor(class_color(label), dtype=torch.uint8)[:, None, None]
+        assert (truth == color).all(dim=0).any(), label
+    absent = torch.tensor(class_color(7), dtype=torch.uint8)[:, None, None]  # no such class
+    assert not (truth == absent).all(dim=0).any()
+
+
+def test_class_names_fall_back_to_class_n_without_annotations(tmp_path) -> None:
+    cfg = load_config(MASK_CFG, tiny_opts(tmp_path / "no_data"))
+    names, cat_ids = class_names_for(cfg)
+    assert names == ["__background__", "class 1", "class 2", "class 3"] and cat_ids == [1, 2, 3]
 
 
 def test_bad_inputs_get_one_line_and_exit_2(tiny_run, tmp_path, capsys) -> None:
