@@ -221,8 +221,19 @@ def test_bad_inputs_get_one_line_and_exit_2(tiny_run, tmp_path, capsys) -> None:
         ((*run, "--input", str(tmp_path / "nope")), ("nope", "does not exist")),
         (("--run", str(tmp_path), "--input", image), (str(tmp_path), "config.yaml")),
         ((*run, "--checkpoint", str(tmp_path / "x.pth"), "--input", image), ("x.pth",)),
-        ((*run, "--checkpoint", str(ckpt), "--input", image), ("has 5 classes", "4")),
-        ((*run, "--checkpoint", str(faster), "--input", image), ("fasterrcnn", "maskrcnn")),
+        ((*run, "--checkpoint", str(fake), "--input", image), (str(fake), "not a loadable")),
+        (
+            ("--config", str(tmp_path / "c.yaml"), "--checkpoint", str(ckpt), "--input", image),
+            ("c.yaml", "does not exist"),
+        ),
+        (
+            (*run, "--checkpoint", str(ckpt), "--input", image),
+            ("has 5 classes, config model.num_classes 4",),
+        ),
+        (
+            (*run, "--checkpoint", str(faster), "--input", image),
+            ("is a fasterrcnn", "config model.arch maskrcnn"),
+        ),
         ((*run, "--input", image, "--json", "--image-ids", str(fake)), ("not valid JSON",)),
         ((*run, "--val", "0"), ("--val", ">= 1")),
     ]
