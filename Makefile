@@ -14,9 +14,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test]'
 	touch $@
 
-# Trains the shapes Mask R-CNN with DropIT (data generated on first use) and prints the AP table.
+# Trains the shapes Mask R-CNN with DropIT (data generated on first use) and prints the AP table,
+# then draws 4 validation images, prediction next to ground truth, into the run's predictions.png.
 demo: setup
 	$(PY) tools/train.py --config configs/demo/maskrcnn_shapes_g0.8.yaml --overwrite
+	$(PY) tools/infer.py --run outputs/maskrcnn_shapes_g0.8 --val 4
 
 test: setup
 	$(PY) -m pytest

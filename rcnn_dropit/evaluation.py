@@ -39,6 +39,32 @@ def _encode_masks(masks: torch.Tensor) -> list[dict[str, Any]]:
     return rles
 
 
+def coco_results(
+    output: dict[str, torch.Tensor],
+    image_id: int,
+    iou_types: Sequence[str] = IOU_TYPES,
+    label_to_cat_id: Callable[[int], int] = int,
+) -> dict[str, list[dict[str, Any]]]:
+    """COCO results entries of one image's detections, per iou type (segm as RLE at 0.5)."""
+    scores = output["scores"].detach().cpu().tolist()
+    cat_ids = [label_to_cat_id(int(x)) for x in output["labels"].tolist()]
+    results: dict[str, list[dict[str, Any]]] = {}
+    if "bbox" in iou_types:
+        results["bbox"] = [
+            {"image_id": int(image_id), "category_id": c, "bbox": b, "score": s}
+            for b, c, s in zip(_boxes_xywh(output["boxes"]), cat_ids, scores, strict=True)
+        ]
+    if "segm" in iou_types:
+        if "masks" not in output:
+            raise ValueError("iou type 'segm' needs 'masks' in the outputs (Mask R-CNN)")
+        rles = _encode_masks(output["masks"]) if scores else []
+        results["segm"] = [
+            {"image_id": int(image_id), "category_id": c, "segmentation": r, "score": s}
+            for r, c, s in zip(rles, cat_ids, scores, strict=True)
+        ]
+    return results
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -173,4 +199,4 @@ def format_metrics_table(metrics: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["COCOEvaluator", "format_metrics_table", "IOU_TYPES", "METRIC_NAMES"]
+__all__ = ["COCOEvaluator", "coco_results", "format_metrics_table", "IOU_TYPES", "METRIC_NAMES"]
