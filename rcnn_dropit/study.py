@@ -3,8 +3,9 @@
 A plan (``configs/study/plan.yaml``) names the regimes (a config each), the settings (config
 overrides each) and groups of (regimes, settings, seeds). Every run is an ordinary run directory
 ``<out>/<regime>/<setting>_s<seed>``: one with an ``eval.json`` is finished and skipped (after
-checking it was trained with today's config), one with checkpoints is resumed. Runs go seed-major,
-so a study cut short has every setting at seed 1 before any at seed 2.
+checking it was trained with today's config), one with checkpoints is resumed. Groups run in plan
+order (the main comparison first), seed-major inside a group, so a study cut short has every
+setting of a group at seed 1 before any at seed 2.
 
 A regime may start from a backbone the study trains itself (``pretrain``): a baseline run on a
 separate shapes set, exported as the ``model.backbone_weights`` file the regime's config names.
@@ -141,7 +142,7 @@ def backbone_file(plan: Plan) -> str | None:
 
 
 def plan_runs(plan: Plan) -> list[StudyRun]:
-    """Every run of the plan: the pretraining first, then seed-major in plan order."""
+    """Every run of the plan: the pretraining first, then group by group, seed-major in each."""
     weights = backbone_file(plan)
     runs = []
     if weights is not None:
@@ -154,10 +155,8 @@ def plan_runs(plan: Plan) -> list[StudyRun]:
             )
         )
     seen = set()
-    for seed in sorted({s for g in plan.groups for s in g.seeds}):
-        for group in plan.groups:
-            if seed not in group.seeds:
-                continue
+    for group in plan.groups:
+        for seed in group.seeds:
             for regime in group.regimes:
                 for setting in group.settings:
                     name = f"{regime}/{setting}_s{seed}"

@@ -42,7 +42,7 @@ def write_plan(tmp_path: Path, groups: str | None = None) -> Path:
     return plan
 
 
-def test_runs_start_with_pretraining_then_go_seed_major(tmp_path: Path) -> None:
+def test_runs_start_with_pretraining_then_go_group_by_group_seed_major(tmp_path: Path) -> None:
     runs = plan_runs(load_plan(write_plan(tmp_path)))
     assert [r.name for r in runs] == [
         "pretrain/pretrain",
@@ -50,11 +50,11 @@ def test_runs_start_with_pretraining_then_go_seed_major(tmp_path: Path) -> None:
         "scratch/mink_0.8_s1",
         "finetune/baseline_s1",
         "finetune/mink_0.8_s1",
-        "scratch/random_0.8_s1",
         "scratch/baseline_s2",
         "scratch/mink_0.8_s2",
         "finetune/baseline_s2",
         "finetune/mink_0.8_s2",
+        "scratch/random_0.8_s1",
     ]
     backbone = str(tmp_path / "backbone.pth")
     assert runs[0].exports == backbone and runs[0].needs is None
