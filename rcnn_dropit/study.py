@@ -182,8 +182,8 @@ def run_study(plan_path: str | Path, jobs: int = 1, regimes: Sequence[str] = ())
     if unknown:
         raise PlanError(f"--regimes {unknown}: each must be one of {sorted(plan.regimes)}")
     runs = plan_runs(plan)
-    if regimes:
-        wanted = {*regimes, PRETRAIN}
+    if regimes:  # the pretraining only when a chosen regime loads its backbone
+        wanted = {*regimes, *([PRETRAIN] if set(regimes) & set(plan.pretrain_for) else [])}
         runs = [r for r in runs if r.name.split("/")[0] in wanted]
     todo = []
     for i, run in enumerate(runs, 1):

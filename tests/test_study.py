@@ -202,6 +202,25 @@ def test_finished_run_with_another_config_is_refused(tmp_path: Path, monkeypatch
         run_study(plan_file, jobs=1)
 
 
+def test_regimes_option_trains_only_those_and_their_pretraining(
+    tmp_path: Path, monkeypatch
+) -> None:
+    plan_file = write_plan(tmp_path)
+    started = _fake_scheduler(monkeypatch)
+    started.pop()
+    run_study(plan_file, jobs=1, regimes=["scratch"])
+    assert [s[0] for s in started] == [
+        "scratch/baseline_s1",
+        "scratch/mink_0.8_s1",
+        "scratch/baseline_s2",
+        "scratch/mink_0.8_s2",
+        "scratch/random_0.8_s1",
+    ]
+    started.clear()
+    run_study(plan_file, jobs=1, regimes=["finetune"])
+    assert [s[0] for s in started][:2] == ["pretrain/pretrain", "finetune/baseline_s1"]
+
+
 def test_jobs_and_regimes_are_checked(tmp_path: Path) -> None:
     plan_file = write_plan(tmp_path)
     with pytest.raises(ValueError, match="jobs: 0 must be >= 1"):
