@@ -66,6 +66,7 @@ class Plan:
     groups: tuple[Group, ...]
     pretrain_config: str | None = None
     pretrain_for: tuple[str, ...] = field(default_factory=tuple)  # regimes using its backbone
+    notes: Path | None = None  # hand-written findings, copied into the report after the verdict
 
 
 class PlanError(ValueError):
@@ -80,7 +81,7 @@ def load_plan(path: str | Path) -> Plan:
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise PlanError(f"study plan '{path}': must be a mapping")
-    known = {"out", "report", "regimes", "settings", "groups", "pretrain"}
+    known = {"out", "report", "notes", "regimes", "settings", "groups", "pretrain"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlanError(f"study plan '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
@@ -116,6 +117,7 @@ def load_plan(path: str | Path) -> Plan:
         groups=tuple(groups),
         pretrain_config=pre.get("config"),
         pretrain_for=pretrain_for,
+        notes=Path(data["notes"]) if data.get("notes") else None,
     )
 
 

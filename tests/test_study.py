@@ -26,6 +26,7 @@ def write_plan(tmp_path: Path, groups: str | None = None) -> Path:
     plan = tmp_path / "plan.yaml"
     plan.write_text(
         f"out: {tmp_path / 'runs'}\nreport: {tmp_path / 'report' / 'shapes.md'}\n"
+        f"notes: {tmp_path / 'notes.md'}\n"
         f"pretrain: {{config: {ROOT / 'configs/study/pretrain.yaml'}, for: [finetune]}}\n"
         f"regimes: {{scratch: {ROOT / 'configs/study/scratch.yaml'}, finetune: {finetune}}}\n"
         "settings:\n"
@@ -158,6 +159,7 @@ def test_study_skips_finished_resumes_started_waits_for_backbone_and_reports(
     out = tmp_path / "runs"
     _fake_run(runs["scratch/baseline_s1"], out / "scratch/baseline_s1", 0.51)  # finished
     (out / "scratch/mink_0.8_s1").mkdir(parents=True)  # started, interrupted
+    (tmp_path / "notes.md").write_text("### Findings\n\nWritten by hand.\n")
     started = _fake_scheduler(monkeypatch, fail="scratch/random_0.8_s1", gpus=2)
     most = started.pop()
     with pytest.raises(RuntimeError, match="study runs failed: scratch/random_0.8_s1"):
@@ -180,6 +182,7 @@ def test_study_skips_finished_resumes_started_waits_for_backbone_and_reports(
     assert "finetune, parallel_mink_0.8: not measured yet." in text
     assert "| baseline | 52.0 / 52.0 |" not in text  # the pre-finished baseline had no evals
     assert "iter 4 | iter 8" in text
+    assert text.index("## Verdict") < text.index("Written by hand.") < text.index("## Regime")
 
 
 def test_a_failed_pretraining_leaves_its_dependents_unrun(tmp_path: Path, monkeypatch) -> None:

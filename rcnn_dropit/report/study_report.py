@@ -240,6 +240,8 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
                 "",
             ]
         body += _figures(found, plan, regime, plan.report)
+    if plan.notes is not None and plan.notes.is_file():  # the analysis a person wrote
+        lines += ["", plan.notes.read_text().strip()]
     markdown = "\n".join([*lines, "", *body]).rstrip("\n") + "\n"
     plan.report.write_text(markdown)
     return markdown
