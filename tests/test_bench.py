@@ -44,3 +44,22 @@ def test_tiny_benchmark_rows_show_a_real_saving() -> None:
 def test_unknown_strategy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown DropIT strategy 'mink2'"):
         list(run_benchmark([Variant("mink2", 0.8)], image_size=64, repeats=1))
+
+
+def test_step_time_comparison_of_widths(tmp_path):
+    """Both models train on the same batch; the first is the 1x reference; narrow has fewer
+    parameters."""
+    from rcnn_dropit.step_cost import TORCHVISION_WIDTHS, compare_step_time
+    from tests.tiny import tiny_opts
+
+    rows = compare_step_time(
+        "configs/demo/maskrcnn_shapes_baseline.yaml",
+        [("torchvision widths", TORCHVISION_WIDTHS), ("narrow", ())],
+        common=tiny_opts(tmp_path / "shapes"),
+        repeats=1,
+        warmup=0,
+    )
+    assert [r["model"] for r in rows] == ["torchvision widths", "narrow"]
+    assert rows[0]["step_ratio"] == 1.0 and rows[1]["step_s"] > 0
+    assert rows[1]["params_m"] < rows[0]["params_m"] - 10  # 1024-wide fc6 over 256x7x7 features
+    assert rows[0]["overrides"] == list(TORCHVISION_WIDTHS) and rows[1]["images"] == 2

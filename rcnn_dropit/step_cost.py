@@ -1,0 +1,76 @@
+"""Training-step time of whole models from configs, side by side on one batch (a benchmark).
+
+Used by ``tools/bench.py --widths`` to show what the narrow CPU model buys against the torchvision
+widths the first shapes study used, measured in one process, alternating, on the same images.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+# The first shapes study's model: torchvision's FPN and head widths, 32 sampled RoIs per image.
+TORCHVISION_WIDTHS = (
+    "model.fpn_channels=256",
+    "model.box_head_width=1024",
+    "model.mask_head_channels=256",
+    "model.mask_head_convs=4",
+    "model.box_batch_size_per_image=32",
+)
+
+
+def compare_step_time(
+    config: str,
+    variants: Sequence[tuple[str, Sequence[str]]],
+    common: Sequence[str] = (),
+    repeats: int = 10,
+    warmup: int = 2,
+) -> list[dict[str, Any]]:
+    """Median train-step seconds of each (label, overrides) model of ``config``; first = 1x.
+
+    ``common`` overrides apply to every model and to the data the shared batch comes from.
+    """
+    from rcnn_dropit.config import load_config
+    from rcnn_dropit.data.loader import build_train_loader, ensure_dataset
+    from rcnn_dropit.engine.data_position import epoch_batches
+    from rcnn_dropit.models import build_model
+
+    common = [*common, "data.num_workers=0"]
+    base = load_config(config, common)
+    ensure_dataset(base)
+    images, targets = next(epoch_batches(build_train_loader(base, distributed=False), 0))
+    images = [img.float() / 255 if img.dtype == torch.uint8 else img for img in images]
+    models = []
+    for label, overrides in variants:
+        torch.manual_seed(0)
+        model, _ = build_model(load_config(config, [*common, *overrides]))
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        models.append((label, list(overrides), model, torch.optim.SGD(params, lr=1e-4)))
+    times: dict[str, list[float]] = {label: [] for label, *_ in models}
+    for i in range(warmup + repeats):
+        for label, _, model, opt in models:  # alternate: noise falls on every model alike
+            start = time.perf_counter()
+            loss = sum(model(images, targets).values())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if i >= warmup:
+                times[label].append(time.perf_counter() - start)
+    first = statistics.median(times[models[0][0]])
+    return [
+        {
+            "model": label,
+            "overrides": overrides,
+            "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+            "step_s": round(statistics.median(times[label]), 4),
+            "step_ratio": round(statistics.median(times[label]) / first, 3),
+            "images": len(images),
+            "threads": torch.get_num_threads(),
+        }
+        for label, overrides, model, _ in models
+    ]
