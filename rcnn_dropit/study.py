@@ -175,10 +175,17 @@ def plan_runs(plan: Plan) -> list[StudyRun]:
     return runs
 
 
-def run_study(plan_path: str | Path, jobs: int = 1, regimes: Sequence[str] = ()) -> str:
-    """Train every missing run (``jobs`` at a time), then write the report; returns it."""
+def run_study(
+    plan_path: str | Path, jobs: int = 1, regimes: Sequence[str] = (), threads: int | None = None
+) -> str:
+    """Train every missing run (``jobs`` at a time), then write the report; returns it.
+
+    Each run uses ``threads`` CPU threads (default: the cores shared out among the jobs).
+    """
     if jobs < 1:
         raise ValueError(f"jobs: {jobs} must be >= 1")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads: {threads} must be >= 1")
     plan = load_plan(plan_path)
     unknown = [r for r in regimes if r not in plan.regimes]
     if unknown:
@@ -200,7 +207,7 @@ def run_study(plan_path: str | Path, jobs: int = 1, regimes: Sequence[str] = ())
                 print(f"[{i}/{len(runs)}] {run.name}: finished, skipped", flush=True)
         else:
             todo.append((i, run))
-    failed = _schedule(plan, todo, len(runs), jobs)
+    failed = _schedule(plan, todo, len(runs), jobs, threads or max(1, _cpu_count() // jobs))
     from rcnn_dropit.report.study_report import write_study_report
 
     markdown = write_study_report(plan, plan_path, jobs)
@@ -212,7 +219,9 @@ def run_study(plan_path: str | Path, jobs: int = 1, regimes: Sequence[str] = ())
     return markdown
 
 
-def _schedule(plan: Plan, todo: list[tuple[int, StudyRun]], total: int, jobs: int) -> list[str]:
+def _schedule(
+    plan: Plan, todo: list[tuple[int, StudyRun]], total: int, jobs: int, threads: int
+) -> list[str]:
     """Train the runs, up to ``jobs`` child processes at once; returns the names that failed."""
     if not todo:
         return []
@@ -223,7 +232,6 @@ def _schedule(plan: Plan, todo: list[tuple[int, StudyRun]], total: int, jobs: in
     for config in dict.fromkeys(run.config for _, run in todo):
         ensure_dataset(load_config(config))
     plan.out.mkdir(parents=True, exist_ok=True)
-    threads = max(1, _cpu_count() // jobs)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     pending, running, failed = list(todo), [], []
     slot = 0

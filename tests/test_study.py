@@ -219,15 +219,19 @@ def test_regimes_option_trains_only_those_and_their_pretraining(
         "scratch/mink_0.8_s2",
         "scratch/random_0.8_s1",
     ]
+    assert {s[2] for s in started} == {4}  # one job gets the 4 (faked) cores
     started.clear()
-    run_study(plan_file, jobs=1, regimes=["finetune"])
+    run_study(plan_file, jobs=1, regimes=["finetune"], threads=1)
     assert [s[0] for s in started][:2] == ["pretrain/pretrain", "finetune/baseline_s1"]
+    assert {s[2] for s in started} == {1}
 
 
 def test_jobs_and_regimes_are_checked(tmp_path: Path) -> None:
     plan_file = write_plan(tmp_path)
     with pytest.raises(ValueError, match="jobs: 0 must be >= 1"):
         run_study(plan_file, jobs=0)
+    with pytest.raises(ValueError, match="threads: 0 must be >= 1"):
+        run_study(plan_file, threads=0)
     with pytest.raises(PlanError, match=r"--regimes \['cifar'\]"):
         run_study(plan_file, regimes=["cifar"])
 

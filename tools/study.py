@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="runs trained side by side, sharing the CPU cores (2 is fastest on 2 cores)",
     )
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads per run (default: the cores / --jobs)"
+    )
     parser.add_argument("--regimes", nargs="+", default=[], help="only these regimes")
     parser.add_argument("--list", action="store_true", help="print the planned runs and exit")
     parser.add_argument(
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(write_study_report(load_plan(args.plan), args.plan, args.jobs))
             return
-        print(run_study(args.plan, args.jobs, args.regimes))
+        print(run_study(args.plan, args.jobs, args.regimes, args.threads))
 
     return run_cli(go)
 
