@@ -28,10 +28,13 @@ def _boxes_xywh(boxes: torch.Tensor) -> list[list[float]]:
 
 
 def _encode_masks(masks: torch.Tensor) -> list[dict[str, Any]]:
-    """RLE of (N,1,H,W) mask probabilities thresholded at 0.5."""
+    """RLE of (N,1,H,W) mask probabilities thresholded at 0.5 (bool masks: already binary)."""
     if masks.ndim != 4 or masks.shape[1] != 1:
         raise ValueError(f"masks must have shape (N, 1, H, W), got {tuple(masks.shape)}")
-    binary = (masks.detach()[:, 0] > 0.5).to("cpu", torch.uint8).numpy()
+    binary = masks.detach()[:, 0]
+    if binary.dtype != torch.bool:
+        binary = binary > 0.5
+    binary = binary.to("cpu", torch.uint8).numpy()
     # pycocotools wants H x W x N in Fortran order.
     rles = mask_util.encode(np.asfortranarray(binary.transpose(1, 2, 0)))
     for rle in rles:

@@ -8,6 +8,7 @@ import torch
 from pycocotools import mask as mask_util
 from pycocotools.coco import COCO
 
+from rcnn_dropit.engine.evaluator_loop import outputs_to_host
 from rcnn_dropit.evaluation import COCOEvaluator, format_metrics_table
 
 # image id -> (height, width); objects: (image id, category id, x0, y0, x1, y1) pixel rectangles.
@@ -190,3 +191,19 @@ def test_format_metrics_table():
         "| bbox | 37.1 | 50.0 | 25.0 | 0.0 | 100.0 | - |",
         "| segm | 34.5 | 60.0 | 30.0 | 10.0 | 20.0 | 30.0 |",
     ]
+
+
+def test_masks_thresholded_before_the_host_copy_give_the_same_results(tmp_path):
+    probs = predictions(1, shift=0.2)
+    probs["masks"] = torch.rand(probs["masks"].shape, generator=torch.Generator().manual_seed(0))
+    probs["masks"][0, 0, 0, :3] = torch.tensor([0.5, 0.5000001, 0.4999999])  # 0.5: background
+    (host,) = outputs_to_host([probs])
+    assert host["masks"].dtype == torch.bool and host["masks"].device.type == "cpu"
+    assert torch.equal(host["masks"], probs["masks"] > 0.5)
+    assert host["masks"][0, 0, 0, :3].tolist() == [False, True, False]
+    for key in ("boxes", "scores", "labels"):
+        assert torch.equal(host[key], probs[key])
+    evaluate({1: probs}, tmp_path / "probs")
+    evaluate({1: host}, tmp_path / "host")
+    name = "coco_results_segm.json"
+    assert (tmp_path / "host" / name).read_text() == (tmp_path / "probs" / name).read_text()

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import broadcast_buffers, is_main_process
 from rcnn_dropit.evaluation import COCOEvaluator
 
@@ -20,6 +21,14 @@ def iou_types_for(arch: str) -> tuple[str, ...]:
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside a DistributedDataParallel wrapper (or the model itself)."""
     return model.module if hasattr(model, "module") else model
+
+
+def outputs_to_host(outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Detections on the CPU, masks thresholded (> 0.5, as COCO evaluation does) before the
+    copy: a bool mask is a quarter of the float probabilities' bytes."""
+    return [
+        {k: (v > 0.5 if k == "masks" else v).to("cpu") for k, v in out.items()} for out in outputs
+    ]
 
 
 @torch.inference_mode()
@@ -50,9 +59,9 @@ def evaluate(
             leave=False,
         )
         for images, targets in bar:
-            images = [img.to(device, non_blocking=True) for img in images]
+            images = images_to_device(images, device)
             outputs = net(images)
-            outputs = [{k: v.to("cpu") for k, v in out.items()} for out in outputs]
+            outputs = outputs_to_host(outputs)
             evaluator.update(outputs, [int(t["image_id"]) for t in targets])
         return evaluator.evaluate(output_dir)
     finally:

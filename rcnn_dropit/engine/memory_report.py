@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dropit_core import memory
+from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import is_main_process
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.trainer import autocast_context, move_targets
@@ -34,7 +35,7 @@ def write_memory_report(
     writes memory.json."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         images, targets = next(epoch_batches(train_loader, 0))
-        images = [img.to(device) for img in images]
+        images = images_to_device(images, device)
         saved, cuda_peak, rss_peak = measure_step(
             net, images, move_targets(targets, device), cfg.solver.amp, device
         )

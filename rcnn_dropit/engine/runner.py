@@ -273,8 +273,8 @@ def _train(
     seed_all(cfg.train.seed)  # same initial weights on every rank
     model, net = prepare_model(cfg, info)
     seed_all(cfg.train.seed + info.rank)  # different augmentation/sampling noise per rank
-    train_loader = build_train_loader(cfg, info.distributed, seed=cfg.train.seed)
-    val_loader = build_val_loader(cfg, info.distributed)
+    train_loader = build_train_loader(cfg, info.distributed, cfg.train.seed, info.device)
+    val_loader = build_val_loader(cfg, info.distributed, info.device)
     say_dropped(train_loader.dataset, "train")
     say_dropped(val_loader.dataset, "val")
     ipe = len(train_loader.batch_sampler)
@@ -389,7 +389,7 @@ def test(
         weights = state["model"] if isinstance(state, dict) and "model" in state else state
         load_model_weights(net, weights, ckpt)
         net.to(info.device)
-        val_loader = build_val_loader(cfg, info.distributed)
+        val_loader = build_val_loader(cfg, info.distributed, info.device)
         # made only once the checkpoint and the data are known to be good
         main_first(lambda: out.mkdir(parents=True, exist_ok=True))
         metrics = evaluate(net, val_loader, info.device, iou_types_for(cfg.model.arch), out)

@@ -15,6 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from rcnn_dropit.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import barrier, get_world_size, is_main_process
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.evaluator_loop import evaluate, unwrap
@@ -345,7 +346,7 @@ class Trainer:
             t_prev = time.perf_counter()
             for iteration, images, targets in self._batches(start_iter, rng_state):
                 t_data = time.perf_counter()
-                images = [img.to(self.device, non_blocking=True) for img in images]
+                images = images_to_device(images, self.device)
                 targets = move_targets(targets, self.device)
                 losses = self.step(images, targets, iteration)
                 t_end = time.perf_counter()
