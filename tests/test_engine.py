@@ -13,13 +13,15 @@ import pytest
 import torch
 import yaml
 from torch import nn
+from tqdm import tqdm
 
+from dropit_core import memory
 from rcnn_dropit.checkpoint import load_checkpoint
 from rcnn_dropit.engine import runner as runner_module
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
 from rcnn_dropit.engine.runner import check_output_dir, train
 from rcnn_dropit.engine.trainer import Schedule, Trainer
-from rcnn_dropit.logging_utils import NullWriter, read_metrics, truncate_metrics
+from rcnn_dropit.logging_utils import NullWriter, peak_memory_mb, read_metrics, truncate_metrics
 from tests.tiny import tiny_opts as shared_tiny_opts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,3 +336,49 @@ def test_truncate_metrics(tmp_path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"type": "tr')
     assert truncate_metrics(path, 2) == 2
     assert [r["iter"] for r in read_metrics(path)] == [1, 2]
+
+
+# ---- peak memory per logging window ---------------------------------------------------------
+
+
+class _ListWriter:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+def test_peak_mem_mb_covers_only_its_logging_window() -> None:
+    if not memory.reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs is not writable here: VmHWM cannot be reset")
+    trainer = _toy_trainer("stop", nan_calls=set())
+    trainer.writer = _ListWriter()
+    real_forward = trainer.model.forward
+
+    def forward_with_a_big_transient(images, targets):
+        if trainer.model.calls == 0:  # first window only: 400 MB touched, then freed
+            torch.ones(100 * 2**20).sum()
+        return real_forward(images, targets)
+
+    trainer.model.forward = forward_with_a_big_transient
+    bar = tqdm(disable=True)
+    for iteration in (1, 2):
+        trainer.window.add(trainer.step([], [], iteration), 0.1, 0.0)
+        trainer._log(iteration, bar)
+    first, second = (r["peak_mem_mb"] for r in trainer.writer.records)
+    assert first - second > 300  # the second window no longer reports the first one's peak
+
+
+def test_cuda_peak_is_read_then_reset_on_the_run_device(monkeypatch) -> None:
+    calls = []
+    peaks = iter([3 * 2**20, 2**20])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: next(peaks))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: calls.append(d))
+    device = torch.device("cuda", 1)
+    assert peak_memory_mb(device, reset=True) == 3.0
+    assert peak_memory_mb(device) == 1.0
+    assert calls == [device]

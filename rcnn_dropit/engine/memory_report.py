@@ -18,7 +18,8 @@ from rcnn_dropit.engine.trainer import autocast_context, move_targets
 def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: torch.device):
     """One forward+backward of the plain model: saved-tensor report and the step's peaks."""
     net.train()
-    memory.reset_cuda_peak(device)
+    if device.type == "cuda":  # a CPU run on a GPU node has no CUDA peak to reset
+        torch.cuda.reset_peak_memory_stats(device)
     memory.reset_peak_rss()
     with autocast_context(amp, device):
         losses, report = memory.saved_activations(net, lambda: net(images, targets))

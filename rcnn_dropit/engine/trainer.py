@@ -240,7 +240,8 @@ class Trainer:
             "time": w.time / w.count,
             "data_time": w.data_time / w.count,
             "images_per_sec": images / w.time if w.time > 0 else 0.0,
-            "peak_mem_mb": peak_memory_mb(self.device),
+            # of this window only: an all-time peak would show the evaluation's after the first
+            "peak_mem_mb": peak_memory_mb(self.device, reset=True),
             "skipped_steps": self.skipped_steps,
         }
         self.writer.write(record)
