@@ -160,13 +160,24 @@ def resolve_resume(resume: str | Path | None, ckpt_dir: Path | str) -> Path | No
     return path
 
 
+def _cuda_in_use() -> bool:
+    # Not initialised: this process never drew from a CUDA generator (a CPU run on a GPU node),
+    # and asking for its state would create a CUDA context on GPU 0 for nothing.
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def capture_rng_state() -> dict:
-    """RNG states of python, numpy (if installed), torch CPU and CUDA, as weights_only types."""
+    """RNG states of python, numpy (if installed), torch CPU and the current CUDA device, as
+    weights_only types.
+
+    Only the current device's CUDA state: a rank draws from its own GPU only, and which index
+    that GPU has depends on how many GPUs the job lets each process see.
+    """
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss_next],
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if _cuda_in_use() else None,
     }
     try:
         import numpy as np
@@ -178,13 +189,18 @@ def capture_rng_state() -> dict:
 
 
 def restore_rng_state(state: dict) -> None:
-    """Restore what capture_rng_state recorded; CUDA states only for devices present."""
+    """Restore what capture_rng_state recorded, the CUDA state into the current device."""
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state.get("cuda"):
-        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, index)
+    cuda_state = state.get("cuda")
+    if isinstance(cuda_state, list):
+        # Older checkpoints hold every visible device's state by index: the current device's
+        # entry is what those runs restored for it (and all that was ever drawn from).
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        cuda_state = cuda_state[index] if index < len(cuda_state) else None
+    if cuda_state is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_state, torch.cuda.current_device())
     if "numpy" in state:
         import numpy as np
 

@@ -176,3 +176,55 @@ def test_name_must_be_a_plain_file_name(tmp_path):
     with pytest.raises(ValueError, match="plain file name"):
         save_checkpoint(tmp_path, "../model_1.pth", {}, keep_last=1)
     assert ckpt.POINTER_NAME == "last_checkpoint"
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda's RNG calls: one generator state per device index."""
+
+    def __init__(self, monkeypatch, current: int, initialized: bool = True) -> None:
+        self.current = current
+        self.restored: list[tuple[int, int]] = []  # (device index, state's marker)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", self.get_rng_state)
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self.set_rng_state)
+
+        def every_device():
+            raise AssertionError("only the current device's state may be read")
+
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", every_device)
+
+    def get_rng_state(self, device="cuda"):
+        return torch.tensor([100 + device], dtype=torch.uint8)
+
+    def set_rng_state(self, state, device="cuda"):
+        self.restored.append((device, int(state[0])))
+
+
+def test_cuda_rng_is_saved_and_restored_for_the_current_device_only(tmp_path, monkeypatch):
+    # saved by the rank that used cuda:3 of 8 visible GPUs ...
+    cuda = _FakeCuda(monkeypatch, current=3)
+    path = save_checkpoint(tmp_path, "model_0000001.pth", {"rng": capture_rng_state()}, 1)
+    state = load_checkpoint(path)["rng"]
+    assert state["cuda"].tolist() == [103]
+    # ... resumed with one GPU visible per task: its only device gets that rank's stream
+    cuda.current = 0
+    restore_rng_state(state)
+    assert cuda.restored == [(0, 103)]
+
+
+def test_older_checkpoints_with_every_devices_cuda_rng_restore_the_current_entry(monkeypatch):
+    cuda = _FakeCuda(monkeypatch, current=2)
+    state = capture_rng_state()
+    state["cuda"] = [torch.tensor([100 + i], dtype=torch.uint8) for i in range(4)]
+    restore_rng_state(state)
+    assert cuda.restored == [(2, 102)]
+
+
+def test_cpu_run_on_a_gpu_node_does_not_touch_cuda_rng(monkeypatch):
+    cuda = _FakeCuda(monkeypatch, current=0, initialized=False)
+    state = capture_rng_state()
+    assert state["cuda"] is None
+    restore_rng_state(state)
+    assert cuda.restored == []
