@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ from rcnn_dropit.checkpoint import load_checkpoint
 from rcnn_dropit.engine import runner as runner_module
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
 from rcnn_dropit.engine.runner import check_output_dir, train
-from rcnn_dropit.engine.trainer import Schedule, Trainer
+from rcnn_dropit.engine.trainer import Schedule, Trainer, step_scheduler
 from rcnn_dropit.logging_utils import NullWriter, peak_memory_mb, read_metrics, truncate_metrics
 from tests.tiny import tiny_opts as shared_tiny_opts
 
@@ -382,3 +383,42 @@ def test_cuda_peak_is_read_then_reset_on_the_run_device(monkeypatch) -> None:
     assert peak_memory_mb(device, reset=True) == 3.0
     assert peak_memory_mb(device) == 1.0
     assert calls == [device]
+
+
+# ---- fp16 skipped steps ----------------------------------------------------------------------
+
+
+def test_skipped_scaled_step_still_steps_the_schedule_without_torchs_warning() -> None:
+    # A first scale of 2**127 overflows the scaled loss: GradScaler skips the optimizer step,
+    # exactly what fp16 training does in its first iterations.
+    trainer = _toy_trainer("stop", set(), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**127))
+    before = trainer.model.w.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.step([], [], 1)
+    assert torch.equal(trainer.model.w.detach(), before)  # the optimizer step was skipped
+    assert trainer.scaler.get_scale() == 2.0**126 and trainer.scheduler.last_epoch == 1
+    assert [str(w.message) for w in caught] == []
+
+
+def test_step_scheduler_silences_only_the_scheduler_order_warning() -> None:
+    def fresh():
+        opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh().step()  # torch warns: the optimizer never stepped
+        order_warnings = len(caught)
+        scheduler = fresh()
+        real_step = scheduler.step
+
+        def step_and_warn():
+            warnings.warn("another warning", UserWarning, stacklevel=1)
+            real_step()
+
+        scheduler.step = step_and_warn
+        step_scheduler(scheduler)
+    assert order_warnings == 1 and "before `optimizer.step()`" in str(caught[0].message)
+    assert [str(w.message) for w in caught[1:]] == ["another warning"]
+    assert scheduler.last_epoch == 1

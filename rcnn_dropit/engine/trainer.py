@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,6 +137,19 @@ def reduce_losses(loss_dict: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(keys, values.tolist(), strict=True))
 
 
+# torch's warning when the scheduler steps in an iteration whose optimizer step was skipped
+# (fp16 GradScaler on inf/NaN gradients, or solver.nonfinite=skip).
+_SCHEDULER_FIRST = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
+def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Advance the per-iteration lr schedule, silencing only torch's "scheduler before optimizer"
+    warning: the schedule follows iterations on purpose, whether or not the optimizer stepped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SCHEDULER_FIRST, category=UserWarning)
+        scheduler.step()
+
+
 def nonfinite_message(iteration: int, losses: dict[str, float]) -> str:
     """Message naming the iteration and every loss term with its value."""
     terms = ", ".join(f"{k}={v:.6g}" for k, v in losses.items())
@@ -207,7 +221,7 @@ class Trainer:
                     f"warning: {nonfinite_message(iteration, logged).split(' (')[0]}; "
                     f"step skipped ({self.skipped_steps} so far)"
                 )
-            self.scheduler.step()  # the lr schedule follows iterations, skipped or not
+            step_scheduler(self.scheduler)  # the lr schedule follows iterations, skipped or not
             return logged
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
@@ -222,7 +236,7 @@ class Trainer:
             if solver.clip_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
             self.optimizer.step()
-        self.scheduler.step()
+        step_scheduler(self.scheduler)
         return logged
 
     # ---- side effects ---------------------------------------------------------------------
