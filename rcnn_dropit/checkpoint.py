@@ -104,7 +104,16 @@ def save_checkpoint(ckpt_dir: Path | str, name: str, state: dict, keep_last: int
     if not name or Path(name).name != name or name.startswith("."):
         raise ValueError(f"checkpoint name {name!r} must be a plain file name like model_0001.pth")
     ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise CheckpointWriteError(
+            f"could not write checkpoints into '{ckpt_dir}': it exists and is not a folder"
+        )
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CheckpointWriteError(
+            f"could not create checkpoint folder '{ckpt_dir}': {err}"
+        ) from err
     path = ckpt_dir / name
     _remove_stale_tmp(ckpt_dir)
     _write_atomic(path, lambda f: torch.save(state, f))

@@ -142,20 +142,15 @@ class COCOEvaluator:
         """Gather all ranks' detections, score on rank 0, return the metrics on every rank."""
         shard = {"image_ids": self.image_ids, "results": self.results}
         shards = distributed.gather_object(shard, dst=0)
-        outcome: dict[str, Any] = {}
-        if distributed.is_main_process():
+
+        def score() -> dict[str, Any]:
             out = Path(output_dir) if output_dir is not None else None
             if out is not None:
                 out.mkdir(parents=True, exist_ok=True)
-            # A failure on rank 0 must reach the other ranks, or they would wait forever.
-            try:
-                outcome = {"metrics": self._evaluate_main(shards, out)}
-            except (RuntimeError, ValueError, OSError) as err:
-                outcome = {"error": err}
-        outcome = distributed.broadcast_object(outcome, src=0)
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["metrics"]
+            return self._evaluate_main(shards, out)
+
+        # A failure on rank 0 reaches the other ranks as the same error, so none waits forever.
+        return distributed.run_on_main(score)
 
 
 def format_metrics_table(metrics: dict[str, Any]) -> str:

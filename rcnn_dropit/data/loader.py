@@ -14,8 +14,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ..distributed import rank_and_world_size
 from .coco import CocoDetection
-from .samplers import GroupedBatchSampler, ShardSampler, aspect_ratio_groups, dist_rank_and_size
+from .samplers import GroupedBatchSampler, ShardSampler, aspect_ratio_groups
 from .shapes import FORMAT_VERSION, make_shapes
 from .transforms import build_transforms
 
@@ -152,7 +153,7 @@ def build_train_loader(
     """
     ensure_dataset(cfg)
     dataset = build_dataset(cfg, "train", seed=seed, as_float=False)
-    rank, world_size = dist_rank_and_size(distributed)
+    rank, world_size = rank_and_world_size(distributed)
     # one code path for 1 and N processes: shuffle depends only on (seed, epoch)
     sampler = DistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False
@@ -178,7 +179,7 @@ def build_val_loader(cfg: Any, distributed: bool, device: torch.device | None = 
     """
     ensure_dataset(cfg)
     dataset = build_dataset(cfg, "val", as_float=False)
-    rank, world_size = dist_rank_and_size(distributed)
+    rank, world_size = rank_and_world_size(distributed)
     sampler = ShardSampler(len(dataset), rank, world_size)
     batch_sampler = torch.utils.data.BatchSampler(sampler, batch_size=1, drop_last=False)
     return _loader(dataset, batch_sampler, int(cfg.data.num_workers), 0, device, persistent=False)

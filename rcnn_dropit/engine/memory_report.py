@@ -10,7 +10,7 @@ from torch import nn
 
 from dropit_core import memory
 from rcnn_dropit.data import images_to_device
-from rcnn_dropit.distributed import is_main_process
+from rcnn_dropit.distributed import run_on_main
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.trainer import autocast_context, move_targets
 
@@ -55,6 +55,5 @@ def write_memory_report(
             "gamma": cfg.dropit.gamma,
         },
     }
-    if is_main_process():
-        (out / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
+    run_on_main(lambda: (out / "memory.json").write_text(json.dumps(report, indent=2) + "\n"))
     return report

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rcnn_dropit.checkpoint import capture_rng_state, load_checkpoint
-from rcnn_dropit.distributed import all_gather_object, broadcast_object, is_main_process
+from rcnn_dropit.distributed import all_gather_object, run_on_main
 
 
 def gather_rng_states() -> list[dict]:
@@ -34,15 +34,4 @@ def load_on_every_rank(path: Path) -> dict:
     visible = all_gather_object(Path(path).is_file())
     if all(visible):
         return load_checkpoint(path, map_location="cpu")
-    if not visible[0]:
-        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
-    outcome: tuple = ("ok", None)
-    if is_main_process():
-        try:
-            outcome = ("ok", load_checkpoint(path, map_location="cpu"))
-        except (ValueError, FileNotFoundError) as err:  # must reach the ranks waiting below
-            outcome = ("error", err)
-    outcome = broadcast_object(outcome)
-    if outcome[0] == "error":
-        raise outcome[1]
-    return outcome[1]
+    return run_on_main(lambda: load_checkpoint(path, map_location="cpu"))

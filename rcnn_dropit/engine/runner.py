@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -24,11 +23,10 @@ from rcnn_dropit.config import Config, dump_config, load_config
 from rcnn_dropit.data import build_train_loader, build_val_loader, ensure_dataset
 from rcnn_dropit.distributed import (
     DistInfo,
-    barrier,
-    broadcast_object,
     cleanup,
     init_distributed,
     is_main_process,
+    run_on_main,
 )
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
 from rcnn_dropit.engine.memory_report import write_memory_report
@@ -50,33 +48,12 @@ RUN_ARTIFACTS = (
     "eval.json",
     "memory.json",
 )
-T = TypeVar("T")
-_USER_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
 
 
 def say(message: str) -> None:
     """Print a line on rank 0 (through tqdm so progress bars stay intact)."""
     if is_main_process():
         tqdm.write(message)
-
-
-def main_first(fn: Callable[[], T]) -> T:
-    """Run fn on rank 0 only and share its result; a user error it raises is raised on every
-    rank, so no rank waits forever for a rank that failed."""
-    outcome: tuple[str, object] = ("ok", None)
-    caught = None
-    if is_main_process():
-        try:
-            outcome = ("ok", fn())
-        except (ValueError, FileNotFoundError) as err:
-            outcome, caught = (type(err).__name__, str(err)), err
-    outcome = broadcast_object(outcome)
-    if caught is not None:
-        raise caught
-    if outcome[0] != "ok":
-        raise _USER_ERRORS[outcome[0]](outcome[1])
-    barrier()
-    return outcome[1]
 
 
 def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Path:
@@ -264,11 +241,11 @@ def _train(
     scaler = make_scaler(cfg.solver.amp, info.device)
     # Everything a user can get wrong (data, model, checkpoint) is checked before the run
     # directory is touched, so a rejected run leaves no half-made folder behind.
-    main_first(lambda: check_output_dir(out, resume, overwrite, clear=False))
-    ckpt_path = main_first(lambda: resolve_resume(resume, out / "checkpoints"))
+    run_on_main(lambda: check_output_dir(out, resume, overwrite, clear=False))
+    ckpt_path = run_on_main(lambda: resolve_resume(resume, out / "checkpoints"))
     if resume is not None and ckpt_path is None:
         say(f"note: no checkpoint in '{out / 'checkpoints'}'; starting from scratch")
-    main_first(lambda: ensure_dataset(cfg))
+    run_on_main(lambda: ensure_dataset(cfg))
 
     seed_all(cfg.train.seed)  # same initial weights on every rank
     model, net = prepare_model(cfg, info)
@@ -292,17 +269,23 @@ def _train(
 
     def setup_dir() -> None:
         check_output_dir(out, resume, overwrite)  # --overwrite clears only now
-        out.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, out / "config.yaml")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, out / "config.yaml")
+        except OSError as err:  # e.g. a file where a parent folder should be, no permission
+            raise ValueError(
+                f"output dir '{out}' cannot be written ({err.strerror or err}); "
+                "choose another with --output-dir"
+            ) from None
 
-    main_first(setup_dir)
+    run_on_main(setup_dir)
 
     start_iter = int(state["iteration"]) if state is not None else 0
     rng_state = rng_state_for_rank(state, info.rank, info.world_size) if state is not None else None
-    if is_main_process() and resume is not None:
-        truncate_metrics(out / "metrics.jsonl", start_iter)  # drop what the new run will redo
+    if resume is not None:  # drop what the new run will redo
+        run_on_main(lambda: truncate_metrics(out / "metrics.jsonl", start_iter))
     # A run killed while evaluating after its checkpoint: do that evaluation first.
-    eval_missing = main_first(
+    eval_missing = run_on_main(
         lambda: (
             start_iter > 0
             and not any(
@@ -311,7 +294,7 @@ def _train(
             )
         )
     )
-    writer = MetricsWriter(out / "metrics.jsonl") if is_main_process() else NullWriter()
+    writer = run_on_main(lambda: MetricsWriter(out / "metrics.jsonl"), share=False) or NullWriter()
 
     def on_eval(iteration: int, metrics: dict) -> None:
         if iteration != total:  # the final table is printed once, below
@@ -358,10 +341,8 @@ def _train(
             write_memory_report(cfg, net, train_loader, info.device, trainer.images_per_sec, out)
     finally:
         writer.close()
-    if is_main_process():
-        _write_json(out / "eval.json", {**metrics, "iter": total})
-        say(f"final evaluation ({metrics['num_images']} images):\n{format_metrics_table(metrics)}")
-    barrier()
+    run_on_main(lambda: _write_json(out / "eval.json", {**metrics, "iter": total}))
+    say(f"final evaluation ({metrics['num_images']} images):\n{format_metrics_table(metrics)}")
     return TrainResult(out, metrics, total)
 
 
@@ -381,9 +362,9 @@ def test(
             if not ckpt.is_file():
                 raise FileNotFoundError(f"--checkpoint: file '{ckpt}' does not exist")
 
-        main_first(check_checkpoint)  # rank 0 decides, so no rank fails alone
+        run_on_main(check_checkpoint)  # rank 0 decides, so no rank fails alone
         out = Path(output_dir) if output_dir else resolve_output_dir(cfg) / "test"
-        main_first(lambda: ensure_dataset(cfg))
+        run_on_main(lambda: ensure_dataset(cfg))
         net, _record = build_model(cfg)
         state = load_on_every_rank(ckpt)
         weights = state["model"] if isinstance(state, dict) and "model" in state else state
@@ -391,14 +372,13 @@ def test(
         net.to(info.device)
         val_loader = build_val_loader(cfg, info.distributed, info.device)
         # made only once the checkpoint and the data are known to be good
-        main_first(lambda: out.mkdir(parents=True, exist_ok=True))
+        run_on_main(lambda: out.mkdir(parents=True, exist_ok=True))
         metrics = evaluate(net, val_loader, info.device, iou_types_for(cfg.model.arch), out)
-        if is_main_process():
-            iteration = state.get("iteration") if isinstance(state, dict) else None
-            _write_json(out / "eval.json", {**metrics, "iter": iteration, "checkpoint": str(ckpt)})
-            say(f"evaluation of '{ckpt}' ({metrics['num_images']} images):")
-            say(format_metrics_table(metrics))
-        barrier()
+        iteration = state.get("iteration") if isinstance(state, dict) else None
+        record = {**metrics, "iter": iteration, "checkpoint": str(ckpt)}
+        run_on_main(lambda: _write_json(out / "eval.json", record))
+        say(f"evaluation of '{ckpt}' ({metrics['num_images']} images):")
+        say(format_metrics_table(metrics))
         return metrics
     finally:
         cleanup()

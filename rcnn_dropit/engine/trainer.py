@@ -11,13 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 from tqdm import tqdm
 
 from rcnn_dropit.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
 from rcnn_dropit.data import images_to_device
-from rcnn_dropit.distributed import barrier, get_world_size, is_main_process
+from rcnn_dropit.distributed import get_world_size, is_main_process, reduce_dict, run_on_main
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.evaluator_loop import evaluate, unwrap
 from rcnn_dropit.engine.rank_state import gather_rng_states
@@ -129,12 +128,10 @@ def _ordered(keys) -> list[str]:
 
 def reduce_losses(loss_dict: dict[str, torch.Tensor]) -> dict[str, float]:
     """Mean of each loss term over ranks (NaN anywhere stays NaN) as Python floats."""
-    keys = _ordered(loss_dict)
-    values = torch.stack([loss_dict[k].detach().float() for k in keys])
-    if get_world_size() > 1:
-        torch_dist.all_reduce(values)
-        values /= get_world_size()
-    return dict(zip(keys, values.tolist(), strict=True))
+    reduced = reduce_dict({k: v.detach().float() for k, v in loss_dict.items()})
+    keys = _ordered(reduced)
+    # one host copy for all terms (a sync per term would stall a GPU five times per step)
+    return dict(zip(keys, torch.stack([reduced[k] for k in keys]).tolist(), strict=True))
 
 
 # torch's warning when the scheduler steps in an iteration whose optimizer step was skipped
@@ -286,7 +283,8 @@ class Trainer:
     def save(self, iteration: int) -> None:
         """Write a checkpoint on rank 0, with every rank waiting around the write."""
         rng_per_rank = gather_rng_states()  # a collective, so also the barrier before the write
-        if is_main_process():
+
+        def write() -> None:
             state = self.checkpoint_state(iteration)
             state["rng_per_rank"] = rng_per_rank  # each rank resumes its own random streams
             save_checkpoint(
@@ -295,7 +293,10 @@ class Trainer:
                 state,
                 keep_last=self.cfg.train.keep_last,
             )
-        barrier()  # nobody reads the checkpoint (or moves on) before it is complete
+
+        # A failed write ends every rank with its message; nobody reads the checkpoint (or moves
+        # on) before it is complete.
+        run_on_main(write, share=False)
 
     def run_eval(self, iteration: int) -> dict:
         """Evaluate without disturbing the training RNG streams, then record the metrics."""
