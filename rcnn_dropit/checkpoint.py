@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rcnn_dropit.run_dir import write_atomic
+
 POINTER_NAME = "last_checkpoint"
 _NUMBERED = re.compile(r"model_(\d+)\.pth")
 _TMP = re.compile(r"\..+\.tmp-(\d+)")
@@ -22,34 +24,14 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename is only durable once the directory entry itself reaches the disk.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
 def _write_atomic(path: Path, write: Any) -> None:
-    """Run write(file) on a temp file next to path, fsync it, then rename it over path."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """The run directory's atomic writer, its OS errors told as checkpoint write errors."""
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException as err:
-        tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError):  # disk full, permissions, quota: a user-facing problem
-            raise CheckpointWriteError(
-                f"could not write '{path}': {err}; the previous checkpoint is kept"
-            ) from err
-        raise
+        write_atomic(path, write)
+    except OSError as err:  # disk full, permissions, quota: a user-facing problem
+        raise CheckpointWriteError(
+            f"could not write '{path}': {err}; the previous checkpoint is kept"
+        ) from err
 
 
 def _iteration(path: Path) -> int | None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,6 +14,7 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from rcnn_dropit import distributed
+from rcnn_dropit.run_dir import RunDir
 
 IOU_TYPES = ("bbox", "segm")
 METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
@@ -40,18 +39,6 @@ def _encode_masks(masks: torch.Tensor) -> list[dict[str, Any]]:
     for rle in rles:
         rle["counts"] = rle["counts"].decode("ascii")  # JSON needs str, not bytes
     return rles
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _run_cocoeval(
@@ -114,7 +101,7 @@ class COCOEvaluator:
                     for r, c, s in zip(rles, cat_ids, scores, strict=True)
                 )
 
-    def _evaluate_main(self, shards: list[dict[str, Any]], output_dir: Path | None) -> dict:
+    def _evaluate_main(self, shards: list[dict[str, Any]]) -> tuple[dict, dict[str, list]]:
         image_ids = [i for shard in shards for i in shard["image_ids"]]
         unique = sorted(set(image_ids))
         if len(unique) != len(image_ids):
@@ -127,30 +114,40 @@ class COCOEvaluator:
         if unknown:
             raise ValueError(f"image ids {unknown[:5]} are not in the ground-truth annotations")
         metrics: dict[str, Any] = {}
+        gathered: dict[str, list] = {}
         for iou_type in self.iou_types:
             results = [r for shard in shards for r in shard["results"][iou_type]]
-            if output_dir is not None:
-                _write_json_atomic(output_dir / f"coco_results_{iou_type}.json", results)
+            gathered[iou_type] = results
             if unique:
                 metrics[iou_type] = _run_cocoeval(self.coco_gt, results, iou_type, unique)
             else:
                 metrics[iou_type] = dict.fromkeys(METRIC_NAMES, 0.0)
         metrics["num_images"] = len(unique)
-        return metrics
+        return metrics, gathered
 
-    def evaluate(self, output_dir: Path | str | None = None) -> dict[str, Any]:
-        """Gather all ranks' detections, score on rank 0, return the metrics on every rank."""
+    def evaluate_with_results(self) -> tuple[dict[str, Any], dict[str, list] | None]:
+        """Gather all ranks' detections and score them on rank 0: (metrics on every rank,
+        every rank's detections per iou type in COCO results format on rank 0, else None)."""
         shard = {"image_ids": self.image_ids, "results": self.results}
         shards = distributed.gather_object(shard, dst=0)
+        outcome: dict[str, Any] = {}
 
         def score() -> dict[str, Any]:
-            out = Path(output_dir) if output_dir is not None else None
-            if out is not None:
-                out.mkdir(parents=True, exist_ok=True)
-            return self._evaluate_main(shards, out)
+            outcome["metrics"], outcome["results"] = self._evaluate_main(shards)
+            return outcome["metrics"]
 
         # A failure on rank 0 reaches the other ranks as the same error, so none waits forever.
-        return distributed.run_on_main(score)
+        metrics = distributed.run_on_main(score)
+        return metrics, outcome.get("results")
+
+    def evaluate(self, output_dir: Path | str | None = None) -> dict[str, Any]:
+        """Metrics on every rank; with output_dir, rank 0 writes coco_results_<type>.json there."""
+        metrics, results = self.evaluate_with_results()
+        if output_dir is not None:
+            run_dir = RunDir(output_dir)
+            distributed.run_on_main(lambda: run_dir.root.mkdir(parents=True, exist_ok=True))
+            run_dir.write_coco_results(results)
+        return metrics
 
 
 def format_metrics_table(metrics: dict[str, Any]) -> str:

@@ -42,20 +42,6 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def truncate_metrics(path: str | Path, max_iter: int) -> int:
-    """Drop records with iter > max_iter (on resume), rewriting atomically; returns kept count."""
-    path = Path(path)
-    if not path.exists():
-        return 0
-    kept = [r for r in read_metrics(path) if int(r.get("iter", 0)) <= max_iter]
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        for record in kept:
-            f.write(json.dumps(record) + "\n")
-    tmp.replace(path)
-    return len(kept)
-
-
 class MetricsWriter:
     """Appends one JSON object per line and flushes each, so a killed run loses nothing logged."""
 

@@ -5,30 +5,22 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from rcnn_dropit.checkpoint import save_checkpoint
 from rcnn_dropit.config import load_config
+from rcnn_dropit.engine.checkpointer import Checkpointer
 from rcnn_dropit.models import build_model
-from tests.tiny import tiny_opts as shared_tiny_opts
-
-REPO = Path(__file__).resolve().parents[1]
-FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
+from tests.conftest import FASTER_CFG, REPO
+from tests.conftest import run_tool as run_fresh
+from tests.conftest import tiny_opts as shared_tiny_opts
 
 
 def run_tool(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """The tool as a user starts it: a fresh interpreter (slow: imports torch)."""
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / script), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-    )
+    return run_fresh(REPO / "tools" / script, *args, cwd=cwd)
 
 
 def call_tool(script: str, *args: str, capsys) -> subprocess.CompletedProcess:
@@ -55,6 +47,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
         assert fragment in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_train_bad_config_key_exits_2(tmp_path) -> None:
     proc = run_tool(
         "train.py", "--config", str(FASTER_CFG), "--opts", "solver.lrr=0.1", cwd=tmp_path
@@ -89,10 +82,13 @@ def checkpoint(tmp_path_factory) -> Path:
     cfg = load_config(FASTER_CFG, tiny_opts(base / "shapes"))
     torch.manual_seed(0)
     model, _ = build_model(cfg)
-    state = {"model": model.state_dict(), "iteration": 7, "config": cfg.to_dict()}
-    return save_checkpoint(base / "checkpoints", "model_0000007.pth", state, keep_last=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0)
+    saver = Checkpointer(base / "checkpoints", model, opt, sched, None, 4, cfg.to_dict())
+    return saver.save(7, {"skipped_steps": 0})
 
 
+@pytest.mark.slow
 def test_test_tool_evaluates_checkpoint(tmp_path, checkpoint) -> None:
     out = tmp_path / "eval"
     opts = tiny_opts(checkpoint.parents[1] / "shapes")

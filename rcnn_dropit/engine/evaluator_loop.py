@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -37,10 +35,10 @@ def evaluate(
     val_loader,
     device: torch.device,
     iou_types: tuple[str, ...],
-    output_dir: Path | None = None,
     progress: bool = True,
-) -> dict:
-    """Run the model over every validation image once and return COCO metrics (on every rank)."""
+) -> tuple[dict, dict[str, list] | None]:
+    """Run the model over every validation image once: (COCO metrics on every rank, the
+    detections in COCO results format per iou type on rank 0, None elsewhere)."""
     dataset = val_loader.dataset
     evaluator = COCOEvaluator(
         dataset.coco, iou_types=iou_types, label_to_cat_id=dataset.label_to_cat_id
@@ -63,6 +61,6 @@ def evaluate(
             outputs = net(images)
             outputs = outputs_to_host(outputs)
             evaluator.update(outputs, [int(t["image_id"]) for t in targets])
-        return evaluator.evaluate(output_dir)
+        return evaluator.evaluate_with_results()
     finally:
         net.train(was_training)
