@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from pycocotools.cocoeval import COCOeval
 from rcnn_dropit import distributed
 from rcnn_dropit.run_dir import RunDir
 
+log = logging.getLogger(__name__)
 IOU_TYPES = ("bbox", "segm")
 METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 
@@ -46,7 +48,7 @@ def _run_cocoeval(
 ) -> dict[str, float]:
     if not results:
         # COCO.loadRes indexes results[0], so an empty list cannot go through COCOeval.
-        print(f"COCO {iou_type}: no detections, all metrics are 0")
+        log.info(f"COCO {iou_type}: no detections, all metrics are 0")
         return dict.fromkeys(METRIC_NAMES, 0.0)
     # loadRes adds keys to the dicts it gets; keep ours clean for the caller.
     coco_dt = coco_gt.loadRes([dict(r) for r in results])

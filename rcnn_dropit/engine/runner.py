@@ -36,10 +36,10 @@ from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterat
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
 from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.models import build_model
-from rcnn_dropit.run_dir import LOGGER_NAME, RunDir
+from rcnn_dropit.run_dir import RunDir
 from rcnn_dropit.tensorboard import require_tensorboard
 
-log = logging.getLogger(LOGGER_NAME)
+log = logging.getLogger(__name__)  # a child of LOGGER_NAME: the run directory's handlers
 
 
 def say(message: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -19,6 +20,7 @@ from rcnn_dropit.distributed import get_world_size, reduce_dict
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.logging_utils import peak_memory_mb
 
+log = logging.getLogger(__name__)
 LOSS_KEYS_ORDER = (
     "loss_classifier",
     "loss_box_reg",
@@ -230,11 +232,11 @@ class Trainer:
             if solver.nonfinite == "stop":
                 raise FloatingPointError(nonfinite_message(iteration, logged))
             self.skipped_steps += 1
-            if self.progress:
-                tqdm.write(
-                    f"warning: {nonfinite_message(iteration, logged).split(' (')[0]}; "
-                    f"step skipped ({self.skipped_steps} so far)"
-                )
+            # rank 0's console and log.txt; other ranks' log files
+            log.warning(
+                f"warning: {nonfinite_message(iteration, logged).split(' (')[0]}; "
+                f"step skipped ({self.skipped_steps} so far)"
+            )
             step_scheduler(self.scheduler)  # the lr schedule follows iterations, skipped or not
             return logged
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
