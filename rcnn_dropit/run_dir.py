@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from rcnn_dropit.distributed import get_rank, run_on_main
 from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, read_metrics
-from rcnn_dropit.tensorboard import RecordWriters, TensorBoardWriter
+from rcnn_dropit.tensorboard import TensorBoardWriter
 
 LOGGER_NAME = "rcnn_dropit"
 # What a run writes; --overwrite removes exactly these, never anything else in the folder.
@@ -83,6 +83,33 @@ def _fsync_dir(directory: Path) -> None:
         pass  # some file systems refuse fsync on directories; the rename is still atomic
     finally:
         os.close(fd)
+
+
+class RecordWriters:
+    """metrics.jsonl first, then TensorBoard when enabled, behind one write() that every rank
+    calls: rank 0 writes, and an error it meets (a full disk) ends every rank, not rank 0 alone
+    while the others wait in the next step's all-reduce."""
+
+    def __init__(self, jsonl, tensorboard: TensorBoardWriter | None = None) -> None:
+        self.jsonl = jsonl
+        self.tensorboard = tensorboard
+
+    def write(self, record: dict[str, Any], tensorboard_only: bool = False) -> None:
+        """Append the record to metrics.jsonl (unless tensorboard_only) and to TensorBoard."""
+
+        def write() -> None:
+            if not tensorboard_only:
+                self.jsonl.write(record)
+            if self.tensorboard is not None:
+                self.tensorboard.write(record)
+
+        run_on_main(write, share=False)
+
+    def close(self) -> None:
+        """Close both (on the rank that has them)."""
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 class _RunLog(logging.Handler):

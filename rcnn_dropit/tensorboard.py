@@ -60,24 +60,3 @@ class TensorBoardWriter:
     def close(self) -> None:
         """Flush and close the event file."""
         self._writer.close()
-
-
-class RecordWriters:
-    """metrics.jsonl first, then TensorBoard when enabled; one write() for the trainer."""
-
-    def __init__(self, jsonl, tensorboard: TensorBoardWriter | None = None) -> None:
-        self.jsonl = jsonl
-        self.tensorboard = tensorboard
-
-    def write(self, record: dict[str, Any], tensorboard_only: bool = False) -> None:
-        """Append the record to metrics.jsonl (unless tensorboard_only) and to TensorBoard."""
-        if not tensorboard_only:
-            self.jsonl.write(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
-
-    def close(self) -> None:
-        """Close both."""
-        self.jsonl.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()

@@ -1,7 +1,8 @@
 """A failure on rank 0 ends every rank of a 2-process gloo job with the same one-line message,
 under torchrun and as plain processes given the launcher's variables (as `srun` starts them,
 with no agent to stop the others): an unwritable output dir (setup), a checkpoint that cannot be
-written, a corrupt annotation file."""
+written, a corrupt annotation file, a metrics record that cannot be written mid-run, an
+evaluation that fails on rank 0."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rcnn_dropit.data import make_shapes
-from tests.conftest import FASTER_CFG, TRAIN_PY, free_port, job_env, single_node, tiny_opts
+from tests.conftest import FASTER_CFG, REPO, TRAIN_PY, free_port, job_env, single_node, tiny_opts
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 # A hang would last until the process-group timeout (30 min); the goal is every rank out in 60 s.
@@ -73,14 +74,60 @@ def _corrupt_annotations(tmp: Path, shapes: Path) -> tuple[list[str], str, int]:
     return ["--output-dir", str(tmp / "run"), "--opts", *opts], message, 2
 
 
-CASES: dict[str, Callable[[Path, Path], tuple[list[str], str, int]]] = {
+# tools/train.py with a failure planted on rank 0 only, where no input can cause one on demand.
+RANK0_FAILS = """
+import os, runpy, sys
+sys.path.insert(0, {repo!r})
+if os.environ["RANK"] == "0":
+    if {where!r} == "metrics":
+        from rcnn_dropit.logging_utils import MetricsWriter
+
+        real_write = MetricsWriter.write
+
+        def write(self, record):
+            if record.get("iter") == 2:
+                raise OSError(28, "No space left on device", str(self.path))
+            real_write(self, record)
+
+        MetricsWriter.write = write
+    else:
+        import rcnn_dropit.evaluation as evaluation
+
+        def cocoeval(*args):
+            raise ValueError("COCOeval found the detections unusable")
+
+        evaluation._run_cocoeval = cocoeval
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def _planted(where: str, message: str, code: int):
+    def case(tmp: Path, shapes: Path) -> tuple[list[str], str, int, Path]:
+        script = tmp / "train_rank0_fails.py"
+        script.write_text(RANK0_FAILS.format(repo=str(REPO), where=where, train=str(TRAIN_PY)))
+        opts = tiny_opts(shapes, "solver.max_iters=3", "train.checkpoint_every=0")
+        return ["--output-dir", str(tmp / "run"), "--opts", *opts], message, code, script
+
+    return case
+
+
+CASES: dict[str, Callable[[Path, Path], tuple]] = {
     "unwritable_output_dir": _unwritable_output_dir,
     "checkpoint_write_fails": _checkpoint_write_fails,
     "corrupt_annotations": _corrupt_annotations,
+    "metrics_write_fails": _planted("metrics", "error: [Errno 28] No space left on device", 1),
+    "evaluation_fails": _planted("eval", "error: COCOeval found the detections unusable", 2),
 }
 
 
-def _plain_processes(args: list[str], logs: Path) -> list[tuple[int, str, float]]:
+def _case(name: str, tmp: Path, shapes: Path) -> tuple[list[str], str, int, Path]:
+    """(train.py arguments, the expected error line's start, exit code, the script to run)."""
+    args, message, code, *script = CASES[name](tmp, shapes)
+    return args, message, code, script[0] if script else TRAIN_PY
+
+
+def _plain_processes(script: Path, args: list[str], logs: Path) -> list[tuple[int, str, float]]:
     """Two `python tools/train.py` processes with RANK/WORLD_SIZE/... set and no agent:
     (exit code, stderr, seconds until exit) per rank."""
     port = str(free_port())
@@ -94,7 +141,7 @@ def _plain_processes(args: list[str], logs: Path) -> list[tuple[int, str, float]
             MASTER_PORT=port,
         )
         err = open(logs / f"rank{rank}.err", "w")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, str(TRAIN_PY), "--config", str(FASTER_CFG), *args]
+        cmd = [sys.executable, str(script), "--config", str(FASTER_CFG), *args]
         procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
     start = time.monotonic()
     ended: dict[int, float] = {}
@@ -118,10 +165,10 @@ def _error_lines(stderr: str) -> list[str]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rank0_failure_ends_plain_processes_with_one_message(case, tmp_path, shapes) -> None:
-    args, message, code = CASES[case](tmp_path, shapes)
+    args, message, code, script = _case(case, tmp_path, shapes)
     logs = tmp_path / "logs"
     logs.mkdir()
-    (code0, err0, t0), (code1, err1, t1) = _plain_processes(args, logs)
+    (code0, err0, t0), (code1, err1, t1) = _plain_processes(script, args, logs)
     assert (code0, code1) == (code, code), err0[-2000:] + err1[-2000:]
     for stderr in (err0, err1):
         assert "Traceback" not in stderr, stderr[-3000:]
@@ -133,7 +180,7 @@ def test_rank0_failure_ends_plain_processes_with_one_message(case, tmp_path, sha
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rank0_failure_ends_a_torchrun_job_with_its_message(case, tmp_path, shapes) -> None:
-    args, message, code = CASES[case](tmp_path, shapes)
+    args, message, code, script = _case(case, tmp_path, shapes)
     logs = tmp_path / "torchrun-logs"
     cmd = [
         sys.executable,
@@ -142,7 +189,7 @@ def test_rank0_failure_ends_a_torchrun_job_with_its_message(case, tmp_path, shap
         *single_node(2),
         f"--log-dir={logs}",
         "--redirects=2",  # each rank's stderr to its own file
-        str(TRAIN_PY),
+        str(script),
         "--config",
         str(FASTER_CFG),
         *args,
