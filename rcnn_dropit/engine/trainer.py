@@ -17,6 +17,7 @@ from tqdm import tqdm
 from rcnn_dropit.checkpoint import capture_rng_state, restore_rng_state
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import get_world_size, reduce_dict
+from rcnn_dropit.engine.checkpointer import Checkpointer
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.logging_utils import peak_memory_mb
 
@@ -190,7 +191,7 @@ class Trainer:
         options: StepOptions,
         schedule: Schedule,
         writer,
-        checkpointer=None,
+        checkpointer: Checkpointer | None = None,
         evaluate: Callable[[], dict] | None = None,
         on_eval: Callable[[int, dict], None] | None = None,
         progress: bool = True,
