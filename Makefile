@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint format study
+.PHONY: setup demo test test-fast bench lint format study
 
 setup: $(STAMP)
 
@@ -20,8 +20,13 @@ demo: setup
 	$(PY) tools/train.py --config configs/demo/maskrcnn_shapes_g0.8.yaml --overwrite
 	$(PY) tools/infer.py --run outputs/maskrcnn_shapes_g0.8 --val 4
 
+# Every tier (CI). test-fast: the inner loop, without the tests marked slow (training runs,
+# fresh interpreters, multi-process jobs); about a minute.
 test: setup
 	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
 
 bench: setup
 	$(PY) tools/bench.py

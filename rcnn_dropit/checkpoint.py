@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rcnn_dropit.run_dir import write_atomic
+
 POINTER_NAME = "last_checkpoint"
 _NUMBERED = re.compile(r"model_(\d+)\.pth")
 _TMP = re.compile(r"\..+\.tmp-(\d+)")
@@ -22,34 +24,14 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename is only durable once the directory entry itself reaches the disk.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
 def _write_atomic(path: Path, write: Any) -> None:
-    """Run write(file) on a temp file next to path, fsync it, then rename it over path."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """The run directory's atomic writer, its OS errors told as checkpoint write errors."""
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException as err:
-        tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError):  # disk full, permissions, quota: a user-facing problem
-            raise CheckpointWriteError(
-                f"could not write '{path}': {err}; the previous checkpoint is kept"
-            ) from err
-        raise
+        write_atomic(path, write)
+    except OSError as err:  # disk full, permissions, quota: a user-facing problem
+        raise CheckpointWriteError(
+            f"could not write '{path}': {err}; the previous checkpoint is kept"
+        ) from err
 
 
 def _iteration(path: Path) -> int | None:
@@ -104,7 +86,16 @@ def save_checkpoint(ckpt_dir: Path | str, name: str, state: dict, keep_last: int
     if not name or Path(name).name != name or name.startswith("."):
         raise ValueError(f"checkpoint name {name!r} must be a plain file name like model_0001.pth")
     ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise CheckpointWriteError(
+            f"could not write checkpoints into '{ckpt_dir}': it exists and is not a folder"
+        )
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CheckpointWriteError(
+            f"could not create checkpoint folder '{ckpt_dir}': {err}"
+        ) from err
     path = ckpt_dir / name
     _remove_stale_tmp(ckpt_dir)
     _write_atomic(path, lambda f: torch.save(state, f))
@@ -160,13 +151,24 @@ def resolve_resume(resume: str | Path | None, ckpt_dir: Path | str) -> Path | No
     return path
 
 
+def _cuda_in_use() -> bool:
+    # Not initialised: this process never drew from a CUDA generator (a CPU run on a GPU node),
+    # and asking for its state would create a CUDA context on GPU 0 for nothing.
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def capture_rng_state() -> dict:
-    """RNG states of python, numpy (if installed), torch CPU and CUDA, as weights_only types."""
+    """RNG states of python, numpy (if installed), torch CPU and the current CUDA device, as
+    weights_only types.
+
+    Only the current device's CUDA state: a rank draws from its own GPU only, and which index
+    that GPU has depends on how many GPUs the job lets each process see.
+    """
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss_next],
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if _cuda_in_use() else None,
     }
     try:
         import numpy as np
@@ -178,13 +180,18 @@ def capture_rng_state() -> dict:
 
 
 def restore_rng_state(state: dict) -> None:
-    """Restore what capture_rng_state recorded; CUDA states only for devices present."""
+    """Restore what capture_rng_state recorded, the CUDA state into the current device."""
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state.get("cuda"):
-        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, index)
+    cuda_state = state.get("cuda")
+    if isinstance(cuda_state, list):
+        # Older checkpoints hold every visible device's state by index: the current device's
+        # entry is what those runs restored for it (and all that was ever drawn from).
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        cuda_state = cuda_state[index] if index < len(cuda_state) else None
+    if cuda_state is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_state, torch.cuda.current_device())
     if "numpy" in state:
         import numpy as np
 

@@ -130,6 +130,7 @@ class TrainConfig:
     keep_last: int = _f(3, ge=0)
     sync_bn: bool = False
     measure_memory: bool = True
+    tensorboard: bool = False  # scalars next to metrics.jsonl; needs the 'tensorboard' extra
 
 
 @dataclass

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_MASTER_PORT = 29500
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,54 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def rank_and_world_size(distributed: bool = True) -> tuple[int, int]:
+    """(rank, world size) of this process; (0, 1) when not distributed or not asked for."""
+    return (get_rank(), get_world_size()) if distributed else (0, 1)
+
+
+def _portable(err: Exception) -> Exception:
+    """err itself if it survives pickling with its type and message, else a RuntimeError
+    carrying both: what rank 0 raised must be raisable on every rank."""
+    try:
+        copy = pickle.loads(pickle.dumps(err))
+        if type(copy) is type(err) and str(copy) == str(err):
+            return err
+    except Exception:  # unpicklable exception types (e.g. required keyword arguments)
+        pass
+    return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+def run_on_main(fn: Callable[[], T], share: bool = True) -> T | None:
+    """Run fn on rank 0 only, then let every rank go on with its result, or fail with its error.
+
+    An exception fn raises on rank 0 is raised on every rank, with the same type and message,
+    so that no rank waits in a collective for a rank that already failed (a torchrun agent would
+    stop them, ``srun`` would not: they would hang until the process-group timeout).
+    With ``share=False`` the other ranks get None (for results that cannot be pickled).
+    All ranks must call it; they leave it together.
+    """
+    if get_world_size() == 1:
+        return fn()
+    caught: Exception | None = None
+    outcome: tuple[str, Any] = ("ok", None)
+    if get_rank() == 0:
+        try:
+            result = fn()
+            outcome = ("ok", result if share else None)
+        except Exception as err:
+            caught = err
+            outcome = ("error", _portable(err))
+    outcome = broadcast_object(outcome)
+    # Nobody moves on (e.g. reads what rank 0 wrote) before rank 0 is done, and on an error
+    # rank 0 leaves (and tears the process group down) only once every rank has its copy.
+    barrier()
+    if caught is not None:
+        raise caught  # rank 0 keeps its own traceback
+    if outcome[0] == "error":
+        raise outcome[1]
+    return result if get_rank() == 0 else outcome[1]
 
 
 def reduce_dict(values: dict[str, torch.Tensor], average: bool = True) -> dict[str, torch.Tensor]:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,7 +15,9 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from rcnn_dropit import distributed
+from rcnn_dropit.run_dir import RunDir
 
+log = logging.getLogger(__name__)
 IOU_TYPES = ("bbox", "segm")
 METRIC_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 
@@ -28,10 +29,13 @@ def _boxes_xywh(boxes: torch.Tensor) -> list[list[float]]:
 
 
 def _encode_masks(masks: torch.Tensor) -> list[dict[str, Any]]:
-    """RLE of (N,1,H,W) mask probabilities thresholded at 0.5."""
+    """RLE of (N,1,H,W) mask probabilities thresholded at 0.5 (bool masks: already binary)."""
     if masks.ndim != 4 or masks.shape[1] != 1:
         raise ValueError(f"masks must have shape (N, 1, H, W), got {tuple(masks.shape)}")
-    binary = (masks.detach()[:, 0] > 0.5).to("cpu", torch.uint8).numpy()
+    binary = masks.detach()[:, 0]
+    if binary.dtype != torch.bool:
+        binary = binary > 0.5
+    binary = binary.to("cpu", torch.uint8).numpy()
     # pycocotools wants H x W x N in Fortran order.
     rles = mask_util.encode(np.asfortranarray(binary.transpose(1, 2, 0)))
     for rle in rles:
@@ -65,24 +69,12 @@ def coco_results(
     return results
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _run_cocoeval(
     coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, image_ids: list[int]
 ) -> dict[str, float]:
     if not results:
         # COCO.loadRes indexes results[0], so an empty list cannot go through COCOeval.
-        print(f"COCO {iou_type}: no detections, all metrics are 0")
+        log.info(f"COCO {iou_type}: no detections, all metrics are 0")
         return dict.fromkeys(METRIC_NAMES, 0.0)
     # loadRes adds keys to the dicts it gets; keep ours clean for the caller.
     coco_dt = coco_gt.loadRes([dict(r) for r in results])
@@ -120,24 +112,12 @@ class COCOEvaluator:
         for output, raw_id in zip(outputs, image_ids, strict=True):
             image_id = int(raw_id)
             self.image_ids.append(image_id)
-            scores = output["scores"].detach().cpu().tolist()
-            cat_ids = [self.label_to_cat_id(int(x)) for x in output["labels"].tolist()]
-            if "bbox" in self.iou_types:
-                boxes = _boxes_xywh(output["boxes"])
-                self.results["bbox"].extend(
-                    {"image_id": image_id, "category_id": c, "bbox": b, "score": s}
-                    for b, c, s in zip(boxes, cat_ids, scores, strict=True)
-                )
-            if "segm" in self.iou_types:
-                if "masks" not in output:
-                    raise ValueError("iou type 'segm' needs 'masks' in the outputs (Mask R-CNN)")
-                rles = _encode_masks(output["masks"]) if scores else []
-                self.results["segm"].extend(
-                    {"image_id": image_id, "category_id": c, "segmentation": r, "score": s}
-                    for r, c, s in zip(rles, cat_ids, scores, strict=True)
-                )
+            for iou_type, entries in coco_results(
+                output, image_id, self.iou_types, self.label_to_cat_id
+            ).items():
+                self.results[iou_type].extend(entries)
 
-    def _evaluate_main(self, shards: list[dict[str, Any]], output_dir: Path | None) -> dict:
+    def _evaluate_main(self, shards: list[dict[str, Any]]) -> tuple[dict, dict[str, list]]:
         image_ids = [i for shard in shards for i in shard["image_ids"]]
         unique = sorted(set(image_ids))
         if len(unique) != len(image_ids):
@@ -150,35 +130,40 @@ class COCOEvaluator:
         if unknown:
             raise ValueError(f"image ids {unknown[:5]} are not in the ground-truth annotations")
         metrics: dict[str, Any] = {}
+        gathered: dict[str, list] = {}
         for iou_type in self.iou_types:
             results = [r for shard in shards for r in shard["results"][iou_type]]
-            if output_dir is not None:
-                _write_json_atomic(output_dir / f"coco_results_{iou_type}.json", results)
+            gathered[iou_type] = results
             if unique:
                 metrics[iou_type] = _run_cocoeval(self.coco_gt, results, iou_type, unique)
             else:
                 metrics[iou_type] = dict.fromkeys(METRIC_NAMES, 0.0)
         metrics["num_images"] = len(unique)
-        return metrics
+        return metrics, gathered
 
-    def evaluate(self, output_dir: Path | str | None = None) -> dict[str, Any]:
-        """Gather all ranks' detections, score on rank 0, return the metrics on every rank."""
+    def evaluate_with_results(self) -> tuple[dict[str, Any], dict[str, list] | None]:
+        """Gather all ranks' detections and score them on rank 0: (metrics on every rank,
+        every rank's detections per iou type in COCO results format on rank 0, else None)."""
         shard = {"image_ids": self.image_ids, "results": self.results}
         shards = distributed.gather_object(shard, dst=0)
         outcome: dict[str, Any] = {}
-        if distributed.is_main_process():
-            out = Path(output_dir) if output_dir is not None else None
-            if out is not None:
-                out.mkdir(parents=True, exist_ok=True)
-            # A failure on rank 0 must reach the other ranks, or they would wait forever.
-            try:
-                outcome = {"metrics": self._evaluate_main(shards, out)}
-            except (RuntimeError, ValueError, OSError) as err:
-                outcome = {"error": err}
-        outcome = distributed.broadcast_object(outcome, src=0)
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["metrics"]
+
+        def score() -> dict[str, Any]:
+            outcome["metrics"], outcome["results"] = self._evaluate_main(shards)
+            return outcome["metrics"]
+
+        # A failure on rank 0 reaches the other ranks as the same error, so none waits forever.
+        metrics = distributed.run_on_main(score)
+        return metrics, outcome.get("results")
+
+    def evaluate(self, output_dir: Path | str | None = None) -> dict[str, Any]:
+        """Metrics on every rank; with output_dir, rank 0 writes coco_results_<type>.json there."""
+        metrics, results = self.evaluate_with_results()
+        if output_dir is not None:
+            run_dir = RunDir(output_dir)
+            distributed.run_on_main(lambda: run_dir.root.mkdir(parents=True, exist_ok=True))
+            run_dir.write_coco_results(results)
+        return metrics
 
 
 def format_metrics_table(metrics: dict[str, Any]) -> str:

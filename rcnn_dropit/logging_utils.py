@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dropit_core import memory
+
 
 def _plain(value: Any) -> Any:
     """Turn tensors/numpy scalars into JSON numbers; non-finite floats become strings."""
@@ -38,20 +40,6 @@ def read_metrics(path: str | Path) -> list[dict]:
             # A run killed mid-write can leave one partial last line; it carries nothing usable.
             continue
     return records
-
-
-def truncate_metrics(path: str | Path, max_iter: int) -> int:
-    """Drop records with iter > max_iter (on resume), rewriting atomically; returns kept count."""
-    path = Path(path)
-    if not path.exists():
-        return 0
-    kept = [r for r in read_metrics(path) if int(r.get("iter", 0)) <= max_iter]
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        for record in kept:
-            f.write(json.dumps(record) + "\n")
-    tmp.replace(path)
-    return len(kept)
 
 
 class MetricsWriter:
@@ -89,16 +77,17 @@ class NullWriter:
         """Nothing to close."""
 
 
-def peak_memory_mb(device: Any = None) -> float | None:
-    """Peak memory in MB: CUDA max allocated on a CUDA device, else the process's VmHWM."""
+def peak_memory_mb(device: Any = None, reset: bool = False) -> float | None:
+    """Peak memory in MB since the last reset: CUDA max allocated on a CUDA device, else the
+    process's VmHWM; ``reset=True`` starts a new window once it is read."""
     import torch
 
     if device is not None and torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # reported in kB
-    except OSError:
-        pass
-    return None
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    peak = memory.peak_rss_mb()
+    if reset:
+        memory.reset_peak_rss()  # where /proc/self/clear_refs is not writable it stays all-time
+    return peak

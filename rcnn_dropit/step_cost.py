@@ -36,6 +36,7 @@ def compare_step_time(
     """
     from rcnn_dropit.config import load_config
     from rcnn_dropit.data.loader import build_train_loader, ensure_dataset
+    from rcnn_dropit.data.transforms import images_to_device
     from rcnn_dropit.engine.data_position import epoch_batches
     from rcnn_dropit.models import build_model
 
@@ -43,7 +44,7 @@ def compare_step_time(
     base = load_config(config, common)
     ensure_dataset(base)
     images, targets = next(epoch_batches(build_train_loader(base, distributed=False), 0))
-    images = [img.float() / 255 if img.dtype == torch.uint8 else img for img in images]
+    images = images_to_device(images, torch.device("cpu"))
     models = []
     for label, overrides in variants:
         torch.manual_seed(0)

@@ -50,7 +50,7 @@ def test_step_time_comparison_of_widths(tmp_path):
     """Both models train on the same batch; the first is the 1x reference; narrow has fewer
     parameters."""
     from rcnn_dropit.step_cost import TORCHVISION_WIDTHS, compare_step_time
-    from tests.tiny import tiny_opts
+    from tests.conftest import tiny_opts
 
     rows = compare_step_time(
         "configs/demo/maskrcnn_shapes_baseline.yaml",

@@ -18,27 +18,26 @@ from rcnn_dropit.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from rcnn_dropit.engine.checkpointer import Checkpointer
 
 
-def _training_state(seed: int = 0) -> dict:
+def _checkpointer(folder, seed: int = 0, steps: int = 1) -> Checkpointer:
+    """A checkpointer over a small model, its optimizer and schedule after `steps` steps."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2], gamma=0.1)
-    model(torch.randn(5, 3)).sum().backward()
-    opt.step()
-    sched.step()
-    return {
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "scaler": None,
-        "epoch": 1,
-        "iteration": 7,
-        "rng": capture_rng_state(),
-        "config": {"solver": {"lr": 0.1, "lr_steps": [2]}},
-        "sampler": {"epoch": 1},
-    }
+    for _ in range(steps):
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    config = {"solver": {"lr": 0.1, "lr_steps": [2]}}
+    return Checkpointer(folder, model, opt, sched, None, iters_per_epoch=4, config=config)
+
+
+def _training_state(seed: int = 0) -> dict:
+    loop = {"log_window": None, "skipped_steps": 0}
+    return _checkpointer("unused", seed).state_dict(7, [capture_rng_state()], loop)
 
 
 def test_round_trip_loads_with_weights_only(tmp_path):
@@ -54,10 +53,67 @@ def test_round_trip_loads_with_weights_only(tmp_path):
     assert loaded["scheduler"]["last_epoch"] == 1
     assert loaded["scheduler"]["milestones"] == {2: 1}
     assert loaded["scaler"] is None
-    assert (loaded["epoch"], loaded["iteration"]) == (1, 7)
+    assert (loaded["version"], loaded["iteration"], loaded["iters_per_epoch"]) == (2, 7, 4)
     assert loaded["config"] == {"solver": {"lr": 0.1, "lr_steps": [2]}}
-    assert loaded["sampler"] == {"epoch": 1}
+    assert loaded["loop"] == {"log_window": None, "skipped_steps": 0}
     assert len(loaded["rng"]["python"][1]) == 625
+    assert sorted(loaded) == sorted(  # every field is read back on resume (config: by people)
+        ["version", "model", "optimizer", "scheduler", "scaler", "iteration", "iters_per_epoch"]
+        + ["rng", "rng_per_rank", "loop", "config"]
+    )
+
+
+def test_checkpointer_restores_every_part_exactly(tmp_path):
+    trained = _checkpointer(tmp_path, seed=0, steps=3)
+    loop = {"log_window": {"count": 1, "losses": {"loss": 0.5}, "time": 0.1, "data_time": 0.0}}
+    path = trained.save(3, {**loop, "skipped_steps": 2})
+    assert path == tmp_path / "model_0000003.pth"
+    fresh = _checkpointer(tmp_path, seed=1, steps=0)
+    point = fresh.load(path)
+    assert (point.iteration, point.loop["skipped_steps"]) == (3, 2)
+    assert point.loop["log_window"] == loop["log_window"]
+    assert point.rng["torch"].equal(load_checkpoint(path)["rng_per_rank"][0]["torch"])
+    for key, value in trained.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[key], value), key
+    a, b = trained.optimizer.state_dict(), fresh.optimizer.state_dict()
+    for index, buffers in a["state"].items():
+        assert torch.equal(b["state"][index]["momentum_buffer"], buffers["momentum_buffer"])
+    assert fresh.scheduler.state_dict() == trained.scheduler.state_dict()
+    assert fresh.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.1)  # past milestone 2
+
+
+def test_checkpoint_of_an_unknown_version_is_a_clear_error(tmp_path):
+    saver = _checkpointer(tmp_path)
+    state = saver.state_dict(1, [capture_rng_state()], {})
+    path = save_checkpoint(tmp_path, "model_0000001.pth", {**state, "version": 9}, keep_last=0)
+    with pytest.raises(ValueError) as info:
+        _checkpointer(tmp_path).load(path)
+    assert str(info.value) == (
+        f"checkpoint '{path}' has format version 9; this rcnn-dropit reads versions 1, 2 "
+        "(a newer rcnn-dropit wrote it?)"
+    )
+
+
+def test_unversioned_checkpoints_of_earlier_releases_still_resume(tmp_path):
+    saver = _checkpointer(tmp_path, steps=2)
+    v2 = saver.state_dict(6, [capture_rng_state()], {"skipped_steps": 1})
+    window = {"count": 2, "losses": {"loss": 1.0}, "time": 0.2, "data_time": 0.1}
+    v1 = {k: v2[k] for k in ("model", "optimizer", "scheduler", "scaler", "iteration", "config")}
+    v1.update(
+        epoch=1,
+        rng=v2["rng"],
+        sampler={"epoch": 1, "batches_done": 2, "iters_per_epoch": 4},
+        log_window=window,
+        skipped_steps=1,
+    )
+    path = save_checkpoint(tmp_path, "model_0000006.pth", v1, keep_last=0)
+    point = _checkpointer(tmp_path, seed=3, steps=0).load(path)
+    assert point.iteration == 6
+    assert point.loop == {"log_window": window, "skipped_steps": 1}
+    v1["sampler"]["iters_per_epoch"] = 5
+    path = save_checkpoint(tmp_path, "model_0000006.pth", v1, keep_last=0)
+    with pytest.raises(ValueError, match="written with 5 iterations per epoch, this run has 4"):
+        _checkpointer(tmp_path).load(path)
 
 
 def test_pointer_follows_latest_and_keep_last_prunes(tmp_path):
@@ -176,3 +232,55 @@ def test_name_must_be_a_plain_file_name(tmp_path):
     with pytest.raises(ValueError, match="plain file name"):
         save_checkpoint(tmp_path, "../model_1.pth", {}, keep_last=1)
     assert ckpt.POINTER_NAME == "last_checkpoint"
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda's RNG calls: one generator state per device index."""
+
+    def __init__(self, monkeypatch, current: int, initialized: bool = True) -> None:
+        self.current = current
+        self.restored: list[tuple[int, int]] = []  # (device index, state's marker)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", self.get_rng_state)
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self.set_rng_state)
+
+        def every_device():
+            raise AssertionError("only the current device's state may be read")
+
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", every_device)
+
+    def get_rng_state(self, device="cuda"):
+        return torch.tensor([100 + device], dtype=torch.uint8)
+
+    def set_rng_state(self, state, device="cuda"):
+        self.restored.append((device, int(state[0])))
+
+
+def test_cuda_rng_is_saved_and_restored_for_the_current_device_only(tmp_path, monkeypatch):
+    # saved by the rank that used cuda:3 of 8 visible GPUs ...
+    cuda = _FakeCuda(monkeypatch, current=3)
+    path = save_checkpoint(tmp_path, "model_0000001.pth", {"rng": capture_rng_state()}, 1)
+    state = load_checkpoint(path)["rng"]
+    assert state["cuda"].tolist() == [103]
+    # ... resumed with one GPU visible per task: its only device gets that rank's stream
+    cuda.current = 0
+    restore_rng_state(state)
+    assert cuda.restored == [(0, 103)]
+
+
+def test_older_checkpoints_with_every_devices_cuda_rng_restore_the_current_entry(monkeypatch):
+    cuda = _FakeCuda(monkeypatch, current=2)
+    state = capture_rng_state()
+    state["cuda"] = [torch.tensor([100 + i], dtype=torch.uint8) for i in range(4)]
+    restore_rng_state(state)
+    assert cuda.restored == [(2, 102)]
+
+
+def test_cpu_run_on_a_gpu_node_does_not_touch_cuda_rng(monkeypatch):
+    cuda = _FakeCuda(monkeypatch, current=0, initialized=False)
+    state = capture_rng_state()
+    assert state["cuda"] is None
+    restore_rng_state(state)
+    assert cuda.restored == []

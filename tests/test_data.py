@@ -19,15 +19,18 @@ from rcnn_dropit.data import (
     CocoDetection,
     GroupedBatchSampler,
     aspect_ratio_groups,
+    build_dataset,
     build_train_loader,
     build_transforms,
     build_val_loader,
     ensure_dataset,
     hflip,
+    images_to_device,
     make_shapes,
     segmentation_to_mask,
     shard_indices,
 )
+from rcnn_dropit.engine.data_position import epoch_batches
 
 SHAPES = {"num_train": 6, "num_val": 3, "image_size": 64, "num_classes": 3, "seed": 1}
 
@@ -452,3 +455,44 @@ def test_train_augmentation_independent_of_workers(shapes_root):
         return [t["boxes"].tolist() for _, ts in loader for t in ts]
 
     assert epoch_boxes(0) == epoch_boxes(1)
+
+
+def test_loaders_send_uint8_and_the_device_copy_becomes_the_float_image(shapes_root):
+    cfg = make_cfg(shapes_root)
+    val = build_val_loader(cfg, distributed=False, device=torch.device("cpu"))
+    as_float = build_dataset(cfg, "val")  # the dataset's own float conversion
+    for index, (images, _targets) in enumerate(val):
+        assert images[0].dtype == torch.uint8  # a quarter of the float bytes cross to the device
+        on_device = images_to_device(images, torch.device("cpu"))[0]
+        assert on_device.dtype == torch.float32
+        assert torch.equal(on_device, as_float[index][0])  # bit-identical to the old input
+    assert index == SHAPES["num_val"] - 1
+
+
+def test_loaders_pin_memory_for_cuda_and_keep_training_workers(shapes_root):
+    cuda = torch.device("cuda")  # only building the loaders, which needs no GPU
+    with_workers = make_cfg(shapes_root, num_workers=2)
+    train = build_train_loader(with_workers, distributed=False, seed=3, device=cuda)
+    assert (train.pin_memory, train.persistent_workers) == (True, True)
+    val = build_val_loader(with_workers, distributed=False, device=cuda)
+    assert (val.pin_memory, val.persistent_workers) == (True, False)
+    cpu = build_train_loader(make_cfg(shapes_root), False, 3, torch.device("cpu"))
+    assert (cpu.pin_memory, cpu.persistent_workers) == (False, False)
+
+
+def test_persistent_workers_give_the_same_epochs_and_resumed_epochs(shapes_root):
+    def passes(num_workers: int) -> list:
+        loader = build_train_loader(make_cfg(shapes_root, num_workers=num_workers), False, seed=5)
+        # epochs 0 and 1, then epoch 1 again from its second batch (a resumed run)
+        plan = [(0, 0), (1, 0), (1, 1)]
+        return [
+            [[t["image_id"] for t in ts] + t_boxes(ts) for _, ts in epoch_batches(loader, e, k)]
+            for e, k in plan
+        ]
+
+    def t_boxes(targets) -> list:
+        return [t["boxes"].tolist() for t in targets]
+
+    fresh = passes(0)
+    assert fresh[2] == fresh[1][1:]
+    assert passes(1) == fresh

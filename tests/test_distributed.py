@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import time
 
 import pytest
@@ -13,7 +12,7 @@ import torch.multiprocessing as mp
 from rcnn_dropit import distributed
 from rcnn_dropit.distributed import LaunchEnv, init_distributed, read_launch_env, resolve_device
 from rcnn_dropit.evaluation import COCOEvaluator
-from tests.test_evaluation import CAT_OF_LABEL, make_coco_gt, predictions
+from tests.conftest import CAT_OF_LABEL, free_port, make_coco_gt, predictions
 
 LAUNCH_VARS = (
     "RANK",
@@ -104,12 +103,6 @@ def test_device_choice():
             resolve_device("cuda", 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -148,8 +141,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         json.dump(record, f)
 
 
+@pytest.mark.dist
 def test_two_process_gloo_matches_single_process(tmp_path):
-    context = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False)
+    context = mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 120
     while not context.join(timeout=2):
         if time.monotonic() > deadline:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,34 +14,30 @@ import pytest
 import torch
 import yaml
 from torch import nn
+from tqdm import tqdm
 
+from dropit_core import memory
 from rcnn_dropit.checkpoint import load_checkpoint
 from rcnn_dropit.engine import runner as runner_module
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
 from rcnn_dropit.engine.runner import check_output_dir, train
-from rcnn_dropit.engine.trainer import Schedule, Trainer
-from rcnn_dropit.logging_utils import NullWriter, read_metrics, truncate_metrics
-from tests.tiny import tiny_opts as shared_tiny_opts
+from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, step_scheduler
+from rcnn_dropit.logging_utils import NullWriter, peak_memory_mb, read_metrics
+from rcnn_dropit.run_dir import truncate_metrics
+from tests.conftest import FASTER_CFG, MASK_CFG, MASK_DROPIT_CFG, train_records
+from tests.conftest import tiny_opts as shared_tiny_opts
 
-REPO = Path(__file__).resolve().parents[1]
-MASK_CFG = REPO / "configs/demo/maskrcnn_shapes_baseline.yaml"
-MASK_DROPIT_CFG = REPO / "configs/demo/maskrcnn_shapes_g0.8.yaml"
-FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
 LOSS_KEYS = ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg")
 
 
 def tiny_opts(root: Path, *extra: str) -> list[str]:
-    """Overrides for a seconds-long CPU run (tests/tiny.py), keeping one checkpoint."""
+    """Overrides for a seconds-long CPU run (tests/conftest.py), keeping one checkpoint."""
     return shared_tiny_opts(root, "train.keep_last=1", *extra)
 
 
 @pytest.fixture(scope="module")
 def shapes_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data") / "shapes"
-
-
-def train_records(run: Path) -> list[dict]:
-    return [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"]
 
 
 def check_ap(block: dict) -> None:
@@ -112,6 +109,7 @@ def test_auto_scale_lr() -> None:
 # ---- tiny trainings ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_maskrcnn_dropit_two_iterations(tmp_path, shapes_root) -> None:
     run = tmp_path / "run"
     result = train(
@@ -152,8 +150,15 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, shapes_root) -> None:
     saved = yaml.safe_load((run / "config.yaml").read_text())["dropit"]
     assert saved["enabled"] is True and saved["strategy"] == "mink"
     state = load_checkpoint(run / "checkpoints/model_0000002.pth")
-    assert state["iteration"] == 2 and state["sampler"]["batches_done"] == 2
+    assert (state["version"], state["iteration"], state["iters_per_epoch"]) == (2, 2, 4)
+    assert state["loop"] == {
+        "log_window": {"count": 0, "losses": {}, "time": 0.0, "data_time": 0.0},
+        "skipped_steps": 0,
+    }
     assert not any(k.startswith("module.") for k in state["model"])
+    log = (run / "log.txt").read_text()  # the console lines, also in the run's log file
+    assert "INFO training maskrcnn for 2 iterations (4 per epoch, 1 process(es) on cpu)" in log
+    assert "INFO final evaluation (4 images)" in log
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +169,7 @@ def faster_straight(tmp_path_factory, shapes_root) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_train_fasterrcnn_eval(faster_straight) -> None:
     final = json.loads((faster_straight / "eval.json").read_text())
     assert set(final) == {"bbox", "num_images", "iter"}
@@ -173,6 +179,7 @@ def test_train_fasterrcnn_eval(faster_straight) -> None:
     assert [r["iter"] for r in train_records(faster_straight)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_resume_matches_uninterrupted(tmp_path, shapes_root, faster_straight, monkeypatch) -> None:
     run = tmp_path / "run"
     opts = tiny_opts(shapes_root, "solver.max_iters=4", "train.checkpoint_every_iters=2")
@@ -209,6 +216,7 @@ def test_resume_matches_uninterrupted(tmp_path, shapes_root, faster_straight, mo
     )
 
 
+@pytest.mark.slow
 def test_resume_redoes_an_unfinished_evaluation(tmp_path, shapes_root, faster_straight) -> None:
     run = tmp_path / "run"
     shutil.copytree(faster_straight, run)
@@ -290,18 +298,14 @@ class _ToyDetector(nn.Module):
 
 
 def _toy_trainer(nonfinite: str, nan_calls: set[int], scaler=None) -> Trainer:
-    cfg = SimpleNamespace(
-        solver=SimpleNamespace(
-            amp="none", nonfinite=nonfinite, clip_grad_norm=1.0, batch_size=1, lr_steps=[]
-        )
-    )
+    options = StepOptions(batch_size=1, nonfinite=nonfinite, clip_grad_norm=1.0)
     model = _ToyDetector(nan_calls)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0)
     schedule = Schedule(4, 4, 1, 0, 0, 0)
     return Trainer(
-        cfg, model, opt, sched, scaler, None, None, torch.device("cpu"), Path("."), NullWriter(),
-        schedule, ("bbox",),
+        model, opt, sched, scaler, None, torch.device("cpu"), options, schedule, NullWriter(),
+        progress=False,
     )  # fmt: skip
 
 
@@ -343,3 +347,88 @@ def test_truncate_metrics(tmp_path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"type": "tr')
     assert truncate_metrics(path, 2) == 2
     assert [r["iter"] for r in read_metrics(path)] == [1, 2]
+
+
+# ---- peak memory per logging window ---------------------------------------------------------
+
+
+class _ListWriter:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+def test_peak_mem_mb_covers_only_its_logging_window() -> None:
+    if not memory.reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs is not writable here: VmHWM cannot be reset")
+    trainer = _toy_trainer("stop", nan_calls=set())
+    trainer.writer = _ListWriter()
+    real_forward = trainer.model.forward
+
+    def forward_with_a_big_transient(images, targets):
+        if trainer.model.calls == 0:  # first window only: 400 MB touched, then freed
+            torch.ones(100 * 2**20).sum()
+        return real_forward(images, targets)
+
+    trainer.model.forward = forward_with_a_big_transient
+    bar = tqdm(disable=True)
+    for iteration in (1, 2):
+        trainer.window.add(trainer.step([], [], iteration), 0.1, 0.0)
+        trainer._log(iteration, bar)
+    first, second = (r["peak_mem_mb"] for r in trainer.writer.records)
+    assert first - second > 300  # the second window no longer reports the first one's peak
+
+
+def test_cuda_peak_is_read_then_reset_on_the_run_device(monkeypatch) -> None:
+    calls = []
+    peaks = iter([3 * 2**20, 2**20])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: next(peaks))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: calls.append(d))
+    device = torch.device("cuda", 1)
+    assert peak_memory_mb(device, reset=True) == 3.0
+    assert peak_memory_mb(device) == 1.0
+    assert calls == [device]
+
+
+# ---- fp16 skipped steps ----------------------------------------------------------------------
+
+
+def test_skipped_scaled_step_still_steps_the_schedule_without_torchs_warning() -> None:
+    # A first scale of 2**127 overflows the scaled loss: GradScaler skips the optimizer step,
+    # exactly what fp16 training does in its first iterations.
+    trainer = _toy_trainer("stop", set(), scaler=torch.amp.GradScaler("cpu", init_scale=2.0**127))
+    before = trainer.model.w.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.step([], [], 1)
+    assert torch.equal(trainer.model.w.detach(), before)  # the optimizer step was skipped
+    assert trainer.scaler.get_scale() == 2.0**126 and trainer.scheduler.last_epoch == 1
+    assert [str(w.message) for w in caught] == []
+
+
+def test_step_scheduler_silences_only_the_scheduler_order_warning() -> None:
+    def fresh():
+        opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh().step()  # torch warns: the optimizer never stepped
+        order_warnings = len(caught)
+        scheduler = fresh()
+        real_step = scheduler.step
+
+        def step_and_warn():
+            warnings.warn("another warning", UserWarning, stacklevel=1)
+            real_step()
+
+        scheduler.step = step_and_warn
+        step_scheduler(scheduler)
+    assert order_warnings == 1 and "before `optimizer.step()`" in str(caught[0].message)
+    assert [str(w.message) for w in caught[1:]] == ["another warning"]
+    assert scheduler.last_epoch == 1

@@ -6,73 +6,10 @@ import numpy as np
 import pytest
 import torch
 from pycocotools import mask as mask_util
-from pycocotools.coco import COCO
 
+from rcnn_dropit.engine.evaluator_loop import outputs_to_host
 from rcnn_dropit.evaluation import COCOEvaluator, format_metrics_table
-
-# image id -> (height, width); objects: (image id, category id, x0, y0, x1, y1) pixel rectangles.
-IMAGES = {1: (64, 64), 2: (48, 64)}
-OBJECTS = [
-    (1, 1, 2, 5, 12, 15),  # 10x10, small
-    (1, 3, 16, 10, 56, 50),  # 40x40 = 1600, medium
-    (2, 1, 30, 20, 50, 40),  # 20x20, small
-    (2, 3, 2, 30, 12, 45),  # 10x15, small
-]
-CAT_OF_LABEL = {1: 1, 2: 3}  # contiguous model labels -> sparse COCO category ids
-LABEL_OF_CAT = {c: label for label, c in CAT_OF_LABEL.items()}
-
-
-def rect_mask(image_id: int, x0: int, y0: int, x1: int, y1: int) -> np.ndarray:
-    """Binary H x W mask of a pixel rectangle."""
-    mask = np.zeros(IMAGES[image_id], dtype=np.uint8)
-    mask[y0:y1, x0:x1] = 1
-    return mask
-
-
-def make_coco_gt() -> COCO:
-    """Ground truth with RLE masks so that predicted masks can match it exactly."""
-    anns = []
-    for ann_id, (image_id, cat, x0, y0, x1, y1) in enumerate(OBJECTS, start=1):
-        rle = mask_util.encode(np.asfortranarray(rect_mask(image_id, x0, y0, x1, y1)))
-        rle["counts"] = rle["counts"].decode("ascii")
-        anns.append(
-            {
-                "id": ann_id,
-                "image_id": image_id,
-                "category_id": cat,
-                "bbox": [x0, y0, x1 - x0, y1 - y0],
-                "area": (x1 - x0) * (y1 - y0),
-                "segmentation": rle,
-                "iscrowd": 0,
-            }
-        )
-    coco = COCO()
-    coco.dataset = {
-        "images": [{"id": i, "height": h, "width": w} for i, (h, w) in IMAGES.items()],
-        "annotations": anns,
-        "categories": [{"id": 1, "name": "square"}, {"id": 3, "name": "block"}],
-    }
-    coco.createIndex()
-    return coco
-
-
-def predictions(image_id: int, shift: float = 0.0) -> dict[str, torch.Tensor]:
-    """torchvision-style outputs: every object of the image, moved right by shift x its width."""
-    boxes, labels, masks = [], [], []
-    for img, cat, x0, y0, x1, y1 in OBJECTS:
-        if img != image_id:
-            continue
-        dx = int(round(shift * (x1 - x0)))
-        boxes.append([x0 + dx, y0, x1 + dx, y1])
-        labels.append(LABEL_OF_CAT[cat])
-        # Probabilities 0.9 inside and 0.2 outside: the 0.5 threshold recovers the rectangle.
-        masks.append(0.2 + 0.7 * rect_mask(image_id, x0 + dx, y0, x1 + dx, y1))
-    return {
-        "boxes": torch.tensor(boxes, dtype=torch.float32),
-        "scores": torch.ones(len(boxes)),
-        "labels": torch.tensor(labels, dtype=torch.int64),
-        "masks": torch.tensor(np.stack(masks), dtype=torch.float32)[:, None],
-    }
+from tests.conftest import CAT_OF_LABEL, IMAGES, make_coco_gt, predictions, rect_mask
 
 
 def no_predictions(image_id: int) -> dict[str, torch.Tensor]:
@@ -190,3 +127,19 @@ def test_format_metrics_table():
         "| bbox | 37.1 | 50.0 | 25.0 | 0.0 | 100.0 | - |",
         "| segm | 34.5 | 60.0 | 30.0 | 10.0 | 20.0 | 30.0 |",
     ]
+
+
+def test_masks_thresholded_before_the_host_copy_give_the_same_results(tmp_path):
+    probs = predictions(1, shift=0.2)
+    probs["masks"] = torch.rand(probs["masks"].shape, generator=torch.Generator().manual_seed(0))
+    probs["masks"][0, 0, 0, :3] = torch.tensor([0.5, 0.5000001, 0.4999999])  # 0.5: background
+    (host,) = outputs_to_host([probs])
+    assert host["masks"].dtype == torch.bool and host["masks"].device.type == "cpu"
+    assert torch.equal(host["masks"], probs["masks"] > 0.5)
+    assert host["masks"][0, 0, 0, :3].tolist() == [False, True, False]
+    for key in ("boxes", "scores", "labels"):
+        assert torch.equal(host[key], probs[key])
+    evaluate({1: probs}, tmp_path / "probs")
+    evaluate({1: host}, tmp_path / "host")
+    name = "coco_results_segm.json"
+    assert (tmp_path / "host" / name).read_text() == (tmp_path / "probs" / name).read_text()

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from rcnn_dropit.config import load_config
+from rcnn_dropit.config import dump_config, load_config
 from rcnn_dropit.data import CocoDetection, build_transforms
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,11 +123,23 @@ def _write_config(tmp: Path, content: str | bytes) -> Path:
     return path
 
 
-def _load(path: Path, overrides: list[str] = ()) -> None:
+def _load(path: Path, overrides: list[str] = (), names: tuple[str, ...] = ()) -> None:
+    """Load a mutated config: a clear error naming the file (or `names`), or a valid config."""
     try:
-        load_config(path, overrides)
+        cfg = load_config(path, overrides)
     except Exception as err:  # noqa: BLE001 - the property is about the exception's kind
-        assert_clear(err, str(path))
+        assert_clear(err, str(path), *names)
+        return
+    assert_round_trips(cfg, path)
+
+
+def assert_round_trips(cfg, path: Path) -> None:
+    """What loads is a complete, valid config: dumped and loaded again it is the same (compared
+    as YAML text, where a NaN equals itself)."""
+    again = path.parent / "round-trip" / path.name  # same stem: the same default name
+    dump_config(cfg, again)
+    dumped = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    assert yaml.safe_dump(load_config(again).to_dict(), sort_keys=False) == dumped
 
 
 def test_the_unmutated_config_loads(tmp_path) -> None:
@@ -156,10 +168,7 @@ def test_config_overrides_and_bytes(tmp_path, data, raw) -> None:
     keys = [".".join(map(str, p)) for p in tree_paths(VALID_CONFIG) if p]
     key = data.draw(st.one_of(st.sampled_from(keys), st.text(max_size=12)), label="key")
     value = data.draw(st.one_of(st.text(max_size=12), VALUES.map(json.dumps)), label="v")
-    try:
-        load_config(path, [f"{key}={value}"])
-    except Exception as err:  # noqa: BLE001
-        assert_clear(err, "override", str(path))
+    _load(path, [f"{key}={value}"], names=("override",))
     # a file that is not text at all
     _load(_write_config(tmp_path, b"name: x\n" + raw + b"\xff\xfe"))
 

@@ -27,8 +27,7 @@ from rcnn_dropit.visualize import (
     draw_prediction,
     prediction_vs_truth,
 )
-from tests.test_tools import assert_one_line_error, call_tool
-from tests.tiny import tiny_opts
+from tests.conftest import assert_one_line_error, call_tool, tiny_opts
 
 REPO = Path(__file__).resolve().parents[1]
 MASK_CFG = REPO / "configs/demo/maskrcnn_shapes_baseline.yaml"

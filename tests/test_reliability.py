@@ -24,12 +24,11 @@ import torch
 from rcnn_dropit.checkpoint import load_checkpoint
 from rcnn_dropit.data import make_shapes
 from rcnn_dropit.logging_utils import read_metrics
-from tests.tiny import tiny_opts as shared_tiny_opts
+from tests.conftest import FASTER_CFG, MASK_CFG, TEST_PY, TRAIN_PY
+from tests.conftest import tiny_opts as shared_tiny_opts
 
-REPO = Path(__file__).resolve().parents[1]
-FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
-MASK_CFG = REPO / "configs/demo/maskrcnn_shapes_baseline.yaml"
-TRAIN, TEST = REPO / "tools/train.py", REPO / "tools/test.py"
+TRAIN, TEST = TRAIN_PY, TEST_PY
+pytestmark = pytest.mark.slow  # every test runs the tools in child processes
 LOSS_KEYS = ("loss", "loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg")
 
 
@@ -118,7 +117,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def tiny_opts(root: Path, *extra: str) -> list[str]:
-    """A seconds-long CPU run (tests/tiny.py) with a frozen ResNet-18 body."""
+    """A seconds-long CPU run (tests/conftest.py) with a frozen ResNet-18 body."""
     return shared_tiny_opts(root, "model.trainable_layers=0", "model.norm=frozen_bn", *extra)
 
 
@@ -153,27 +152,18 @@ def edit_json(path: Path, change: Callable[[dict], object]) -> None:
 
 
 def _save_training_checkpoint(cfg_path: Path, opts: list[str], path: Path) -> None:
-    """A complete training checkpoint, as the trainer writes it, of an untrained model."""
-    from rcnn_dropit.checkpoint import capture_rng_state, save_checkpoint
+    """A complete training checkpoint, written by the trainer's checkpointer, of an untrained
+    model."""
     from rcnn_dropit.config import load_config
+    from rcnn_dropit.engine.checkpointer import Checkpointer
     from rcnn_dropit.models import build_model
 
     cfg = load_config(cfg_path, opts)
     model, _ = build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0)
-    state = {
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "scaler": None,
-        "epoch": 0,
-        "iteration": 1,
-        "rng": capture_rng_state(),
-        "config": cfg.to_dict(),
-        "sampler": {"epoch": 0, "batches_done": 1, "iters_per_epoch": 4},
-    }
-    save_checkpoint(path.parent, path.name, state, keep_last=0)
+    saver = Checkpointer(path.parent, model, opt, sched, None, 4, cfg.to_dict())
+    assert saver.save(1, {"skipped_steps": 0}) == path
 
 
 @pytest.fixture(scope="module")

@@ -2,59 +2,31 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from rcnn_dropit.checkpoint import save_checkpoint
 from rcnn_dropit.config import load_config
+from rcnn_dropit.engine.checkpointer import Checkpointer
 from rcnn_dropit.models import build_model
-from tests.tiny import tiny_opts as shared_tiny_opts
-
-REPO = Path(__file__).resolve().parents[1]
-FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
+from tests.conftest import FASTER_CFG, REPO, assert_one_line_error, call_tool
+from tests.conftest import run_tool as run_fresh
+from tests.conftest import tiny_opts as shared_tiny_opts
 
 
 def run_tool(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """The tool as a user starts it: a fresh interpreter (slow: imports torch)."""
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / script), *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-    )
-
-
-def call_tool(script: str, *args: str, capsys) -> subprocess.CompletedProcess:
-    """The tool's main() in this process (fast); same exit code and output as run_tool."""
-    spec = importlib.util.spec_from_file_location(f"tool_{script[:-3]}", REPO / "tools" / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    capsys.readouterr()
-    code = module.main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(script, code, out, err)
+    return run_fresh(REPO / "tools" / script, *args, cwd=cwd)
 
 
 def tiny_opts(root: Path) -> list[str]:
     return shared_tiny_opts(root)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert "Traceback" not in proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
+@pytest.mark.slow
 def test_train_bad_config_key_exits_2(tmp_path) -> None:
     proc = run_tool(
         "train.py", "--config", str(FASTER_CFG), "--opts", "solver.lrr=0.1", cwd=tmp_path
@@ -89,10 +61,13 @@ def checkpoint(tmp_path_factory) -> Path:
     cfg = load_config(FASTER_CFG, tiny_opts(base / "shapes"))
     torch.manual_seed(0)
     model, _ = build_model(cfg)
-    state = {"model": model.state_dict(), "iteration": 7, "config": cfg.to_dict()}
-    return save_checkpoint(base / "checkpoints", "model_0000007.pth", state, keep_last=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: 1.0)
+    saver = Checkpointer(base / "checkpoints", model, opt, sched, None, 4, cfg.to_dict())
+    return saver.save(7, {"skipped_steps": 0})
 
 
+@pytest.mark.slow
 def test_test_tool_evaluates_checkpoint(tmp_path, checkpoint) -> None:
     out = tmp_path / "eval"
     opts = tiny_opts(checkpoint.parents[1] / "shapes")

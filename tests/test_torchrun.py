@@ -12,9 +12,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,36 +25,23 @@ from rcnn_dropit.data import make_shapes
 from rcnn_dropit.engine import runner
 from rcnn_dropit.logging_utils import read_metrics
 from rcnn_dropit.models import build_model
-from tests.tiny import tiny_opts as shared_tiny_opts
+from tests.conftest import (
+    FASTER_CFG,
+    MASK_DROPIT_CFG,
+    REPO,
+    TEST_PY,
+    TRAIN_PY,
+    free_port,
+    job_env,
+    single_node,
+    sorted_results,
+    torchrun,
+    train_records,
+)
+from tests.conftest import tiny_opts as shared_tiny_opts
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN_PY = REPO / "tools/train.py"
-TEST_PY = REPO / "tools/test.py"
-MASK_DROPIT_CFG = REPO / "configs/demo/maskrcnn_shapes_g0.8.yaml"
-FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
 JOB_TIMEOUT_S = 300
-# Launcher variables of an enclosing job must not leak into the jobs started here.
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def job_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
-
-def torchrun(launch: list[str], script: Path, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *launch, str(script), *args]
-
-
-def single_node(nproc: int = 2) -> list[str]:
-    return [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
 
 def run_job(cmd: list[str]) -> str:
@@ -109,14 +94,6 @@ def twin_opts(root: Path, batch_size: int, *extra: str) -> list[str]:
         "train.measure_memory=false",
         *extra,
     ]
-
-
-def train_records(run: Path) -> list[dict]:
-    return [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"]
-
-
-def sorted_results(path: Path) -> list[str]:
-    return sorted(json.dumps(r, sort_keys=True) for r in json.loads(path.read_text()))
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +161,7 @@ def test_two_process_maskrcnn_dropit_run(mask_run, shapes_root) -> None:
         "coco_results_segm.json",
         "config.yaml",
         "eval.json",
+        "log.txt",
         "metrics.jsonl",
     ]
     assert (

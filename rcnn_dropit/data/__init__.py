@@ -11,7 +11,7 @@ from .loader import (
 )
 from .samplers import GroupedBatchSampler, ShardSampler, aspect_ratio_groups, shard_indices
 from .shapes import CLASS_NAMES, make_shapes
-from .transforms import build_transforms, hflip
+from .transforms import build_transforms, hflip, images_to_device
 
 __all__ = [
     "CLASS_NAMES",
@@ -27,6 +27,7 @@ __all__ = [
     "dataset_paths",
     "ensure_dataset",
     "hflip",
+    "images_to_device",
     "load_coco_json",
     "make_shapes",
     "segmentation_to_mask",

@@ -97,7 +97,8 @@ class _PackedRecords:
 class CocoDetection(torch.utils.data.Dataset):
     """Images and instance targets of one COCO split, labels remapped to 1..K.
 
-    Items are ``(image float CHW in [0, 1], target)`` with target keys ``boxes`` (float32 xyxy),
+    Items are ``(image CHW, target)``, the image uint8 as read (float in [0, 1] after a
+    ``ToFloat`` transform), with target keys ``boxes`` (float32 xyxy),
     ``labels`` (int64), ``masks`` (uint8 NxHxW), ``image_id`` (int), ``area``, ``iscrowd``.
     An index may be an int or ``(index, epoch)``; random augmentation is drawn from
     ``(seed, epoch, index)`` so it does not depend on workers, processes or resuming.

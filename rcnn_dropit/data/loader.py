@@ -14,8 +14,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ..distributed import rank_and_world_size
 from .coco import CocoDetection
-from .samplers import GroupedBatchSampler, ShardSampler, aspect_ratio_groups, dist_rank_and_size
+from .samplers import GroupedBatchSampler, ShardSampler, aspect_ratio_groups
 from .shapes import make_shapes, shapes_info
 from .transforms import build_transforms
 
@@ -118,15 +119,16 @@ def _ensure_shapes(root: Path, params: dict) -> None:
         )
 
 
-def build_dataset(cfg: Any, split: str, seed: int = 0) -> CocoDetection:
-    """Dataset of one split with its transforms (random flip for 'train' only)."""
+def build_dataset(cfg: Any, split: str, seed: int = 0, as_float: bool = True) -> CocoDetection:
+    """Dataset of one split with its transforms (random flip for 'train' only); images are
+    float in [0, 1], or uint8 with ``as_float=False`` (what the loaders yield)."""
     images, ann, images_key, ann_key = dataset_paths(cfg, split)
     train = split == "train"
     return CocoDetection(
         images,
         ann,
         train=train,
-        transforms=build_transforms(train, float(cfg.data.hflip_prob)),
+        transforms=build_transforms(train, float(cfg.data.hflip_prob), as_float=as_float),
         skip_missing_images=bool(cfg.data.skip_missing_images),
         seed=seed,
         image_key=images_key,
@@ -146,14 +148,17 @@ def _seed_worker(worker_id: int) -> None:
     np.random.seed(seed)
 
 
-def build_train_loader(cfg: Any, distributed: bool, seed: int = 0) -> DataLoader:
-    """Shuffled, aspect-ratio grouped training batches; see GroupedBatchSampler for resuming.
+def build_train_loader(
+    cfg: Any, distributed: bool, seed: int = 0, device: torch.device | None = None
+) -> DataLoader:
+    """Shuffled, aspect-ratio grouped training batches of uint8 images (see images_to_device);
+    see GroupedBatchSampler for resuming. Memory is pinned when `device` is a CUDA device.
 
     ``train_loader.batch_sampler`` has ``set_epoch(epoch)`` and ``set_start_batch(k)``.
     """
     ensure_dataset(cfg)
-    dataset = build_dataset(cfg, "train", seed=seed)
-    rank, world_size = dist_rank_and_size(distributed)
+    dataset = build_dataset(cfg, "train", seed=seed, as_float=False)
+    rank, world_size = rank_and_world_size(distributed)
     # one code path for 1 and N processes: shuffle depends only on (seed, epoch)
     sampler = DistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=False
@@ -162,23 +167,37 @@ def build_train_loader(cfg: Any, distributed: bool, seed: int = 0) -> DataLoader
     batch_sampler = GroupedBatchSampler(
         sampler, groups, int(cfg.solver.batch_size), emit_epoch=True
     )
-    return _loader(dataset, batch_sampler, int(cfg.data.num_workers), seed + rank)
+    # Workers live for the whole run: the loop starts a new pass every epoch, and respawning
+    # workers (and re-forking the dataset) each time costs seconds on COCO.
+    return _loader(
+        dataset, batch_sampler, int(cfg.data.num_workers), seed + rank, device, persistent=True
+    )
 
 
-def build_val_loader(cfg: Any, distributed: bool) -> DataLoader:
-    """Every validation image exactly once over all ranks, in order, batch size 1.
+def build_val_loader(cfg: Any, distributed: bool, device: torch.device | None = None) -> DataLoader:
+    """Every validation image exactly once over all ranks, in order, batch size 1, uint8 images
+    (see images_to_device); memory is pinned when `device` is a CUDA device.
 
     Batch size 1 keeps results independent of the number of ranks (batching pads images).
+    Its workers are not persistent: evaluation is rare, and idle workers would hold a copy of
+    the validation index through all of training.
     """
     ensure_dataset(cfg)
-    dataset = build_dataset(cfg, "val")
-    rank, world_size = dist_rank_and_size(distributed)
+    dataset = build_dataset(cfg, "val", as_float=False)
+    rank, world_size = rank_and_world_size(distributed)
     sampler = ShardSampler(len(dataset), rank, world_size)
     batch_sampler = torch.utils.data.BatchSampler(sampler, batch_size=1, drop_last=False)
-    return _loader(dataset, batch_sampler, int(cfg.data.num_workers), 0)
+    return _loader(dataset, batch_sampler, int(cfg.data.num_workers), 0, device, persistent=False)
 
 
-def _loader(dataset: CocoDetection, batch_sampler: Any, num_workers: int, seed: int) -> DataLoader:
+def _loader(
+    dataset: CocoDetection,
+    batch_sampler: Any,
+    num_workers: int,
+    seed: int,
+    device: torch.device | None,
+    persistent: bool,
+) -> DataLoader:
     generator = torch.Generator()
     generator.manual_seed(seed)
     return DataLoader(
@@ -188,5 +207,7 @@ def _loader(dataset: CocoDetection, batch_sampler: Any, num_workers: int, seed: 
         collate_fn=collate,
         worker_init_fn=_seed_worker,
         generator=generator,
-        persistent_workers=False,
+        # Pinned host memory makes the non_blocking copies to the GPU truly asynchronous.
+        pin_memory=device is not None and torch.device(device).type == "cuda",
+        persistent_workers=persistent and num_workers > 0,
     )

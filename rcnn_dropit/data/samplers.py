@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 
-import torch
 from torch.utils.data import Sampler
 
 
@@ -111,10 +110,3 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
-
-
-def dist_rank_and_size(distributed: bool) -> tuple[int, int]:
-    """(rank, world size) from torch.distributed when asked for and initialised, else (0, 1)."""
-    if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1

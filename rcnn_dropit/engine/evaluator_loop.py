@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import broadcast_buffers, is_main_process
 from rcnn_dropit.evaluation import COCOEvaluator
 
@@ -22,16 +21,24 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
+def outputs_to_host(outputs: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Detections on the CPU, masks thresholded (> 0.5, as COCO evaluation does) before the
+    copy: a bool mask is a quarter of the float probabilities' bytes."""
+    return [
+        {k: (v > 0.5 if k == "masks" else v).to("cpu") for k, v in out.items()} for out in outputs
+    ]
+
+
 @torch.inference_mode()
 def evaluate(
     model: nn.Module,
     val_loader,
     device: torch.device,
     iou_types: tuple[str, ...],
-    output_dir: Path | None = None,
     progress: bool = True,
-) -> dict:
-    """Run the model over every validation image once and return COCO metrics (on every rank)."""
+) -> tuple[dict, dict[str, list] | None]:
+    """Run the model over every validation image once: (COCO metrics on every rank, the
+    detections in COCO results format per iou type on rank 0, None elsewhere)."""
     dataset = val_loader.dataset
     evaluator = COCOEvaluator(
         dataset.coco, iou_types=iou_types, label_to_cat_id=dataset.label_to_cat_id
@@ -50,10 +57,10 @@ def evaluate(
             leave=False,
         )
         for images, targets in bar:
-            images = [img.to(device, non_blocking=True) for img in images]
+            images = images_to_device(images, device)
             outputs = net(images)
-            outputs = [{k: v.to("cpu") for k, v in out.items()} for out in outputs]
+            outputs = outputs_to_host(outputs)
             evaluator.update(outputs, [int(t["image_id"]) for t in targets])
-        return evaluator.evaluate(output_dir)
+        return evaluator.evaluate_with_results()
     finally:
         net.train(was_training)

@@ -1,15 +1,12 @@
-"""memory.json: saved-activation memory of one training step, its peak memory, throughput."""
+"""The memory.json report: saved-activation memory of one step, its peaks, throughput."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from dropit_core import memory
-from rcnn_dropit.distributed import is_main_process
+from rcnn_dropit.data import images_to_device
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.trainer import autocast_context, move_targets
 
@@ -17,7 +14,8 @@ from rcnn_dropit.engine.trainer import autocast_context, move_targets
 def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: torch.device):
     """One forward+backward of the plain model: saved-tensor report and the step's peaks."""
     net.train()
-    memory.reset_cuda_peak(device)
+    if device.type == "cuda":  # a CPU run on a GPU node has no CUDA peak to reset
+        torch.cuda.reset_peak_memory_stats(device)
     memory.reset_peak_rss()
     with autocast_context(amp, device):
         losses, report = memory.saved_activations(net, lambda: net(images, targets))
@@ -27,14 +25,14 @@ def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: 
     return report.as_dict(), cuda_peak, memory.peak_rss_mb()
 
 
-def write_memory_report(
-    cfg, net: nn.Module, train_loader, device: torch.device, images_per_sec: float, out: Path
+def measure_memory(
+    cfg, net: nn.Module, train_loader, device: torch.device, images_per_sec: float
 ) -> dict:
-    """Measure one step on the first training batch (every rank: SyncBN needs all); rank 0
-    writes memory.json."""
+    """The memory.json report: one step measured on the first training batch (on every rank:
+    SyncBN needs all)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         images, targets = next(epoch_batches(train_loader, 0))
-        images = [img.to(device) for img in images]
+        images = images_to_device(images, device)
         saved, cuda_peak, rss_peak = measure_step(
             net, images, move_targets(targets, device), cfg.solver.amp, device
         )
@@ -53,6 +51,4 @@ def write_memory_report(
             "gamma": cfg.dropit.gamma,
         },
     }
-    if is_main_process():
-        (out / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

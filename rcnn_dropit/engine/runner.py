@@ -1,82 +1,51 @@
-"""Run setup for training and testing: output dir, seeding, model/data/optimizer, DDP, resume."""
+"""train() and test(): config -> built parts -> resume -> run, into a run directory."""
 
 from __future__ import annotations
 
-import json
+import logging
 import random
-import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
+import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
-from rcnn_dropit.checkpoint import (
-    check_model_compat,
-    find_last_checkpoint,
-    resolve_resume,
-)
-from rcnn_dropit.config import Config, dump_config, load_config
+from rcnn_dropit.checkpoint import check_model_compat, find_last_checkpoint, resolve_resume
+from rcnn_dropit.config import Config, load_config
 from rcnn_dropit.data import build_train_loader, build_val_loader, ensure_dataset
 from rcnn_dropit.distributed import (
     DistInfo,
-    barrier,
-    broadcast_object,
     cleanup,
     init_distributed,
     is_main_process,
+    run_on_main,
+)
+from rcnn_dropit.engine.checkpointer import (
+    Checkpointer,
+    ResumePoint,
+    format_version,
+    load_on_every_rank,
+    model_weights,
 )
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
-from rcnn_dropit.engine.memory_report import write_memory_report
+from rcnn_dropit.engine.memory_report import measure_memory
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterations
-from rcnn_dropit.engine.rank_state import load_on_every_rank, rng_state_for_rank
-from rcnn_dropit.engine.trainer import Schedule, Trainer
+from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
 from rcnn_dropit.evaluation import format_metrics_table
-from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, read_metrics, truncate_metrics
 from rcnn_dropit.models import build_model
+from rcnn_dropit.run_dir import RunDir
+from rcnn_dropit.tensorboard import require_tensorboard
 
-# What a run writes; --overwrite removes exactly these, never anything else in the folder.
-RUN_ARTIFACTS = (
-    "config.yaml",
-    "metrics.jsonl",
-    "metrics.jsonl.tmp",
-    "checkpoints",
-    "coco_results_bbox.json",
-    "coco_results_segm.json",
-    "eval.json",
-    "memory.json",
-)
-T = TypeVar("T")
-_USER_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+log = logging.getLogger(__name__)  # a child of LOGGER_NAME: the run directory's handlers
 
 
 def say(message: str) -> None:
-    """Print a line on rank 0 (through tqdm so progress bars stay intact)."""
-    if is_main_process():
-        tqdm.write(message)
-
-
-def main_first(fn: Callable[[], T]) -> T:
-    """Run fn on rank 0 only and share its result; a user error it raises is raised on every
-    rank, so no rank waits forever for a rank that failed."""
-    outcome: tuple[str, object] = ("ok", None)
-    caught = None
-    if is_main_process():
-        try:
-            outcome = ("ok", fn())
-        except (ValueError, FileNotFoundError) as err:
-            outcome, caught = (type(err).__name__, str(err)), err
-    outcome = broadcast_object(outcome)
-    if caught is not None:
-        raise caught
-    if outcome[0] != "ok":
-        raise _USER_ERRORS[outcome[0]](outcome[1])
-    barrier()
-    return outcome[1]
+    """A line for the user: rank 0's console (through tqdm, so progress bars stay intact) and
+    log.txt, once the run's logging is started."""
+    log.info(message)
 
 
 def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Path:
@@ -91,27 +60,7 @@ def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Pat
 def check_output_dir(out: Path, resume: str | None, overwrite: bool, clear: bool = True) -> None:
     """Refuse to mix a new run into a used folder; --overwrite clears our own files first
     (unless clear=False: check only, so nothing is lost if a later check fails)."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output dir '{out}' exists and is not a folder")
-    if resume is not None or not out.is_dir() or not any(out.iterdir()):
-        return
-    if not overwrite:
-        raise ValueError(
-            f"output dir '{out}' is not empty; pass --resume auto to continue that run, "
-            "--overwrite to replace it, or --output-dir to choose another folder"
-        )
-    if clear:
-        remove_run_artifacts(out)
-
-
-def remove_run_artifacts(out: Path) -> None:
-    """Delete the files a run writes (RUN_ARTIFACTS) from out, nothing else."""
-    for name in RUN_ARTIFACTS:
-        path = out / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    RunDir(out).check(resume, overwrite, clear)
 
 
 def seed_all(seed: int) -> None:
@@ -152,45 +101,6 @@ def make_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler | None:
     return torch.amp.GradScaler("cuda")
 
 
-def restore_training_state(
-    state: dict,
-    path: Path,
-    net: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler | None,
-    iters_per_epoch: int,
-) -> None:
-    """Load weights, optimizer, scheduler and scaler from a checkpoint (RNG comes later)."""
-    lacking = [k for k in ("model", "optimizer", "scheduler", "iteration", "rng") if k not in state]
-    if lacking:
-        raise ValueError(
-            f"--resume: '{path}' is not a training checkpoint (it lacks {', '.join(lacking)}); "
-            "to start from its weights use model.weights=PATH without --resume"
-        )
-    try:
-        check_model_compat(net, state["model"])
-    except ValueError as err:
-        raise ValueError(f"--resume: checkpoint '{path}': {err}") from None
-    done = state.get("sampler", {}).get("iters_per_epoch", iters_per_epoch)
-    if done != iters_per_epoch:
-        raise ValueError(
-            f"--resume: checkpoint '{path}' was written with {done} iterations per epoch, "
-            f"this run has {iters_per_epoch} (batch size, world size or dataset changed)"
-        )
-    net.load_state_dict(state["model"])
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-    except ValueError as err:  # e.g. other trainable layers: parameter groups differ
-        raise ValueError(
-            f"--resume: checkpoint '{path}': its optimizer state does not fit this run ({err})"
-        ) from None
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])
-    say(f"resumed from '{path}' at iteration {state['iteration']}")
-
-
 def say_dropped(dataset: object, split: str) -> None:
     """Tell the user how many images and boxes the data set left out, if any."""
     stats = getattr(dataset, "stats", {})
@@ -212,10 +122,19 @@ class TrainResult:
     iteration: int
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+@dataclass
+class Parts:
+    """Everything a training run is made of, built once from the config."""
+
+    model: nn.Module  # what trains: the DDP wrapper when distributed
+    net: nn.Module  # the plain model inside it (checkpoints, evaluation, memory report)
+    train_loader: torch.utils.data.DataLoader
+    val_loader: torch.utils.data.DataLoader
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    schedule: Schedule
+    checkpointer: Checkpointer
 
 
 def train(
@@ -228,53 +147,65 @@ def train(
     """Train per config (single process or under torchrun), evaluate, write the run directory."""
     cfg = load_config(config, overrides)
     info = init_distributed(cfg.train.device)
-    out = resolve_output_dir(cfg, output_dir)
-    created = not out.exists()
+    run_dir = RunDir(resolve_output_dir(cfg, output_dir))
+    created = not run_dir.root.exists()
+    run_dir.start_logging()
     try:
-        return _train(cfg, info, resume, output_dir, overwrite)
-    except (ValueError, FileNotFoundError):
-        if created and is_main_process():
-            discard_unfinished_run(out)
+        return _train(cfg, info, run_dir, resume, overwrite)
+    except Exception as err:
+        # into log.txt (and other ranks' logs); the console line is run_cli's
+        log.error(f"error: {' '.join(str(err).split())}", extra={"file_only": True})
+        if isinstance(err, (ValueError, FileNotFoundError)) and created and is_main_process():
+            discard_unfinished_run(run_dir)
         raise
     finally:
+        run_dir.stop_logging()
         cleanup()
 
 
-def discard_unfinished_run(out: Path) -> None:
+def discard_unfinished_run(run_dir: RunDir) -> None:
     """Remove a run folder this invocation made if it holds no checkpoint yet.
 
     A bad input found only once training runs (e.g. an unreadable image) then leaves no
     half-made run directory behind.
     """
-    if not out.is_dir() or find_last_checkpoint(out / "checkpoints") is not None:
+    out = run_dir.root
+    if not out.is_dir() or find_last_checkpoint(run_dir.checkpoints) is not None:
         return
-    remove_run_artifacts(out)
+    run_dir.remove_artifacts()
     if not any(out.iterdir()):
         out.rmdir()
 
 
 def _train(
-    cfg: Config,
-    info: DistInfo,
-    resume: str | None,
-    output_dir: str | Path | None,
-    overwrite: bool,
+    cfg: Config, info: DistInfo, run_dir: RunDir, resume: str | None, overwrite: bool
 ) -> TrainResult:
-    out = resolve_output_dir(cfg, output_dir)
-    scaler = make_scaler(cfg.solver.amp, info.device)
     # Everything a user can get wrong (data, model, checkpoint) is checked before the run
     # directory is touched, so a rejected run leaves no half-made folder behind.
-    main_first(lambda: check_output_dir(out, resume, overwrite, clear=False))
-    ckpt_path = main_first(lambda: resolve_resume(resume, out / "checkpoints"))
+    scaler = make_scaler(cfg.solver.amp, info.device)
+    if cfg.train.tensorboard:
+        require_tensorboard()  # on every rank, before anything is built or written
+    run_on_main(lambda: run_dir.check(resume, overwrite, clear=False))
+    ckpt_path = run_on_main(lambda: resolve_resume(resume, run_dir.checkpoints))
     if resume is not None and ckpt_path is None:
-        say(f"note: no checkpoint in '{out / 'checkpoints'}'; starting from scratch")
-    main_first(lambda: ensure_dataset(cfg))
+        say(f"note: no checkpoint in '{run_dir.checkpoints}'; starting from scratch")
+    run_on_main(lambda: ensure_dataset(cfg))
+    parts = build(cfg, info, scaler, run_dir)
+    start = parts.checkpointer.load(ckpt_path) if ckpt_path is not None else None
+    if start is not None:
+        say(f"resumed from '{ckpt_path}' at iteration {start.iteration}")
+    run_on_main(lambda: run_dir.check(resume, overwrite))  # --overwrite clears only now
+    run_dir.create(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False))
+    return run(cfg, info, parts, run_dir, start, resumed=resume is not None)
 
+
+def build(cfg: Config, info: DistInfo, scaler, run_dir: RunDir) -> Parts:
+    """Model, loaders, optimizer, scheduler, schedule and checkpointer of a run."""
     seed_all(cfg.train.seed)  # same initial weights on every rank
     model, net = prepare_model(cfg, info)
     seed_all(cfg.train.seed + info.rank)  # different augmentation/sampling noise per rank
-    train_loader = build_train_loader(cfg, info.distributed, seed=cfg.train.seed)
-    val_loader = build_val_loader(cfg, info.distributed)
+    train_loader = build_train_loader(cfg, info.distributed, cfg.train.seed, info.device)
+    val_loader = build_val_loader(cfg, info.distributed, info.device)
     say_dropped(train_loader.dataset, "train")
     say_dropped(val_loader.dataset, "val")
     ipe = len(train_loader.batch_sampler)
@@ -284,39 +215,6 @@ def _train(
     optimizer, scheduler = build_optimizer_and_scheduler(
         cfg.solver, model, ipe, total, world_size=info.world_size
     )
-
-    state = None
-    if ckpt_path is not None:
-        state = load_on_every_rank(ckpt_path)
-        restore_training_state(state, ckpt_path, net, optimizer, scheduler, scaler, ipe)
-
-    def setup_dir() -> None:
-        check_output_dir(out, resume, overwrite)  # --overwrite clears only now
-        out.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, out / "config.yaml")
-
-    main_first(setup_dir)
-
-    start_iter = int(state["iteration"]) if state is not None else 0
-    rng_state = rng_state_for_rank(state, info.rank, info.world_size) if state is not None else None
-    if is_main_process() and resume is not None:
-        truncate_metrics(out / "metrics.jsonl", start_iter)  # drop what the new run will redo
-    # A run killed while evaluating after its checkpoint: do that evaluation first.
-    eval_missing = main_first(
-        lambda: (
-            start_iter > 0
-            and not any(
-                r.get("type") == "eval" and r.get("iter") == start_iter
-                for r in read_metrics(out / "metrics.jsonl")
-            )
-        )
-    )
-    writer = MetricsWriter(out / "metrics.jsonl") if is_main_process() else NullWriter()
-
-    def on_eval(iteration: int, metrics: dict) -> None:
-        if iteration != total:  # the final table is printed once, below
-            say(f"evaluation at iteration {iteration}:\n{format_metrics_table(metrics)}")
-
     schedule = Schedule(
         iters_per_epoch=ipe,
         total_iters=total,
@@ -326,44 +224,87 @@ def _train(
         checkpoint_every_iters=cfg.train.checkpoint_every_iters,
         eval_every_iters=cfg.train.eval_every_iters,
     )
-    trainer = Trainer(
-        cfg,
-        model,
+    checkpointer = Checkpointer(
+        run_dir.checkpoints,
+        net,
         optimizer,
         scheduler,
         scaler,
-        train_loader,
-        val_loader,
-        info.device,
-        out,
-        writer,
-        schedule,
-        iou_types_for(cfg.model.arch),
-        on_eval=on_eval,
+        iters_per_epoch=ipe,
+        config=cfg.to_dict(),
+        keep_last=cfg.train.keep_last,
     )
-    if state is not None:
-        trainer.load_state(state)
+    return Parts(
+        model, net, train_loader, val_loader, optimizer, scheduler, scaler, schedule, checkpointer
+    )
+
+
+def run(
+    cfg: Config,
+    info: DistInfo,
+    parts: Parts,
+    run_dir: RunDir,
+    start: ResumePoint | None,
+    resumed: bool,
+) -> TrainResult:
+    """Train from `start` (None: from scratch) to the end, evaluate, write the results."""
+    start_iter = start.iteration if start is not None else 0
+    total = parts.schedule.total_iters
+    iou_types = iou_types_for(cfg.model.arch)
+    # A run killed while evaluating after its checkpoint: do that evaluation first.
+    eval_missing = start_iter > 0 and not run_dir.has_eval_record(start_iter)
+    writer = run_dir.open_metrics(start_iter if resumed else None, cfg.train.tensorboard)
+
+    def evaluate_and_write() -> dict:
+        metrics, results = evaluate(parts.model, parts.val_loader, info.device, iou_types)
+        run_dir.write_coco_results(results)
+        return metrics
+
+    def on_eval(iteration: int, metrics: dict) -> None:
+        if iteration != total:  # the final table is printed once, below
+            say(f"evaluation at iteration {iteration}:\n{format_metrics_table(metrics)}")
+
+    trainer = Trainer(
+        parts.model,
+        parts.optimizer,
+        parts.scheduler,
+        parts.scaler,
+        parts.train_loader,
+        info.device,
+        StepOptions.from_solver(cfg.solver),
+        parts.schedule,
+        writer,
+        checkpointer=parts.checkpointer,
+        evaluate=evaluate_and_write,
+        on_eval=on_eval,
+        progress=is_main_process(),
+    )
+    if start is not None:
+        trainer.load_loop_state(start.loop)
     say(
-        f"training {cfg.model.arch} for {total} iterations ({ipe} per epoch, "
-        f"{info.world_size} process(es) on {info.device.type}) into '{out}'"
+        f"training {cfg.model.arch} for {total} iterations "
+        f"({parts.schedule.iters_per_epoch} per epoch, "
+        f"{info.world_size} process(es) on {info.device.type}) into '{run_dir.root}'"
     )
     try:
-        if eval_missing and schedule.should_eval(start_iter):
+        if eval_missing and parts.schedule.should_eval(start_iter):
             trainer.run_eval(start_iter)
-        trainer.train(start_iter, rng_state)
+        trainer.train(start_iter, start.rng if start is not None else None)
         metrics = trainer.last_eval
         if metrics is None or trainer.last_eval_iter != total:
             # e.g. resumed from the final checkpoint: its evaluation may never have finished
             metrics = trainer.run_eval(total)
         if cfg.train.measure_memory:
-            write_memory_report(cfg, net, train_loader, info.device, trainer.images_per_sec, out)
+            report = measure_memory(
+                cfg, parts.net, parts.train_loader, info.device, trainer.images_per_sec
+            )
+            run_dir.write_memory(report)
+            writer.write({"type": "memory", "iter": total, **report}, tensorboard_only=True)
     finally:
         writer.close()
-    if is_main_process():
-        _write_json(out / "eval.json", {**metrics, "iter": total})
-        say(f"final evaluation ({metrics['num_images']} images):\n{format_metrics_table(metrics)}")
-    barrier()
-    return TrainResult(out, metrics, total)
+    run_dir.write_eval(metrics, iter=total)
+    say(f"final evaluation ({metrics['num_images']} images):\n{format_metrics_table(metrics)}")
+    return TrainResult(run_dir.root, metrics, total)
 
 
 def test(
@@ -375,6 +316,8 @@ def test(
     """Evaluate a checkpoint's weights on the validation set; writes eval.json and COCO results."""
     cfg = load_config(config, overrides)
     info = init_distributed(cfg.train.device)
+    run_dir = RunDir(Path(output_dir) if output_dir else resolve_output_dir(cfg) / "test")
+    run_dir.start_logging()
     try:
         ckpt = Path(checkpoint)
 
@@ -382,26 +325,25 @@ def test(
             if not ckpt.is_file():
                 raise FileNotFoundError(f"--checkpoint: file '{ckpt}' does not exist")
 
-        main_first(check_checkpoint)  # rank 0 decides, so no rank fails alone
-        out = Path(output_dir) if output_dir else resolve_output_dir(cfg) / "test"
-        main_first(lambda: ensure_dataset(cfg))
+        run_on_main(check_checkpoint)  # rank 0 decides, so no rank fails alone
+        run_on_main(lambda: ensure_dataset(cfg))
         net, _record = build_model(cfg)
         state = load_on_every_rank(ckpt)
-        weights = state["model"] if isinstance(state, dict) and "model" in state else state
-        load_model_weights(net, weights, ckpt)
+        format_version(state, ckpt)
+        load_model_weights(net, model_weights(state), ckpt)
         net.to(info.device)
-        val_loader = build_val_loader(cfg, info.distributed)
+        val_loader = build_val_loader(cfg, info.distributed, info.device)
         # made only once the checkpoint and the data are known to be good
-        main_first(lambda: out.mkdir(parents=True, exist_ok=True))
-        metrics = evaluate(net, val_loader, info.device, iou_types_for(cfg.model.arch), out)
-        if is_main_process():
-            iteration = state.get("iteration") if isinstance(state, dict) else None
-            _write_json(out / "eval.json", {**metrics, "iter": iteration, "checkpoint": str(ckpt)})
-            say(f"evaluation of '{ckpt}' ({metrics['num_images']} images):")
-            say(format_metrics_table(metrics))
-        barrier()
+        run_on_main(lambda: run_dir.root.mkdir(parents=True, exist_ok=True))
+        run_dir.attach_log()
+        metrics, results = evaluate(net, val_loader, info.device, iou_types_for(cfg.model.arch))
+        run_dir.write_coco_results(results)
+        run_dir.write_eval(metrics, iter=state.get("iteration"), checkpoint=str(ckpt))
+        say(f"evaluation of '{ckpt}' ({metrics['num_images']} images):")
+        say(format_metrics_table(metrics))
         return metrics
     finally:
+        run_dir.stop_logging()
         cleanup()
 
 

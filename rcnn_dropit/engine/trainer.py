@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 from tqdm import tqdm
 
-from rcnn_dropit.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
-from rcnn_dropit.distributed import barrier, get_world_size, is_main_process
+from rcnn_dropit.checkpoint import capture_rng_state, restore_rng_state
+from rcnn_dropit.data import images_to_device
+from rcnn_dropit.distributed import get_world_size, reduce_dict
+from rcnn_dropit.engine.checkpointer import Checkpointer
 from rcnn_dropit.engine.data_position import epoch_batches
-from rcnn_dropit.engine.evaluator_loop import evaluate, unwrap
-from rcnn_dropit.engine.rank_state import gather_rng_states
 from rcnn_dropit.logging_utils import peak_memory_mb
 
+log = logging.getLogger(__name__)
 LOSS_KEYS_ORDER = (
     "loss_classifier",
     "loss_box_reg",
@@ -137,12 +138,23 @@ def _ordered(keys) -> list[str]:
 
 def reduce_losses(loss_dict: dict[str, torch.Tensor]) -> dict[str, float]:
     """Mean of each loss term over ranks (NaN anywhere stays NaN) as Python floats."""
-    keys = _ordered(loss_dict)
-    values = torch.stack([loss_dict[k].detach().float() for k in keys])
-    if get_world_size() > 1:
-        torch_dist.all_reduce(values)
-        values /= get_world_size()
-    return dict(zip(keys, values.tolist(), strict=True))
+    reduced = reduce_dict({k: v.detach().float() for k, v in loss_dict.items()})
+    keys = _ordered(reduced)
+    # one host copy for all terms (a sync per term would stall a GPU five times per step)
+    return dict(zip(keys, torch.stack([reduced[k] for k in keys]).tolist(), strict=True))
+
+
+# torch's warning when the scheduler steps in an iteration whose optimizer step was skipped
+# (fp16 GradScaler on inf/NaN gradients, or solver.nonfinite=skip).
+_SCHEDULER_FIRST = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
+def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Advance the per-iteration lr schedule, silencing only torch's "scheduler before optimizer"
+    warning: the schedule follows iterations on purpose, whether or not the optimizer stepped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SCHEDULER_FIRST, category=UserWarning)
+        scheduler.step()
 
 
 def nonfinite_message(iteration: int, losses: dict[str, float]) -> str:
@@ -155,38 +167,58 @@ def nonfinite_message(iteration: int, losses: dict[str, float]) -> str:
     )
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """What one training step needs to know of the solver config."""
+
+    batch_size: int  # images per rank and step
+    amp: str = "none"  # none | fp16 | bf16
+    nonfinite: str = "stop"  # stop | skip
+    clip_grad_norm: float | None = None
+
+    @classmethod
+    def from_solver(cls, solver) -> StepOptions:
+        """The options of a SolverConfig."""
+        return cls(solver.batch_size, solver.amp, solver.nonfinite, solver.clip_grad_norm)
+
+
 class Trainer:
-    """Runs iterations [start, total) with logging, checkpoints and evaluation."""
+    """Runs iterations [start, total) with logging, checkpoints and evaluation.
+
+    It receives built parts: the (DDP) model, optimizer, scheduler, scaler, the training loader,
+    the checkpointer, `evaluate` (runs the validation set, returns metrics) and `writer` (takes
+    the metrics records); it decides when, they decide how.
+    """
 
     def __init__(
         self,
-        cfg,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler | None,
         train_loader,
-        val_loader,
         device: torch.device,
-        output_dir: Path,
-        writer,
+        options: StepOptions,
         schedule: Schedule,
-        iou_types: tuple[str, ...],
+        writer,
+        checkpointer: Checkpointer | None = None,
+        evaluate: Callable[[], dict] | None = None,
         on_eval: Callable[[int, dict], None] | None = None,
+        progress: bool = True,
     ) -> None:
-        self.cfg = cfg
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
         self.train_loader = train_loader
-        self.val_loader = val_loader
         self.device = device
-        self.output_dir = Path(output_dir)
-        self.writer = writer
+        self.options = options
         self.schedule = schedule
-        self.iou_types = iou_types
+        self.writer = writer
+        self.checkpointer = checkpointer
+        self.evaluate = evaluate
         self.on_eval = on_eval
+        self.progress = progress
         self.window = LogWindow()
         self.skipped_steps = 0
         self.train_time = 0.0
@@ -198,7 +230,7 @@ class Trainer:
     # ---- one step -------------------------------------------------------------------------
     def step(self, images: list[torch.Tensor], targets: list[dict], iteration: int) -> dict:
         """Forward, non-finite guard, backward, clip, optimizer and scheduler step."""
-        solver = self.cfg.solver
+        solver = self.options
         with autocast_context(solver.amp, self.device):
             loss_dict = self.model(images, targets)
         total = sum(loss_dict.values())
@@ -211,12 +243,12 @@ class Trainer:
             if solver.nonfinite == "stop":
                 raise FloatingPointError(nonfinite_message(iteration, logged))
             self.skipped_steps += 1
-            if is_main_process():
-                tqdm.write(
-                    f"warning: {nonfinite_message(iteration, logged).split(' (')[0]}; "
-                    f"step skipped ({self.skipped_steps} so far)"
-                )
-            self.scheduler.step()  # the lr schedule follows iterations, skipped or not
+            # rank 0's console and log.txt; other ranks' log files
+            log.warning(
+                f"warning: {nonfinite_message(iteration, logged).split(' (')[0]}; "
+                f"step skipped ({self.skipped_steps} so far)"
+            )
+            step_scheduler(self.scheduler)  # the lr schedule follows iterations, skipped or not
             return logged
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
@@ -231,7 +263,7 @@ class Trainer:
             if solver.clip_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
             self.optimizer.step()
-        self.scheduler.step()
+        step_scheduler(self.scheduler)
         return logged
 
     # ---- side effects ---------------------------------------------------------------------
@@ -239,7 +271,7 @@ class Trainer:
         w = self.window
         if w.count == 0:
             return
-        images = self.cfg.solver.batch_size * get_world_size() * w.count
+        images = self.options.batch_size * get_world_size() * w.count
         record = {
             "type": "train",
             "iter": iteration,
@@ -249,54 +281,32 @@ class Trainer:
             "time": w.time / w.count,
             "data_time": w.data_time / w.count,
             "images_per_sec": images / w.time if w.time > 0 else 0.0,
-            "peak_mem_mb": peak_memory_mb(self.device),
+            # of this window only: an all-time peak would show the evaluation's after the first
+            "peak_mem_mb": peak_memory_mb(self.device, reset=True),
             "skipped_steps": self.skipped_steps,
         }
         self.writer.write(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}", refresh=False)
         self.window = LogWindow()
 
-    def checkpoint_state(self, iteration: int) -> dict:
-        """Full training state for resuming exactly at `iteration`."""
-        ipe = self.schedule.iters_per_epoch
-        return {
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "epoch": iteration // ipe,
-            "iteration": iteration,
-            "rng": capture_rng_state(),
-            "config": self.cfg.to_dict(),
-            "sampler": {
-                "epoch": iteration // ipe,
-                "batches_done": iteration % ipe,
-                "iters_per_epoch": ipe,
-            },
-            "log_window": self.window.state_dict(),
-            "skipped_steps": self.skipped_steps,
-        }
+    def loop_state(self) -> dict:
+        """The loop's own bookkeeping, for checkpoints: resumed logs then match exactly."""
+        return {"log_window": self.window.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_loop_state(self, loop: dict) -> None:
+        """Restore what loop_state() returned."""
+        self.window = LogWindow.from_state(loop.get("log_window"))
+        self.skipped_steps = int(loop.get("skipped_steps", 0))
 
     def save(self, iteration: int) -> None:
-        """Write a checkpoint on rank 0, with every rank waiting around the write."""
-        rng_per_rank = gather_rng_states()  # a collective, so also the barrier before the write
-        if is_main_process():
-            state = self.checkpoint_state(iteration)
-            state["rng_per_rank"] = rng_per_rank  # each rank resumes its own random streams
-            save_checkpoint(
-                self.output_dir / "checkpoints",
-                f"model_{iteration:07d}.pth",
-                state,
-                keep_last=self.cfg.train.keep_last,
-            )
-        barrier()  # nobody reads the checkpoint (or moves on) before it is complete
+        """Checkpoint through the checkpointer (a collective: every rank calls it)."""
+        if self.checkpointer is not None:
+            self.checkpointer.save(iteration, self.loop_state())
 
     def run_eval(self, iteration: int) -> dict:
         """Evaluate without disturbing the training RNG streams, then record the metrics."""
         rng = capture_rng_state()  # eval draws random numbers (loader seeds); keep resume exact
-        metrics = evaluate(
-            self.model, self.val_loader, self.device, self.iou_types, self.output_dir
-        )
+        metrics = self.evaluate()
         restore_rng_state(rng)
         self.writer.write(
             {
@@ -310,11 +320,6 @@ class Trainer:
         if self.on_eval is not None:
             self.on_eval(iteration, metrics)
         return metrics
-
-    def load_state(self, state: dict) -> None:
-        """Restore the loop's own bookkeeping from a checkpoint."""
-        self.window = LogWindow.from_state(state.get("log_window"))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
 
     # ---- the loop -------------------------------------------------------------------------
     def _batches(self, start: int, rng_state: dict | None) -> Iterator[tuple[int, list, list]]:
@@ -347,15 +352,15 @@ class Trainer:
             total=schedule.total_iters,
             initial=start_iter,
             desc="train",
-            disable=not is_main_process(),
+            disable=not self.progress,
             dynamic_ncols=True,
         )
-        batch_images = self.cfg.solver.batch_size * get_world_size()
+        batch_images = self.options.batch_size * get_world_size()
         try:
             t_prev = time.perf_counter()
             for iteration, images, targets in self._batches(start_iter, rng_state):
                 t_data = time.perf_counter()
-                images = [img.to(self.device, non_blocking=True) for img in images]
+                images = images_to_device(images, self.device)
                 targets = move_targets(targets, self.device)
                 losses = self.step(images, targets, iteration)
                 t_end = time.perf_counter()
