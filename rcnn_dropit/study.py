@@ -395,11 +395,15 @@ def _child_train(
 
 
 def _check_same_config(run_dir: Path, config: str | Path, overrides: Sequence[str]) -> None:
-    """A finished run counts only if it was trained with the study's current config."""
-    from rcnn_dropit.config import load_config
+    """A finished run counts only if it was trained with the study's current config.
+
+    The run's config is read through today's schema, so a key added since then counts with its
+    default value (which is what the run trained with) instead of as a difference.
+    """
+    from rcnn_dropit.config import config_from_dict, load_config
 
     want = load_config(config, overrides).to_dict()
-    have = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    have = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).to_dict()
     for cfg in (want, have):
         cfg.get("train", {}).pop("output_dir", None)
     if want != have:

@@ -226,6 +226,30 @@ def test_regimes_option_trains_only_those_and_their_pretraining(
     assert {s[2] for s in started} == {1}
 
 
+def test_a_key_added_since_a_run_counts_with_its_default(tmp_path: Path, monkeypatch) -> None:
+    import yaml
+
+    plan_file = write_plan(tmp_path)
+    run = plan_runs(load_plan(plan_file))[1]
+    run_dir = tmp_path / "runs" / run.name
+    _fake_run(run, run_dir, 0.5)
+    old = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del old["model"]["fpn_channels"]  # written before the key existed; the schema default is 256
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(old))
+    _fake_scheduler(monkeypatch)
+    with pytest.raises(ValueError, match="model.fpn_channels: now 64, run has 256"):
+        study._check_same_config(run_dir, run.config, run.overrides)
+    del old["train"]["eval_every_iters"]  # the default (0) is not what the study uses either
+    old["model"]["fpn_channels"] = 64
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(old))
+    with pytest.raises(ValueError, match="train.eval_every_iters: now 400, run has 0"):
+        study._check_same_config(run_dir, run.config, run.overrides)
+    old["train"]["eval_every_iters"] = 400
+    del old["train"]["tensorboard"]  # added later, default false: the same setting
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(old))
+    study._check_same_config(run_dir, run.config, run.overrides)
+
+
 def test_jobs_and_regimes_are_checked(tmp_path: Path) -> None:
     plan_file = write_plan(tmp_path)
     with pytest.raises(ValueError, match="jobs: 0 must be >= 1"):
