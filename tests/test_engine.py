@@ -147,6 +147,10 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, shapes_root) -> None:
     assert memory["saved_mb"] > 0 and memory["by_type"]["Conv2d"] > 0
     assert memory["saved_mb"] == pytest.approx(memory["converted_mb"] + memory["unconverted_mb"])
     assert memory["converted_mb"] > 0 and memory["dropit"]["gamma"] == 0.8
+    # the same step without DropIT keeps more: the ratio is what the demo's last line shows
+    assert memory["saved_mb_without_dropit"] > 1.5 * memory["saved_mb"]
+    ratio = memory["saved_mb"] / memory["saved_mb_without_dropit"]
+    assert memory["saved_ratio"] == pytest.approx(ratio, abs=1e-4)
     saved = yaml.safe_load((run / "config.yaml").read_text())["dropit"]
     assert saved["enabled"] is True and saved["strategy"] == "mink"
     state = load_checkpoint(run / "checkpoints/model_0000002.pth")
@@ -159,6 +163,12 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, shapes_root) -> None:
     log = (run / "log.txt").read_text()  # the console lines, also in the run's log file
     assert "INFO training maskrcnn for 2 iterations (4 per epoch, 1 process(es) on cpu)" in log
     assert "INFO final evaluation (4 images)" in log
+    summary = (
+        f"DropIT mink gamma 0.8; activations kept for backward in one step: "
+        f"{memory['saved_mb']:.1f} MB, {memory['saved_mb_without_dropit']:.1f} MB without DropIT "
+        f"({memory['saved_ratio']:.2f}x)"
+    )
+    assert summary in log
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from dropit_core import memory
+from dropit_core import from_dropit, memory
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.trainer import autocast_context, move_targets
@@ -33,14 +35,20 @@ def measure_memory(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         images, targets = next(epoch_batches(train_loader, 0))
         images = images_to_device(images, device)
-        saved, cuda_peak, rss_peak = measure_step(
-            net, images, move_targets(targets, device), cfg.solver.amp, device
-        )
+        targets = move_targets(targets, device)
+        saved, cuda_peak, rss_peak = measure_step(net, images, targets, cfg.solver.amp, device)
+        plain_mb = None
+        if cfg.dropit.enabled:  # the same model and batch without DropIT: what it saves
+            plain = from_dropit(copy.deepcopy(net))
+            plain_mb = measure_step(plain, images, targets, cfg.solver.amp, device)[0]["saved_mb"]
+            del plain
     report = {
         "saved_mb": saved["saved_mb"],
         "by_type": saved["by_type_mb"],
         "converted_mb": saved["converted_mb"],
         "unconverted_mb": saved["unconverted_mb"],
+        "saved_mb_without_dropit": plain_mb,
+        "saved_ratio": round(saved["saved_mb"] / plain_mb, 4) if plain_mb else None,
         "cuda_peak_mb": cuda_peak,
         "step_peak_rss_mb": rss_peak,
         "images_per_sec": images_per_sec,
@@ -52,3 +60,19 @@ def measure_memory(
         },
     }
     return report
+
+
+def dropit_summary(cfg, report: dict | None) -> str:
+    """One line for the end of a run: the DropIT setting and what it saved in the measured step."""
+    d = cfg.dropit
+    setting = f"DropIT {d.strategy} gamma {d.gamma:g}" if d.enabled else "DropIT off"
+    if report is None:
+        return f"{setting} (train.measure_memory is off: nothing measured)"
+    saved = f"activations kept for backward in one step: {report['saved_mb']:.1f} MB"
+    ratio = report.get("saved_ratio")
+    if ratio is None:
+        return f"{setting}; {saved}"
+    return (
+        f"{setting}; {saved}, {report['saved_mb_without_dropit']:.1f} MB without DropIT "
+        f"({ratio:.2f}x)"
+    )

@@ -31,7 +31,7 @@ from rcnn_dropit.engine.checkpointer import (
     model_weights,
 )
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
-from rcnn_dropit.engine.memory_report import measure_memory
+from rcnn_dropit.engine.memory_report import dropit_summary, measure_memory
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterations
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
 from rcnn_dropit.evaluation import format_metrics_table
@@ -294,6 +294,7 @@ def run(
         if metrics is None or trainer.last_eval_iter != total:
             # e.g. resumed from the final checkpoint: its evaluation may never have finished
             metrics = trainer.run_eval(total)
+        report = None
         if cfg.train.measure_memory:
             report = measure_memory(
                 cfg, parts.net, parts.train_loader, info.device, trainer.images_per_sec
@@ -304,6 +305,7 @@ def run(
         writer.close()
     run_dir.write_eval(metrics, iter=total)
     say(f"final evaluation ({metrics['num_images']} images):\n{format_metrics_table(metrics)}")
+    say(dropit_summary(cfg, report))
     return TrainResult(run_dir.root, metrics, total)
 
 
