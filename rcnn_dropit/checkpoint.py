@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rcnn_dropit.models.weights import compare_state_dict  # the one key/shape comparison
 from rcnn_dropit.run_dir import write_atomic
 
 POINTER_NAME = "last_checkpoint"
@@ -201,14 +202,7 @@ def restore_rng_state(state: dict) -> None:
 
 def check_model_compat(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Raise ValueError if state_dict's keys or shapes do not fit model."""
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    mismatched = [
-        f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
-    ]
+    missing, unexpected, mismatched = compare_state_dict(model.state_dict(), state_dict)
     if not (missing or unexpected or mismatched):
         return
     parts = []

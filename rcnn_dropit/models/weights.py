@@ -33,18 +33,29 @@ def load_state_dict_file(path: str | Path, key: str) -> dict[str, torch.Tensor]:
     return obj
 
 
+def compare_state_dict(
+    own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], ignore=lambda key: False
+) -> tuple[list[str], list[str], list[str]]:
+    """Keys of ``own`` missing from ``state``, keys ``own`` lacks, and "key (shape) vs (shape)"
+    for keys whose shapes differ; keys for which ``ignore`` is true are left out."""
+    missing = [k for k in own if k not in state and not ignore(k)]
+    unexpected = [k for k in state if k not in own and not ignore(k)]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    return missing, unexpected, shapes
+
+
 def load_strict(
     module: nn.Module, state: dict[str, torch.Tensor], key: str, path: str, ignore_prefix: str = ""
 ) -> None:
     """Load every tensor; any missing, unexpected or mis-shaped key is a ValueError naming them."""
     own = module.state_dict()
-    missing = [k for k in own if k not in state and not _ignored(k, ignore_prefix)]
-    unexpected = [k for k in state if k not in own and not _ignored(k, ignore_prefix)]
-    shapes = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
-        for k, v in own.items()
-        if k in state and state[k].shape != v.shape
-    ]
+    missing, unexpected, shapes = compare_state_dict(
+        own, state, lambda k: _ignored(k, ignore_prefix)
+    )
     problems = [
         f"{label} ({len(keys)}): {', '.join(keys[:_SHOW])}{' ...' if len(keys) > _SHOW else ''}"
         for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", shapes))
