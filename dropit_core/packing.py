@@ -42,6 +42,17 @@ def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
     return flags.view(torch.bool).reshape(-1)[:n]
 
 
+def compact(values: torch.Tensor, mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """``values[mask]`` for flat tensors; given the mask's count, without a device sync.
+
+    A boolean index must learn its output size from the device (a sync on CUDA);
+    ``nonzero_static`` with the count read earlier, together with others, does not.
+    """
+    if count is None:
+        return values[mask]
+    return values.index_select(0, torch.nonzero_static(mask, size=count).squeeze(1))
+
+
 @dataclass(frozen=True)
 class ValueCodec:
     """How kept values are stored: as they are, as fp16/bf16, or int8 with a per-chunk scale."""
