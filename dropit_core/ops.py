@@ -8,6 +8,7 @@ from the rebuilt (dropped) input.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +30,25 @@ class InputCache:
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
         self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def cast_param(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
+        once per FPN level), as autocast's own weight cache does for the plain layer.
+
+        The cast is held weakly: the autograd graph keeps it alive through the forward and lets
+        it go with the graph, so no copy of the weights outlives a step.
+        """
+        if p.dtype == dtype:
+            return p
+        hit = self._param_casts.get(p)
+        if hit is not None:
+            cast = hit[1]()
+            if cast is not None and hit[0] == p._version and cast.dtype == dtype:
+                return cast
+        cast = p.to(dtype)
+        self._param_casts[p] = (p._version, weakref.ref(cast))
+        return cast
 
     def pack(self, x: torch.Tensor, layout: str, source: torch.Tensor | None = None) -> Packed:
         """Pack ``x``, or return the pack made earlier in this forward for the same tensor.
@@ -167,13 +187,14 @@ class MaskedReLUFunction(torch.autograd.Function):
 
 
 def autocast_inputs(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: InputCache
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, PackKey]:
     """Cast like autocast would for conv/linear, outside the Function so autograd sees the casts.
 
     Conv and linear run in the autocast dtype on CUDA (fp16/bf16) and CPU (bf16); doing the same
     cast here keeps outputs identical to the plain layer and lets the cache hold narrow values.
-    The returned key names the uncast input, so layers fed the same tensor share its pack.
+    The returned key names the uncast input, so layers fed the same tensor share its pack;
+    weight and bias casts are shared by the calls of one forward through ``cache``.
     """
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
@@ -182,7 +203,7 @@ def autocast_inputs(
     cast = x.to(dtype)
     return (
         cast,
-        weight.to(dtype),
-        bias.to(dtype) if bias is not None else None,
+        cache.cast_param(weight, dtype),
+        cache.cast_param(bias, dtype) if bias is not None else None,
         PackKey(None if cast is x else x),
     )

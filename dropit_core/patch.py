@@ -52,7 +52,7 @@ class DropITConv2d(nn.Conv2d):
             padding = (0, 0)
         elif isinstance(padding, str):
             x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
-        x, w, b, key = autocast_inputs(x, self.weight, self.bias)
+        x, w, b, key = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         args = ConvArgs(
             list(self.stride), list(padding), list(self.dilation), False, [0, 0], self.groups
         )
@@ -81,7 +81,7 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
             x, output_size, list(self.stride), list(self.padding), list(self.kernel_size), 2,
             list(self.dilation),
         )  # fmt: skip
-        x, w, b, key = autocast_inputs(x, self.weight, self.bias)
+        x, w, b, key = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         args = ConvArgs(
             list(self.stride),
             list(self.padding),
@@ -101,7 +101,7 @@ class DropITLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _training_step(self, x):
             return super().forward(x)
-        x, w, b, key = autocast_inputs(x, self.weight, self.bias)
+        x, w, b, key = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         return DropITLinearFunction.apply(x, w, b, self.dropit_cache, key)
 
 

@@ -419,3 +419,20 @@ def test_pack_shared_through_the_cast_source_follows_its_version() -> None:
     assert torch.equal(
         cache.unpack(*second), _keep_topk(h.to(torch.bfloat16).float(), 0.5).bfloat16()
     )
+
+
+def test_a_layer_called_twice_under_autocast_saves_one_weight_copy() -> None:
+    # Like the RPN head, run once per FPN level: autocast's own cache casts the weight once.
+    torch.manual_seed(8)
+    plain = nn.Conv2d(3, 4, 3, padding=1)
+    drop = _converted(plain, gamma=0.5)
+    x1, x2 = _input((1, 3, 6, 6), seed=18), _input((1, 3, 6, 6), seed=19)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        (out1, out2), nbytes, _ = _saved_bytes(lambda: (drop(x1 * 1.0), drop(x2 * 1.0)))
+        ref1, ref2 = plain(x1 * 1.0), plain(x2 * 1.0)
+    assert torch.equal(out1, ref1) and torch.equal(out2, ref2)
+    # Saved: one bf16 weight copy (4*3*9*2 bytes) and, per input, 14 bytes of mask and 54 kept
+    # bf16 values.
+    assert nbytes == 4 * 3 * 9 * 2 + 2 * (14 + 54 * 2)
+    (out1.float().sum() + out2.float().sum()).backward()
+    assert drop.weight.grad.dtype == torch.float32 and drop.bias.grad.dtype == torch.float32
