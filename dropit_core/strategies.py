@@ -9,7 +9,8 @@ and channel. ``"linear"`` inputs are ``(..., F)``, seen as an ``R x F`` matrix; 
 one of the F feature columns.
 
 Costs, for an input of n elements, kept fraction ``1 - gamma``, ``v`` bytes per stored value
-(4 fp32, 2 fp16/bf16, 1 int8 + 4 bytes of scale per ``int8_chunk`` values):
+(4 fp32, 2 fp16/bf16, 1 int8 + 4 bytes of scale per ``int8_chunk`` values, 1/2 int4 + 4 bytes
+per ``int4_chunk``):
 
 ================  =====================================  ===========================================
 strategy          cache bytes                            extra time in forward (backward: a scatter)
@@ -61,7 +62,7 @@ Packed = tuple[tuple[torch.Tensor, ...], Any]
 _SLICE = 1 << 22
 _SAMPLE_DEFAULT = 1 << 16
 
-_COMMON_OPTIONS: dict[str, type] = {"values": str, "int8_chunk": int}
+_COMMON_OPTIONS: dict[str, type] = {"values": str, "int8_chunk": int, "int4_chunk": int}
 STRATEGY_OPTIONS: dict[str, dict[str, type]] = {
     "mink": {},
     "parallel_mink": {"chunk": int},
@@ -216,7 +217,7 @@ class _Elementwise(Strategy):
     def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         shape, dtype, counts, state = meta
         value_parts = tensors[1:] if self.stores_mask else tensors
-        values = self.codec.decode(tuple(value_parts), dtype)
+        values = self.codec.decode(tuple(value_parts), dtype, sum(counts))
         n = math.prod(shape)
         dense = torch.zeros(n, dtype=dtype, device=values.device)
         step = self._slice_len()
@@ -409,7 +410,8 @@ class _ChannelBase(Strategy):
 
     def unpack(self, tensors, meta) -> torch.Tensor:
         shape, dtype, layout, width = meta
-        rows = self.codec.decode(tuple(tensors[1:]), dtype).view(-1, width)
+        count = tensors[0].numel() * width
+        rows = self.codec.decode(tuple(tensors[1:]), dtype, count).view(-1, width)
         return _restore_units(tensors[0], rows, shape, layout, dtype)
 
 
@@ -481,7 +483,8 @@ class BlockMinK(Strategy):
         shape, dtype, (m, h, w, hb, wb) = meta
         b = self.block
         flat_idx = tensors[0].long()
-        blocks = self.codec.decode(tuple(tensors[1:]), dtype).view(-1, b, b)
+        blocks = self.codec.decode(tuple(tensors[1:]), dtype, flat_idx.numel() * b * b)
+        blocks = blocks.view(-1, b, b)
         grid = torch.zeros(m, hb, b, wb, b, dtype=dtype, device=blocks.device)
         mi, rest = flat_idx // (hb * wb), flat_idx % (hb * wb)
         grid[mi, rest // wb, :, rest % wb, :] = blocks
@@ -520,7 +523,8 @@ class Pool(Strategy):
     def unpack(self, tensors, meta) -> torch.Tensor:
         shape, dtype, layout, pooled_shape = meta
         f = self.factor
-        pooled = self.codec.decode(tuple(tensors), dtype).view(pooled_shape)
+        pooled = self.codec.decode(tuple(tensors), dtype, math.prod(pooled_shape))
+        pooled = pooled.view(pooled_shape)
         if layout == "conv":
             up = pooled.repeat_interleave(f, dim=-2).repeat_interleave(f, dim=-1)
             return up[..., : shape[-2], : shape[-1]].reshape(shape)
@@ -567,7 +571,9 @@ def build_strategy(name: str, gamma: float, **options: Any) -> Strategy:
     fmt = options.pop("values", "same")
     if fmt not in VALUE_FORMATS:
         raise ValueError(f"DropIT option values={fmt!r} is invalid: allowed {VALUE_FORMATS}")
-    chunk = options.pop("int8_chunk", 1024)
-    if chunk < 1:
-        raise ValueError(f"DropIT option int8_chunk={chunk} is invalid: allowed integers >= 1")
-    return _CLASSES[name](gamma, ValueCodec(fmt, chunk), **options)
+    chunks = {}
+    for key, default in (("int8_chunk", 1024), ("int4_chunk", 64)):
+        chunks[key] = options.pop(key, default)
+        if chunks[key] < 1:
+            raise ValueError(f"DropIT option {key}={chunks[key]} is invalid: allowed integers >= 1")
+    return _CLASSES[name](gamma, ValueCodec(fmt, **chunks), **options)
