@@ -63,11 +63,12 @@ _SLICE = 1 << 22
 _SAMPLE_DEFAULT = 1 << 16
 
 _COMMON_OPTIONS: dict[str, type] = {"values": str, "int8_chunk": int, "int4_chunk": int}
+POSITIONS = ("bits", "sparse_bits")
 STRATEGY_OPTIONS: dict[str, dict[str, type]] = {
-    "mink": {},
-    "parallel_mink": {"chunk": int},
+    "mink": {"positions": str},
+    "parallel_mink": {"chunk": int, "positions": str},
     "random": {"seed": int},
-    "threshold": {"sample": int},
+    "threshold": {"sample": int, "positions": str},
     "channel_mink": {},
     "channel_random": {"seed": int},
     "block_mink": {"block": int},
@@ -121,10 +122,28 @@ class Strategy:
         return f"{self.name}(gamma={self.gamma})"
 
 
+def _sparse_bits(bits: torch.Tensor, nonzero: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which bytes of the mask are non-zero, 1 bit each; those bytes): at gamma 0.9 a fifth to
+    half of the mask bytes are zero, and storing a zero byte as one bit saves 7/8 of it."""
+    flags = bits != 0
+    return pack_bits(flags), compact(bits, flags, nonzero)
+
+
+def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`_sparse_bits` for a mask of n elements."""
+    n_bytes = (n + 7) // 8
+    bits = torch.zeros(n_bytes, dtype=torch.uint8, device=nonzero.device)
+    return bits.masked_scatter_(unpack_bits(flags, n_bytes), nonzero)
+
+
 class _Elementwise(Strategy):
-    """Keep single elements: a packed 1-bit position mask plus the kept values."""
+    """Keep single elements: a packed 1-bit position mask plus the kept values.
+
+    ``positions="sparse_bits"`` stores the mask's non-zero bytes plus one bit per mask byte.
+    """
 
     stores_mask = True
+    positions = "bits"
 
     def _begin(self, flat: torch.Tensor, static: bool) -> tuple[Any, torch.Tensor | None]:
         """Per-tensor state computed once before the slices (e.g. a global threshold).
@@ -147,8 +166,9 @@ class _Elementwise(Strategy):
 
     def pack(self, x: torch.Tensor, layout: str) -> Packed:
         flat = x.reshape(-1)
+        nonzero_bytes = None
         if counts_first(flat.device):
-            bits, values, counts, state = self._pack_counts_first(flat)
+            bits, values, counts, state, nonzero_bytes = self._pack_counts_first(flat)
         else:
             bits, values, counts, state = self._pack_one_pass(flat)
         if not values:  # an empty input
@@ -157,7 +177,10 @@ class _Elementwise(Strategy):
         parts = self.codec.encode(vals)
         if self.stores_mask:
             packed_bits = bits[0] if len(bits) == 1 else torch.cat(bits)
-            parts = (packed_bits, *parts)
+            if self.positions == "sparse_bits":
+                parts = (*_sparse_bits(packed_bits, nonzero_bytes), *parts)
+            else:
+                parts = (packed_bits, *parts)
         return parts, (tuple(x.shape), x.dtype, tuple(counts), state)
 
     def _pack_one_pass(self, flat: torch.Tensor):
@@ -180,24 +203,28 @@ class _Elementwise(Strategy):
         return bits, values, counts, state
 
     def _masks_and_counts(self, flat: torch.Tensor, state: Any):
+        """Per slice: the mask bits, the kept count and, for sparse bits, the non-zero bytes."""
         step = self._slice_len()
-        bits, counts = [], []
+        bits, counts, nonzero = [], [], []
         for start in range(0, flat.numel(), step):
             mask = self._slice_mask(flat[start : start + step], start, state)
-            counts.append(mask.sum())
+            counts.append(torch.count_nonzero(mask))
             if self.stores_mask:
                 bits.append(pack_bits(mask))
-        return bits, counts
+                if self.positions == "sparse_bits":
+                    nonzero.append(torch.count_nonzero(bits[-1]))
+        return bits, counts, nonzero
 
     def _pack_counts_first(self, flat: torch.Tensor):
         state, ok = self._begin(flat, static=True)
-        bits, counts = self._masks_and_counts(flat, state)
+        bits, counts, nonzero = self._masks_and_counts(flat, state)
         flags = [] if ok is None else [ok.to(torch.int64)]
-        host = _host_ints(counts + flags)
+        host = _host_ints(counts + nonzero + flags)
         if flags and not host[-1]:  # rare: the state was a miss; redo it exactly (more syncs)
             state = self._exact(flat)
-            bits, counts = self._masks_and_counts(flat, state)
-            host = _host_ints(counts)
+            bits, counts, nonzero = self._masks_and_counts(flat, state)
+            host = _host_ints(counts + nonzero)
+        nonzero_bytes = sum(host[len(counts) : len(counts) + len(nonzero)])
         counts = host[: len(counts)]
         step = self._slice_len()
         values = []
@@ -208,7 +235,7 @@ class _Elementwise(Strategy):
             else:
                 mask = self._slice_mask(piece, start, state)
             values.append(compact(piece, mask, counts[i]))
-        return bits, values, counts, state
+        return bits, values, counts, state, nonzero_bytes
 
     def _rebuild_mask(self, tensors: tuple[torch.Tensor, ...], start: int, length: int, state: Any):
         bits = tensors[0][start // 8 : (start + length + 7) // 8]
@@ -216,6 +243,8 @@ class _Elementwise(Strategy):
 
     def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         shape, dtype, counts, state = meta
+        if self.stores_mask and self.positions == "sparse_bits":
+            tensors = (_dense_bits(tensors[0], tensors[1], math.prod(shape)), *tensors[2:])
         value_parts = tensors[1:] if self.stores_mask else tensors
         values = self.codec.decode(tuple(value_parts), dtype, sum(counts))
         n = math.prod(shape)
@@ -576,4 +605,10 @@ def build_strategy(name: str, gamma: float, **options: Any) -> Strategy:
         chunks[key] = options.pop(key, default)
         if chunks[key] < 1:
             raise ValueError(f"DropIT option {key}={chunks[key]} is invalid: allowed integers >= 1")
-    return _CLASSES[name](gamma, ValueCodec(fmt, **chunks), **options)
+    positions = options.pop("positions", "bits")
+    if positions not in POSITIONS:
+        raise ValueError(f"DropIT option positions={positions!r} is invalid: allowed {POSITIONS}")
+    strategy = _CLASSES[name](gamma, ValueCodec(fmt, **chunks), **options)
+    if positions != "bits":
+        strategy.positions = positions
+    return strategy

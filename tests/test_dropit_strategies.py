@@ -493,3 +493,34 @@ def test_int4_values_round_trip_for_every_strategy(name: str, layout: str, shape
     out, _ = _roundtrip(build_strategy(name, 0.5, **options), x, layout)
     # Within half a step of each chunk's scale: at most 1/14 of the largest kept magnitude.
     assert float((out - exact).abs().max()) <= float(exact.abs().max()) / 14 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("name", ["mink", "threshold", "parallel_mink"])
+@pytest.mark.parametrize("counts_first", [False, True])
+def test_sparse_bits_positions_round_trip_and_bytes(monkeypatch, name: str, counts_first) -> None:
+    monkeypatch.setattr(strategies_mod, "_SLICE", 64)
+    monkeypatch.setattr(strategies_mod, "counts_first", lambda device: counts_first)
+    x = _x((2, 4, 10, 10), seed=20)
+    x[:, :2] = 0.0  # whole zero planes: zero mask bytes
+    options = {"chunk": 32} if name == "parallel_mink" else {}
+    dense, dense_t = _roundtrip(build_strategy(name, 0.9, **options), x, "conv")
+    out, tensors = _roundtrip(
+        build_strategy(name, 0.9, positions="sparse_bits", **options), x, "conv"
+    )
+    assert torch.equal(out, dense)
+    bits = dense_t[0]
+    nonzero = int((bits != 0).sum())
+    assert nonzero < bits.numel() // 2
+    assert tensors[0].numel() == math.ceil(bits.numel() / 8) and torch.equal(
+        tensors[1], bits[bits != 0]
+    )
+    assert (
+        _cache_bytes(tensors) == _cache_bytes(dense_t) - bits.numel() + tensors[0].numel() + nonzero
+    )
+
+
+def test_positions_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="positions='rle' is invalid: allowed"):
+        build_strategy("mink", 0.9, positions="rle")
+    with pytest.raises(ValueError, match="'positions' does not apply to strategy 'random'"):
+        build_strategy("random", 0.9, positions="sparse_bits")
