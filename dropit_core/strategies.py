@@ -301,8 +301,9 @@ class MinK(_Elementwise):
         if t is None:  # the sample misled: exact radix select, then the plain pass
             return self._pack_with_state(flat, self._exact(flat))
         bits, values, counts = [], [], []
-        for v, a in zip(supersets, abs_slices(flat, _SLICE), strict=True):
+        for i, a in enumerate(abs_slices(flat, _SLICE)):
             bits.append(pack_bits(a >= t))
+            v, supersets[i] = supersets[i], None  # each superset goes as its kept values come
             kept = v[v.abs() >= t]
             values.append(kept)
             counts.append(kept.numel())
