@@ -42,7 +42,8 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``n`` flags as a flat bool tensor."""
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    flags = (bits.unsqueeze(-1) >> shifts) & 1
+    flags = bits.unsqueeze(-1) >> shifts
+    flags &= 1  # in place: one n-byte temporary in the backward, not two
     return flags.view(torch.bool).reshape(-1)[:n]
 
 
