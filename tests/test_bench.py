@@ -170,3 +170,21 @@ def test_step_peak_is_measured_and_out_of_memory_is_none(monkeypatch) -> None:
 def test_unknown_strategy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown DropIT strategy 'mink2'"):
         list(run_benchmark([Variant("mink2", 0.8)], image_size=64, repeats=1))
+
+
+def test_bench_tool_says_when_cuda_is_missing() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+    done = subprocess.run(
+        [sys.executable, str(tool), "--device", "cuda", "--variants", "mink:0.8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "--device cuda: CUDA is not available on this machine" in done.stderr
