@@ -406,6 +406,19 @@ class RandomKeep(_Elementwise):
         return torch.rand(length, generator=gen, device=tensors[0].device) >= self.gamma
 
 
+def _fp32_norms(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """L2 norms over ``dims`` in fp32, a few million elements of ``t`` at a time: a bf16/fp16
+    input is never copied to fp32 whole (``vector_norm(dtype=...)`` copies it too)."""
+    if t.shape[0] == 0:
+        return torch.linalg.vector_norm(t.float(), dim=dims)
+    step = max(1, _SLICE // max(1, t[0].numel()))
+    parts = [
+        torch.linalg.vector_norm(t[i : i + step].float(), dim=dims)
+        for i in range(0, t.shape[0], step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _units(x: torch.Tensor, layout: str) -> torch.Tensor:
     """Rows to select among: planes (conv) or feature columns, transposed to rows (linear)."""
     if layout == "conv":
@@ -451,7 +464,7 @@ class ChannelMinK(_ChannelBase):
     name = "channel_mink"
 
     def _choose(self, units: torch.Tensor, k: int) -> torch.Tensor:
-        norms = torch.linalg.vector_norm(units.float(), dim=1)
+        norms = _fp32_norms(units, dims=(1,))
         return torch.topk(norms, k, sorted=False).indices
 
 
@@ -500,7 +513,7 @@ class BlockMinK(Strategy):
             planes = F.pad(planes, (0, pw, 0, ph))
         hb, wb = (h + ph) // b, (w + pw) // b
         grid = planes.view(m, hb, b, wb, b)
-        norms = torch.linalg.vector_norm(grid.float(), dim=(2, 4)).view(-1)
+        norms = _fp32_norms(grid, dims=(2, 4)).view(-1)
         k = _keep_count(self.gamma, norms.numel())
         flat_idx = torch.topk(norms, k, sorted=False).indices
         mi, rest = flat_idx // (hb * wb), flat_idx % (hb * wb)
