@@ -294,8 +294,9 @@ class MinK(_Elementwise):
         above, candidates = 0, []
         for v in supersets:  # slice by slice: no superset-sized temporary
             m = v.abs()
-            above += int(torch.count_nonzero(m > b.hi))
-            candidates.append(m[m <= b.hi])
+            inside = m[m <= b.hi]  # the rest of the superset (all >= lo) lies above hi
+            above += m.numel() - inside.numel()
+            candidates.append(inside)
         t = kth_from_candidates(torch.cat(candidates), above, k, b)
         del candidates
         if t is None:  # the sample misled: exact radix select, then the plain pass
