@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench lint format study
+.PHONY: setup demo test test-fast bench bench-gpu lint format study
 
 setup: $(STAMP)
 
@@ -30,6 +30,14 @@ test-fast: setup
 
 bench: setup
 	$(PY) tools/bench.py
+
+# On a machine with a GPU: AMP fp16 step memory and time per variant, then the largest batch each
+# trains in BUDGET_MB of GPU memory (default 16000).
+BUDGET_MB ?= 16000
+bench-gpu: setup
+	$(PY) tools/bench.py --device cuda --amp fp16 --image-size 800 --json bench_gpu.json
+	$(PY) tools/bench.py --device cuda --amp fp16 --image-size 800 --max-batch $(BUDGET_MB) \
+		--json bench_gpu_batch.json
 
 lint: setup
 	$(VENV)/bin/ruff check .

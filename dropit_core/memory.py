@@ -134,17 +134,37 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def cuda_peak_mb(device: torch.device | None = None) -> float | None:
-    """``torch.cuda.max_memory_allocated`` in MB, or None without CUDA."""
+def _cuda_device(device: torch.device | str | None) -> torch.device | None:
+    """The CUDA device to query, or None when ``device`` is not a CUDA device or CUDA is absent.
+
+    ``torch.cuda`` statistics raise for a CPU device, so a CPU run on a GPU node must not reach
+    them; ``None`` means the current CUDA device.
+    """
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.max_memory_allocated(device) / MB
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    return device if device.type == "cuda" else None
 
 
-def reset_cuda_peak(device: torch.device | None = None) -> None:
-    """Reset CUDA peak statistics when CUDA is available."""
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats(device)
+def cuda_peak_mb(device: torch.device | str | None = None) -> float | None:
+    """``torch.cuda.max_memory_allocated`` in MB; None unless ``device`` is a CUDA device."""
+    cuda = _cuda_device(device)
+    return None if cuda is None else torch.cuda.max_memory_allocated(cuda) / MB
+
+
+def cuda_allocated_mb(device: torch.device | str | None = None) -> float | None:
+    """``torch.cuda.memory_allocated`` in MB; None unless ``device`` is a CUDA device."""
+    cuda = _cuda_device(device)
+    return None if cuda is None else torch.cuda.memory_allocated(cuda) / MB
+
+
+def reset_cuda_peak(device: torch.device | str | None = None) -> None:
+    """Reset CUDA peak statistics of ``device``; does nothing unless it is a CUDA device."""
+    cuda = _cuda_device(device)
+    if cuda is not None:
+        torch.cuda.reset_peak_memory_stats(cuda)
 
 
 def timed(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[Any, float]:

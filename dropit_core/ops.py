@@ -8,6 +8,7 @@ from the rebuilt (dropped) input.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -29,14 +30,39 @@ class InputCache:
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
         self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
-    def pack(self, x: torch.Tensor, layout: str) -> Packed:
-        """Pack ``x``, or return the pack made earlier in this forward for the same tensor."""
-        hit = self._packs.get(x)
-        if hit is not None and hit[0] == x._version and hit[1] == layout:
-            return hit[2]
+    def cast_param(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
+        once per FPN level), as autocast's own weight cache does for the plain layer.
+
+        The cast is held weakly: the autograd graph keeps it alive through the forward and lets
+        it go with the graph, so no copy of the weights outlives a step.
+        """
+        if p.dtype == dtype:
+            return p
+        hit = self._param_casts.get(p)
+        if hit is not None:
+            cast = hit[1]()
+            if cast is not None and hit[0] == p._version and cast.dtype == dtype:
+                return cast
+        cast = p.to(dtype)
+        self._param_casts[p] = (p._version, weakref.ref(cast))
+        return cast
+
+    def pack(self, x: torch.Tensor, layout: str, source: torch.Tensor | None = None) -> Packed:
+        """Pack ``x``, or return the pack made earlier in this forward for the same tensor.
+
+        ``source`` is the tensor ``x`` was cast from under autocast: every consumer casts its own
+        copy (so autograd sums input gradients exactly as plain autocast does), and the copies
+        share one pack through the tensor they came from.
+        """
+        key = x if source is None else source
+        hit = self._packs.get(key)
+        if hit is not None and hit[:3] == (key._version, layout, x.dtype):
+            return hit[3]
         packed = self.strategy.pack(x, layout)
-        self._packs[x] = (x._version, layout, packed)
+        self._packs[key] = (key._version, layout, x.dtype, packed)
         return packed
 
     def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
@@ -67,9 +93,15 @@ def _zeros_like_shape(ref: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return ref.new_zeros(()).expand(shape)
 
 
-def _save_for_backward(ctx, x, weight, cache: InputCache, layout: str) -> None:
+class PackKey(NamedTuple):
+    """The tensor a layer input was cast from; a tuple, so autograd does not see it as an input."""
+
+    source: torch.Tensor | None
+
+
+def _save_for_backward(ctx, x, weight, cache: InputCache, key: PackKey, layout: str) -> None:
     """Keep the weight (input gradient) and, when the weight trains, the packed input."""
-    tensors, meta = cache.pack(x, layout) if weight.requires_grad else ((), None)
+    tensors, meta = cache.pack(x, layout, key.source) if weight.requires_grad else ((), None)
     ctx.cache, ctx.meta, ctx.x_shape = cache, meta, x.shape
     ctx.save_for_backward(weight, *tensors)
 
@@ -78,10 +110,10 @@ class DropITConvFunction(torch.autograd.Function):
     """Convolution (plain or transposed) whose weight gradient uses a dropped input cache."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache):
+    def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache, key: PackKey):
         out = torch.ops.aten.convolution(x, weight, bias, *args)
         ctx.args = args
-        _save_for_backward(ctx, x, weight, cache, "conv")
+        _save_for_backward(ctx, x, weight, cache, key, "conv")
         return out
 
     @staticmethod
@@ -102,16 +134,16 @@ class DropITConvFunction(torch.autograd.Function):
             *args,
             [need_x, need_w, need_b],
         )
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 class DropITLinearFunction(torch.autograd.Function):
     """Linear layer over any leading dims whose weight gradient uses a dropped input cache."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, cache: InputCache):
+    def forward(ctx, x, weight, bias, cache: InputCache, key: PackKey):
         out = F.linear(x, weight, bias)
-        _save_for_backward(ctx, x, weight, cache, "linear")
+        _save_for_backward(ctx, x, weight, cache, key, "linear")
         return out
 
     @staticmethod
@@ -127,7 +159,7 @@ class DropITLinearFunction(torch.autograd.Function):
             gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
         if need_b:
             gb = g2.sum(0)
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 class MaskedReLUFunction(torch.autograd.Function):
@@ -155,19 +187,23 @@ class MaskedReLUFunction(torch.autograd.Function):
 
 
 def autocast_inputs(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: InputCache
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, PackKey]:
     """Cast like autocast would for conv/linear, outside the Function so autograd sees the casts.
 
     Conv and linear run in the autocast dtype on CUDA (fp16/bf16) and CPU (bf16); doing the same
     cast here keeps outputs identical to the plain layer and lets the cache hold narrow values.
+    The returned key names the uncast input, so layers fed the same tensor share its pack;
+    weight and bias casts are shared by the calls of one forward through ``cache``.
     """
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
-        return x, weight, bias
+        return x, weight, bias, PackKey(None)
     dtype = torch.get_autocast_dtype(device_type)
+    cast = x.to(dtype)
     return (
-        x.to(dtype),
-        weight.to(dtype),
-        bias.to(dtype) if bias is not None else None,
+        cast,
+        cache.cast_param(weight, dtype),
+        cache.cast_param(bias, dtype) if bias is not None else None,
+        PackKey(None if cast is x else x),
     )

@@ -1,8 +1,12 @@
 """Compact encodings for a dropped cache: 1-bit position masks and narrow kept values.
 
-A kept element costs its value (4, 2 or 1 byte) and the position mask costs 1 bit per element of
-the whole tensor, so at gamma=0.8 an fp32 cache costs 0.2 * 4 + 1/8 = 0.925 bytes per element
-instead of the published (1 - gamma) * (4 + 4) = 1.6 (value + int32 index).
+A kept element costs its value (4, 2, 1 or 1/2 byte) and the position mask costs 1 bit per
+element of the whole tensor, so at gamma=0.8 an fp32 cache costs 0.2 * 4 + 1/8 = 0.925 bytes per
+element instead of the published (1 - gamma) * (4 + 4) = 1.6 (value + int32 index).
+
+``int8``/``int4`` scale each chunk of kept values by its largest magnitude (one fp32 scale per
+chunk) and round to the nearest of 255 / 15 levels. Kept values are the large ones, so a
+chunk's range is narrow compared with the whole tensor's: ActNN-style group quantisation.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 # the top byte, bit i coming from byte i: one multiply packs eight flags at memory speed.
 _GATHER = 0x0102040810204080
 
-VALUE_FORMATS = ("same", "fp16", "bf16", "int8")
+VALUE_FORMATS = ("same", "fp16", "bf16", "int8", "int4")
 _FLOAT_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -38,16 +42,37 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``n`` flags as a flat bool tensor."""
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    flags = (bits.unsqueeze(-1) >> shifts) & 1
+    flags = bits.unsqueeze(-1) >> shifts
+    flags &= 1  # in place: one n-byte temporary in the backward, not two
     return flags.view(torch.bool).reshape(-1)[:n]
+
+
+def compact(values: torch.Tensor, mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """``values[mask]`` for flat tensors; given the mask's count, without a device sync.
+
+    A boolean index must learn its output size from the device (a sync on CUDA);
+    ``nonzero_static`` with the count read earlier, together with others, does not.
+    """
+    if count is None:
+        return values[mask]
+    return values.index_select(0, torch.nonzero_static(mask, size=count).squeeze(1))
+
+
+_INT_LEVELS = {"int8": 127, "int4": 7}
 
 
 @dataclass(frozen=True)
 class ValueCodec:
-    """How kept values are stored: as they are, as fp16/bf16, or int8 with a per-chunk scale."""
+    """How kept values are stored: as they are, as fp16/bf16, or int8/int4 with per-chunk scales."""
 
     fmt: str = "same"
     int8_chunk: int = 1024
+    int4_chunk: int = 64
+
+    @property
+    def chunk(self) -> int:
+        """Values per scale of the integer formats."""
+        return self.int4_chunk if self.fmt == "int4" else self.int8_chunk
 
     def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Encode a flat tensor of kept values into one or two tensors."""
@@ -55,22 +80,39 @@ class ValueCodec:
             return (values,)
         if self.fmt in _FLOAT_FORMATS:
             return (values.to(_FLOAT_FORMATS[self.fmt]),)
+        levels, chunk = _INT_LEVELS[self.fmt], self.chunk
         m = values.numel()
-        pad = (-m) % self.int8_chunk
-        v = torch.nn.functional.pad(values.float(), (0, pad)).view(-1, self.int8_chunk)
-        scale = v.abs().amax(dim=1).clamp_min_(torch.finfo(torch.float32).tiny) / 127.0
+        pad = (-m) % chunk
+        v = torch.nn.functional.pad(values.float(), (0, pad)).view(-1, chunk)
+        scale = v.abs().amax(dim=1).clamp_min_(torch.finfo(torch.float32).tiny) / levels
         q = torch.round(v / scale[:, None]).to(torch.int8).view(-1)
+        if self.fmt == "int4":
+            # Two codes per byte, offset to 1..15 (0 never occurs: a padded code rebuilds as 0).
+            q = (q[:m] + 8).to(torch.uint8)
+            q = torch.nn.functional.pad(q, (0, m % 2))
+            return (q[0::2] | (q[1::2] << 4), scale)
         # Slicing off the padding would still keep it alive in the storage: copy instead.
         return (q[:m].clone() if pad else q, scale)
 
-    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Decode what :meth:`encode` returned back to a flat tensor of ``dtype``."""
-        if self.fmt != "int8":
+    def decode(
+        self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype, count: int | None = None
+    ) -> torch.Tensor:
+        """Decode what :meth:`encode` returned back to a flat tensor of ``dtype``.
+
+        ``count``, the number of encoded values, is needed for int4 (two per byte: an odd count
+        leaves a padding code) and ignored otherwise.
+        """
+        if self.fmt not in _INT_LEVELS:
             return parts[0].to(dtype)
         q, scale = parts
+        chunk = self.chunk
+        if self.fmt == "int4":
+            if count is None:
+                raise ValueError("decoding int4 values needs their count")
+            q = (torch.stack([q & 0xF, q >> 4], dim=1).view(-1)[:count]).to(torch.int8) - 8
         m = q.numel()
-        pad = (-m) % self.int8_chunk
-        v = torch.nn.functional.pad(q, (0, pad)).view(-1, self.int8_chunk).to(torch.float32)
+        pad = (-m) % chunk
+        v = torch.nn.functional.pad(q, (0, pad)).view(-1, chunk).to(torch.float32)
         return (v * scale[:, None]).view(-1)[:m].to(dtype)
 
     def nbytes(self, kept: int, elem_size: int) -> int:
@@ -79,4 +121,5 @@ class ValueCodec:
             return kept * elem_size
         if self.fmt in _FLOAT_FORMATS:
             return kept * 2
-        return kept + 4 * (-(-kept // self.int8_chunk))
+        codes = kept if self.fmt == "int8" else (kept + 1) // 2
+        return codes + 4 * (-(-kept // self.chunk))

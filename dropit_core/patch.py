@@ -52,11 +52,11 @@ class DropITConv2d(nn.Conv2d):
             padding = (0, 0)
         elif isinstance(padding, str):
             x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
-        x, w, b = autocast_inputs(x, self.weight, self.bias)
+        x, w, b, key = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         args = ConvArgs(
             list(self.stride), list(padding), list(self.dilation), False, [0, 0], self.groups
         )
-        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache)
+        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, key)
 
 
 def _explicit_padding(x, padding: str, kernel_size, dilation) -> tuple[torch.Tensor, tuple]:
@@ -81,7 +81,7 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
             x, output_size, list(self.stride), list(self.padding), list(self.kernel_size), 2,
             list(self.dilation),
         )  # fmt: skip
-        x, w, b = autocast_inputs(x, self.weight, self.bias)
+        x, w, b, key = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         args = ConvArgs(
             list(self.stride),
             list(self.padding),
@@ -90,7 +90,7 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
             list(output_padding),
             self.groups,
         )
-        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache)
+        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, key)
 
 
 class DropITLinear(nn.Linear):
@@ -101,8 +101,8 @@ class DropITLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _training_step(self, x):
             return super().forward(x)
-        x, w, b = autocast_inputs(x, self.weight, self.bias)
-        return DropITLinearFunction.apply(x, w, b, self.dropit_cache)
+        x, w, b, key = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
+        return DropITLinearFunction.apply(x, w, b, self.dropit_cache, key)
 
 
 class DropITReLU(nn.ReLU):

@@ -9,13 +9,16 @@ and channel. ``"linear"`` inputs are ``(..., F)``, seen as an ``R x F`` matrix; 
 one of the F feature columns.
 
 Costs, for an input of n elements, kept fraction ``1 - gamma``, ``v`` bytes per stored value
-(4 fp32, 2 fp16/bf16, 1 int8 + 4 bytes of scale per ``int8_chunk`` values):
+(4 fp32, 2 fp16/bf16, 1 int8 + 4 bytes of scale per ``int8_chunk`` values, 1/2 int4 + 4 bytes
+per ``int4_chunk``):
 
 ================  =====================================  ===========================================
 strategy          cache bytes                            extra time in forward (backward: a scatter)
 ================  =====================================  ===========================================
-mink              ceil(n/8) + kept*v                     one global k-th value of |x|: O(n) select
-                                                         on a dense |x| copy (the published method)
+mink              ceil(n/8) + kept*v                     the exact global k-th value of |x|
+                                                         (the published method), bracketed by a
+                                                         64Ki sample; the values above its low end
+                                                         are gathered slice by slice: no dense copy
 parallel_mink     ceil(n/8) + kept*v                     top-k inside chunks of D elements, in
                                                          slices of ~4M elements: no dense temporary
 random            kept*v (mask rebuilt from a seed)      one random number per element
@@ -41,7 +44,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .packing import VALUE_FORMATS, ValueCodec, pack_bits, unpack_bits
+from . import select as select_mod
+from .packing import VALUE_FORMATS, ValueCodec, compact, pack_bits, unpack_bits
+from .select import (
+    abs_slices,
+    bracket,
+    kth_from_candidates,
+    kth_largest_abs,
+    radix_kth_largest_abs,
+    sample_stride,
+)
 
 Packed = tuple[tuple[torch.Tensor, ...], Any]
 
@@ -50,12 +62,13 @@ Packed = tuple[tuple[torch.Tensor, ...], Any]
 _SLICE = 1 << 22
 _SAMPLE_DEFAULT = 1 << 16
 
-_COMMON_OPTIONS: dict[str, type] = {"values": str, "int8_chunk": int}
+_COMMON_OPTIONS: dict[str, type] = {"values": str, "int8_chunk": int, "int4_chunk": int}
+POSITIONS = ("bits", "sparse_bits")
 STRATEGY_OPTIONS: dict[str, dict[str, type]] = {
-    "mink": {},
-    "parallel_mink": {"chunk": int},
+    "mink": {"positions": str},
+    "parallel_mink": {"chunk": int, "positions": str},
     "random": {"seed": int},
-    "threshold": {"sample": int},
+    "threshold": {"sample": int, "positions": str},
     "channel_mink": {},
     "channel_random": {"seed": int},
     "block_mink": {"block": int},
@@ -72,12 +85,19 @@ def _tiny(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).tiny
 
 
-def _prime_at_least(n: int) -> int:
-    """Smallest prime >= n (n is small here: numel / sample size)."""
-    candidate = max(2, n)
-    while any(candidate % d == 0 for d in range(2, math.isqrt(candidate) + 1)):
-        candidate += 1
-    return candidate
+def counts_first(device: torch.device) -> bool:
+    """Whether packing must avoid data-dependent shapes: on an accelerator each would be a sync.
+
+    There, element-wise packs count the kept elements of every slice first, read all counts in
+    one host sync per layer, then gather with ``nonzero_static``. On the CPU a boolean index is
+    as cheap as counting, so the pack is one pass.
+    """
+    return device.type != "cpu"
+
+
+def _host_ints(values: list[torch.Tensor]) -> list[int]:
+    """The one device-to-host read of an element-wise pack."""
+    return torch.stack(values).tolist() if values else []
 
 
 class Strategy:
@@ -102,14 +122,41 @@ class Strategy:
         return f"{self.name}(gamma={self.gamma})"
 
 
+def _sparse_bits(bits: torch.Tensor, nonzero: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which bytes of the mask are non-zero, 1 bit each; those bytes): at gamma 0.9 a fifth to
+    half of the mask bytes are zero, and storing a zero byte as one bit saves 7/8 of it."""
+    flags = bits != 0
+    return pack_bits(flags), compact(bits, flags, nonzero)
+
+
+def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`_sparse_bits` for a mask of n elements."""
+    n_bytes = (n + 7) // 8
+    bits = torch.zeros(n_bytes, dtype=torch.uint8, device=nonzero.device)
+    return bits.masked_scatter_(unpack_bits(flags, n_bytes), nonzero)
+
+
 class _Elementwise(Strategy):
-    """Keep single elements: a packed 1-bit position mask plus the kept values."""
+    """Keep single elements: a packed 1-bit position mask plus the kept values.
+
+    ``positions="sparse_bits"`` stores the mask's non-zero bytes plus one bit per mask byte.
+    """
 
     stores_mask = True
+    positions = "bits"
 
-    def _begin(self, flat: torch.Tensor) -> Any:
-        """Per-tensor state computed once before the slices (e.g. a global threshold)."""
-        return None
+    def _begin(self, flat: torch.Tensor, static: bool) -> tuple[Any, torch.Tensor | None]:
+        """Per-tensor state computed once before the slices (e.g. a global threshold).
+
+        Returns (state, ok): ``ok`` is None or a 0-dim bool tensor that the pack reads with its
+        counts; False means the state is unusable and :meth:`_exact` must redo it. ``static``:
+        no host syncs allowed here (see :func:`counts_first`).
+        """
+        return None, None
+
+    def _exact(self, flat: torch.Tensor) -> Any:
+        """A state that is always right, for when :meth:`_begin` reported a miss."""
+        raise NotImplementedError
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: Any) -> torch.Tensor:
         raise NotImplementedError
@@ -119,26 +166,76 @@ class _Elementwise(Strategy):
 
     def pack(self, x: torch.Tensor, layout: str) -> Packed:
         flat = x.reshape(-1)
-        n = flat.numel()
-        state = self._begin(flat)
-        step = self._slice_len()
-        bits, values, counts = [], [], []
-        for start in range(0, n, step):
-            piece = flat[start : start + step]
-            mask = self._slice_mask(piece, start, state)
-            kept = piece[mask]
-            values.append(kept)
-            counts.append(kept.numel())
-            if self.stores_mask:
-                bits.append(pack_bits(mask))
+        nonzero_bytes = None
+        if counts_first(flat.device):
+            bits, values, counts, state, nonzero_bytes = self._pack_counts_first(flat)
+        else:
+            bits, values, counts, state = self._pack_one_pass(flat)
         if not values:  # an empty input
             values, bits = [flat], [pack_bits(flat.new_zeros(0, dtype=torch.bool))]
         vals = values[0] if len(values) == 1 else torch.cat(values)
         parts = self.codec.encode(vals)
         if self.stores_mask:
             packed_bits = bits[0] if len(bits) == 1 else torch.cat(bits)
-            parts = (packed_bits, *parts)
+            if self.positions == "sparse_bits":
+                parts = (*_sparse_bits(packed_bits, nonzero_bytes), *parts)
+            else:
+                parts = (packed_bits, *parts)
         return parts, (tuple(x.shape), x.dtype, tuple(counts), state)
+
+    def _pack_one_pass(self, flat: torch.Tensor):
+        state, ok = self._begin(flat, static=False)
+        if ok is not None and not bool(ok):
+            state = self._exact(flat)
+        return self._pack_with_state(flat, state)
+
+    def _pack_with_state(self, flat: torch.Tensor, state: Any):
+        step = self._slice_len()
+        bits, values, counts = [], [], []
+        for start in range(0, flat.numel(), step):
+            piece = flat[start : start + step]
+            mask = self._slice_mask(piece, start, state)
+            kept = compact(piece, mask)
+            values.append(kept)
+            counts.append(kept.numel())
+            if self.stores_mask:
+                bits.append(pack_bits(mask))
+        return bits, values, counts, state
+
+    def _masks_and_counts(self, flat: torch.Tensor, state: Any):
+        """Per slice: the mask bits, the kept count and, for sparse bits, the non-zero bytes."""
+        step = self._slice_len()
+        bits, counts, nonzero = [], [], []
+        for start in range(0, flat.numel(), step):
+            mask = self._slice_mask(flat[start : start + step], start, state)
+            counts.append(torch.count_nonzero(mask))
+            if self.stores_mask:
+                bits.append(pack_bits(mask))
+                if self.positions == "sparse_bits":
+                    nonzero.append(torch.count_nonzero(bits[-1]))
+        return bits, counts, nonzero
+
+    def _pack_counts_first(self, flat: torch.Tensor):
+        state, ok = self._begin(flat, static=True)
+        bits, counts, nonzero = self._masks_and_counts(flat, state)
+        flags = [] if ok is None else [ok.to(torch.int64)]
+        host = _host_ints(counts + nonzero + flags)
+        if flags and not host[-1]:  # rare: the state was a miss; redo it exactly (more syncs)
+            state = self._exact(flat)
+            bits, counts, nonzero = self._masks_and_counts(flat, state)
+            host = _host_ints(counts + nonzero)
+        nonzero_bytes = sum(host[len(counts) : len(counts) + len(nonzero)])
+        counts = host[: len(counts)]
+        step = self._slice_len()
+        values = []
+        for i, start in enumerate(range(0, flat.numel(), step)):
+            piece = flat[start : start + step]
+            if self.stores_mask:  # unpacking the bits reads n/8 bytes, not the input again
+                mask = unpack_bits(bits[i], piece.numel())
+            else:
+                mask = self._slice_mask(piece, start, state)
+            values.append(compact(piece, mask, counts[i]))
+        return bits, values, counts, state, nonzero_bytes
 
     def _rebuild_mask(self, tensors: tuple[torch.Tensor, ...], start: int, length: int, state: Any):
         bits = tensors[0][start // 8 : (start + length + 7) // 8]
@@ -146,8 +243,10 @@ class _Elementwise(Strategy):
 
     def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
         shape, dtype, counts, state = meta
+        if self.stores_mask and self.positions == "sparse_bits":
+            tensors = (_dense_bits(tensors[0], tensors[1], math.prod(shape)), *tensors[2:])
         value_parts = tensors[1:] if self.stores_mask else tensors
-        values = self.codec.decode(tuple(value_parts), dtype)
+        values = self.codec.decode(tuple(value_parts), dtype, sum(counts))
         n = math.prod(shape)
         dense = torch.zeros(n, dtype=dtype, device=values.device)
         step = self._slice_len()
@@ -166,18 +265,50 @@ class MinK(_Elementwise):
 
     name = "mink"
 
-    def _begin(self, flat: torch.Tensor) -> torch.Tensor:
+    def _begin(self, flat: torch.Tensor, static: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = flat.numel()
         k = _keep_count(self.gamma, n)
         if k == 0:
-            return torch.full((), math.inf, device=flat.device)
+            return torch.full((), math.inf, dtype=flat.dtype, device=flat.device), None
         if k == n:
-            return torch.full((), _tiny(flat.dtype), device=flat.device)
-        a = flat.abs()
-        # The (n-k+1)-th smallest is the k-th largest; clamping to the smallest normal number
-        # drops exact zeros, which rebuild as zeros anyway.
-        thr = torch.kthvalue(a.float() if a.dtype == torch.bfloat16 else a, n - k + 1).values
-        return thr.float().clamp_min(_tiny(flat.dtype))
+            return torch.full((), _tiny(flat.dtype), dtype=flat.dtype, device=flat.device), None
+        # The k-th largest |x|, floored at the smallest normal number so that exact zeros are
+        # dropped (they rebuild as zeros anyway); found without a dense |x| copy.
+        return kth_largest_abs(flat, k, _SLICE, static)
+
+    def _exact(self, flat: torch.Tensor) -> torch.Tensor:
+        return radix_kth_largest_abs(flat, _keep_count(self.gamma, flat.numel()), _SLICE)
+
+    def _pack_one_pass(self, flat: torch.Tensor):
+        """Select and pack in two passes (CPU): the first gathers every value above the bracket's
+        low end, a superset of the kept ones whose magnitudes also give the k-th value; the
+        second only writes the mask bits, and the kept values are filtered from the superset."""
+        n = flat.numel()
+        k = _keep_count(self.gamma, n)
+        if k in (0, n) or n <= select_mod._DIRECT:
+            return super()._pack_one_pass(flat)
+        b = bracket(flat, k)
+        supersets = []
+        for start, a in zip(range(0, n, _SLICE), abs_slices(flat, _SLICE), strict=True):
+            supersets.append(flat[start : start + _SLICE][a >= b.lo])
+        above, candidates = 0, []
+        for v in supersets:  # slice by slice: no superset-sized temporary
+            m = v.abs()
+            inside = m[m <= b.hi]  # the rest of the superset (all >= lo) lies above hi
+            above += m.numel() - inside.numel()
+            candidates.append(inside)
+        t = kth_from_candidates(torch.cat(candidates), above, k, b)
+        del candidates
+        if t is None:  # the sample misled: exact radix select, then the plain pass
+            return self._pack_with_state(flat, self._exact(flat))
+        bits, values, counts = [], [], []
+        for i, a in enumerate(abs_slices(flat, _SLICE)):
+            bits.append(pack_bits(a >= t))
+            v, supersets[i] = supersets[i], None  # each superset goes as its kept values come
+            kept = v[v.abs() >= t]
+            values.append(kept)
+            counts.append(kept.numel())
+        return bits, values, counts, t
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
         return piece.abs() >= state
@@ -235,18 +366,16 @@ class Threshold(_Elementwise):
             raise ValueError(f"DropIT option sample={sample} is invalid: allowed integers >= 1")
         self.sample = sample
 
-    def _begin(self, flat: torch.Tensor) -> torch.Tensor:
+    def _begin(self, flat: torch.Tensor, static: bool) -> tuple[torch.Tensor, None]:
         n = flat.numel()
         tiny = _tiny(flat.dtype)
         if self.gamma == 0.0 or n == 0:
-            return torch.full((), tiny, device=flat.device)
-        # A strided view costs nothing to take; an odd prime stride shares no factor with the
-        # power-of-two widths of CNN feature maps, so the sample does not lock onto columns.
-        stride = n // self.sample
-        stride = 1 if stride <= 1 else _prime_at_least(max(3, stride))
-        sample = flat[::stride].abs().float()
+            return torch.full((), tiny, dtype=flat.dtype, device=flat.device), None
+        # A strided view costs nothing to take (prime stride: see sample_stride). A sort, not
+        # kthvalue, which runs one CUDA thread block for the whole sample.
+        sample = flat[:: sample_stride(n, self.sample)].abs()
         q = min(sample.numel(), max(1, math.ceil(self.gamma * sample.numel())))
-        return torch.kthvalue(sample, q).values.clamp_min(tiny)
+        return torch.sort(sample).values[q - 1].clamp_min(tiny), None
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
         return piece.abs() >= state
@@ -265,8 +394,9 @@ class RandomKeep(_Elementwise):
         super().__init__(gamma, codec)
         self._seeds = torch.Generator().manual_seed(seed)
 
-    def _begin(self, flat: torch.Tensor) -> int:
-        return int(torch.randint(0, 2**62, (1,), generator=self._seeds).item())
+    def _begin(self, flat: torch.Tensor, static: bool) -> tuple[int, None]:
+        # A CPU generator: drawing the seed never waits for an accelerator.
+        return int(torch.randint(0, 2**62, (1,), generator=self._seeds).item()), None
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: int) -> torch.Tensor:
         gen = torch.Generator(device=piece.device).manual_seed(state + start)
@@ -275,6 +405,19 @@ class RandomKeep(_Elementwise):
     def _rebuild_mask(self, tensors, start, length, state):
         gen = torch.Generator(device=tensors[0].device).manual_seed(state + start)
         return torch.rand(length, generator=gen, device=tensors[0].device) >= self.gamma
+
+
+def _fp32_norms(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """L2 norms over ``dims`` in fp32, a few million elements of ``t`` at a time: a bf16/fp16
+    input is never copied to fp32 whole (``vector_norm(dtype=...)`` copies it too)."""
+    if t.shape[0] == 0:
+        return torch.linalg.vector_norm(t.float(), dim=dims)
+    step = max(1, _SLICE // max(1, t[0].numel()))
+    parts = [
+        torch.linalg.vector_norm(t[i : i + step].float(), dim=dims)
+        for i in range(0, t.shape[0], step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _units(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -311,7 +454,8 @@ class _ChannelBase(Strategy):
 
     def unpack(self, tensors, meta) -> torch.Tensor:
         shape, dtype, layout, width = meta
-        rows = self.codec.decode(tuple(tensors[1:]), dtype).view(-1, width)
+        count = tensors[0].numel() * width
+        rows = self.codec.decode(tuple(tensors[1:]), dtype, count).view(-1, width)
         return _restore_units(tensors[0], rows, shape, layout, dtype)
 
 
@@ -321,7 +465,7 @@ class ChannelMinK(_ChannelBase):
     name = "channel_mink"
 
     def _choose(self, units: torch.Tensor, k: int) -> torch.Tensor:
-        norms = torch.linalg.vector_norm(units.float(), dim=1)
+        norms = _fp32_norms(units, dims=(1,))
         return torch.topk(norms, k, sorted=False).indices
 
 
@@ -332,10 +476,16 @@ class ChannelRandom(_ChannelBase):
 
     def __init__(self, gamma: float, codec: ValueCodec, seed: int = 0) -> None:
         super().__init__(gamma, codec)
-        self._gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._gens: dict[torch.device, torch.Generator] = {}
 
     def _choose(self, units: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.randperm(units.shape[0], generator=self._gen)[:k].to(units.device)
+        # One generator per device, so the permutation is drawn where the planes are: a CPU
+        # permutation copied to the GPU would be a blocking host-to-device copy per layer.
+        dev = units.device
+        if dev not in self._gens:
+            self._gens[dev] = torch.Generator(device=dev).manual_seed(self.seed)
+        return torch.randperm(units.shape[0], generator=self._gens[dev], device=dev)[:k]
 
 
 def _as_planes(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -364,7 +514,7 @@ class BlockMinK(Strategy):
             planes = F.pad(planes, (0, pw, 0, ph))
         hb, wb = (h + ph) // b, (w + pw) // b
         grid = planes.view(m, hb, b, wb, b)
-        norms = torch.linalg.vector_norm(grid.float(), dim=(2, 4)).view(-1)
+        norms = _fp32_norms(grid, dims=(2, 4)).view(-1)
         k = _keep_count(self.gamma, norms.numel())
         flat_idx = torch.topk(norms, k, sorted=False).indices
         mi, rest = flat_idx // (hb * wb), flat_idx % (hb * wb)
@@ -377,7 +527,8 @@ class BlockMinK(Strategy):
         shape, dtype, (m, h, w, hb, wb) = meta
         b = self.block
         flat_idx = tensors[0].long()
-        blocks = self.codec.decode(tuple(tensors[1:]), dtype).view(-1, b, b)
+        blocks = self.codec.decode(tuple(tensors[1:]), dtype, flat_idx.numel() * b * b)
+        blocks = blocks.view(-1, b, b)
         grid = torch.zeros(m, hb, b, wb, b, dtype=dtype, device=blocks.device)
         mi, rest = flat_idx // (hb * wb), flat_idx % (hb * wb)
         grid[mi, rest // wb, :, rest % wb, :] = blocks
@@ -416,7 +567,8 @@ class Pool(Strategy):
     def unpack(self, tensors, meta) -> torch.Tensor:
         shape, dtype, layout, pooled_shape = meta
         f = self.factor
-        pooled = self.codec.decode(tuple(tensors), dtype).view(pooled_shape)
+        pooled = self.codec.decode(tuple(tensors), dtype, math.prod(pooled_shape))
+        pooled = pooled.view(pooled_shape)
         if layout == "conv":
             up = pooled.repeat_interleave(f, dim=-2).repeat_interleave(f, dim=-1)
             return up[..., : shape[-2], : shape[-1]].reshape(shape)
@@ -463,7 +615,15 @@ def build_strategy(name: str, gamma: float, **options: Any) -> Strategy:
     fmt = options.pop("values", "same")
     if fmt not in VALUE_FORMATS:
         raise ValueError(f"DropIT option values={fmt!r} is invalid: allowed {VALUE_FORMATS}")
-    chunk = options.pop("int8_chunk", 1024)
-    if chunk < 1:
-        raise ValueError(f"DropIT option int8_chunk={chunk} is invalid: allowed integers >= 1")
-    return _CLASSES[name](gamma, ValueCodec(fmt, chunk), **options)
+    chunks = {}
+    for key, default in (("int8_chunk", 1024), ("int4_chunk", 64)):
+        chunks[key] = options.pop(key, default)
+        if chunks[key] < 1:
+            raise ValueError(f"DropIT option {key}={chunks[key]} is invalid: allowed integers >= 1")
+    positions = options.pop("positions", "bits")
+    if positions not in POSITIONS:
+        raise ValueError(f"DropIT option positions={positions!r} is invalid: allowed {POSITIONS}")
+    strategy = _CLASSES[name](gamma, ValueCodec(fmt, **chunks), **options)
+    if positions != "bits":
+        strategy.positions = positions
+    return strategy

@@ -2,11 +2,17 @@
 
 Each variant is compared with the baseline side by side in one process: timings alternate
 baseline and variant steps and report the ratio of medians, so a noisy shared machine cancels out.
+Memory is measured above each model's own starting allocation (RSS on the CPU, the CUDA caching
+allocator's counters on a GPU), and the row says whether the step's peak falls in the forward or
+the backward pass. :func:`largest_batches` finds the largest batch each setting trains within a
+memory budget, which is what a GPU user wants to know.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +24,7 @@ from torch import nn
 
 from dropit_core import build_strategy, from_dropit, is_dropit, to_dropit
 from dropit_core.memory import (
+    cuda_allocated_mb,
     cuda_peak_mb,
     peak_rss_mb,
     reset_cuda_peak,
@@ -30,6 +37,7 @@ from rcnn_dropit.config import load_config
 from rcnn_dropit.models import build_model
 
 _CONFIG = Path(__file__).resolve().parent.parent / "configs" / "maskrcnn_baseline.yaml"
+AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 EXCLUDE = (
     "backbone.body.conv1",
     "roi_heads.box_predictor",
@@ -112,27 +120,46 @@ def make_batch(image_size: int, device: torch.device, n_images: int = 2):
     return images, targets
 
 
-def _loss(model: nn.Module, batch) -> torch.Tensor:
+def check_amp(amp: str | None) -> None:
+    """Raise a clear error for an ``amp`` value other than None, "fp16" or "bf16"."""
+    if amp is not None and amp not in AMP_DTYPES:
+        raise ValueError(f"amp={amp!r} is invalid: allowed {', '.join(AMP_DTYPES)} or none")
+
+
+def _autocast(device: torch.device, amp: str | None):
+    """``torch.autocast`` for ``amp`` ("fp16"/"bf16"), or nothing when ``amp`` is None."""
+    check_amp(amp)
+    if amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
+
+
+def _loss(model: nn.Module, batch, amp: str | None = None) -> torch.Tensor:
     # Proposal sampling draws from the global RNG: the same seed gives every variant the same graph.
     torch.manual_seed(1)
-    return sum(model(*batch).values())
+    device = batch[0][0].device
+    with _autocast(device, amp):
+        return sum(model(*batch).values())
 
 
-def _step(model: nn.Module, batch) -> None:
+def train_step(model: nn.Module, batch, amp: str | None = None) -> None:
+    """One forward and backward (gradients set to None first)."""
     model.zero_grad(set_to_none=True)
-    _loss(model, batch).backward()
+    # Under fp16 a real run scales the loss (GradScaler); the scale changes neither memory nor
+    # time of the backward, so the bench leaves it out.
+    _loss(model, batch, amp).backward()
 
 
-def _eval(model: nn.Module, batch) -> None:
+def _eval(model: nn.Module, batch, amp: str | None = None) -> None:
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(batch[0][0].device, amp):
         model(batch[0])
     model.train()
 
 
-def _weight_grads(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+def _weight_grads(model: nn.Module, batch, amp: str | None = None) -> dict[str, torch.Tensor]:
     """Weight gradients of the conv/linear layers that received one, by module path."""
-    _step(model, batch)
+    train_step(model, batch, amp)
     return {
         name: m.weight.grad.detach().clone()
         for name, m in model.named_modules()
@@ -140,20 +167,69 @@ def _weight_grads(model: nn.Module, batch) -> dict[str, torch.Tensor]:
     }
 
 
-def _memory(model: nn.Module, batch, device: torch.device) -> dict[str, Any]:
+class Meter:
+    """Memory of one process above a starting point: RSS on the CPU, allocator counters on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.start: float | None = None
+
+    def begin(self) -> None:
+        """Take the starting allocation and reset the peak."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            reset_cuda_peak(self.device)
+            self.start = cuda_allocated_mb(self.device)
+        else:
+            reset_peak_rss()
+            self.start = rss_mb()
+
+    def now(self) -> float | None:
+        """Memory in use now, above the start."""
+        if self.start is None:
+            return None
+        now = cuda_allocated_mb(self.device) if self.cuda else rss_mb()
+        return None if now is None else now - self.start
+
+    def peak(self) -> float | None:
+        """Peak since :meth:`begin`, above the start."""
+        if self.start is None:
+            return None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        peak = cuda_peak_mb(self.device) if self.cuda else peak_rss_mb()
+        return None if peak is None else peak - self.start
+
+
+def _memory(model: nn.Module, batch, device: torch.device, amp: str | None = None) -> dict:
+    """Saved bytes, live memory after the forward, and the peak of the step and where it falls.
+
+    Every figure is taken above this model's own starting allocation (its gradients freed), so
+    whatever else the process holds (the baseline, earlier variants) does not count.
+    """
     model.zero_grad(set_to_none=True)
-    reset_cuda_peak(device)
-    reset_peak_rss()
-    before = rss_mb()
-    loss, report = saved_activations(model, lambda: _loss(model, batch))
-    live = rss_mb()
+    gc.collect()
+    meter = Meter(device)
+    meter.begin()
+    loss, report = saved_activations(model, lambda: _loss(model, batch, amp))
+    live, peak_forward = meter.now(), meter.peak()
     loss.backward()
-    out = report.as_dict()
-    out["rss_live_mb"] = None if before is None else live - before
-    peak = peak_rss_mb()
-    out["rss_peak_mb"] = None if before is None or peak is None else peak - before
-    out["cuda_peak_mb"] = cuda_peak_mb(device)
+    peak = meter.peak()
     del loss
+    out = report.as_dict()
+    out["memory_source"] = "cuda" if meter.cuda else "rss"
+    out["live_mb"], out["peak_mb"], out["peak_forward_mb"] = live, peak, peak_forward
+    out["peak_phase"] = None
+    if peak is not None and peak_forward is not None:
+        out["peak_phase"] = "forward" if peak_forward >= peak else "backward"
+        # What the forward's peak holds beyond the live state after it: transients (the dense
+        # working set and the packing temporaries), not the caches.
+        out["forward_transient_mb"] = peak_forward - live
+    cpu = not meter.cuda
+    out["rss_live_mb"] = live if cpu else None
+    out["rss_peak_mb"] = peak if cpu else None
+    out["cuda_peak_mb"] = peak if meter.cuda else None
     return out
 
 
@@ -170,6 +246,28 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 4)
 
 
+def _fidelity(grads: dict, exact: dict, converted: set[str]) -> dict[str, Any]:
+    """Mean cosine and mean norm ratio (DropIT / exact) of the converted layers' weight grads."""
+    cos, norm = [], []
+    for name in grads:
+        if name not in converted:
+            continue
+        g, e = grads[name].flatten().double(), exact[name].flatten().double()
+        cos.append(torch.nn.functional.cosine_similarity(g, e, dim=0).item())
+        norm.append((g.norm() / e.norm().clamp_min(1e-30)).item())
+    return {
+        "grad_cosine": round(sum(cos) / len(cos), 4) if cos else None,
+        # Cosine misses a gradient that keeps its direction but shrinks (random dropping).
+        "grad_norm_ratio": round(sum(norm) / len(norm), 4) if norm else None,
+        "converted_layers": len(cos),
+    }
+
+
+def convert(base: nn.Module, v: Variant) -> nn.Module:
+    """A DropIT copy of ``base`` for variant ``v`` (the paper's exclusions)."""
+    return to_dropit(copy.deepcopy(base), v.strategy, v.gamma, exclude=EXCLUDE, **v.options)[0]
+
+
 def run_benchmark(
     variants: Sequence[Variant],
     scratch: bool = False,
@@ -178,34 +276,42 @@ def run_benchmark(
     device: str = "cpu",
     rois_per_image: int = 512,
     backbone: str = "resnet50",
+    amp: str | None = None,
+    images: int = 2,
 ) -> Iterator[dict[str, Any]]:
     """Measure the baseline, then each variant; yields one result dict per row as it is done."""
     for v in variants:  # fail on a bad variant before minutes of model building
         build_strategy(v.strategy, v.gamma, **v.options)
     dev = torch.device(device)
-    batch = make_batch(image_size, dev)
+    check_amp(amp)  # fail on a bad amp value early too
+    batch = make_batch(image_size, dev, images)
     base = build_detector(scratch, image_size, rois_per_image, backbone).to(dev).train()
+
+    def step(m: nn.Module, b) -> None:
+        train_step(m, b, amp)
+
+    def evaluate(m: nn.Module, b) -> None:
+        _eval(m, b, amp)
+
     for _ in range(2):  # warm up: allocator, gradient buffers, lazy inits
-        _step(base, batch)
-    base_mem = _memory(base, batch, dev)
-    exact = _weight_grads(base, batch)
-    yield {"variant": "baseline", "strategy": None, "gamma": None, "options": {}, **base_mem}
+        step(base, batch)
+    base_mem = _memory(base, batch, dev, amp)
+    exact = _weight_grads(base, batch, amp)
+    setting = {"amp": amp, "device": dev.type, "images": images, "image_size": image_size}
+    yield {"variant": "baseline", "strategy": None, "gamma": None, "options": {}, **setting,
+           **base_mem}  # fmt: skip
     for v in variants:
-        model = to_dropit(copy.deepcopy(base), v.strategy, v.gamma, exclude=EXCLUDE, **v.options)[0]
+        model = convert(base, v)
         for _ in range(2):
-            _step(model, batch)
-        mem = _memory(model, batch, dev)
-        grads = _weight_grads(model, batch)
+            step(model, batch)
+        mem = _memory(model, batch, dev, amp)
+        grads = _weight_grads(model, batch, amp)
         converted = {n for n, m in model.named_modules() if is_dropit(m)}
-        cos = [
-            torch.nn.functional.cosine_similarity(
-                grads[n].flatten().double(), exact[n].flatten().double(), dim=0
-            ).item()
-            for n in grads
-            if n in converted
-        ]
-        step_b, step_v = _alternate(_step, base, model, batch, dev, repeats)
-        eval_b, eval_v = _alternate(_eval, base, model, batch, dev, repeats)
+        fidelity = _fidelity(grads, exact, converted)
+        del grads
+        model.zero_grad(set_to_none=True)
+        step_b, step_v = _alternate(step, base, model, batch, dev, repeats)
+        eval_b, eval_v = _alternate(evaluate, base, model, batch, dev, repeats)
         med = statistics.median
         yield (
             {
@@ -213,34 +319,49 @@ def run_benchmark(
                 "strategy": v.strategy,
                 "gamma": v.gamma,
                 "options": v.options,
+                **setting,
                 **mem,
                 "saved_ratio": _ratio(mem["saved_mb"], base_mem["saved_mb"]),
+                "live_ratio": _ratio(mem["live_mb"], base_mem["live_mb"]),
+                "peak_ratio": _ratio(mem["peak_mb"], base_mem["peak_mb"]),
                 "rss_live_ratio": _ratio(mem["rss_live_mb"], base_mem["rss_live_mb"]),
                 "rss_peak_ratio": _ratio(mem["rss_peak_mb"], base_mem["rss_peak_mb"]),
+                "cuda_peak_ratio": _ratio(mem["cuda_peak_mb"], base_mem["cuda_peak_mb"]),
                 "step_time_ratio": round(med(step_v) / med(step_b), 4),
                 "eval_time_ratio": round(med(eval_v) / med(eval_b), 4),
                 "step_s": round(med(step_v), 4),
                 "baseline_step_s": round(med(step_b), 4),
-                "grad_cosine": round(sum(cos) / len(cos), 4) if cos else None,
-                "converted_layers": len(cos),
+                **fidelity,
             }
         )
         from_dropit(model)
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a Markdown table."""
-    cols = [
-        ("variant", "variant"),
-        ("saved_mb", "saved MB"),
-        ("saved_ratio", "saved ratio"),
-        ("rss_live_ratio", "live RSS ratio"),
-        ("rss_peak_ratio", "peak RSS ratio"),
-        ("step_time_ratio", "step time ratio"),
-        ("eval_time_ratio", "eval time ratio"),
-        ("grad_cosine", "grad cosine"),
-        ("cuda_peak_mb", "CUDA peak MB"),
-    ]
+    """The rows as a Markdown table (memory ratios are RSS on the CPU, allocator on CUDA)."""
+    if rows and "max_batch" in rows[0]:
+        cols = [
+            ("variant", "variant"),
+            ("budget_mb", "budget MB"),
+            ("max_batch", "largest batch"),
+            ("peak_mb_at_max", "peak MB at it"),
+        ]
+    else:
+        cols = [
+            ("variant", "variant"),
+            ("saved_mb", "saved MB"),
+            ("saved_ratio", "saved ratio"),
+            ("live_ratio", "live ratio"),
+            ("peak_ratio", "peak ratio"),
+            ("peak_phase", "peak in"),
+            ("step_time_ratio", "step time ratio"),
+            ("eval_time_ratio", "eval time ratio"),
+            ("grad_cosine", "grad cosine"),
+            ("grad_norm_ratio", "grad norm ratio"),
+        ]
 
     def fmt(v: Any) -> str:
         if v is None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from rcnn_dropit.benchmark import Variant, markdown_table, parse_variant, run_benchmark
+from dropit_core import is_dropit
+from rcnn_dropit import max_batch
+from rcnn_dropit.benchmark import Meter, Variant, markdown_table, parse_variant, run_benchmark
+from rcnn_dropit.max_batch import largest_batches, largest_fitting
 
 
 def test_parse_variant_reads_strategy_gamma_and_typed_options() -> None:
@@ -35,10 +39,132 @@ def test_tiny_benchmark_rows_show_a_real_saving() -> None:
     assert row["saved_mb"] == pytest.approx(base["saved_mb"] * row["saved_ratio"], rel=1e-3)
     assert row["converted_mb"] > 0 and base["converted_mb"] == 0
     assert 0.3 < row["grad_cosine"] <= 1.0
+    assert 0.3 < row["grad_norm_ratio"] <= 1.0  # min-k drops the small values: a shorter gradient
     assert row["converted_layers"] > 20  # every trainable conv/linear but the excluded ones
+    for r in rows:  # RSS on the CPU, taken above the model's own start
+        assert r["memory_source"] == "rss" and r["cuda_peak_mb"] is None
+        assert r["peak_phase"] in ("forward", "backward")
+        # (At 64 px without MALLOC_MMAP_THRESHOLD_ the RSS moves by noise; only the logic here.)
+        assert r["peak_mb"] >= r["peak_forward_mb"] and r["live_mb"] == r["rss_live_mb"]
+        assert (r["peak_phase"] == "forward") == (r["peak_forward_mb"] >= r["peak_mb"])
+        assert r["amp"] is None and r["images"] == 2
     table = markdown_table(rows)
     assert table.splitlines()[2].startswith("| baseline |")
     assert "| mink 0.8 |" in table
+
+
+def test_tiny_benchmark_under_bf16_autocast() -> None:
+    # The --amp path (fp16 on GPUs) on the CPU, where autocast runs bf16.
+    rows = list(
+        run_benchmark(
+            [Variant("threshold", 0.8)], image_size=64, repeats=1, rois_per_image=32,
+            backbone="resnet18", amp="bf16", images=1,
+        )
+    )  # fmt: skip
+    base, row = rows
+    assert row["amp"] == "bf16" and row["images"] == 1
+    # At 64 px bf16 copies of the weights (kept by baseline and DropIT alike) outweigh the
+    # activations; the ReLU outputs still shrink to bit masks.
+    assert row["saved_ratio"] < 1.0
+    assert row["by_type_mb"]["ReLU"] < 0.2 * base["by_type_mb"]["ReLU"]
+    assert 0.3 < row["grad_cosine"] <= 1.0
+
+
+def test_bad_amp_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="amp='fp8' is invalid: allowed fp16, bf16"):
+        list(run_benchmark([Variant("mink", 0.8)], image_size=64, amp="fp8"))
+
+
+def _fake_cuda(monkeypatch) -> dict[str, float]:
+    """A fake CUDA caching allocator: counters in MB that a test moves by hand."""
+    mb = 1024 * 1024
+    state = {"allocated": 0.0, "peak": 0.0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"] * mb)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"] * mb)
+    monkeypatch.setattr(
+        torch.cuda,
+        "reset_peak_memory_stats",
+        lambda device=None: state.update(peak=state["allocated"]),
+    )
+    return state
+
+
+def test_cuda_peak_is_taken_above_the_models_own_start(monkeypatch) -> None:
+    # The baseline and earlier variants still hold 3000 MB: a variant's figures must not include it.
+    state = _fake_cuda(monkeypatch)
+    state.update(allocated=3000.0, peak=5000.0)  # an earlier, larger peak is forgotten too
+    meter = Meter(torch.device("cuda", 0))
+    meter.begin()
+    assert meter.start == 3000.0
+    state.update(allocated=3400.0, peak=3700.0)  # after the forward
+    assert meter.now() == 400.0 and meter.peak() == 700.0
+    state.update(allocated=3100.0, peak=3900.0)  # after the backward
+    assert meter.peak() == 900.0
+
+
+def test_cpu_meter_ignores_cuda_on_a_gpu_node(monkeypatch) -> None:
+    state = _fake_cuda(monkeypatch)
+    state.update(allocated=3000.0, peak=5000.0)
+    meter = Meter(torch.device("cpu"))
+    meter.begin()
+    assert not meter.cuda and meter.start is not None and meter.start < 3000.0  # RSS, not CUDA
+
+
+@pytest.mark.parametrize(
+    "budget,limit,expected",
+    [(1000.0, 64, 30), (1000.0, 16, 16), (130.0, 64, 1), (100.0, 64, 0), (1e9, 64, 64)],
+)
+def test_largest_fitting_batch(budget: float, limit: int, expected: int) -> None:
+    tried = []
+
+    def peak(n: int) -> float:  # 100 MB of weights and state, 30 MB per image
+        tried.append(n)
+        return 100.0 + 30.0 * n
+
+    assert largest_fitting(peak, budget, limit) == expected
+    assert len(tried) <= 2 * limit.bit_length() + 1  # doubling, then bisection
+
+
+def test_largest_fitting_treats_out_of_memory_as_too_big() -> None:
+    assert largest_fitting(lambda n: None if n > 5 else 10.0 * n, 1e9, 64) == 5
+
+
+def test_largest_batches_rows_per_setting() -> None:
+    # The measured step replaced by a model of it: DropIT layers make each image cheaper.
+    def peak_of(model, n: int, floor: float) -> float:
+        dropit = any(is_dropit(m) for m in model.modules())
+        assert next(model.parameters()).device.type == "cpu"
+        return 200.0 + n * (40.0 if dropit else 100.0)
+
+    rows = list(
+        largest_batches(
+            [Variant("mink", 0.8)], budget_mb=1000.0, image_size=64, rois_per_image=32,
+            backbone="resnet18", peak_of=peak_of,
+        )
+    )  # fmt: skip
+    assert [(r["variant"], r["max_batch"], r["peak_mb_at_max"]) for r in rows] == [
+        ("baseline", 8, 1000.0),
+        ("mink 0.8", 20, 1000.0),
+    ]
+    assert "| mink 0.8 | 1000.0 | 20 | 1000.0 |" in markdown_table(rows)
+
+
+def test_step_peak_is_measured_and_out_of_memory_is_none(monkeypatch) -> None:
+    from rcnn_dropit.benchmark import build_detector
+
+    model = build_detector(False, 64, 32, "resnet18").train()
+    cpu = torch.device("cpu")
+    peak = max_batch._step_peak_mb(model, 64, cpu, None, 1, 0.0)
+    assert peak is not None and peak > 0
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(max_batch, "train_step", oom)
+    assert max_batch._step_peak_mb(model, 64, cpu, None, 64, 0.0) is None
 
 
 def test_unknown_strategy_is_a_clear_error() -> None:
@@ -63,3 +189,21 @@ def test_step_time_comparison_of_widths(tmp_path):
     assert rows[0]["step_ratio"] == 1.0 and rows[1]["step_s"] > 0
     assert rows[1]["params_m"] < rows[0]["params_m"] - 10  # 1024-wide fc6 over 256x7x7 features
     assert rows[0]["overrides"] == list(TORCHVISION_WIDTHS) and rows[1]["images"] == 2
+
+
+def test_bench_tool_says_when_cuda_is_missing() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    tool = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+    done = subprocess.run(
+        [sys.executable, str(tool), "--device", "cuda", "--variants", "mink:0.8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "--device cuda: CUDA is not available on this machine" in done.stderr

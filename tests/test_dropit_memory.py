@@ -12,8 +12,10 @@ from torch import nn
 from dropit_core import to_dropit
 from dropit_core.memory import (
     MB,
+    cuda_allocated_mb,
     cuda_peak_mb,
     peak_rss_mb,
+    reset_cuda_peak,
     reset_peak_rss,
     rss_mb,
     saved_activations,
@@ -138,3 +140,44 @@ def test_process_memory_helpers() -> None:
     result, seconds = timed(lambda: sum(range(1000)))
     assert result == 499500
     assert 0.0 <= seconds < 5.0
+
+
+def _fake_cuda(monkeypatch) -> list[tuple[str, object]]:
+    """Pretend CUDA is there; record which device each statistics call is asked about."""
+    calls: list[tuple[str, object]] = []
+
+    def record(name: str, value: float = 0.0):
+        def fn(device=None):
+            if torch.device(device).type != "cuda":
+                raise RuntimeError(f"Expected a cuda device, but got: {device}")
+            calls.append((name, device))
+            return value
+
+        return fn
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", record("peak", 3 * 1024 * 1024))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", record("now", 2 * 1024 * 1024))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", record("reset"))
+    return calls
+
+
+@pytest.mark.parametrize("device", [torch.device("cpu"), "cpu"])
+def test_cuda_helpers_leave_a_cpu_device_alone_on_a_gpu_node(monkeypatch, device) -> None:
+    # A train.device=cpu run on a GPU node used to die here with "Expected a cuda device".
+    calls = _fake_cuda(monkeypatch)
+    reset_cuda_peak(device)
+    assert cuda_peak_mb(device) is None
+    assert cuda_allocated_mb(device) is None
+    assert calls == []
+
+
+def test_cuda_helpers_query_a_cuda_device(monkeypatch) -> None:
+    calls = _fake_cuda(monkeypatch)
+    reset_cuda_peak(torch.device("cuda", 1))
+    assert cuda_peak_mb("cuda:1") == 3.0
+    assert cuda_allocated_mb(torch.device("cuda", 1)) == 2.0
+    assert cuda_peak_mb() == 3.0  # None: the current CUDA device
+    assert [name for name, _ in calls] == ["reset", "peak", "now", "peak"]
+    assert calls[0][1] == torch.device("cuda", 1) and calls[3][1] == torch.device("cuda", 0)

@@ -358,3 +358,81 @@ def test_autocast_cache_holds_bf16_values() -> None:
         _, nbytes, _ = _saved_bytes(lambda: drop(x))
     # Saved: the bf16 weight copy (16*4*2), the bit mask (128/8) and 64 kept bf16 values.
     assert nbytes == 16 * 4 * 2 + 128 // 8 + 64 * 2
+
+
+class _Fork(nn.Module):
+    """One activation feeding two convs, like a ResNet block input (conv1 and downsample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        h = x * 2.0  # a non-leaf activation, as inside a network
+        return self.a(h) + self.b(h)
+
+
+def test_shared_input_is_packed_once_under_autocast(monkeypatch) -> None:
+    torch.manual_seed(7)
+    plain = _Fork()
+    drop = copy.deepcopy(plain)
+    to_dropit(drop, gamma=0.8)
+    strategy = drop.a.dropit_cache.strategy
+    packed = []
+    real_pack = strategy.pack
+    monkeypatch.setattr(
+        strategy, "pack", lambda x, layout: packed.append(x) or real_pack(x, layout)
+    )
+    x = _input((2, 3, 6, 6), seed=16)
+    xp = x.detach().clone().requires_grad_(True)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        out_d = drop(x)
+        out_p = plain(xp)
+    assert len(packed) == 1 and packed[0].dtype == torch.bfloat16
+    assert torch.equal(out_d, out_p)
+    g = torch.randn(out_d.shape, generator=torch.Generator().manual_seed(17))
+    out_d.float().backward(g)
+    out_p.float().backward(g)
+    torch.testing.assert_close(x.grad, xp.grad)
+    # Each weight gradient is the bf16 conv backward on the dropped bf16 input.
+    h = (x.detach() * 2.0).to(torch.bfloat16)
+    x_hat = _keep_topk(h.float(), 0.8).to(torch.bfloat16)
+    for name, pad in (("a", 1), ("b", 0)):
+        w = getattr(plain, name).weight.detach().to(torch.bfloat16).requires_grad_(True)
+        F.conv2d(x_hat, w, None, padding=pad).float().backward(g)
+        torch.testing.assert_close(getattr(drop, name).weight.grad, w.grad.float())
+
+
+def test_pack_shared_through_the_cast_source_follows_its_version() -> None:
+    from dropit_core.ops import InputCache
+    from dropit_core.strategies import build_strategy
+
+    cache = InputCache(build_strategy("mink", 0.5))
+    h = torch.randn(4, 5)
+    first = cache.pack(h.to(torch.bfloat16), "linear", h)
+    assert cache.pack(h.to(torch.bfloat16), "linear", h) is first
+    assert cache.pack(h.to(torch.float16), "linear", h) is not first  # another dtype
+    h.mul_(2.0)
+    second = cache.pack(h.to(torch.bfloat16), "linear", h)
+    assert second is not first
+    assert torch.equal(
+        cache.unpack(*second), _keep_topk(h.to(torch.bfloat16).float(), 0.5).bfloat16()
+    )
+
+
+def test_a_layer_called_twice_under_autocast_saves_one_weight_copy() -> None:
+    # Like the RPN head, run once per FPN level: autocast's own cache casts the weight once.
+    torch.manual_seed(8)
+    plain = nn.Conv2d(3, 4, 3, padding=1)
+    drop = _converted(plain, gamma=0.5)
+    x1, x2 = _input((1, 3, 6, 6), seed=18), _input((1, 3, 6, 6), seed=19)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        (out1, out2), nbytes, _ = _saved_bytes(lambda: (drop(x1 * 1.0), drop(x2 * 1.0)))
+        ref1, ref2 = plain(x1 * 1.0), plain(x2 * 1.0)
+    assert torch.equal(out1, ref1) and torch.equal(out2, ref2)
+    # Saved: one bf16 weight copy (4*3*9*2 bytes) and, per input, 14 bytes of mask and 54 kept
+    # bf16 values.
+    assert nbytes == 4 * 3 * 9 * 2 + 2 * (14 + 54 * 2)
+    (out1.float().sum() + out2.float().sum()).backward()
+    assert drop.weight.grad.dtype == torch.float32 and drop.bias.grad.dtype == torch.float32

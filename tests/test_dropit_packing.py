@@ -122,8 +122,37 @@ def test_codec_int8_zero_chunk_and_exact_extremes() -> None:
 
 @pytest.mark.parametrize("fmt", VALUE_FORMATS)
 def test_codec_decodes_to_requested_dtype(fmt: str) -> None:
-    codec = ValueCodec(fmt, int8_chunk=8)
+    codec = ValueCodec(fmt, int8_chunk=8, int4_chunk=8)
     v = _values(20, seed=5).to(torch.bfloat16)
-    out = codec.decode(codec.encode(v), torch.bfloat16)
+    out = codec.decode(codec.encode(v), torch.bfloat16, 20)
     assert out.dtype == torch.bfloat16
     assert codec.nbytes(20, 2) == sum(t.nbytes for t in codec.encode(v))
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 64])
+@pytest.mark.parametrize("m", [0, 1, 16, 37, 300])
+def test_codec_int4_two_codes_per_byte_error_and_bytes(chunk: int, m: int) -> None:
+    codec = ValueCodec("int4", int4_chunk=chunk)
+    v = _values(m, seed=chunk + m + 1)
+    q, scale = codec.encode(v)
+    assert q.dtype == torch.uint8 and q.numel() == math.ceil(m / 2)
+    n_chunks = math.ceil(m / chunk)
+    assert scale.numel() == n_chunks
+    decoded = codec.decode((q, scale), torch.float32, m)
+    assert decoded.shape == (m,)
+    for c in range(n_chunks):
+        part = v[c * chunk : (c + 1) * chunk]
+        expect_scale = part.abs().max() / 7.0
+        assert torch.allclose(scale[c], expect_scale, rtol=1e-6, atol=0)
+        err = (decoded[c * chunk : (c + 1) * chunk] - part).abs()
+        assert bool((err <= expect_scale / 2 * (1 + 1e-5)).all())
+        # 15 levels: every decoded value is an integer multiple of the scale within +-7.
+        levels = decoded[c * chunk : (c + 1) * chunk] / scale[c]
+        assert torch.allclose(levels, levels.round(), atol=1e-4) and levels.abs().max() <= 7.0001
+    assert q.nbytes + scale.nbytes == codec.nbytes(m, 4) == math.ceil(m / 2) + 4 * n_chunks
+
+
+def test_codec_int4_needs_the_count() -> None:
+    codec = ValueCodec("int4")
+    with pytest.raises(ValueError, match="needs their count"):
+        codec.decode(codec.encode(torch.ones(3)), torch.float32)

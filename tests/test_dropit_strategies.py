@@ -43,6 +43,8 @@ def _value_bytes(values: str, kept: int, chunk: int = 16) -> int:
         return 4 * kept
     if values in ("fp16", "bf16"):
         return 2 * kept
+    if values == "int4":
+        return math.ceil(kept / 2) + 4 * math.ceil(kept / chunk)
     return kept + 4 * math.ceil(kept / chunk)
 
 
@@ -69,19 +71,22 @@ def test_mink_keeps_global_topk(layout: str, shape, gamma: float) -> None:
     assert _cache_bytes(tensors) == math.ceil(n / 8) + 4 * k
 
 
-@pytest.mark.parametrize("values", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("values", ["fp16", "bf16", "int8", "int4"])
 def test_mink_narrow_values_bytes_and_error(values: str) -> None:
     x = _x(CONV_SHAPE, seed=2)
     n, k = x.numel(), _kept_count(0.8, x.numel())
-    options = {"values": values, "int8_chunk": 16} if values == "int8" else {"values": values}
+    options = {"values": values}
+    if values.startswith("int"):
+        options[f"{values}_chunk"] = 16
     out, tensors = _roundtrip(build_strategy("mink", 0.8, **options), x, "conv")
     expected = _keep_topk(x, k)
     assert _cache_bytes(tensors) == math.ceil(n / 8) + _value_bytes(values, k)
     assert torch.equal(out != 0, expected != 0)
-    if values == "int8":
+    if values.startswith("int"):
         # Each value is off by at most half a quantisation step of its chunk of 16 kept values.
         kept_vals = expected.reshape(-1)[expected.reshape(-1) != 0]
-        scales = F.pad(kept_vals.abs(), (0, (-k) % 16)).view(-1, 16).amax(1) / 127
+        levels = 127 if values == "int8" else 7
+        scales = F.pad(kept_vals.abs(), (0, (-k) % 16)).view(-1, 16).amax(1) / levels
         bound = scales.repeat_interleave(16)[:k] / 2 * (1 + 1e-5)
         err = (out.reshape(-1)[expected.reshape(-1) != 0] - kept_vals).abs()
         assert bool((err <= bound).all())
@@ -447,6 +452,7 @@ def test_empty_input_round_trips(name: str) -> None:
         ("block_mink", {"block": 0}, "block=0"),
         ("pool", {"factor": 0}, "factor=0"),
         ("mink", {"int8_chunk": 0}, "int8_chunk=0"),
+        ("pool", {"int4_chunk": 0}, "int4_chunk=0"),
     ],
 )
 def test_option_ranges(name: str, options, match: str) -> None:
@@ -472,3 +478,61 @@ def test_input_cache_shares_packs_until_the_tensor_changes() -> None:
     assert cache.pack(x, "conv") is second
     assert torch.equal(cache.unpack(*second), _keep_topk(x, _kept_count(0.5, x.numel())))
     assert torch.equal(cache.unpack(*first) * 2.0, cache.unpack(*second))
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("layout,shape", [("conv", CONV_SHAPE), ("linear", LINEAR_SHAPE)])
+def test_int4_values_round_trip_for_every_strategy(name: str, layout: str, shape) -> None:
+    # Odd value counts (a padding code in the last byte) included: channel and block rows.
+    x = _x(shape, seed=19)
+    exact, _ = _roundtrip(build_strategy(name, 0.5, seed=1) if "random" in name
+                          else build_strategy(name, 0.5), x, layout)  # fmt: skip
+    options = {"values": "int4", "int4_chunk": 8}
+    if "random" in name:
+        options["seed"] = 1
+    out, _ = _roundtrip(build_strategy(name, 0.5, **options), x, layout)
+    # Within half a step of each chunk's scale: at most 1/14 of the largest kept magnitude.
+    assert float((out - exact).abs().max()) <= float(exact.abs().max()) / 14 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("name", ["mink", "threshold", "parallel_mink"])
+@pytest.mark.parametrize("counts_first", [False, True])
+def test_sparse_bits_positions_round_trip_and_bytes(monkeypatch, name: str, counts_first) -> None:
+    monkeypatch.setattr(strategies_mod, "_SLICE", 64)
+    monkeypatch.setattr(strategies_mod, "counts_first", lambda device: counts_first)
+    x = _x((2, 4, 10, 10), seed=20)
+    x[:, :2] = 0.0  # whole zero planes: zero mask bytes
+    options = {"chunk": 32} if name == "parallel_mink" else {}
+    dense, dense_t = _roundtrip(build_strategy(name, 0.9, **options), x, "conv")
+    out, tensors = _roundtrip(
+        build_strategy(name, 0.9, positions="sparse_bits", **options), x, "conv"
+    )
+    assert torch.equal(out, dense)
+    bits = dense_t[0]
+    nonzero = int((bits != 0).sum())
+    assert nonzero < bits.numel() // 2
+    assert tensors[0].numel() == math.ceil(bits.numel() / 8) and torch.equal(
+        tensors[1], bits[bits != 0]
+    )
+    assert (
+        _cache_bytes(tensors) == _cache_bytes(dense_t) - bits.numel() + tensors[0].numel() + nonzero
+    )
+
+
+def test_positions_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="positions='rle' is invalid: allowed"):
+        build_strategy("mink", 0.9, positions="rle")
+    with pytest.raises(ValueError, match="'positions' does not apply to strategy 'random'"):
+        build_strategy("random", 0.9, positions="sparse_bits")
+
+
+@pytest.mark.parametrize("name", ["channel_mink", "block_mink"])
+@pytest.mark.parametrize("layout,shape", [("conv", (3, 4, 8, 8)), ("linear", (40, 12))])
+def test_norms_in_slices_choose_the_same_units(monkeypatch, name: str, layout: str, shape) -> None:
+    # A bf16 input is turned into fp32 norms a few rows at a time, never copied whole.
+    x = _x(shape, seed=21).to(torch.bfloat16)
+    whole, whole_t = _roundtrip(build_strategy(name, 0.5), x, layout)
+    monkeypatch.setattr(strategies_mod, "_SLICE", 40)
+    sliced, sliced_t = _roundtrip(build_strategy(name, 0.5), x, layout)
+    assert torch.equal(sliced, whole)
+    assert torch.equal(torch.sort(sliced_t[0]).values, torch.sort(whole_t[0]).values)

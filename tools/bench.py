@@ -4,6 +4,8 @@
 python tools/bench.py                          # COCO recipe (FrozenBN, 3 trainable stages)
 python tools/bench.py --scratch                # BatchNorm2d, all stages trainable
 python tools/bench.py --variants mink:0.9:values=int8 threshold:0.8 --json bench.json
+python tools/bench.py --device cuda --amp fp16 # GPU: allocator peaks, synchronised step times
+python tools/bench.py --device cuda --amp fp16 --max-batch 16000   # largest batch in 16 GB
 """
 
 from __future__ import annotations
@@ -42,17 +44,39 @@ def main() -> int:
     parser.add_argument("--image-size", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per side (median)")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument(
+        "--amp", choices=["fp16", "bf16"], help="autocast dtype (default: none, fp32)"
+    )
+    parser.add_argument("--images", type=int, default=2, help="images per step (default: 2)")
+    parser.add_argument(
+        "--max-batch",
+        type=float,
+        metavar="BUDGET_MB",
+        help="instead: the largest batch each setting trains within this memory budget",
+    )
+    parser.add_argument("--batch-limit", type=int, default=64, help="largest batch tried")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args()
 
     from rcnn_dropit.benchmark import markdown_table, parse_variant, run_benchmark
+    from rcnn_dropit.max_batch import largest_batches
 
     rows = []
     try:
+        if args.device.startswith("cuda") and not _cuda():
+            raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
         variants = [parse_variant(v) for v in args.variants]
-        for row in run_benchmark(
-            variants, args.scratch, args.image_size, args.repeats, args.device
-        ):
+        if args.max_batch is not None:
+            produced = largest_batches(
+                variants, args.max_batch, args.batch_limit, args.scratch, args.image_size,
+                args.device, amp=args.amp,
+            )  # fmt: skip
+        else:
+            produced = run_benchmark(
+                variants, args.scratch, args.image_size, args.repeats, args.device,
+                amp=args.amp, images=args.images,
+            )  # fmt: skip
+        for row in produced:
             print(json.dumps(row), flush=True)
             rows.append(row)
     except ValueError as err:

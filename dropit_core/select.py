@@ -1,0 +1,195 @@
+"""The exact k-th largest magnitude of a large tensor, with small temporaries and no host sync.
+
+The published DropIT takes it with one ``kthvalue`` over a dense ``|x|`` copy: a full-size
+temporary (two for bf16, copied to fp32) and, on CUDA, one thread block for the whole tensor.
+Here a strided sample brackets the k-th value; one pass, slice by slice, counts the elements
+above the bracket and gathers the few inside it (a few percent of n); sorting those gives the
+exact value. Should the sample mislead (a miss is reported, not hidden), a radix select on the
+bit patterns of ``|x|`` finds it exactly in two histogram passes.
+
+Both return the value floored at the dtype's smallest normal number, so that keeping
+``|x| >= value`` never keeps exact zeros (they rebuild as zeros anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+# Tensors up to this size are simply sorted: the sort is as small as the sample would be.
+_DIRECT = 1 << 16
+_SAMPLE = 1 << 16
+# Bracket half-width in standard deviations of the sample's rank, plus a few ranks of slack.
+# A strided sample of a feature map is not i.i.d., so the spread is generous; it costs only a
+# wider gather (about 2 * 8 * sqrt(p (1-p) / 65536) of n: 2.5% at p = 0.2).
+_SPREAD = 8.0
+_SLACK = 16
+# On CUDA each slice gathers into a fixed-size buffer (no host sync): this many times its
+# expected share of the bracket, plus a floor; a slice that overflows it is reported as a miss.
+_CAP_FACTOR = 4.0
+_CAP_FLOOR = 1024
+
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def prime_at_least(n: int) -> int:
+    """Smallest prime >= n (n is small here: numel / sample size)."""
+    candidate = max(2, n)
+    while any(candidate % d == 0 for d in range(2, math.isqrt(candidate) + 1)):
+        candidate += 1
+    return candidate
+
+
+def sample_stride(n: int, sample: int) -> int:
+    """Stride of a ~``sample``-element strided view of n elements: 1 or an odd prime.
+
+    An odd prime stride shares no factor with the power-of-two widths of CNN feature maps, so
+    the sample does not lock onto columns.
+    """
+    stride = n // sample
+    return 1 if stride <= 1 else prime_at_least(max(3, stride))
+
+
+def _tiny(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).tiny
+
+
+class Bracket(NamedTuple):
+    """Where a strided sample puts the k-th largest ``|x|``: in ``[lo, hi]`` with high odds."""
+
+    lo: torch.Tensor  # floored at the smallest normal number
+    hi: torch.Tensor  # +inf when the bracket reaches the largest sampled value
+    floored: torch.Tensor  # lo was raised to the smallest normal: "t <= tiny" is an answer
+    share: float  # the fraction of elements expected inside
+
+
+def bracket(flat: torch.Tensor, k: int) -> Bracket:
+    """Bracket the k-th largest ``|flat|`` from a ~64Ki strided sample (no host sync)."""
+    n = flat.numel()
+    dev = flat.device
+    tiny = _tiny(flat.dtype)
+    sample = torch.sort(flat[:: sample_stride(n, _SAMPLE)].abs(), descending=True).values
+    m = sample.numel()
+    p = k / n
+    margin = _SPREAD * math.sqrt(m * p * (1.0 - p)) + _SLACK
+    r_hi, r_lo = math.floor(p * m - margin), math.ceil(p * m + margin)
+    hi = sample[r_hi] if r_hi >= 0 else torch.full((), math.inf, dtype=flat.dtype, device=dev)
+    lo_raw = sample[r_lo] if r_lo < m else torch.zeros((), dtype=flat.dtype, device=dev)
+    share = (min(r_lo, m - 1) - max(r_hi, -1) + 1) / m
+    return Bracket(lo_raw.clamp_min(tiny), hi, lo_raw <= tiny, share)
+
+
+def kth_from_candidates(
+    magnitudes: torch.Tensor, above: int, k: int, b: Bracket
+) -> torch.Tensor | None:
+    """The k-th largest from the bracket's candidates (host-side counts); None on a miss.
+
+    ``magnitudes`` are all the |x| inside ``[lo, hi]`` and ``above`` the count above ``hi``.
+    """
+    rank = k - above  # of the k-th largest among the candidates, 1-based, descending
+    if 1 <= rank <= magnitudes.numel():
+        t = torch.kthvalue(magnitudes, magnitudes.numel() - rank + 1).values
+        return t.clamp_min(_tiny(magnitudes.dtype))
+    if rank >= 1 and bool(b.floored):
+        return torch.full_like(b.lo, _tiny(b.lo.dtype))
+    return None
+
+
+def kth_largest_abs(
+    flat: torch.Tensor, k: int, slice_len: int, static: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t, ok): t the k-th largest ``|flat|`` (1 <= k <= n) floored at the smallest normal.
+
+    ``ok`` is a 0-dim bool tensor; when it is False the bracket missed and ``t`` is meaningless:
+    call :func:`radix_kth_largest_abs`. With ``static`` nothing here waits for the device (fixed
+    buffers instead of data-dependent shapes), so the caller can read ``ok`` with its own sync.
+    """
+    n = flat.numel()
+    dev = flat.device
+    tiny = _tiny(flat.dtype)
+    if n <= _DIRECT:
+        t = torch.sort(flat.abs(), descending=True).values[k - 1].clamp_min(tiny)
+        return t, torch.ones((), dtype=torch.bool, device=dev)
+    b = bracket(flat, k)
+    if static:
+        return _scan_static(flat, k, slice_len, b)
+    above, parts = 0, []
+    for a in abs_slices(flat, slice_len):
+        above += int(torch.count_nonzero(a > b.hi))
+        parts.append(a[(a >= b.lo) & (a <= b.hi)])
+    t = kth_from_candidates(torch.cat(parts), above, k, b)
+    ok = torch.full((), t is not None, dtype=torch.bool, device=dev)
+    return (t if t is not None else b.lo), ok
+
+
+def abs_slices(flat: torch.Tensor, slice_len: int) -> Iterator[torch.Tensor]:
+    """|x| slice by slice in one reused buffer (a fresh one per slice costs page faults)."""
+    buf = torch.empty(min(slice_len, flat.numel()), dtype=flat.dtype, device=flat.device)
+    for start in range(0, flat.numel(), slice_len):
+        piece = flat[start : start + slice_len]
+        yield torch.abs(piece, out=buf[: piece.numel()])
+
+
+def _scan_static(
+    flat: torch.Tensor, k: int, slice_len: int, b: Bracket
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The counting pass without host syncs: each slice gathers into a fixed-size buffer."""
+    lo, hi, floored, share = b
+    dev = flat.device
+    tiny = _tiny(flat.dtype)
+    above = torch.zeros((), dtype=torch.int64, device=dev)
+    inside_count = torch.zeros((), dtype=torch.int64, device=dev)
+    overflow = torch.zeros((), dtype=torch.bool, device=dev)
+    parts = []
+    for a in abs_slices(flat, slice_len):
+        above += torch.count_nonzero(a > hi)
+        inside = (a >= lo) & (a <= hi)
+        count = torch.count_nonzero(inside)
+        cap = min(a.numel(), math.ceil(a.numel() * share * _CAP_FACTOR) + _CAP_FLOOR)
+        idx = torch.nonzero_static(inside, size=cap, fill_value=-1).squeeze(1)
+        # -1 pads the buffer: below every magnitude, so it sorts last.
+        parts.append(torch.where(idx >= 0, a[idx.clamp_min(0)], -1))
+        inside_count += count
+        overflow |= count > cap
+    # A multi-block sort on CUDA (kthvalue would run one block), of a few percent of n.
+    candidates = torch.sort(torch.cat(parts), descending=True).values
+    rank = k - 1 - above  # of the k-th largest among the candidates, 0-based, descending
+    in_bracket = (rank >= 0) & (rank < inside_count)
+    # index_select, not candidates[rank]: a 0-dim index would be read on the host (a sync).
+    at = rank.clamp(0, candidates.numel() - 1).view(1)
+    picked = candidates.index_select(0, at).squeeze(0)
+    t = torch.where(in_bracket, picked, torch.full_like(lo, tiny)).clamp_min(tiny)
+    return t, (rank >= 0) & (in_bracket | floored) & ~overflow
+
+
+def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> torch.Tensor:
+    """The k-th largest ``|flat|`` floored at the smallest normal, exactly, by radix select.
+
+    Non-negative floats order as their bit patterns do, so histograms of the high then the low
+    16 bits pin the value down (one pass for 16-bit floats). Temporaries are one slice and 64Ki
+    counters; it syncs with the host per level, which is fine for a fallback.
+    """
+    tiny = _tiny(flat.dtype)
+    bits_dtype = _BITS.get(flat.dtype)
+    if bits_dtype is None:  # float64: not used by detectors; a sort is exact
+        return torch.sort(flat.abs(), descending=True).values[k - 1].clamp_min(tiny)
+    width = torch.iinfo(bits_dtype).bits
+    shifts = (16, 0) if width == 32 else (0,)
+    prefix, remaining = 0, k
+    for level, shift in enumerate(shifts):
+        hist = torch.zeros(1 << 16, dtype=torch.int64, device=flat.device)
+        for start in range(0, flat.numel(), slice_len):
+            b = flat[start : start + slice_len].abs().view(bits_dtype).to(torch.int32)
+            if level:
+                b = b[(b >> (shift + 16)) == prefix]
+            hist += torch.bincount((b >> shift) & 0xFFFF, minlength=1 << 16)
+        at_least = hist.flip(0).cumsum(0)  # at_least[j]: count in buckets >= 65535 - j
+        j = int(torch.searchsorted(at_least, remaining).item())
+        bucket = 65535 - j
+        remaining -= int(at_least[j].item()) - int(hist[bucket].item())
+        prefix = (prefix << 16) | bucket
+    value = torch.tensor([prefix], dtype=torch.int64).to(bits_dtype).view(flat.dtype)
+    return value[0].to(flat.device).clamp_min(tiny)

@@ -1,0 +1,172 @@
+"""The largest batch each DropIT setting trains within a memory budget (what a GPU user wants).
+
+Each setting (the baseline, then each variant) has the device to itself: the model is built on
+the CPU and moved over for its search. A trial is one real training step: forward, backward and
+an SGD-with-momentum update, so weights, gradients and momentum buffers all count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dropit_core import build_strategy, from_dropit
+from dropit_core.memory import cuda_allocated_mb
+from rcnn_dropit.benchmark import (
+    Meter,
+    Variant,
+    build_detector,
+    check_amp,
+    convert,
+    make_batch,
+    train_step,
+)
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def largest_fitting(peak_of: Callable[[int], float | None], budget_mb: float, limit: int) -> int:
+    """The largest n in [1, limit] whose ``peak_of(n)`` (MB; None: out of memory) fits the budget.
+
+    Doubles until a batch does not fit, then bisects; assumes the peak grows with n. 0 when
+    even one image does not fit.
+    """
+
+    def fits(n: int) -> bool:
+        peak = peak_of(n)
+        return peak is not None and peak <= budget_mb
+
+    if not fits(1):
+        return 0
+    good, bad = 1, None
+    while bad is None:
+        n = min(good * 2, limit)
+        if n == good:
+            return good
+        if fits(n):
+            good = n
+        else:
+            bad = n
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _step_peak_mb(
+    model: nn.Module, image_size: int, device: torch.device, amp: str | None, n: int, floor: float
+) -> float | None:
+    """Peak memory (MB) of one SGD-with-momentum step on n images; None when out of memory.
+
+    On CUDA it is everything allocated above ``floor`` (the allocation before the model came to
+    the device: weights, gradients, momentum, activations, workspace). On the CPU it is the RSS
+    peak above the state before the batch (the weights were already resident).
+    """
+    optimizer = getattr(model, "_bench_optimizer", None)
+    if optimizer is None:  # momentum buffers are part of what must fit
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+        model._bench_optimizer = optimizer
+    meter = Meter(device)
+    gc.collect()
+    meter.begin()
+    try:
+        train_step(model, make_batch(image_size, device, n), amp)
+        optimizer.step()
+        peak = meter.peak()
+        if peak is not None and meter.cuda:
+            peak += meter.start - floor
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not _is_oom(err):
+            raise
+        peak = None
+    model.zero_grad(set_to_none=False)  # gradients stay allocated, as in training
+    if meter.cuda:
+        torch.cuda.empty_cache()
+    return peak
+
+
+def _max_batch_row(
+    base: nn.Module,
+    v: Variant | None,
+    budget_mb: float,
+    limit: int,
+    dev: torch.device,
+    peak_of: Callable[[nn.Module, int, float], float | None],
+) -> dict[str, Any]:
+    with _fresh_allocation(dev):
+        floor = cuda_allocated_mb(dev) or 0.0
+        model = (base if v is None else convert(base, v)).to(dev)
+        peaks: dict[int, float | None] = {}
+
+        def peak_at(n: int) -> float | None:
+            peaks[n] = peak_of(model, n, floor)
+            return peaks[n]
+
+        best = largest_fitting(peak_at, budget_mb, limit)
+        model.__dict__.pop("_bench_optimizer", None)
+        model.to("cpu")
+        if v is not None:
+            from_dropit(model)
+    return {
+        "variant": "baseline" if v is None else v.label,
+        "strategy": None if v is None else v.strategy,
+        "gamma": None if v is None else v.gamma,
+        "options": {} if v is None else v.options,
+        "budget_mb": budget_mb,
+        "max_batch": best,
+        "peak_mb_at_max": peaks.get(best),
+        "batch_limit": limit,
+    }
+
+
+def largest_batches(
+    variants: Sequence[Variant],
+    budget_mb: float,
+    limit: int = 64,
+    scratch: bool = False,
+    image_size: int = 512,
+    device: str = "cpu",
+    rois_per_image: int = 512,
+    backbone: str = "resnet50",
+    amp: str | None = None,
+    peak_of: Callable[[nn.Module, int, float], float | None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """For the baseline and each variant alone on the device: the largest batch (up to
+    ``limit`` images) whose training step (forward, backward, SGD momentum update) fits
+    ``budget_mb``. ``peak_of(model, n, floor)`` replaces the measurement (tests)."""
+    for v in variants:
+        build_strategy(v.strategy, v.gamma, **v.options)
+    dev = torch.device(device)
+    check_amp(amp)
+    # Built on the CPU and moved to the device one setting at a time: each has it to itself.
+    base = build_detector(scratch, image_size, rois_per_image, backbone).train()
+    if peak_of is None:
+
+        def peak_of(model: nn.Module, n: int, floor: float) -> float | None:
+            return _step_peak_mb(model, image_size, dev, amp, n, floor)
+
+    setting = {"device": dev.type, "amp": amp, "image_size": image_size}
+    for v in [None, *variants]:
+        yield {**_max_batch_row(base, v, budget_mb, limit, dev, peak_of), **setting}
+
+
+@contextlib.contextmanager
+def _fresh_allocation(device: torch.device):
+    """Free cached blocks before and after, so one setting's leftovers do not count for the next."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    yield
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

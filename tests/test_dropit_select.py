@@ -1,0 +1,202 @@
+"""The exact k-th largest magnitude (dropit_core.select) and the sync-free pack used on GPUs.
+
+Small tensors with a small sample and slices exercise the same code the R50 layers run (where
+n is millions and the sample 64Ki); the reference is the published method's dense kthvalue.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dropit_core import build_strategy
+from dropit_core import select as select_mod
+from dropit_core import strategies as strategies_mod
+from dropit_core.select import kth_largest_abs, radix_kth_largest_abs, sample_stride
+
+N = 20_000
+SLICE = 3_000  # slices with a tail
+
+
+@pytest.fixture
+def small_sample(monkeypatch) -> None:
+    """Bracket from a 512-element sample for tensors above 256 elements."""
+    monkeypatch.setattr(select_mod, "_DIRECT", 256)
+    monkeypatch.setattr(select_mod, "_SAMPLE", 512)
+
+
+def _reference(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The published method: kthvalue on a dense fp32 |x| copy, floored at the smallest normal."""
+    a = x.reshape(-1).abs().float()
+    t = torch.kthvalue(a, a.numel() - k + 1).values
+    return t.clamp_min(torch.finfo(x.dtype).tiny).to(x.dtype)
+
+
+def _tensor(kind: str, dtype: torch.dtype, n: int = N, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen)
+    if kind == "relu":  # post-ReLU: 60% exact zeros
+        x = torch.where(torch.rand(n, generator=gen) < 0.6, 0.0, x.abs())
+    elif kind == "ties":  # a handful of distinct magnitudes, thousands of ties each
+        x = (x * 4).round() / 4
+    elif kind == "sparse":  # 95% zeros: the k-th largest at gamma 0.8 is zero
+        x = torch.where(torch.rand(n, generator=gen) < 0.95, 0.0, x)
+    elif kind == "channels":  # per-"channel" scales spanning 1000x, as in feature maps
+        x = x * torch.logspace(-3, 0, 50).repeat_interleave(n // 50)
+    return x.to(dtype)
+
+
+@pytest.mark.usefixtures("small_sample")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["normal", "relu", "ties", "sparse", "channels"])
+@pytest.mark.parametrize("static", [False, True])
+def test_bracket_finds_the_exact_kth_value(dtype, kind: str, static: bool) -> None:
+    x = _tensor(kind, dtype)
+    for gamma in (0.5, 0.8, 0.9):
+        k = int((1 - gamma) * N)
+        t, ok = kth_largest_abs(x, k, SLICE, static)
+        assert bool(ok), (kind, gamma)
+        assert t.dtype == dtype
+        assert torch.equal(t, _reference(x, k)), (kind, gamma)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["normal", "relu", "ties", "sparse"])
+def test_radix_select_is_exact(dtype, kind: str) -> None:
+    x = _tensor(kind, dtype, n=5_000, seed=1)
+    for k in (1, 2, 777, 2_500, 4_999, 5_000):
+        assert torch.equal(radix_kth_largest_abs(x, k, 1_234), _reference(x, k)), k
+
+
+def _adversarial(n: int = N) -> torch.Tensor:
+    """Every element the strided sample reads is 100x larger than the rest."""
+    x = _tensor("normal", torch.float32, n, seed=2)
+    stride = sample_stride(n, select_mod._SAMPLE)
+    x[::stride] *= 100.0
+    return x
+
+
+@pytest.mark.usefixtures("small_sample")
+@pytest.mark.parametrize("static", [False, True])
+def test_a_misleading_sample_is_reported_not_hidden(static: bool) -> None:
+    x = _adversarial()
+    k = int(0.2 * N)
+    _, ok = kth_largest_abs(x, k, SLICE, static)
+    assert not bool(ok)
+    assert torch.equal(radix_kth_largest_abs(x, k, SLICE), _reference(x, k))
+
+
+def test_the_cuda_gather_reports_a_slice_over_its_buffer(monkeypatch, small_sample) -> None:
+    # One slice holds nearly all the elements near the k-th value: its fixed buffer overflows.
+    monkeypatch.setattr(select_mod, "_CAP_FACTOR", 1.0)
+    monkeypatch.setattr(select_mod, "_CAP_FLOOR", 0)
+    x = _tensor("normal", torch.float32, seed=3)
+    k = int(0.2 * N)
+    ref = _reference(x, k)
+    x[:SLICE] = ref * (1 + torch.linspace(-1e-3, 1e-3, SLICE))
+    t, ok = kth_largest_abs(x, k, SLICE, static=False)
+    assert bool(ok) and torch.equal(t, _reference(x, k))
+    _, ok = kth_largest_abs(x, k, SLICE, static=True)
+    assert not bool(ok)
+
+
+def _keep_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    t = _reference(x, k)
+    return torch.where(x.abs() >= t, x, torch.zeros_like(x))
+
+
+@pytest.mark.usefixtures("small_sample")
+@pytest.mark.parametrize("counts_first", [False, True])
+@pytest.mark.parametrize("adversarial", [False, True])
+def test_mink_pack_is_the_exact_topk_on_both_paths(monkeypatch, counts_first, adversarial) -> None:
+    monkeypatch.setattr(strategies_mod, "_SLICE", 2_048)
+    monkeypatch.setattr(strategies_mod, "counts_first", lambda device: counts_first)
+    x = _adversarial() if adversarial else _tensor("relu", torch.float32, seed=4)
+    x = x.view(4, 5, 25, 40)
+    strategy = build_strategy("mink", 0.8)
+    tensors, meta = strategy.pack(x, "conv")
+    expected = _keep_topk(x, int((1 - 0.8) * N))  # as strategies.py counts k
+    assert torch.equal(strategy.unpack(tensors, meta), expected)
+    kept = int((expected != 0).sum())
+    assert sum(t.nbytes for t in tensors) == math.ceil(N / 8) + 4 * kept
+
+
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("mink", {}),
+        ("mink", {"values": "int8"}),
+        ("threshold", {}),
+        ("parallel_mink", {"chunk": 100}),
+        ("random", {"seed": 3}),
+    ],
+)
+def test_counts_first_pack_equals_the_one_pass_pack(monkeypatch, name, options) -> None:
+    monkeypatch.setattr(strategies_mod, "_SLICE", 1_000)
+    x = _tensor("normal", torch.float32, n=6_400, seed=5).view(2, 8, 20, 20)
+    one_pass = build_strategy(name, 0.8, **options)
+    tensors_a, meta_a = one_pass.pack(x, "conv")
+    monkeypatch.setattr(strategies_mod, "counts_first", lambda device: True)
+    counts_first = build_strategy(name, 0.8, **options)
+    tensors_b, meta_b = counts_first.pack(x, "conv")
+    assert meta_a[2] == meta_b[2]  # kept count per slice
+    assert len(tensors_a) == len(tensors_b)
+    for a, b in zip(tensors_a, tensors_b, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(one_pass.unpack(tensors_a, meta_a), counts_first.unpack(tensors_b, meta_b))
+
+
+class _SyncOps(TorchDispatchMode):
+    """Records the aten ops that make a CUDA host wait for the device (or learn a shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("nonzero", "masked_select", "_local_scalar_dense", "is_nonzero", "equal"):
+            self.syncs.append(name)
+        if name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
+        ):
+            self.syncs.append("index with a bool mask")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.usefixtures("small_sample")
+@pytest.mark.parametrize(
+    "name,options", [("mink", {}), ("threshold", {}), ("parallel_mink", {}), ("random", {})]
+)
+def test_counts_first_pack_reads_the_device_once_per_layer(monkeypatch, name, options) -> None:
+    monkeypatch.setattr(strategies_mod, "_SLICE", 2_048)
+    monkeypatch.setattr(strategies_mod, "counts_first", lambda device: True)
+    reads = []
+    real = strategies_mod._host_ints
+    monkeypatch.setattr(strategies_mod, "_host_ints", lambda v: reads.append(len(v)) or real(v))
+    strategy = build_strategy(name, 0.8, **options)
+    x = _tensor("relu", torch.float32, seed=6).view(4, 5, 25, 40)
+    with _SyncOps() as mode:
+        strategy.pack(x, "conv")
+    # random draws its per-pack seed from a CPU generator: a host value, never a device wait.
+    allowed = ["_local_scalar_dense"] if name == "random" else []
+    assert mode.syncs == allowed
+    n_slices = math.ceil(N / strategy._slice_len())
+    assert reads == [n_slices + (1 if name == "mink" else 0)]  # counts (+ mink's bracket flag)
+
+
+def test_channel_random_draws_its_permutation_on_the_input_device(monkeypatch) -> None:
+    strategy = build_strategy("channel_random", 0.5, seed=7)
+    x = _tensor("normal", torch.float32, n=2 * 6 * 16).view(2, 6, 4, 4)
+    seen = []
+    real = torch.randperm
+    monkeypatch.setattr(
+        torch,
+        "randperm",
+        lambda *a, **kw: seen.append((kw["device"], kw["generator"].device)) or real(*a, **kw),
+    )
+    strategy.pack(x, "conv")
+    assert seen == [(x.device, x.device)]
