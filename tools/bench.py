@@ -6,6 +6,7 @@ python tools/bench.py --scratch                # BatchNorm2d, all stages trainab
 python tools/bench.py --variants mink:0.9:values=int8 threshold:0.8 --json bench.json
 python tools/bench.py --device cuda --amp fp16 # GPU: allocator peaks, synchronised step times
 python tools/bench.py --device cuda --amp fp16 --max-batch 16000   # largest batch in 16 GB
+python tools/bench.py --widths                 # the narrow CPU model vs torchvision's widths
 """
 
 from __future__ import annotations
@@ -55,8 +56,18 @@ def main() -> int:
         help="instead: the largest batch each setting trains within this memory budget",
     )
     parser.add_argument("--batch-limit", type=int, default=64, help="largest batch tried")
+    parser.add_argument(
+        "--widths",
+        nargs="?",
+        const="configs/study/scratch.yaml",
+        metavar="CONFIG",
+        help="instead: train-step time of CONFIG's model (default: the study's narrow model) "
+        "against the same model with torchvision's FPN and head widths, on one shapes batch",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args()
+    if args.widths:
+        return _widths(args.widths, args.repeats, args.json)
 
     from rcnn_dropit.benchmark import markdown_table, parse_variant, run_benchmark
     from rcnn_dropit.max_batch import largest_batches
@@ -87,6 +98,22 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def _widths(config: str, repeats: int, out: Path | None) -> int:
+    """Step time of a config's model vs torchvision's widths: JSON lines (ratio, first = 1x)."""
+    from rcnn_dropit.engine.cli import run_cli
+    from rcnn_dropit.step_cost import TORCHVISION_WIDTHS, compare_step_time
+
+    def go() -> None:
+        variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
+        rows = compare_step_time(config, variants, repeats=max(repeats, 5))
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if out:
+            out.write_text(json.dumps(rows, indent=2) + "\n")
+
+    return run_cli(go)
 
 
 def _cuda() -> bool:
