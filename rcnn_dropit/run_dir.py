@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from rcnn_dropit.distributed import get_rank, run_on_main
+from rcnn_dropit.distributed import get_rank, is_main_process, run_on_main
 from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, read_metrics
 from rcnn_dropit.tensorboard import TensorBoardWriter
 
@@ -293,7 +293,7 @@ class RunDir:
     def start_logging(self) -> None:
         """Route the package's messages and Python warnings: rank 0 to the console and log.txt,
         other ranks' warnings and errors to log.rank<N>.txt. Undone by stop_logging()."""
-        main = get_rank() == 0
+        main = is_main_process()
         # attached to its file by create(), once the folder is known to be ours
         self._log_file = _RunLog(logging.INFO if main else logging.WARNING)
         warn_console = logging.StreamHandler(sys.stderr)  # where Python prints warnings anyway
