@@ -1,8 +1,11 @@
 """Which elements of a layer input to keep for the weight gradient, and how to rebuild the rest.
 
-Every strategy turns a layer input ``x`` into a few small tensors plus plain-Python metadata
-(:meth:`Strategy.pack`) and rebuilds a dense tensor of ``x``'s shape from them in backward
+Every strategy turns a layer input ``x`` into a few small tensors plus a named tuple of
+plain-Python metadata (:meth:`Strategy.pack`; ``ElementsMeta``, ``UnitsMeta``, ``BlocksMeta``
+or ``PoolMeta``) and rebuilds a dense tensor of ``x``'s shape from them in backward
 (:meth:`Strategy.unpack`). Dropped elements come back as zeros (pooling: as block means).
+Each strategy class declares its name and typed options; ``REGISTRY``, at the end, lists them
+(see :mod:`dropit_core.registry`).
 
 Layouts: ``"conv"`` inputs are ``(..., H, W)``; a *plane* is one ``H x W`` map of one sample
 and channel. ``"linear"`` inputs are ``(..., F)``, seen as an ``R x F`` matrix; a *channel* is

@@ -190,8 +190,7 @@ class RunDir:
     @property
     def log_file(self) -> Path:
         """This rank's log: log.txt on rank 0, log.rank<N>.txt (warnings and errors) elsewhere."""
-        rank = get_rank()
-        return self.root / ("log.txt" if rank == 0 else f"log.rank{rank}.txt")
+        return self.root / ("log.txt" if is_main_process() else f"log.rank{get_rank()}.txt")
 
     def coco_results(self, iou_type: str) -> Path:
         """coco_results_<iou_type>.json, the detections in COCO results format."""
