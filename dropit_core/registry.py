@@ -110,8 +110,9 @@ class Registry:
         return self._classes[name]
 
     def options(self, name: str) -> dict[str, Option]:
-        """Every option strategy ``name`` takes, by name: its own, then the common ones."""
-        return {o.name: o for o in (*self.get(name).options, *self.common)}
+        """Every option strategy ``name`` takes, by name: the common ones, then its own (the
+        order in which :meth:`resolve` checks values, so the first bad one is reported)."""
+        return {o.name: o for o in (*self.common, *self.get(name).options)}
 
     def resolve(self, name: str, given: Mapping[str, Any]) -> dict[str, Any]:
         """Check ``given`` options against strategy ``name``'s declaration; return every option

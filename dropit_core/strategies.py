@@ -381,7 +381,7 @@ class ParallelMinK(_Elementwise):
     """Min-K inside each chunk of D consecutive elements (the paper's "Parallel Min-K")."""
 
     name = "parallel_mink"
-    options = (Option("chunk", int, 1 << 14, "elements per chunk", minimum=1), _POSITIONS)
+    options = (_POSITIONS, Option("chunk", int, 1 << 14, "elements per chunk", minimum=1))
     keeps = "the same inside each chunk of `chunk` elements (the paper's parallel min-k)"
     cache_bytes = "n/8 + kept v"
 
@@ -424,8 +424,8 @@ class Threshold(_Elementwise):
 
     name = "threshold"
     options = (
-        Option("sample", int, 1 << 16, "elements read to estimate the quantile", minimum=1),
         _POSITIONS,
+        Option("sample", int, 1 << 16, "elements read to estimate the quantile", minimum=1),
     )
     keeps = "magnitudes above a gamma-quantile estimated from a 64Ki sample: no sort, O(n)"
     cache_bytes = "n/8 + kept v"

@@ -35,8 +35,12 @@ def test_readme_holds_exactly_the_generated_tables() -> None:
 
 
 def test_python_m_dropit_core_prints_the_tables() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "dropit_core"], capture_output=True, text=True, check=True
+    out = subprocess.run(  # from the repository root: this checkout's dropit_core
+        [sys.executable, "-m", "dropit_core"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=README.parent,
     ).stdout
     assert out == REGISTRY.markdown() + "\n"
 
@@ -137,6 +141,12 @@ def test_types_are_checked_before_values() -> None:
     # a bad value and a bad type together: the type error is reported, whatever the order
     with pytest.raises(ValueError, match="int8_chunk='x' has the wrong type"):
         build_strategy("mink", 0.5, values="nope", int8_chunk="x")
+    # values: the common options first, then positions, then the strategy's own (as before the
+    # registry): the first bad one in that order is reported
+    with pytest.raises(ValueError, match="values='nope' is invalid"):
+        build_strategy("threshold", 0.5, sample=0, positions="rle", values="nope")
+    with pytest.raises(ValueError, match="positions='rle' is invalid"):
+        build_strategy("parallel_mink", 0.5, chunk=0, positions="rle")
 
 
 def test_registry_rejects_inconsistent_declarations() -> None:
