@@ -9,14 +9,14 @@ from the rebuilt (dropped) input.
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .packing import pack_bits, unpack_bits
-from .strategies import Packed, Strategy
+from .strategies import Packed, PackMeta, Strategy
 
 
 class InputCache:
@@ -65,7 +65,7 @@ class InputCache:
         self._packs[key] = (key._version, layout, x.dtype, packed)
         return packed
 
-    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: PackMeta) -> torch.Tensor:
         """Rebuild the dense (dropped) input."""
         return self.strategy.unpack(tensors, meta)
 

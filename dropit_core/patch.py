@@ -162,7 +162,8 @@ def to_dropit(
 
     ``include``/``exclude`` are fnmatch patterns on module paths as ``named_modules()`` gives them;
     a pattern also covers the modules below the one it names. ``options`` go to the strategy
-    (e.g. ``chunk=16384``, ``values="int8"``). Returns the model and what was converted.
+    (e.g. ``chunk=16384``, ``values="int8"``), checked against its declaration in
+    ``dropit_core.REGISTRY``. Returns the model and what was converted.
     """
     built = build_strategy(strategy, gamma, **options)
     named = [(p, m) for p, m in model.named_modules() if p]

@@ -1,8 +1,11 @@
 """Which elements of a layer input to keep for the weight gradient, and how to rebuild the rest.
 
-Every strategy turns a layer input ``x`` into a few small tensors plus plain-Python metadata
-(:meth:`Strategy.pack`) and rebuilds a dense tensor of ``x``'s shape from them in backward
+Every strategy turns a layer input ``x`` into a few small tensors plus a named tuple of
+plain-Python metadata (:meth:`Strategy.pack`; ``ElementsMeta``, ``UnitsMeta``, ``BlocksMeta``
+or ``PoolMeta``) and rebuilds a dense tensor of ``x``'s shape from them in backward
 (:meth:`Strategy.unpack`). Dropped elements come back as zeros (pooling: as block means).
+Each strategy class declares its name and typed options; ``REGISTRY``, at the end, lists them
+(see :mod:`dropit_core.registry`).
 
 Layouts: ``"conv"`` inputs are ``(..., H, W)``; a *plane* is one ``H x W`` map of one sample
 and channel. ``"linear"`` inputs are ``(..., F)``, seen as an ``R x F`` matrix; a *channel* is
@@ -38,14 +41,14 @@ the threshold are kept too, and zeros are never stored (they rebuild as zeros an
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import select as select_mod
 from .packing import VALUE_FORMATS, ValueCodec, compact, pack_bits, unpack_bits
+from .registry import Option, Registry
 from .select import (
     abs_slices,
     bracket,
@@ -55,26 +58,68 @@ from .select import (
     sample_stride,
 )
 
-Packed = tuple[tuple[torch.Tensor, ...], Any]
+
+class ElementsMeta(NamedTuple):
+    """What an element-wise pack passes to its unpack besides the tensors."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    counts: tuple[int, ...]  # kept values per slice
+    state: Any  # the |x| threshold (mink, threshold), the mask seed (random) or None
+
+
+class UnitsMeta(NamedTuple):
+    """What a plane/feature-column pack (channel_*) passes to its unpack."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: str
+    width: int  # elements per plane or feature column
+
+
+class BlocksMeta(NamedTuple):
+    """What a block_mink pack passes to its unpack: the plane grid before and after padding."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    planes: int
+    height: int
+    width: int
+    block_rows: int
+    block_cols: int
+
+
+class PoolMeta(NamedTuple):
+    """What a pool pack passes to its unpack."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: str
+    pooled_shape: tuple[int, ...]
+
+
+PackMeta = ElementsMeta | UnitsMeta | BlocksMeta | PoolMeta
+Packed = tuple[tuple[torch.Tensor, ...], PackMeta]
 
 # Element-wise strategies work through the tensor in slices of this many elements, so that their
 # bool/abs temporaries stay a few MB however large the layer input is.
 _SLICE = 1 << 22
-_SAMPLE_DEFAULT = 1 << 16
 
-_COMMON_OPTIONS: dict[str, type] = {"values": str, "int8_chunk": int, "int4_chunk": int}
+# Options every strategy takes: how the kept values are stored (see ValueCodec).
+COMMON_OPTIONS = (
+    Option("values", str, "same", "how kept values are stored", choices=VALUE_FORMATS),
+    Option("int8_chunk", int, ValueCodec.int8_chunk, "values per fp32 scale of `int8`", minimum=1),
+    Option("int4_chunk", int, ValueCodec.int4_chunk, "values per fp32 scale of `int4`", minimum=1),
+)
 POSITIONS = ("bits", "sparse_bits")
-STRATEGY_OPTIONS: dict[str, dict[str, type]] = {
-    "mink": {"positions": str},
-    "parallel_mink": {"chunk": int, "positions": str},
-    "random": {"seed": int},
-    "threshold": {"sample": int, "positions": str},
-    "channel_mink": {},
-    "channel_random": {"seed": int},
-    "block_mink": {"block": int},
-    "pool": {"factor": int},
-}
-STRATEGIES: tuple[str, ...] = tuple(STRATEGY_OPTIONS)
+_POSITIONS = Option(
+    "positions",
+    str,
+    POSITIONS[0],
+    "the kept positions: a 1-bit mask, or only its non-zero bytes plus 1 bit per mask byte",
+    choices=POSITIONS,
+)
+_SEED = Option("seed", int, 0, "seed of the random choice")
 
 
 def _keep_count(gamma: float, n: int) -> int:
@@ -101,9 +146,17 @@ def _host_ints(values: list[torch.Tensor]) -> list[int]:
 
 
 class Strategy:
-    """Base class: pick what to keep of a layer input and rebuild a dense tensor from it."""
+    """Base class: pick what to keep of a layer input and rebuild a dense tensor from it.
+
+    A subclass declares its ``name``, its ``options`` (passed to ``__init__`` as keywords, with
+    the registry's defaults filled in) and, for the docs, what it ``keeps`` and its
+    ``cache_bytes``; it is listed in ``REGISTRY`` at the end of this module.
+    """
 
     name = ""
+    options: tuple[Option, ...] = ()
+    keeps = ""
+    cache_bytes = ""
 
     def __init__(self, gamma: float, codec: ValueCodec) -> None:
         self.gamma = gamma
@@ -113,7 +166,7 @@ class Strategy:
         """Compress ``x`` (a ``"conv"`` or ``"linear"`` input) into tensors plus metadata."""
         raise NotImplementedError
 
-    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: PackMeta) -> torch.Tensor:
         """Rebuild a dense tensor of the packed input's shape and dtype."""
         raise NotImplementedError
 
@@ -143,7 +196,10 @@ class _Elementwise(Strategy):
     """
 
     stores_mask = True
-    positions = "bits"
+
+    def __init__(self, gamma: float, codec: ValueCodec, *, positions: str = POSITIONS[0]) -> None:
+        super().__init__(gamma, codec)
+        self.positions = positions
 
     def _begin(self, flat: torch.Tensor, static: bool) -> tuple[Any, torch.Tensor | None]:
         """Per-tensor state computed once before the slices (e.g. a global threshold).
@@ -181,7 +237,7 @@ class _Elementwise(Strategy):
                 parts = (*_sparse_bits(packed_bits, nonzero_bytes), *parts)
             else:
                 parts = (packed_bits, *parts)
-        return parts, (tuple(x.shape), x.dtype, tuple(counts), state)
+        return parts, ElementsMeta(tuple(x.shape), x.dtype, tuple(counts), state)
 
     def _pack_one_pass(self, flat: torch.Tensor):
         state, ok = self._begin(flat, static=False)
@@ -241,7 +297,7 @@ class _Elementwise(Strategy):
         bits = tensors[0][start // 8 : (start + length + 7) // 8]
         return unpack_bits(bits, length)
 
-    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: Any) -> torch.Tensor:
+    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: ElementsMeta) -> torch.Tensor:
         shape, dtype, counts, state = meta
         if self.stores_mask and self.positions == "sparse_bits":
             tensors = (_dense_bits(tensors[0], tensors[1], math.prod(shape)), *tensors[2:])
@@ -264,6 +320,13 @@ class MinK(_Elementwise):
     """Keep the int((1-gamma)*n) largest |x| of the whole tensor (the published DropIT)."""
 
     name = "mink"
+    options = (_POSITIONS,)
+    keeps = (
+        "the `int((1-gamma) n)` largest magnitudes of the whole tensor (the paper), exactly; "
+        "found without a dense copy (a 64Ki sample brackets the k-th value, only the few "
+        "elements inside the bracket are sorted)"
+    )
+    cache_bytes = "n/8 + kept v"
 
     def _begin(self, flat: torch.Tensor, static: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = flat.numel()
@@ -318,11 +381,12 @@ class ParallelMinK(_Elementwise):
     """Min-K inside each chunk of D consecutive elements (the paper's "Parallel Min-K")."""
 
     name = "parallel_mink"
+    options = (_POSITIONS, Option("chunk", int, 1 << 14, "elements per chunk", minimum=1))
+    keeps = "the same inside each chunk of `chunk` elements (the paper's parallel min-k)"
+    cache_bytes = "n/8 + kept v"
 
-    def __init__(self, gamma: float, codec: ValueCodec, chunk: int = 1 << 14) -> None:
-        super().__init__(gamma, codec)
-        if chunk < 1:
-            raise ValueError(f"DropIT option chunk={chunk} is invalid: allowed integers >= 1")
+    def __init__(self, gamma: float, codec: ValueCodec, *, chunk: int, positions: str) -> None:
+        super().__init__(gamma, codec, positions=positions)
         self.chunk = chunk
 
     def _slice_len(self) -> int:
@@ -359,11 +423,15 @@ class Threshold(_Elementwise):
     """Keep |x| above the gamma-quantile estimated from a fixed-size sample: O(n), no sort."""
 
     name = "threshold"
+    options = (
+        _POSITIONS,
+        Option("sample", int, 1 << 16, "elements read to estimate the quantile", minimum=1),
+    )
+    keeps = "magnitudes above a gamma-quantile estimated from a 64Ki sample: no sort, O(n)"
+    cache_bytes = "n/8 + kept v"
 
-    def __init__(self, gamma: float, codec: ValueCodec, sample: int = _SAMPLE_DEFAULT) -> None:
-        super().__init__(gamma, codec)
-        if sample < 1:
-            raise ValueError(f"DropIT option sample={sample} is invalid: allowed integers >= 1")
+    def __init__(self, gamma: float, codec: ValueCodec, *, sample: int, positions: str) -> None:
+        super().__init__(gamma, codec, positions=positions)
         self.sample = sample
 
     def _begin(self, flat: torch.Tensor, static: bool) -> tuple[torch.Tensor, None]:
@@ -388,10 +456,14 @@ class RandomKeep(_Elementwise):
     """Keep each element with probability 1-gamma; the mask is rebuilt from a stored seed."""
 
     name = "random"
+    options = (_SEED,)
+    keeps = "each element with probability `1 - gamma` (the paper's contrast)"
+    cache_bytes = "kept v (mask rebuilt from a seed)"
     stores_mask = False
 
-    def __init__(self, gamma: float, codec: ValueCodec, seed: int = 0) -> None:
+    def __init__(self, gamma: float, codec: ValueCodec, *, seed: int) -> None:
         super().__init__(gamma, codec)
+        self.seed = seed
         self._seeds = torch.Generator().manual_seed(seed)
 
     def _begin(self, flat: torch.Tensor, static: bool) -> tuple[int, None]:
@@ -450,9 +522,10 @@ class _ChannelBase(Strategy):
         idx = self._choose(units, k)
         rows = units.index_select(0, idx).reshape(-1)
         parts = self.codec.encode(rows)
-        return (idx.to(torch.int32), *parts), (tuple(x.shape), x.dtype, layout, units.shape[1])
+        meta = UnitsMeta(tuple(x.shape), x.dtype, layout, units.shape[1])
+        return (idx.to(torch.int32), *parts), meta
 
-    def unpack(self, tensors, meta) -> torch.Tensor:
+    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: UnitsMeta) -> torch.Tensor:
         shape, dtype, layout, width = meta
         count = tensors[0].numel() * width
         rows = self.codec.decode(tuple(tensors[1:]), dtype, count).view(-1, width)
@@ -463,6 +536,8 @@ class ChannelMinK(_ChannelBase):
     """Drop the planes/feature columns with the smallest L2 norm."""
 
     name = "channel_mink"
+    keeps = "the planes (conv) / feature columns (linear) with the largest L2 norm"
+    cache_bytes = "kept planes v + 4 per plane"
 
     def _choose(self, units: torch.Tensor, k: int) -> torch.Tensor:
         norms = _fp32_norms(units, dims=(1,))
@@ -473,8 +548,11 @@ class ChannelRandom(_ChannelBase):
     """Keep a uniformly random set of planes/feature columns."""
 
     name = "channel_random"
+    options = (_SEED,)
+    keeps = "random planes / feature columns"
+    cache_bytes = "as `channel_mink`"
 
-    def __init__(self, gamma: float, codec: ValueCodec, seed: int = 0) -> None:
+    def __init__(self, gamma: float, codec: ValueCodec, *, seed: int) -> None:
         super().__init__(gamma, codec)
         self.seed = seed
         self._gens: dict[torch.device, torch.Generator] = {}
@@ -498,11 +576,12 @@ class BlockMinK(Strategy):
     """Keep the b x b blocks of each plane with the largest L2 norm (block-sparse rows, BSR)."""
 
     name = "block_mink"
+    options = (Option("block", int, 4, "side of the square blocks", minimum=1),)
+    keeps = "the `block x block` tiles of each plane with the largest L2 norm (BSR-style)"
+    cache_bytes = "kept tiles v + 4 per tile"
 
-    def __init__(self, gamma: float, codec: ValueCodec, block: int = 4) -> None:
+    def __init__(self, gamma: float, codec: ValueCodec, *, block: int) -> None:
         super().__init__(gamma, codec)
-        if block < 1:
-            raise ValueError(f"DropIT option block={block} is invalid: allowed integers >= 1")
         self.block = block
 
     def pack(self, x: torch.Tensor, layout: str) -> Packed:
@@ -520,11 +599,11 @@ class BlockMinK(Strategy):
         mi, rest = flat_idx // (hb * wb), flat_idx % (hb * wb)
         blocks = grid[mi, rest // wb, :, rest % wb, :].reshape(-1)
         parts = self.codec.encode(blocks)
-        meta = (tuple(x.shape), x.dtype, (m, h, w, hb, wb))
+        meta = BlocksMeta(tuple(x.shape), x.dtype, m, h, w, hb, wb)
         return (flat_idx.to(torch.int32), *parts), meta
 
-    def unpack(self, tensors, meta) -> torch.Tensor:
-        shape, dtype, (m, h, w, hb, wb) = meta
+    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: BlocksMeta) -> torch.Tensor:
+        shape, dtype, m, h, w, hb, wb = meta
         b = self.block
         flat_idx = tensors[0].long()
         blocks = self.codec.decode(tuple(tensors[1:]), dtype, flat_idx.numel() * b * b)
@@ -544,13 +623,23 @@ class Pool(Strategy):
     """
 
     name = "pool"
+    options = (
+        Option(
+            "factor",
+            int,
+            None,
+            "pooling window side (linear inputs: `factor`² features)",
+            minimum=1,
+            default_doc="`round(1/sqrt(1-gamma))`",
+        ),
+    )
+    keeps = "an average-pooled copy, upsampled in backward (Barley & Fröning)"
+    cache_bytes = "n/f² v"
 
-    def __init__(self, gamma: float, codec: ValueCodec, factor: int | None = None) -> None:
+    def __init__(self, gamma: float, codec: ValueCodec, *, factor: int | None) -> None:
         super().__init__(gamma, codec)
         if factor is None:
             factor = max(1, round((1.0 - gamma) ** -0.5))
-        if factor < 1:
-            raise ValueError(f"DropIT option factor={factor} is invalid: allowed integers >= 1")
         self.factor = factor
 
     def pack(self, x: torch.Tensor, layout: str) -> Packed:
@@ -562,9 +651,9 @@ class Pool(Strategy):
             rows = x.reshape(-1, 1, x.shape[-1])
             pooled = F.avg_pool1d(rows, f * f, f * f, ceil_mode=True)
         parts = self.codec.encode(pooled.reshape(-1))
-        return parts, (tuple(x.shape), x.dtype, layout, tuple(pooled.shape))
+        return parts, PoolMeta(tuple(x.shape), x.dtype, layout, tuple(pooled.shape))
 
-    def unpack(self, tensors, meta) -> torch.Tensor:
+    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: PoolMeta) -> torch.Tensor:
         shape, dtype, layout, pooled_shape = meta
         f = self.factor
         pooled = self.codec.decode(tuple(tensors), dtype, math.prod(pooled_shape))
@@ -579,51 +668,28 @@ class Pool(Strategy):
         return f"pool(gamma={self.gamma}, factor={self.factor})"
 
 
-_CLASSES: dict[str, Callable[..., Strategy]] = {
-    "mink": MinK,
-    "parallel_mink": ParallelMinK,
-    "random": RandomKeep,
-    "threshold": Threshold,
-    "channel_mink": ChannelMinK,
-    "channel_random": ChannelRandom,
-    "block_mink": BlockMinK,
-    "pool": Pool,
+# The one list of strategies, in the order users see them (config choices, messages, docs).
+REGISTRY = Registry(
+    (MinK, ParallelMinK, RandomKeep, Threshold, ChannelMinK, ChannelRandom, BlockMinK, Pool),
+    COMMON_OPTIONS,
+)
+STRATEGIES: tuple[str, ...] = REGISTRY.names
+# Each strategy's own options and their types (a view of REGISTRY, kept for callers of 0.x).
+STRATEGY_OPTIONS: dict[str, dict[str, type]] = {
+    name: {o.name: o.type for o in REGISTRY.get(name).options} for name in STRATEGIES
 }
 
 
 def build_strategy(name: str, gamma: float, **options: Any) -> Strategy:
-    """Validate a strategy name, gamma and options; return the strategy object."""
-    if not isinstance(name, str) or name not in _CLASSES:
-        raise ValueError(f"unknown DropIT strategy {name!r}: allowed {', '.join(STRATEGIES)}")
+    """Validate a strategy name, gamma and options against ``REGISTRY``; return the strategy."""
+    cls = REGISTRY.get(name)
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
         raise ValueError(f"DropIT gamma={gamma!r} is not a number: allowed 0 <= gamma < 1")
     gamma = float(gamma)
     if not 0.0 <= gamma < 1.0:
         raise ValueError(f"DropIT gamma={gamma} is out of range: allowed 0 <= gamma < 1")
-    allowed = {**STRATEGY_OPTIONS[name], **_COMMON_OPTIONS}
-    for key, value in options.items():
-        if key not in allowed:
-            raise ValueError(
-                f"DropIT option {key!r} does not apply to strategy {name!r}: "
-                f"allowed {', '.join(sorted(allowed)) or 'none'}"
-            )
-        want = allowed[key]
-        if isinstance(value, bool) or not isinstance(value, want):
-            raise ValueError(
-                f"DropIT option {key}={value!r} has the wrong type: expected {want.__name__}"
-            )
-    fmt = options.pop("values", "same")
-    if fmt not in VALUE_FORMATS:
-        raise ValueError(f"DropIT option values={fmt!r} is invalid: allowed {VALUE_FORMATS}")
-    chunks = {}
-    for key, default in (("int8_chunk", 1024), ("int4_chunk", 64)):
-        chunks[key] = options.pop(key, default)
-        if chunks[key] < 1:
-            raise ValueError(f"DropIT option {key}={chunks[key]} is invalid: allowed integers >= 1")
-    positions = options.pop("positions", "bits")
-    if positions not in POSITIONS:
-        raise ValueError(f"DropIT option positions={positions!r} is invalid: allowed {POSITIONS}")
-    strategy = _CLASSES[name](gamma, ValueCodec(fmt, **chunks), **options)
-    if positions != "bits":
-        strategy.positions = positions
-    return strategy
+    resolved = REGISTRY.resolve(name, options)
+    codec = ValueCodec(
+        resolved.pop("values"), resolved.pop("int8_chunk"), resolved.pop("int4_chunk")
+    )
+    return cls(gamma, codec, **resolved)

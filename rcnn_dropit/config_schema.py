@@ -6,9 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dropit_core import STRATEGIES
+from dropit_core import REGISTRY
 
-DROPIT_STRATEGIES: tuple[str, ...] = STRATEGIES  # dropit_core owns the list
+# dropit_core's strategy registry owns the list (and each strategy's options, checked when the
+# model is built: dropit.options depends on dropit.strategy, so it is not checked key by key here)
+DROPIT_STRATEGIES: tuple[str, ...] = REGISTRY.names
 
 
 def _f(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, **rules: Any):

@@ -30,6 +30,11 @@ class DistInfo:
     device: torch.device
     distributed: bool
 
+    @property
+    def is_main(self) -> bool:
+        """Whether this process is rank 0: the one that owns the console (progress bars)."""
+        return self.rank == 0
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -277,6 +282,15 @@ def run_on_main(fn: Callable[[], T], share: bool = True) -> T | None:
     if outcome[0] == "error":
         raise outcome[1]
     return result if get_rank() == 0 else outcome[1]
+
+
+def main_only(fn: Callable[[], T]) -> T | None:
+    """Run fn on rank 0 alone, with no collective; None on the other ranks.
+
+    For error paths (e.g. removing a half-made run folder), where the other ranks may already
+    have left and a collective such as :func:`run_on_main`'s would wait for them in vain.
+    """
+    return fn() if get_rank() == 0 else None
 
 
 def reduce_dict(values: dict[str, torch.Tensor], average: bool = True) -> dict[str, torch.Tensor]:

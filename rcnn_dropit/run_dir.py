@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from rcnn_dropit.distributed import get_rank, run_on_main
+from rcnn_dropit.distributed import get_rank, is_main_process, run_on_main
 from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, read_metrics
 from rcnn_dropit.tensorboard import TensorBoardWriter
 
@@ -190,8 +190,7 @@ class RunDir:
     @property
     def log_file(self) -> Path:
         """This rank's log: log.txt on rank 0, log.rank<N>.txt (warnings and errors) elsewhere."""
-        rank = get_rank()
-        return self.root / ("log.txt" if rank == 0 else f"log.rank{rank}.txt")
+        return self.root / ("log.txt" if is_main_process() else f"log.rank{get_rank()}.txt")
 
     def coco_results(self, iou_type: str) -> Path:
         """coco_results_<iou_type>.json, the detections in COCO results format."""
@@ -293,7 +292,7 @@ class RunDir:
     def start_logging(self) -> None:
         """Route the package's messages and Python warnings: rank 0 to the console and log.txt,
         other ranks' warnings and errors to log.rank<N>.txt. Undone by stop_logging()."""
-        main = get_rank() == 0
+        main = is_main_process()
         # attached to its file by create(), once the folder is known to be ours
         self._log_file = _RunLog(logging.INFO if main else logging.WARNING)
         warn_console = logging.StreamHandler(sys.stderr)  # where Python prints warnings anyway

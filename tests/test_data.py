@@ -447,6 +447,19 @@ def test_loaders_on_shapes(shapes_root):
     assert val.dataset.label_to_cat_id(3) == 3
 
 
+def test_loaders_leave_the_data_set_check_to_the_caller(shapes_root, monkeypatch):
+    # ensure_dataset runs once, on rank 0 before the loaders: not again on every rank in them
+    from rcnn_dropit.data import loader as loader_module
+
+    def checked(cfg):
+        raise AssertionError("the loaders checked the data set again")
+
+    monkeypatch.setattr(loader_module, "ensure_dataset", checked)
+    cfg = make_cfg(shapes_root)
+    assert len(build_train_loader(cfg, distributed=False)) == 3
+    assert len(build_val_loader(cfg, distributed=False)) == SHAPES["num_val"]
+
+
 def test_train_augmentation_independent_of_workers(shapes_root):
     def epoch_boxes(num_workers: int) -> list:
         cfg = make_cfg(shapes_root, num_workers=num_workers, hflip_prob=0.5)

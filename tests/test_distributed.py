@@ -83,7 +83,8 @@ def test_single_process_and_bad_values(clean_env):
     assert info.device == torch.device("cpu")
     assert not dist.is_initialized()
     assert distributed.get_rank() == 0 and distributed.get_world_size() == 1
-    assert distributed.is_main_process()
+    assert distributed.is_main_process() and info.is_main
+    assert distributed.main_only(lambda: 5) == 5
     distributed.barrier()
     assert distributed.all_gather_object({"a": 1}) == [{"a": 1}]
     assert distributed.gather_object(3) == [3]
@@ -114,6 +115,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     info = init_distributed("cpu", timeout_s=60)
     record = {"rank": info.rank, "world": info.world_size, "distributed": info.distributed}
     record["is_main"] = distributed.is_main_process()
+    record["info_is_main"] = info.is_main
+    record["main_only"] = distributed.main_only(lambda: rank)  # no collective: none to wait for
     record["gathered"] = distributed.all_gather_object(rank * 10)
     record["gather_to_0"] = distributed.gather_object(rank + 1)
     record["broadcast"] = distributed.broadcast_object(f"from {rank}")
@@ -160,7 +163,8 @@ def test_two_process_gloo_matches_single_process(tmp_path):
 
     for rank, rec in enumerate(records):
         assert (rec["rank"], rec["world"], rec["distributed"]) == (rank, 2, True)
-        assert rec["is_main"] == (rank == 0)
+        assert rec["is_main"] == rec["info_is_main"] == (rank == 0)
+        assert rec["main_only"] == (0 if rank == 0 else None)
         assert rec["gathered"] == [0, 10]
         assert rec["gather_to_0"] == ([1, 2] if rank == 0 else None)
         assert rec["broadcast"] == "from 0"

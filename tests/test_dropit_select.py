@@ -142,7 +142,7 @@ def test_counts_first_pack_equals_the_one_pass_pack(monkeypatch, name, options) 
     monkeypatch.setattr(strategies_mod, "counts_first", lambda device: True)
     counts_first = build_strategy(name, 0.8, **options)
     tensors_b, meta_b = counts_first.pack(x, "conv")
-    assert meta_a[2] == meta_b[2]  # kept count per slice
+    assert meta_a.counts == meta_b.counts  # kept count per slice
     assert len(tensors_a) == len(tensors_b)
     for a, b in zip(tensors_a, tensors_b, strict=True):
         assert torch.equal(a, b)

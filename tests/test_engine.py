@@ -290,6 +290,21 @@ def test_nonfinite_loss_stops_with_terms(tmp_path, shapes_root, monkeypatch) -> 
     assert "loss_classifier=" in message and "solver.nonfinite=skip" in message
 
 
+def test_train_checks_the_data_set_once(tmp_path, shapes_root, monkeypatch) -> None:
+    from rcnn_dropit.data import loader as loader_module
+
+    calls = []
+    real = runner_module.ensure_dataset
+    monkeypatch.setattr(runner_module, "ensure_dataset", lambda cfg: calls.append(1) or real(cfg))
+    monkeypatch.setattr(loader_module, "ensure_dataset", lambda cfg: calls.append("loader"))
+    # stop right after the loaders are built: the rest of a run does not touch the data set
+    monkeypatch.setattr(runner_module, "total_iterations", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train(FASTER_CFG, tiny_opts(shapes_root, "solver.max_iters=1"), output_dir=tmp_path / "r")
+    assert calls == [1]
+    assert not (tmp_path / "r").exists()  # nothing written before the run starts
+
+
 class _ToyDetector(nn.Module):
     """Returns a loss dict like torchvision detectors; NaN on chosen calls."""
 

@@ -155,8 +155,8 @@ def build_train_loader(
     see GroupedBatchSampler for resuming. Memory is pinned when `device` is a CUDA device.
 
     ``train_loader.batch_sampler`` has ``set_epoch(epoch)`` and ``set_start_batch(k)``.
+    The data set must be on disk already: :func:`ensure_dataset` runs once, before (on rank 0).
     """
-    ensure_dataset(cfg)
     dataset = build_dataset(cfg, "train", seed=seed, as_float=False)
     rank, world_size = rank_and_world_size(distributed)
     # one code path for 1 and N processes: shuffle depends only on (seed, epoch)
@@ -180,9 +180,9 @@ def build_val_loader(cfg: Any, distributed: bool, device: torch.device | None = 
 
     Batch size 1 keeps results independent of the number of ranks (batching pads images).
     Its workers are not persistent: evaluation is rare, and idle workers would hold a copy of
-    the validation index through all of training.
+    the validation index through all of training. The data set must be on disk already (see
+    :func:`ensure_dataset`).
     """
-    ensure_dataset(cfg)
     dataset = build_dataset(cfg, "val", as_float=False)
     rank, world_size = rank_and_world_size(distributed)
     sampler = ShardSampler(len(dataset), rank, world_size)

@@ -7,7 +7,7 @@ from torch import nn
 from tqdm import tqdm
 
 from rcnn_dropit.data import images_to_device
-from rcnn_dropit.distributed import broadcast_buffers, is_main_process
+from rcnn_dropit.distributed import broadcast_buffers
 from rcnn_dropit.evaluation import COCOEvaluator
 
 
@@ -35,10 +35,13 @@ def evaluate(
     val_loader,
     device: torch.device,
     iou_types: tuple[str, ...],
-    progress: bool = True,
+    progress: bool = False,
 ) -> tuple[dict, dict[str, list] | None]:
     """Run the model over every validation image once: (COCO metrics on every rank, the
-    detections in COCO results format per iou type on rank 0, None elsewhere)."""
+    detections in COCO results format per iou type on rank 0, None elsewhere).
+
+    ``progress``: show a progress bar (pass ``DistInfo.is_main``: rank 0 owns the console).
+    """
     dataset = val_loader.dataset
     evaluator = COCOEvaluator(
         dataset.coco, iou_types=iou_types, label_to_cat_id=dataset.label_to_cat_id
@@ -52,7 +55,7 @@ def evaluate(
         bar = tqdm(
             val_loader,
             desc="eval",
-            disable=not (progress and is_main_process()),
+            disable=not progress,
             dynamic_ncols=True,
             leave=False,
         )

@@ -20,7 +20,7 @@ from rcnn_dropit.distributed import (
     DistInfo,
     cleanup,
     init_distributed,
-    is_main_process,
+    main_only,
     run_on_main,
 )
 from rcnn_dropit.engine.checkpointer import (
@@ -155,8 +155,8 @@ def train(
     except Exception as err:
         # into log.txt (and other ranks' logs); the console line is run_cli's
         log.error(f"error: {' '.join(str(err).split())}", extra={"file_only": True})
-        if isinstance(err, (ValueError, FileNotFoundError)) and created and is_main_process():
-            discard_unfinished_run(run_dir)
+        if isinstance(err, (ValueError, FileNotFoundError)) and created:
+            main_only(lambda: discard_unfinished_run(run_dir))
         raise
     finally:
         run_dir.stop_logging()
@@ -256,7 +256,9 @@ def run(
     writer = run_dir.open_metrics(start_iter if resumed else None, cfg.train.tensorboard)
 
     def evaluate_and_write() -> dict:
-        metrics, results = evaluate(parts.model, parts.val_loader, info.device, iou_types)
+        metrics, results = evaluate(
+            parts.model, parts.val_loader, info.device, iou_types, progress=info.is_main
+        )
         run_dir.write_coco_results(results)
         return metrics
 
@@ -277,7 +279,7 @@ def run(
         checkpointer=parts.checkpointer,
         evaluate=evaluate_and_write,
         on_eval=on_eval,
-        progress=is_main_process(),
+        progress=info.is_main,
     )
     if start is not None:
         trainer.load_loop_state(start.loop)
@@ -338,7 +340,9 @@ def test(
         # made only once the checkpoint and the data are known to be good
         run_on_main(lambda: run_dir.root.mkdir(parents=True, exist_ok=True))
         run_dir.attach_log()
-        metrics, results = evaluate(net, val_loader, info.device, iou_types_for(cfg.model.arch))
+        metrics, results = evaluate(
+            net, val_loader, info.device, iou_types_for(cfg.model.arch), progress=info.is_main
+        )
         run_dir.write_coco_results(results)
         run_dir.write_eval(metrics, iter=state.get("iteration"), checkpoint=str(ckpt))
         say(f"evaluation of '{ckpt}' ({metrics['num_images']} images):")

@@ -1,0 +1,5 @@
+"""``python -m dropit_core``: print the README's DropIT-options tables, from the registry."""
+
+from dropit_core.strategies import REGISTRY
+
+print(REGISTRY.markdown())
