@@ -139,7 +139,7 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, shapes_root) -> None:
         assert math.isfinite(r["loss"]) and r["loss"] > 0
         assert r["loss"] == pytest.approx(sum(r[k] for k in (*LOSS_KEYS, "loss_mask")))
         assert r["images_per_sec"] > 0 and r["peak_mem_mb"] > 0 and r["epoch"] == 1
-    assert records[0]["lr"] == pytest.approx(0.02 * 0.001)  # demo lr, warmup start
+    assert records[0]["lr"] == pytest.approx(0.03 * 0.001)  # demo lr, warmup start
     evals = [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "eval"]
     assert [e["iter"] for e in evals] == [2]
     memory = json.loads((run / "memory.json").read_text())
