@@ -83,6 +83,21 @@ def tiny_opts(root: Path, *extra: str, num_val: int = 4, batch_size: int = 2) ->
     ]
 
 
+def coco_opts(root: Path, *extra: str) -> list[str]:
+    """tiny_opts for a shapes set read as data.dataset=coco from ``root`` (split folders and
+    annotations/instances_{train,val}.json)."""
+    return tiny_opts(
+        root,
+        "data.dataset=coco",
+        "data.train_images=train",
+        "data.train_ann=annotations/instances_train.json",
+        "data.val_images=val",
+        "data.val_ann=annotations/instances_val.json",
+        "model.num_classes=4",
+        *extra,
+    )
+
+
 def train_records(run: Path) -> list[dict]:
     """The training records of a run's metrics.jsonl, in order."""
     return [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"]

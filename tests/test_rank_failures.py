@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 
 from rcnn_dropit.data import make_shapes
-from tests.conftest import FASTER_CFG, REPO, TRAIN_PY, free_port, job_env, single_node, tiny_opts
+from tests.conftest import (
+    FASTER_CFG,
+    REPO,
+    TRAIN_PY,
+    coco_opts,
+    free_port,
+    job_env,
+    single_node,
+    tiny_opts,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 # A hang would last until the process-group timeout (30 min); the goal is every rank out in 60 s.
@@ -60,16 +69,7 @@ def _corrupt_annotations(tmp: Path, shapes: Path) -> tuple[list[str], str, int]:
     train_ann = root / "annotations/instances_train.json"
     train_ann.write_bytes((shapes / "annotations/instances_train.json").read_bytes())
     (root / "annotations/instances_val.json").write_text('{"images": [')  # cut off mid-write
-    opts = tiny_opts(
-        root,
-        "data.dataset=coco",
-        "data.train_images=train",
-        "data.train_ann=annotations/instances_train.json",
-        "data.val_images=val",
-        "data.val_ann=annotations/instances_val.json",
-        "model.num_classes=4",
-        "solver.max_iters=1",
-    )
+    opts = coco_opts(root, "solver.max_iters=1")
     message = f"error: data.val_ann: '{root / 'annotations/instances_val.json'}' is not valid JSON"
     return ["--output-dir", str(tmp / "run"), "--opts", *opts], message, 2
 

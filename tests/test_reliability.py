@@ -24,7 +24,7 @@ import torch
 from rcnn_dropit.checkpoint import load_checkpoint
 from rcnn_dropit.data import make_shapes
 from rcnn_dropit.logging_utils import read_metrics
-from tests.conftest import FASTER_CFG, MASK_CFG, TEST_PY, TRAIN_PY
+from tests.conftest import FASTER_CFG, MASK_CFG, TEST_PY, TRAIN_PY, coco_opts
 from tests.conftest import tiny_opts as shared_tiny_opts
 
 TRAIN, TEST = TRAIN_PY, TEST_PY
@@ -133,15 +133,7 @@ def coco(tmp_path, shapes) -> tuple[Path, list[str]]:
     """A private copy of the shapes set read as data.dataset=coco, and the options for it."""
     root = tmp_path / "coco"
     shutil.copytree(shapes, root)
-    opts = tiny_opts(
-        root,
-        "data.dataset=coco",
-        "data.train_images=train",
-        "data.train_ann=annotations/instances_train.json",
-        "data.val_images=val",
-        "data.val_ann=annotations/instances_val.json",
-        "model.num_classes=4",
-    )
+    opts = coco_opts(root)
     return root, opts
 
 
