@@ -251,13 +251,16 @@ def _schedule(
             log = run_dir.parent / f"{run_dir.name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             gpu = slot % gpus if gpus else None  # round-robin: children do not share cuda:0
+            # the pretraining runs on one thread: a machine that lost the exported backbone
+            # retrains it, and one thread sums in the same order, so it gets the same weights
+            n_threads = 1 if run.exports else threads
             slot += 1
             print(
                 f"[{i}/{total}] {run.name}: {'resuming' if resume else 'training'} "
-                f"({threads} thread(s){'' if gpu is None else f', GPU {gpu}'}, log {log})",
+                f"({n_threads} thread(s){'' if gpu is None else f', GPU {gpu}'}, log {log})",
                 flush=True,
             )
-            proc = _start_run(run, resume, run_dir, log, threads, gpu)
+            proc = _start_run(run, resume, run_dir, log, n_threads, gpu)
             running.append((i, run, proc, time.time()))
         time.sleep(_POLL_SECONDS)
         for entry in list(running):

@@ -166,6 +166,7 @@ def test_study_skips_finished_resumes_started_waits_for_backbone_and_reports(
         run_study(plan_file, jobs=2)
     names = [s[0] for s in started]
     assert "scratch/baseline_s1" not in names and len(names) == 9
+    assert started[0] == ("pretrain/pretrain", None, 1, 0)  # one thread: reproducible weights
     assert started[1] == ("scratch/mink_0.8_s1", "auto", 2, 1)  # resumed, second GPU
     assert names.index("pretrain/pretrain") < names.index("finetune/baseline_s1")
     assert most[0] == 2
