@@ -178,7 +178,7 @@ def test_study_skips_finished_resumes_started_waits_for_backbone_and_reports(
     assert "## Regime: scratch" in text and "## Regime: finetune" in text
     # scratch mink: seeds 1, 2 at 50.5 / 51.5 against baseline 51.0 (finished before) / 52.0
     assert "| mink_0.8 | 1,2 | 51.0 ± 0.7 | 51.0 ± 0.7 | -0.5 [-0.5, -0.5] (n=2)" in text
-    assert "scratch, mink_0.8: **keeps AP**" in text
+    assert "scratch, mink_0.8: **keeps AP**" in text  # both planned seeds finished
     assert "scratch, random_0.8" not in text  # only the paper's settings get a verdict line
     assert "finetune, parallel_mink_0.8: not measured yet." in text
     assert "| baseline | 52.0 / 52.0 |" not in text  # the pre-finished baseline had no evals
