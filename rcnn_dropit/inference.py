@@ -15,6 +15,7 @@ from torchvision.transforms.functional import pil_to_tensor
 from rcnn_dropit.checkpoint import find_last_checkpoint
 from rcnn_dropit.config import Config, load_config
 from rcnn_dropit.data import build_dataset, dataset_paths, ensure_dataset, load_coco_json
+from rcnn_dropit.data.coco import read_json_file
 from rcnn_dropit.distributed import resolve_device
 from rcnn_dropit.engine.evaluator_loop import iou_types_for
 from rcnn_dropit.evaluation import coco_results
@@ -196,12 +197,7 @@ def image_ids_for(paths: Sequence[Path], mapping: str | Path | None = None) -> l
     if mapping is None:
         return list(range(1, len(paths) + 1))
     mapping = Path(mapping)
-    if not mapping.is_file():
-        raise FileNotFoundError(f"--image-ids: file '{mapping}' does not exist")
-    try:
-        data = json.loads(mapping.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"--image-ids: '{mapping}' is not valid JSON ({err})") from None
+    data = read_json_file(mapping, "--image-ids")
     if isinstance(data, dict) and isinstance(data.get("images"), list):
         table = {Path(str(im["file_name"])).name: im["id"] for im in data["images"]}
     elif isinstance(data, dict):

@@ -24,16 +24,21 @@ from .coco_check import check_coco
 Transform = Callable[[torch.Tensor, dict, random.Random], tuple[torch.Tensor, dict]]
 
 
+def read_json_file(path: str | Path, key: str, noun: str = "file") -> Any:
+    """A JSON file's content; a missing file or bad JSON is one message naming ``key``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{key}: {noun} '{path}' does not exist")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{key}: '{path}' is not valid JSON ({err})") from None
+
+
 def load_coco_json(ann_file: str | Path, key: str = "annotation file") -> dict:
     """Read a COCO instances JSON and check the keys this package relies on."""
-    path = Path(ann_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"{key}: annotation file '{path}' does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{key}: '{path}' is not valid JSON ({err})") from err
-    check_coco(data, f"{key}: '{path}'")
+    data = read_json_file(ann_file, key, noun="annotation file")
+    check_coco(data, f"{key}: '{Path(ann_file)}'")
     return data
 
 
