@@ -18,6 +18,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .packing import pack_bits, unpack_bits
 from .strategies import Packed, PackMeta, Strategy
 
+_TINY = torch.finfo(torch.float32).tiny
+
 
 class InputCache:
     """Packs layer inputs with one strategy, sharing a pack between layers fed the same tensor.
@@ -62,12 +64,25 @@ class InputCache:
         if hit is not None and hit[:3] == (key._version, layout, x.dtype):
             return hit[3]
         packed = self.strategy.pack(x, layout)
+        if self.strategy.rescale == "norm":  # one more pass over x; the norm rides as a tensor
+            tensors, meta = packed
+            norm = torch.linalg.vector_norm(x, dtype=torch.float32)
+            packed = ((*tensors, norm), meta)
         self._packs[key] = (key._version, layout, x.dtype, packed)
         return packed
 
     def unpack(self, tensors: tuple[torch.Tensor, ...], meta: PackMeta) -> torch.Tensor:
-        """Rebuild the dense (dropped) input."""
-        return self.strategy.unpack(tensors, meta)
+        """Rebuild the dense (dropped) input; with ``rescale="norm"``, scaled to the input's
+        L2 norm (dropping the small elements shrinks the weight gradient by the same factor)."""
+        if self.strategy.rescale != "norm":
+            return self.strategy.unpack(tensors, meta)
+        *tensors, norm = tensors
+        x_hat = self.strategy.unpack(tuple(tensors), meta)
+        rebuilt = torch.linalg.vector_norm(x_hat, dtype=torch.float32)
+        # An all-zero rebuild stays zero (no division by zero); no host sync either way.
+        scale = torch.where(rebuilt > 0, norm / rebuilt.clamp_min(_TINY), 1.0)
+        # Out of place: some strategies rebuild as a view of a cached tensor, which layers share.
+        return x_hat * scale.to(x_hat.dtype)
 
     # Weak dictionaries neither pickle nor deep-copy; a copy starts with an empty cache.
     def __getstate__(self) -> dict:

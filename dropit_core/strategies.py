@@ -105,11 +105,21 @@ Packed = tuple[tuple[torch.Tensor, ...], PackMeta]
 # bool/abs temporaries stay a few MB however large the layer input is.
 _SLICE = 1 << 22
 
-# Options every strategy takes: how the kept values are stored (see ValueCodec).
+# How a rebuilt input is scaled before the weight gradient: as it is, or to the input's L2 norm.
+RESCALES = ("none", "norm")
+# Options every strategy takes: how the kept values are stored (see ValueCodec), and the scale.
 COMMON_OPTIONS = (
     Option("values", str, "same", "how kept values are stored", choices=VALUE_FORMATS),
     Option("int8_chunk", int, ValueCodec.int8_chunk, "values per fp32 scale of `int8`", minimum=1),
     Option("int4_chunk", int, ValueCodec.int4_chunk, "values per fp32 scale of `int4`", minimum=1),
+    Option(
+        "rescale",
+        str,
+        "none",
+        "`norm`: scale each rebuilt input by the L2 norm ratio of the input to the rebuilt one, "
+        "so the weight gradient keeps the exact gradient's scale",
+        choices=RESCALES,
+    ),
 )
 POSITIONS = ("bits", "sparse_bits")
 _POSITIONS = Option(
@@ -157,6 +167,9 @@ class Strategy:
     options: tuple[Option, ...] = ()
     keeps = ""
     cache_bytes = ""
+    # "norm": the cache also keeps ||x|| and scales the rebuilt input to it (see InputCache);
+    # set by build_strategy from the common option of the same name.
+    rescale = RESCALES[0]
 
     def __init__(self, gamma: float, codec: ValueCodec) -> None:
         self.gamma = gamma
@@ -172,7 +185,14 @@ class Strategy:
 
     def describe(self) -> str:
         """Short human-readable form, e.g. ``mink(gamma=0.8)``."""
-        return f"{self.name}(gamma={self.gamma})"
+        params = [f"gamma={self.gamma}", *self._describe_params()]
+        if self.rescale != RESCALES[0]:
+            params.append(f"rescale={self.rescale}")
+        return f"{self.name}({', '.join(params)})"
+
+    def _describe_params(self) -> tuple[str, ...]:
+        """The strategy's own settings worth showing in :meth:`describe`."""
+        return ()
 
 
 def _sparse_bits(bits: torch.Tensor, nonzero: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -415,8 +435,8 @@ class ParallelMinK(_Elementwise):
         mask[full:] = self._rows_mask(a[full:].view(1, -1)).view(-1)
         return mask
 
-    def describe(self) -> str:
-        return f"parallel_mink(gamma={self.gamma}, chunk={self.chunk})"
+    def _describe_params(self) -> tuple[str, ...]:
+        return (f"chunk={self.chunk}",)
 
 
 class Threshold(_Elementwise):
@@ -448,8 +468,8 @@ class Threshold(_Elementwise):
     def _slice_mask(self, piece: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
         return piece.abs() >= state
 
-    def describe(self) -> str:
-        return f"threshold(gamma={self.gamma}, sample={self.sample})"
+    def _describe_params(self) -> tuple[str, ...]:
+        return (f"sample={self.sample}",)
 
 
 class RandomKeep(_Elementwise):
@@ -664,8 +684,8 @@ class Pool(Strategy):
         up = pooled.repeat_interleave(f * f, dim=-1)
         return up[..., : shape[-1]].reshape(shape)
 
-    def describe(self) -> str:
-        return f"pool(gamma={self.gamma}, factor={self.factor})"
+    def _describe_params(self) -> tuple[str, ...]:
+        return (f"factor={self.factor}",)
 
 
 # The one list of strategies, in the order users see them (config choices, messages, docs).
@@ -692,4 +712,7 @@ def build_strategy(name: str, gamma: float, **options: Any) -> Strategy:
     codec = ValueCodec(
         resolved.pop("values"), resolved.pop("int8_chunk"), resolved.pop("int4_chunk")
     )
-    return cls(gamma, codec, **resolved)
+    rescale = resolved.pop("rescale")
+    strategy = cls(gamma, codec, **resolved)
+    strategy.rescale = rescale
+    return strategy

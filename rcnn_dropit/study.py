@@ -232,8 +232,25 @@ def _schedule(
     for config in dict.fromkeys(run.config for _, run in todo):
         ensure_dataset(load_config(config))
     plan.out.mkdir(parents=True, exist_ok=True)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     pending, running, failed = list(todo), [], []
+    try:
+        _run_queue(plan, pending, running, failed, total, jobs, threads)
+    finally:  # stopped (Ctrl-C, kill): take the children down too, not leave them orphaned
+        _stop_children([proc for _, _, proc, _ in running])
+    return failed
+
+
+def _run_queue(
+    plan: Plan,
+    pending: list[tuple[int, StudyRun]],
+    running: list,
+    failed: list[str],
+    total: int,
+    jobs: int,
+    threads: int,
+) -> None:
+    """Start ready runs while fewer than ``jobs`` run; record each as it ends."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     slot = 0
     while pending or running:
         ready = [e for e in pending if e[1].needs is None or Path(e[1].needs).is_file()]
@@ -282,7 +299,17 @@ def _schedule(
                     f"[{i}/{total}] {run.name}: FAILED (exit {proc.exitcode}) after {took:.0f} s",
                     flush=True,
                 )
-    return failed
+
+
+def _stop_children(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    """Terminate runs still going (each resumes from its last checkpoint next time)."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
 
 
 _POLL_SECONDS = 2.0

@@ -436,3 +436,58 @@ def test_a_layer_called_twice_under_autocast_saves_one_weight_copy() -> None:
     assert nbytes == 4 * 3 * 9 * 2 + 2 * (14 + 54 * 2)
     (out1.float().sum() + out2.float().sum()).backward()
     assert drop.weight.grad.dtype == torch.float32 and drop.bias.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("strategy", ["mink", "threshold", "channel_mink", "pool"])
+def test_rescale_norm_scales_the_weight_gradient_by_the_norm_ratio(strategy: str) -> None:
+    # rescale="norm": the rebuilt input gets x's L2 norm, so the weight gradient is the plain
+    # DropIT one times ||x|| / ||x_hat||; output, input and bias gradients stay exact.
+    torch.manual_seed(6)
+    plain = nn.Conv2d(4, 5, 3, padding=1)
+    drop = _converted(plain, strategy=strategy, gamma=0.8)
+    comp = _converted(plain, strategy=strategy, gamma=0.8, rescale="norm")
+    assert comp.dropit_cache.strategy.describe().endswith("rescale=norm)")
+    x = _input((2, 4, 8, 8), seed=7)
+    out_p, gx_p, g = _run(plain, x)
+    _run(drop, x, g)
+    out_c, gx_c, _ = _run(comp, x, g)
+    assert torch.equal(out_c, out_p)
+    torch.testing.assert_close(gx_c, gx_p, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(comp.bias.grad, plain.bias.grad, rtol=RTOL, atol=ATOL)
+    tensors, meta = comp.dropit_cache.strategy.pack(x.detach(), "conv")
+    ratio = x.detach().norm() / comp.dropit_cache.strategy.unpack(tensors, meta).norm()
+    assert ratio > 1.05  # dropping 80% of the elements really shrinks the norm
+    torch.testing.assert_close(comp.weight.grad, drop.weight.grad * ratio, rtol=1e-4, atol=1e-5)
+
+
+def test_rescale_norm_with_a_shared_pack_and_an_all_zero_input() -> None:
+    # Two layers share one pack (and its norm); a zero input rebuilds as zeros, never NaN.
+    class Fork(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Conv2d(3, 4, 3, padding=1)
+            self.b = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    torch.manual_seed(8)
+    plain = Fork()
+    comp = copy.deepcopy(plain)
+    to_dropit(comp, gamma=0.8, rescale="norm")
+    x = _input((2, 3, 6, 6), seed=9)
+    _, _, g = _run(plain, x)
+    _run(comp, x, g)
+    x_hat = _keep_topk(x, 0.8)
+    x_hat = x_hat * (x.detach().norm() / x_hat.norm())
+    for name, pad in (("a", 1), ("b", 0)):
+        w = getattr(plain, name).weight
+        ref = _weight_grad(lambda i, w_: F.conv2d(i, w_, None, padding=pad), x_hat, w, g)  # noqa: B023
+        torch.testing.assert_close(getattr(comp, name).weight.grad, ref, rtol=1e-4, atol=1e-6)
+    _run(comp, torch.zeros(2, 3, 6, 6), g)
+    assert torch.isfinite(comp.a.weight.grad).all() and torch.isfinite(comp.b.weight.grad).all()
+
+
+def test_rescale_option_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"rescale='l2' is invalid: allowed \('none', 'norm'\)"):
+        to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3)), rescale="l2")

@@ -316,7 +316,7 @@ def test_copies_of_a_converted_model_train(how: str, strategy: str, options) -> 
         ({"strategy": "minkk"}, "'minkk'.*allowed mink, parallel_mink, random"),
         (
             {"strategy": "mink", "chunk": 64},
-            "'chunk'.*'mink'.*allowed int4_chunk, int8_chunk, positions, values",
+            "'chunk'.*'mink'.*allowed int4_chunk, int8_chunk, positions, rescale, values",
         ),
         ({"strategy": "parallel_mink", "chunk": "64"}, "chunk='64'.*expected int"),
         ({"strategy": "parallel_mink", "chunk": 64.0}, "chunk=64.0.*expected int"),

@@ -286,3 +286,31 @@ def test_paired_statistics() -> None:
     assert t95(11) == 2.228 and t95(100) == 1.96
     with pytest.raises(ValueError):
         t95(0)
+
+
+def test_a_stopped_study_takes_its_running_children_down(tmp_path: Path, monkeypatch) -> None:
+    # Ctrl-C or kill of the parent must not leave trainings running orphaned (they would write
+    # into run directories the next study resumes).
+    import multiprocessing
+    import signal
+
+    plan_file = write_plan(tmp_path)
+    _fake_scheduler(monkeypatch)
+    children = []
+
+    def real_start(run, resume, run_dir, log, threads, gpu):
+        proc = multiprocessing.get_context("spawn").Process(target=signal.pause)
+        proc.start()
+        children.append(proc)
+        return proc
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "_start_run", real_start)
+    monkeypatch.setattr(study.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(plan_file, jobs=2)
+    assert len(children) == 2
+    for proc in children:
+        assert not proc.is_alive() and proc.exitcode == -signal.SIGTERM

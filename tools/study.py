@@ -7,6 +7,7 @@ Finished runs are skipped and interrupted ones resumed; the report is written at
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         "--report-only", action="store_true", help="write the report, train nothing"
     )
     args = parser.parse_args(argv)
+    # `kill` (make study runs in the background) stops the study like Ctrl-C: its trainings
+    # are terminated too and resume from their last checkpoints next time.
+    signal.signal(signal.SIGTERM, _interrupt)
 
     def go() -> None:
         if args.list:
@@ -51,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         print(run_study(args.plan, args.jobs, args.regimes, args.threads))
 
     return run_cli(go)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
