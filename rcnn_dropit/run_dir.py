@@ -258,14 +258,21 @@ class RunDir:
 
         return run_on_main(open_writers, share=False) or RecordWriters(NullWriter())
 
+    def eval_record(self, iteration: int) -> dict | None:
+        """The metrics of the evaluation of `iteration` in metrics.jsonl, or None (rank 0 reads,
+        all ranks get it)."""
+
+        def find() -> dict | None:
+            for record in read_metrics(self.metrics):
+                if record.get("type") == "eval" and record.get("iter") == iteration:
+                    return {k: v for k, v in record.items() if k not in ("type", "iter", "epoch")}
+            return None
+
+        return run_on_main(find)
+
     def has_eval_record(self, iteration: int) -> bool:
-        """Whether metrics.jsonl holds an evaluation of `iteration` (rank 0 reads, all learn)."""
-        return run_on_main(
-            lambda: any(
-                r.get("type") == "eval" and r.get("iter") == iteration
-                for r in read_metrics(self.metrics)
-            )
-        )
+        """Whether metrics.jsonl holds an evaluation of `iteration`."""
+        return self.eval_record(iteration) is not None
 
     def write_json(self, name: str, obj: dict) -> None:
         """<name> in the folder, atomically (rank 0; every rank calls it)."""

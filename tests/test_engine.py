@@ -241,6 +241,24 @@ def test_resume_redoes_an_unfinished_evaluation(tmp_path, shapes_root, faster_st
     assert records[-1]["bbox"] == json.loads((faster_straight / "eval.json").read_text())["bbox"]
 
 
+@pytest.mark.slow
+def test_resuming_a_finished_run_evaluates_nothing_again(
+    tmp_path, shapes_root, faster_straight, monkeypatch
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(faster_straight, run)
+    before = (run / "metrics.jsonl").read_text()
+    monkeypatch.setattr(Trainer, "run_eval", lambda self, it: pytest.fail(f"evaluated {it}"))
+    result = train(
+        FASTER_CFG, tiny_opts(shapes_root, "solver.max_iters=4"), output_dir=run, resume="auto"
+    )
+    assert result.iteration == 4
+    assert (run / "metrics.jsonl").read_text() == before  # no second eval record
+    final = json.loads((faster_straight / "eval.json").read_text())
+    assert result.metrics["bbox"] == final["bbox"]
+    assert json.loads((run / "eval.json").read_text()) == final
+
+
 # ---- guards ----------------------------------------------------------------------------------
 
 

@@ -252,7 +252,8 @@ def run(
     total = parts.schedule.total_iters
     iou_types = iou_types_for(cfg.model.arch)
     # A run killed while evaluating after its checkpoint: do that evaluation first.
-    eval_missing = start_iter > 0 and not run_dir.has_eval_record(start_iter)
+    recorded = run_dir.eval_record(start_iter) if start_iter > 0 else None
+    eval_missing = start_iter > 0 and recorded is None
     writer = run_dir.open_metrics(start_iter if resumed else None, cfg.train.tensorboard)
 
     def evaluate_and_write() -> dict:
@@ -292,9 +293,10 @@ def run(
         if eval_missing and parts.schedule.should_eval(start_iter):
             trainer.run_eval(start_iter)
         trainer.train(start_iter, start.rng if start is not None else None)
-        metrics = trainer.last_eval
-        if metrics is None or trainer.last_eval_iter != total:
-            # e.g. resumed from the final checkpoint: its evaluation may never have finished
+        metrics = trainer.last_eval if trainer.last_eval_iter == total else None
+        if metrics is None and start_iter == total:  # resumed a finished run: no second record
+            metrics = recorded
+        if metrics is None:  # e.g. resumed from the final checkpoint before its evaluation
             metrics = trainer.run_eval(total)
         report = None
         if cfg.train.measure_memory:
