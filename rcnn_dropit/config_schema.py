@@ -8,8 +8,8 @@ from typing import Any
 
 from dropit_core import REGISTRY
 
-# dropit_core's strategy registry owns the list (and each strategy's options, checked when the
-# model is built: dropit.options depends on dropit.strategy, so it is not checked key by key here)
+# dropit_core's strategy registry owns the list and each strategy's options; dropit.options
+# depends on dropit.strategy, so it is checked in cross_check, against the registry
 DROPIT_STRATEGIES: tuple[str, ...] = REGISTRY.names
 
 
@@ -183,7 +183,25 @@ def cross_check(cfg: Config) -> list[str]:
             f"model.num_classes ({m.num_classes}) must be data.shapes.num_classes + 1 "
             f"({shapes.num_classes + 1}: the shape classes plus background)"
         )
+    errors += _dropit_option_errors(cfg.dropit)
     steps = s.lr_steps
     if any(b <= a for a, b in zip(steps[:-1], steps[1:], strict=True)) or any(x < 1 for x in steps):
         errors.append(f"solver.lr_steps {steps}: must be positive and strictly increasing")
+    return errors
+
+
+def _dropit_option_errors(d: DropITConfig) -> list[str]:
+    """dropit.options checked against the chosen strategy's declaration, at load time (before
+    anything is written), with the registry's own message."""
+    if not d.enabled:
+        return []
+    options = dict(d.options)
+    relu = options.pop("relu", True)
+    errors = []
+    if not isinstance(relu, bool):
+        errors.append(f"dropit.options: relu={relu!r} must be true or false")
+    try:
+        REGISTRY.resolve(d.strategy, options)
+    except ValueError as err:
+        errors.append(f"dropit.options: {err}")
     return errors

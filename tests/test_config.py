@@ -24,7 +24,7 @@ def tree(tmp_path: Path) -> Path:
     write(
         tmp_path / "base/model.yaml",
         "_base_: root.yaml\nmodel:\n  arch: fasterrcnn\n  min_size: 400\n"
-        "dropit:\n  options: {chunk: 8, values: int8}\n",
+        "dropit:\n  strategy: parallel_mink\n  options: {chunk: 8, values: int8}\n",
     )
     write(tmp_path / "base/solver.yaml", "solver:\n  lr: 0.01\n  lr_steps: [3, 5, 7]\n")
     return write(
@@ -232,7 +232,8 @@ def test_published_recipes():
 
 def test_dump_and_reload_round_trip(tmp_path: Path):
     cfg = load_config(
-        CONFIGS / "maskrcnn_g0.8.yaml", ["dropit.options={chunk: 4}", "solver.lr=1e-3"]
+        CONFIGS / "maskrcnn_g0.8.yaml",
+        ["dropit.strategy=parallel_mink", "dropit.options={chunk: 4}", "solver.lr=1e-3"],
     )
     dump_config(cfg, tmp_path / "run/config.yaml")
     again = load_config(tmp_path / "run/config.yaml")
@@ -259,3 +260,25 @@ def test_anchor_sizes_default_and_validation() -> None:
     assert cfg.model.anchor_sizes == [32, 64, 128, 256, 512]
     with pytest.raises(ValueError, match=r"model.anchor_sizes \[64, 32, 128, 256, 512\]"):
         load_config("configs/maskrcnn_baseline.yaml", ["model.anchor_sizes=[64,32,128,256,512]"])
+
+
+@pytest.mark.parametrize(
+    "opts, pattern",
+    [
+        (["dropit.options={rescale: l2}"], r"dropit.options: .*rescale='l2' is invalid"),
+        (["dropit.options={chunk: 4}"], r"'chunk' does not apply to strategy 'mink'"),
+        (["dropit.strategy=threshold", "dropit.options={sample: x}"], r"sample='x'.*wrong type"),
+        (["dropit.options={relu: 1}"], r"relu=1 must be true or false"),
+    ],
+)
+def test_dropit_options_are_checked_when_the_config_loads(opts: list[str], pattern: str):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(CONFIGS / "maskrcnn_g0.8.yaml", ["dropit.enabled=true", *opts])
+    load_config(
+        CONFIGS / "maskrcnn_g0.8.yaml", ["dropit.enabled=false", *opts[-1:]]
+    )  # DropIT off: its options are unused
+    cfg = load_config(
+        CONFIGS / "maskrcnn_g0.8.yaml",
+        ["dropit.enabled=true", "dropit.options={rescale: norm, relu: false}"],
+    )
+    assert cfg.dropit.options == {"rescale": "norm", "relu": False}

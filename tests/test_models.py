@@ -192,12 +192,18 @@ def test_dropit_settings_reach_to_dropit(monkeypatch: pytest.MonkeyPatch):
         return model, ["converted"]
 
     monkeypatch.setitem(sys.modules, "dropit_core", types.SimpleNamespace(to_dropit=to_dropit))
-    dropit = {"enabled": True, "gamma": 0.5, "include": ["roi_heads.*"], "options": {"chunk": 4}}
+    dropit = {
+        "enabled": True,
+        "strategy": "parallel_mink",
+        "gamma": 0.5,
+        "include": ["roi_heads.*"],
+        "options": {"chunk": 4},
+    }
     model, record = build_model(tiny_cfg(arch="fasterrcnn", dropit=dropit))
     assert record == ["converted"] and isinstance(model.roi_heads.box_head, MLPHead)
     assert calls == [
         {
-            "strategy": "mink",
+            "strategy": "parallel_mink",
             "gamma": 0.5,
             "include": ("roi_heads.*",),
             "exclude": ("backbone.body.conv1", "roi_heads.box_predictor.*"),  # no mask branch
