@@ -1,0 +1,123 @@
+"""Where DropIT bends the gradient: per layer group, how close the weight gradient of a DropIT
+model stays to the exact one, on a study model's own weights and training images.
+
+The forward pass of a DropIT model is bit-identical to the plain one, and every sampling step of
+the R-CNN (anchors, RoIs) draws from the global generator, which is re-seeded before each step:
+so the exact and the DropIT step see the same proposals, and only the weight gradients of the
+converted layers differ. A group's gradient is the concatenation of its layers' weight gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dropit_core import to_dropit
+from rcnn_dropit.config import Config
+from rcnn_dropit.data.loader import build_dataset, ensure_dataset
+from rcnn_dropit.models.build import build_model
+
+# (label, module-path prefix); "all" is every trained conv/linear weight.
+GROUPS = (
+    ("backbone body", "backbone.body."),
+    ("FPN", "backbone.fpn."),
+    ("RPN head", "rpn."),
+    ("box head", "roi_heads.box_head."),
+    ("mask head", "roi_heads.mask_head."),
+    ("all", ""),
+)
+
+
+def training_batches(cfg: Config, count: int) -> list[tuple[list[torch.Tensor], list[dict]]]:
+    """The first ``count`` batches of ``cfg``'s training images, in file order (no shuffle)."""
+    ensure_dataset(cfg)
+    dataset = build_dataset(cfg, "train", seed=0, as_float=True)
+    size = int(cfg.solver.batch_size)
+    if count * size > len(dataset):
+        raise ValueError(f"{count} batches of {size} need more than the {len(dataset)} images")
+    batches = []
+    for b in range(count):
+        items = [dataset[i] for i in range(b * size, (b + 1) * size)]
+        batches.append(([img for img, _ in items], [t for _, t in items]))
+    return batches
+
+
+def _weight_grads(model: nn.Module, batch, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)  # the same RPN/RoI samples for the exact and the DropIT step
+    model.zero_grad(set_to_none=True)
+    images, targets = batch
+    sum(model(images, targets).values()).backward()
+    return {
+        name: m.weight.grad.detach().clone()
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.grad is not None
+    }
+
+
+def _group_vector(grads: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor | None:
+    parts = [g.double().flatten() for name, g in sorted(grads.items()) if name.startswith(prefix)]
+    return torch.cat(parts) if parts else None
+
+
+def group_fidelity(
+    cfg: Config,
+    weights: Mapping[str, torch.Tensor] | None,
+    settings: Mapping[str, Mapping[str, Any]],
+    batches: Sequence[tuple[list[torch.Tensor], list[dict]]],
+) -> dict[str, dict[str, dict[str, float]]]:
+    """For each setting (``to_dropit`` keyword arguments), per group: the cosine and norm ratio
+    of the DropIT weight gradient to the exact one, averaged over ``batches``.
+
+    ``cfg`` builds the model (its DropIT section is ignored; ``cfg.dropit.exclude`` is the
+    default exclude of every setting); ``weights`` replaces the built weights (a checkpoint's
+    model state), None keeps the initialisation of ``cfg``.
+    """
+    plain_cfg = copy.deepcopy(cfg)
+    plain_cfg.dropit.enabled = False
+    torch.manual_seed(cfg.train.seed)
+    base, _ = build_model(plain_cfg)
+    if weights is not None:
+        base.load_state_dict(weights)
+    base.train()
+    exact = [_weight_grads(base, batch, seed=i) for i, batch in enumerate(batches)]
+    result: dict[str, dict[str, dict[str, float]]] = {}
+    for name, options in settings.items():
+        options = {"exclude": tuple(cfg.dropit.exclude), **options}
+        model, _ = to_dropit(copy.deepcopy(base), **options)
+        sums: dict[str, list[float]] = {}
+        for i, batch in enumerate(batches):
+            approx = _weight_grads(model, batch, seed=i)
+            for label, prefix in GROUPS:
+                a, e = _group_vector(approx, prefix), _group_vector(exact[i], prefix)
+                if a is None or e is None:
+                    continue
+                cos = torch.nn.functional.cosine_similarity(a, e, dim=0).item()
+                ratio = (a.norm() / e.norm().clamp_min(1e-30)).item()
+                acc = sums.setdefault(label, [0.0, 0.0])
+                acc[0] += cos
+                acc[1] += ratio
+        result[name] = {
+            label: {"cosine": c / len(batches), "norm_ratio": r / len(batches)}
+            for label, (c, r) in sums.items()
+        }
+    return result
+
+
+def markdown_table(result: Mapping[str, Mapping[str, Mapping[str, float]]]) -> list[str]:
+    """One row per setting, one 'cosine / norm ratio' cell per group."""
+    labels = [label for label, _ in GROUPS if any(label in r for r in result.values())]
+    lines = [
+        "| setting | " + " | ".join(labels) + " |",
+        "|---|" + "---:|" * len(labels),
+    ]
+    for name, groups in result.items():
+        cells = [
+            f"{groups[g]['cosine']:.3f} / {groups[g]['norm_ratio']:.2f}" if g in groups else "-"
+            for g in labels
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
