@@ -314,3 +314,16 @@ def test_a_stopped_study_takes_its_running_children_down(tmp_path: Path, monkeyp
     assert len(children) == 2
     for proc in children:
         assert not proc.is_alive() and proc.exitcode == -signal.SIGTERM
+
+
+def test_report_shows_the_gradient_fidelity_tables_when_measured(tmp_path: Path) -> None:
+    from rcnn_dropit.report.study_report import _grad_groups
+
+    path = tmp_path / "shapes_grad_groups_finetune.json"
+    assert _grad_groups(path) == []  # not measured: nothing to show
+    cell = {"cosine": 0.9512, "norm_ratio": 0.876}
+    path.write_text(json.dumps({"run": "runs/b_s1", "init": {"mink_0.8": {"FPN": cell}}}))
+    lines = _grad_groups(path)
+    assert "`python tools/grad_groups.py --run runs/b_s1 --json" in lines[0]
+    assert lines[2] == "At initialisation:"
+    assert "| mink_0.8 | 0.951 / 0.88 |" in lines

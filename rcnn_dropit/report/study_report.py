@@ -194,6 +194,30 @@ def _figures(found: dict[str, dict[int, Run]], plan: Plan, regime: str, out: Pat
     return lines
 
 
+def _grad_groups(path: Path) -> list[str]:
+    """The per-group gradient fidelity tables of ``tools/grad_groups.py``, when it was run."""
+    if not path.is_file():
+        return []
+    from rcnn_dropit.grad_groups import markdown_table
+
+    data = json.loads(path.read_text())
+    run = data.pop("run")
+    lines = [
+        "Where the weight gradient bends: per layer group, cosine / norm ratio of the DropIT "
+        f"weight gradient to the exact one on `{run}`'s weights and 4 of its training batches "
+        f"(`python tools/grad_groups.py --run {run} --json {path.as_posix()}`):",
+        "",
+    ]
+    for state, result in data.items():
+        lines += [
+            f"At {'initialisation' if state == 'init' else state}:",
+            "",
+            *markdown_table(result),
+            "",
+        ]
+    return lines
+
+
 def _time_account(out: Path) -> tuple[float, int]:
     """Hours of wall time the study's runs took (sum over runs) and how many finished."""
     file = out / "study_times.jsonl"
@@ -251,6 +275,7 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
                 "",
             ]
         body += _figures(found, plan, regime, plan.report)
+        body += _grad_groups(plan.report.parent / f"shapes_grad_groups_{regime}.json")
     if plan.notes is not None and plan.notes.is_file():  # the analysis a person wrote
         lines += ["", plan.notes.read_text().strip()]
     markdown = "\n".join([*lines, "", *body]).rstrip("\n") + "\n"
