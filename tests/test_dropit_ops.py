@@ -179,18 +179,21 @@ def test_weight_grad_with_other_strategy_block_mink() -> None:
     torch.testing.assert_close(drop.weight.grad, ref, rtol=RTOL, atol=ATOL)
 
 
+class Fork(nn.Module):
+    """One input feeding two convs, like a ResNet block input feeding conv1 and the downsample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
 def test_shared_input_is_packed_once_and_both_grads_are_right(monkeypatch) -> None:
     # Like a ResNet block input feeding conv1 and the downsample conv.
     torch.manual_seed(4)
-
-    class Fork(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Conv2d(3, 4, 3, padding=1)
-            self.b = nn.Conv2d(3, 4, 1)
-
-        def forward(self, x):
-            return self.a(x) + self.b(x)
 
     plain = Fork()
     drop = copy.deepcopy(plain)
@@ -462,15 +465,6 @@ def test_rescale_norm_scales_the_weight_gradient_by_the_norm_ratio(strategy: str
 
 def test_rescale_norm_with_a_shared_pack_and_an_all_zero_input() -> None:
     # Two layers share one pack (and its norm); a zero input rebuilds as zeros, never NaN.
-    class Fork(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Conv2d(3, 4, 3, padding=1)
-            self.b = nn.Conv2d(3, 4, 1)
-
-        def forward(self, x):
-            return self.a(x) + self.b(x)
-
     torch.manual_seed(8)
     plain = Fork()
     comp = copy.deepcopy(plain)
