@@ -17,6 +17,9 @@ def test_parse_variant_reads_strategy_gamma_and_typed_options() -> None:
     assert v.label == "parallel_mink 0.8 chunk=4096 values=int8"
     assert parse_variant("mink:0.9").options == {}
     assert parse_variant("mink:0.8:relu=false").options == {"relu": False}
+    part = parse_variant("mink:0.8:include=rpn.*+roi_heads.*,values=int8")
+    assert part == Variant("mink", 0.8, {"values": "int8"}, ("rpn.*", "roi_heads.*"))
+    assert part.label == "mink 0.8 values=int8 include=rpn.*+roi_heads.*"
 
 
 @pytest.mark.parametrize("text", ["mink", "mink:high"])
@@ -51,6 +54,20 @@ def test_tiny_benchmark_rows_show_a_real_saving() -> None:
     table = markdown_table(rows)
     assert table.splitlines()[2].startswith("| baseline |")
     assert "| mink 0.8 |" in table
+
+
+def test_memory_only_rows_of_part_of_the_model() -> None:
+    # --repeats 0: no timing; include= converts only part of the model, which keeps more.
+    variants = [Variant("mink", 0.8), Variant("mink", 0.8, include=("roi_heads.*",))]
+    base, whole, heads = run_benchmark(
+        variants, image_size=64, repeats=0, rois_per_image=32, backbone="resnet18"
+    )
+    for row in (whole, heads):
+        assert "step_time_ratio" not in row and "eval_time_ratio" not in row
+    assert heads["include"] == ["roi_heads.*"] and whole["include"] == ["*"]
+    assert heads["converted_layers"] == 7  # box fc6, fc7, four mask convs, the mask upsampling
+    assert whole["saved_ratio"] < heads["saved_ratio"] < 1.0
+    assert "| mink 0.8 include=roi_heads.* |" in markdown_table([base, whole, heads])
 
 
 def test_tiny_benchmark_under_bf16_autocast() -> None:

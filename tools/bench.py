@@ -43,7 +43,12 @@ def main() -> int:
         "--scratch", action="store_true", help="BatchNorm2d model trained from scratch"
     )
     parser.add_argument("--image-size", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per side (median)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed steps per side (median); 0: memory and gradient fidelity only, no timing",
+    )
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument(
         "--amp", choices=["fp16", "bf16"], help="autocast dtype (default: none, fp32)"
