@@ -222,6 +222,10 @@ def test_published_recipes():
     assert mask.solver.batch_size * 8 == mask.solver.reference_batch == 16
     assert mask.data.aspect_ratio_group_factor == 3 and mask.model.max_size == 1333
     assert mask.model.num_classes == 81 and demo_classes() == 4
+    backbone_only = load_config(CONFIGS / "maskrcnn_g0.8_backbone.yaml")
+    assert backbone_only.dropit.include == ["backbone.*"]
+    same = load_config(CONFIGS / "maskrcnn_g0.8.yaml", ["dropit.include=[backbone.*]"])
+    assert {**backbone_only.to_dict(), "name": None} == {**same.to_dict(), "name": None}
     faster = load_config(CONFIGS / "fasterrcnn_g0.9.yaml")
     assert faster.model.arch == "fasterrcnn" and faster.dropit.gamma == 0.9
     assert not load_config(CONFIGS / "fasterrcnn_baseline.yaml").dropit.enabled

@@ -181,6 +181,7 @@ def test_study_skips_finished_resumes_started_waits_for_backbone_and_reports(
     assert "scratch, mink_0.8: **keeps AP**" in text  # both planned seeds finished
     assert "scratch, random_0.8" not in text  # only the paper's settings get a verdict line
     assert "finetune, parallel_mink_0.8: not measured yet." in text
+    assert "mink_0.8_backbone" not in text  # a verdict line only where the plan trains it
     assert "| baseline | 52.0 / 52.0 |" not in text  # the pre-finished baseline had no evals
     assert "iter 4 | iter 8" in text
     assert text.index("## Verdict") < text.index("Written by hand.") < text.index("## Regime")

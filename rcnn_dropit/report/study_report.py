@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from rcnn_dropit.study import Plan
 
 BASELINE = "baseline"
-VERDICT_SETTINGS = ("mink_0.8", "parallel_mink_0.8")  # the paper's claim, checked per regime
+# The paper's claim, checked per regime, and DropIT on the backbone only (where a plan has it).
+VERDICT_SETTINGS = ("mink_0.8", "parallel_mink_0.8", "mink_0.8_backbone")
 TOLERANCE = 1.0  # AP points: "keeps AP" means within this of the baseline
 FAMILIES = (("bbox", "box"), ("segm", "mask"))
 PAPER = (
@@ -145,6 +146,8 @@ def verdict(found: dict[str, dict[int, Run]], regime: str, plan: Plan) -> list[s
     lines = []
     for setting in VERDICT_SETTINGS:
         runs = found.get(setting)
+        if setting not in VERDICT_SETTINGS[:2] and not planned_seeds(plan, regime, setting):
+            continue  # an extra setting this regime does not train
         if not base or not runs:
             lines.append(f"- {regime}, {setting}: not measured yet.")
             continue
