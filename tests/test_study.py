@@ -328,3 +328,16 @@ def test_report_shows_the_gradient_fidelity_tables_when_measured(tmp_path: Path)
     assert "`python tools/grad_groups.py --run runs/b_s1 --json" in lines[0]
     assert lines[2] == "At initialisation:"
     assert "| mink_0.8 | 0.951 / 0.88 |" in lines
+
+
+def test_time_account_counts_machine_hours_by_the_runs_sharing_it(tmp_path: Path) -> None:
+    from rcnn_dropit.report.study_report import _time_account
+
+    records = [
+        {"run": "a", "seconds": 3600.0, "ok": True, "jobs": 2},
+        {"run": "b", "seconds": 3600.0, "ok": True, "jobs": 2},
+        {"run": "c", "seconds": 1800.0, "ok": False, "jobs": 1},
+    ]
+    (tmp_path / "study_times.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert _time_account(tmp_path) == (2.5, 1.5, 2)
+    assert _time_account(tmp_path / "none") == (0.0, 0.0, 0)

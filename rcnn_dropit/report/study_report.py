@@ -221,13 +221,16 @@ def _grad_groups(path: Path) -> list[str]:
     return lines
 
 
-def _time_account(out: Path) -> tuple[float, int]:
-    """Hours of wall time the study's runs took (sum over runs) and how many finished."""
+def _time_account(out: Path) -> tuple[float, float, int]:
+    """(hours the runs took, summed over runs; hours of the machine, each run's time divided by
+    the runs sharing the machine with it; how many finished)."""
     file = out / "study_times.jsonl"
     if not file.is_file():
-        return 0.0, 0
+        return 0.0, 0.0, 0
     records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-    return sum(r["seconds"] for r in records) / 3600, sum(1 for r in records if r.get("ok"))
+    per_run = sum(r["seconds"] for r in records) / 3600
+    machine = sum(r["seconds"] / max(1, r.get("jobs", 1)) for r in records) / 3600
+    return per_run, machine, sum(1 for r in records if r.get("ok"))
 
 
 def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
@@ -238,7 +241,7 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
 
     planned = [r for r in plan_runs(plan) if not r.exports]
     plan.report.parent.mkdir(parents=True, exist_ok=True)
-    hours, finished = _time_account(plan.out)
+    hours, machine_hours, finished = _time_account(plan.out)
     done = sum(1 for r in planned if (plan.out / r.name / "eval.json").is_file())
     lines = [
         "# Accuracy study on the synthetic shapes set",
@@ -246,8 +249,9 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
         f"Produced by `python tools/study.py --plan {plan_path} --jobs {jobs}` (`make study`) on "
         f"{platform.machine()} {platform.system()}, torch {torch.__version__}; run directories "
         f"(without checkpoints) under `{plan.out}`. {done} of {len(planned)} planned runs "
-        f"finished; the runs took {hours:.1f} h of wall time in all, counted per run "
-        f"(`{plan.out}/study_times.jsonl`), {jobs} at a time.",
+        f"finished; the finished and failed runs took {hours:.1f} h summed over runs, about "
+        f"{machine_hours:.1f} h of the machine (each run's time divided by the runs it shared "
+        f"the machine with; `{plan.out}/study_times.jsonl`; interrupted attempts are not counted).",
         "",
         "AP is COCO AP (IoU 0.50:0.95) x100 on the validation images of each regime's shapes set; "
         "± is the standard deviation over seeds. Δ is the mean over seeds of (setting - baseline) "
