@@ -25,7 +25,7 @@ from .ops import (
     MaskedReLUFunction,
     autocast_inputs,
 )
-from .strategies import build_strategy
+from .strategies import Strategy, build_strategy
 
 
 def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
@@ -149,6 +149,15 @@ def _check_patterns(kind: str, patterns: Sequence[str], paths: list[str]) -> Non
             raise ValueError(f"DropIT {kind} pattern {pattern!r} matches no module{hint}")
 
 
+def check_options(strategy: str, gamma: float, relu: bool = True, **options: Any) -> Strategy:
+    """Validate what ``to_dropit`` takes besides the model and patterns (strategy, gamma, relu,
+    strategy options); returns the built strategy. Needs no model, so configs call it on load."""
+    built = build_strategy(strategy, gamma, **options)
+    if not isinstance(relu, bool):
+        raise ValueError(f"DropIT option relu={relu!r} must be true or false")
+    return built
+
+
 def to_dropit(
     model: nn.Module,
     strategy: str = "mink",
@@ -165,13 +174,11 @@ def to_dropit(
     (e.g. ``chunk=16384``, ``values="int8"``), checked against its declaration in
     ``dropit_core.REGISTRY``. Returns the model and what was converted.
     """
-    built = build_strategy(strategy, gamma, **options)
+    built = check_options(strategy, gamma, relu, **options)
     named = [(p, m) for p, m in model.named_modules() if p]
     paths = [p for p, _ in named]
     _check_patterns("include", include, paths)
     _check_patterns("exclude", exclude, paths)
-    if not isinstance(relu, bool):
-        raise ValueError(f"DropIT option relu={relu!r} must be true or false")
     already = [p for p, m in named if type(m) in _PLAIN_CLASS]
     if already:
         raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dropit_core import REGISTRY
+from dropit_core.patch import check_options
 
 # dropit_core's strategy registry owns the list and each strategy's options; dropit.options
 # depends on dropit.strategy, so it is checked in cross_check, against the registry
@@ -191,17 +192,12 @@ def cross_check(cfg: Config) -> list[str]:
 
 
 def _dropit_option_errors(d: DropITConfig) -> list[str]:
-    """dropit.options checked against the chosen strategy's declaration, at load time (before
-    anything is written), with the registry's own message."""
+    """dropit.options checked by dropit_core against the chosen strategy's declaration, at load
+    time (before anything is written)."""
     if not d.enabled:
         return []
-    options = dict(d.options)
-    relu = options.pop("relu", True)
-    errors = []
-    if not isinstance(relu, bool):
-        errors.append(f"dropit.options: relu={relu!r} must be true or false")
     try:
-        REGISTRY.resolve(d.strategy, options)
+        check_options(d.strategy, d.gamma, **d.options)
     except ValueError as err:
-        errors.append(f"dropit.options: {err}")
-    return errors
+        return [f"dropit.options: {err}"]
+    return []

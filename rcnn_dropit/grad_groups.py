@@ -2,7 +2,7 @@
 model stays to the exact one, on a study model's own weights and training images.
 
 The forward pass of a DropIT model is bit-identical to the plain one, and every sampling step of
-the R-CNN (anchors, RoIs) draws from the global generator, which is re-seeded before each step:
+the R-CNN (anchors, RoIs) draws from the global generator, which the benchmark's step re-seeds:
 so the exact and the DropIT step see the same proposals, and only the weight gradients of the
 converted layers differ. A group's gradient is the concatenation of its layers' weight gradients.
 """
@@ -14,11 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from dropit_core import to_dropit
+from rcnn_dropit.benchmark import _weight_grads
 from rcnn_dropit.config import Config
 from rcnn_dropit.data.loader import build_dataset, ensure_dataset
+from rcnn_dropit.grad_figure import _cosine, _norm_ratio
 from rcnn_dropit.models.build import build_model
 
 # (label, module-path prefix); "all" is every trained conv/linear weight.
@@ -46,20 +47,8 @@ def training_batches(cfg: Config, count: int) -> list[tuple[list[torch.Tensor], 
     return batches
 
 
-def _weight_grads(model: nn.Module, batch, seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)  # the same RPN/RoI samples for the exact and the DropIT step
-    model.zero_grad(set_to_none=True)
-    images, targets = batch
-    sum(model(images, targets).values()).backward()
-    return {
-        name: m.weight.grad.detach().clone()
-        for name, m in model.named_modules()
-        if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.grad is not None
-    }
-
-
 def _group_vector(grads: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor | None:
-    parts = [g.double().flatten() for name, g in sorted(grads.items()) if name.startswith(prefix)]
+    parts = [g.flatten() for name, g in sorted(grads.items()) if name.startswith(prefix)]
     return torch.cat(parts) if parts else None
 
 
@@ -83,23 +72,21 @@ def group_fidelity(
     if weights is not None:
         base.load_state_dict(weights)
     base.train()
-    exact = [_weight_grads(base, batch, seed=i) for i, batch in enumerate(batches)]
+    exact = [_weight_grads(base, batch) for batch in batches]
     result: dict[str, dict[str, dict[str, float]]] = {}
     for name, options in settings.items():
         options = {"exclude": tuple(cfg.dropit.exclude), **options}
         model, _ = to_dropit(copy.deepcopy(base), **options)
         sums: dict[str, list[float]] = {}
         for i, batch in enumerate(batches):
-            approx = _weight_grads(model, batch, seed=i)
+            approx = _weight_grads(model, batch)
             for label, prefix in GROUPS:
                 a, e = _group_vector(approx, prefix), _group_vector(exact[i], prefix)
                 if a is None or e is None:
                     continue
-                cos = torch.nn.functional.cosine_similarity(a, e, dim=0).item()
-                ratio = (a.norm() / e.norm().clamp_min(1e-30)).item()
                 acc = sums.setdefault(label, [0.0, 0.0])
-                acc[0] += cos
-                acc[1] += ratio
+                acc[0] += _cosine(a, e)
+                acc[1] += _norm_ratio(a, e)
         result[name] = {
             label: {"cosine": c / len(batches), "norm_ratio": r / len(batches)}
             for label, (c, r) in sums.items()
