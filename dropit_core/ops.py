@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .packing import pack_bits, unpack_bits
+from .packing import pack_bits, zero_flagged
 from .strategies import Packed, PackMeta, Strategy
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -197,8 +197,7 @@ class MaskedReLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (bits,) = ctx.saved_tensors
-        blocked = unpack_bits(bits, grad.numel()).view(ctx.shape)
-        return grad.masked_fill(blocked, 0), None
+        return zero_flagged(grad, bits), None
 
 
 def autocast_inputs(

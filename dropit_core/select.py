@@ -14,7 +14,7 @@ Both return the value floored at the dtype's smallest normal number, so that kee
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -57,6 +57,20 @@ def _tiny(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).tiny
 
 
+def largest(values: torch.Tensor, ranks: Sequence[int]) -> list[torch.Tensor]:
+    """The ``r``-th largest of a 1-D tensor (0-based, counted from the top) for each ``r``.
+
+    On the CPU one quickselect (``kthvalue``, O(m)) per rank: ten times cheaper than sorting a
+    64Ki sample, which was most of a small layer's selection cost. On CUDA ``kthvalue`` runs one
+    thread block for the whole tensor, so a sort that uses the device is faster there.
+    """
+    m = values.numel()
+    if values.device.type == "cpu":
+        return [torch.kthvalue(values, m - r).values for r in ranks]
+    ordered = torch.sort(values, descending=True).values
+    return [ordered[r] for r in ranks]
+
+
 class Bracket(NamedTuple):
     """Where a strided sample puts the k-th largest ``|x|``: in ``[lo, hi]`` with high odds."""
 
@@ -71,13 +85,15 @@ def bracket(flat: torch.Tensor, k: int) -> Bracket:
     n = flat.numel()
     dev = flat.device
     tiny = _tiny(flat.dtype)
-    sample = torch.sort(flat[:: sample_stride(n, _SAMPLE)].abs(), descending=True).values
+    sample = flat[:: sample_stride(n, _SAMPLE)].abs()
     m = sample.numel()
     p = k / n
     margin = _SPREAD * math.sqrt(m * p * (1.0 - p)) + _SLACK
     r_hi, r_lo = math.floor(p * m - margin), math.ceil(p * m + margin)
-    hi = sample[r_hi] if r_hi >= 0 else torch.full((), math.inf, dtype=flat.dtype, device=dev)
-    lo_raw = sample[r_lo] if r_lo < m else torch.zeros((), dtype=flat.dtype, device=dev)
+    ranks = [r for r in (r_hi, r_lo) if 0 <= r < m]
+    picked = dict(zip(ranks, largest(sample, ranks), strict=True))
+    hi = picked.get(r_hi, torch.full((), math.inf, dtype=flat.dtype, device=dev))
+    lo_raw = picked.get(r_lo, torch.zeros((), dtype=flat.dtype, device=dev))
     share = (min(r_lo, m - 1) - max(r_hi, -1) + 1) / m
     return Bracket(lo_raw.clamp_min(tiny), hi, lo_raw <= tiny, share)
 
@@ -111,7 +127,7 @@ def kth_largest_abs(
     dev = flat.device
     tiny = _tiny(flat.dtype)
     if n <= _DIRECT:
-        t = torch.sort(flat.abs(), descending=True).values[k - 1].clamp_min(tiny)
+        t = largest(flat.abs(), [k - 1])[0].clamp_min(tiny)
         return t, torch.ones((), dtype=torch.bool, device=dev)
     b = bracket(flat, k)
     if static:

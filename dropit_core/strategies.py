@@ -47,13 +47,14 @@ import torch
 import torch.nn.functional as F
 
 from . import select as select_mod
-from .packing import VALUE_FORMATS, ValueCodec, compact, pack_bits, unpack_bits
+from .packing import VALUE_FORMATS, ValueCodec, compact, pack_bits, scatter_kept, unpack_bits
 from .registry import Option, Registry
 from .select import (
     abs_slices,
     bracket,
     kth_from_candidates,
     kth_largest_abs,
+    largest,
     radix_kth_largest_abs,
     sample_stride,
 )
@@ -324,8 +325,10 @@ class _Elementwise(Strategy):
         value_parts = tensors[1:] if self.stores_mask else tensors
         values = self.codec.decode(tuple(value_parts), dtype, sum(counts))
         n = math.prod(shape)
-        dense = torch.zeros(n, dtype=dtype, device=values.device)
         step = self._slice_len()
+        if self.stores_mask:
+            return scatter_kept(tensors[0], values, counts, n, step).view(shape)
+        dense = torch.zeros(n, dtype=dtype, device=values.device)
         offset = 0
         # One slice's mask at a time: the only full-size tensor alive here is `dense` itself.
         for i, start in enumerate(range(0, n, step)):
@@ -459,11 +462,11 @@ class Threshold(_Elementwise):
         tiny = _tiny(flat.dtype)
         if self.gamma == 0.0 or n == 0:
             return torch.full((), tiny, dtype=flat.dtype, device=flat.device), None
-        # A strided view costs nothing to take (prime stride: see sample_stride). A sort, not
-        # kthvalue, which runs one CUDA thread block for the whole sample.
+        # A strided view costs nothing to take (prime stride: see sample_stride).
         sample = flat[:: sample_stride(n, self.sample)].abs()
-        q = min(sample.numel(), max(1, math.ceil(self.gamma * sample.numel())))
-        return torch.sort(sample).values[q - 1].clamp_min(tiny), None
+        m = sample.numel()
+        q = min(m, max(1, math.ceil(self.gamma * m)))  # the q-th smallest: the (m-q)-th largest
+        return largest(sample, [m - q])[0].clamp_min(tiny), None
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
         return piece.abs() >= state

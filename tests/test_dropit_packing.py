@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from dropit_core.packing import VALUE_FORMATS, ValueCodec, pack_bits, unpack_bits
+from dropit_core.packing import (
+    VALUE_FORMATS,
+    ValueCodec,
+    bit_positions,
+    pack_bits,
+    scatter_kept,
+    unpack_bits,
+    zero_flagged,
+)
 
 
 def _reference_pack(mask: torch.Tensor) -> torch.Tensor:
@@ -156,3 +164,49 @@ def test_codec_int4_needs_the_count() -> None:
     codec = ValueCodec("int4")
     with pytest.raises(ValueError, match="needs their count"):
         codec.decode(codec.encode(torch.ones(3)), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [1, 8, 13, 4099])
+def test_zero_flagged_is_masked_fill_bit_for_bit(dtype, n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    values = torch.randn(n, generator=gen).to(dtype)
+    specials = torch.tensor([math.nan, math.inf, -math.inf, -0.0], dtype=dtype)[:n]
+    values[: specials.numel()] = specials
+    flags = torch.rand(n, generator=gen) < 0.5
+    flags[0] = False  # the NaN passes
+    out = zero_flagged(values, pack_bits(flags))
+    ref = values.masked_fill(flags, 0)
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
+    assert out.dtype == dtype and out.shape == values.shape
+    assert torch.equal(out.view(ints), ref.view(ints))  # NaN, inf and the sign of zero included
+    assert math.isnan(float(out[0]))
+
+
+def test_zero_flagged_takes_strided_values_and_keeps_their_shape() -> None:
+    values = torch.arange(24, dtype=torch.float32).view(4, 6).t()  # not contiguous
+    flags = values.contiguous() % 3 == 0
+    out = zero_flagged(values, pack_bits(flags.reshape(-1)))
+    assert out.shape == (6, 4)
+    assert torch.equal(out, values.masked_fill(flags, 0))
+
+
+@pytest.mark.parametrize("n", [0, 1, 9, 64, 1003])
+@pytest.mark.parametrize("slice_len", [8, 64, 4096])
+@pytest.mark.parametrize("p", [0.0, 0.2, 1.0])
+def test_scatter_kept_rebuilds_what_masked_scatter_would(n: int, slice_len: int, p: float) -> None:
+    gen = torch.Generator().manual_seed(n + slice_len)
+    mask = torch.rand(n, generator=gen) < p
+    kept = torch.randn(int(mask.sum()), generator=gen)
+    counts = [int(mask[s : s + slice_len].sum()) for s in range(0, n, slice_len)]
+    dense = scatter_kept(pack_bits(mask), kept, counts, n, slice_len)
+    assert torch.equal(dense, torch.zeros(n).masked_scatter_(mask, kept))
+
+
+def test_bit_positions_count_set_flags_before_each_and_take_wide_indices_when_needed() -> None:
+    mask = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1], dtype=torch.bool)
+    pos = bit_positions(pack_bits(mask), mask.numel(), base=5)
+    assert pos.dtype == torch.int32
+    assert pos.tolist() == [6, 0, 7, 8, 0, 0, 0, 9, 10, 0, 11]
+    wide = bit_positions(pack_bits(mask), mask.numel(), base=5, total=2**31)
+    assert wide.dtype == torch.int64 and torch.equal(wide, pos.long())

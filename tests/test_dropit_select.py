@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dropit_core import build_strategy
 from dropit_core import select as select_mod
 from dropit_core import strategies as strategies_mod
-from dropit_core.select import kth_largest_abs, radix_kth_largest_abs, sample_stride
+from dropit_core.select import kth_largest_abs, largest, radix_kth_largest_abs, sample_stride
 
 N = 20_000
 SLICE = 3_000  # slices with a tail
@@ -200,3 +200,14 @@ def test_channel_random_draws_its_permutation_on_the_input_device(monkeypatch) -
     )
     strategy.pack(x, "conv")
     assert seen == [(x.device, x.device)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_largest_is_the_sorted_order_statistic_with_ties(dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randint(0, 50, (1001,), generator=gen).to(dtype)  # many ties
+    ordered = torch.sort(values, descending=True).values
+    ranks = [0, 1, 500, 999, 1000]
+    for r, got in zip(ranks, largest(values, ranks), strict=True):
+        assert got.dtype == dtype and got.shape == ()
+        assert got == ordered[r], r
