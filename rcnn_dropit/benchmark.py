@@ -33,6 +33,7 @@ from dropit_core.memory import (
     saved_activations,
     timed,
 )
+from rcnn_dropit.allocator import training_allocator
 from rcnn_dropit.config import load_config
 from rcnn_dropit.models import build_model
 
@@ -319,14 +320,16 @@ def run_benchmark(
         model.zero_grad(set_to_none=True)
         times = {}
         if repeats > 0:  # repeats 0: memory and gradient fidelity only (exact on a busy machine)
-            step_b, step_v = _alternate(step, base, model, batch, dev, repeats)
-            eval_b, eval_v = _alternate(evaluate, base, model, batch, dev, repeats)
+            with training_allocator(dev) as allocator:
+                step_b, step_v = _alternate(step, base, model, batch, dev, repeats)
+                eval_b, eval_v = _alternate(evaluate, base, model, batch, dev, repeats)
             med = statistics.median
             times = {
                 "step_time_ratio": round(med(step_v) / med(step_b), 4),
                 "eval_time_ratio": round(med(eval_v) / med(eval_b), 4),
                 "step_s": round(med(step_v), 4),
                 "baseline_step_s": round(med(step_b), 4),
+                "timing_allocator": allocator,
             }
         yield (
             {

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rcnn_dropit.allocator import training_allocator
+
 # The first shapes study's model: torchvision's FPN and head widths, 32 sampled RoIs per image.
 TORCHVISION_WIDTHS = (
     "model.fpn_channels=256",
@@ -53,15 +55,16 @@ def compare_step_time(
         params = [p for p in model.parameters() if p.requires_grad]
         models.append((label, list(overrides), model, torch.optim.SGD(params, lr=1e-4)))
     times: dict[str, list[float]] = {label: [] for label, *_ in models}
-    for i in range(warmup + repeats):
-        for label, _, model, opt in models:  # alternate: noise falls on every model alike
-            start = time.perf_counter()
-            loss = sum(model(images, targets).values())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if i >= warmup:
-                times[label].append(time.perf_counter() - start)
+    with training_allocator(torch.device("cpu")) as allocator:
+        for i in range(warmup + repeats):
+            for label, _, model, opt in models:  # alternate: noise falls on every model alike
+                start = time.perf_counter()
+                loss = sum(model(images, targets).values())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if i >= warmup:
+                    times[label].append(time.perf_counter() - start)
     first = statistics.median(times[models[0][0]])
     return [
         {
@@ -72,6 +75,7 @@ def compare_step_time(
             "step_ratio": round(statistics.median(times[label]) / first, 3),
             "images": len(images),
             "threads": torch.get_num_threads(),
+            "timing_allocator": allocator,
         }
         for label, overrides, model, _ in models
     ]
