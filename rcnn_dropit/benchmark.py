@@ -1,11 +1,11 @@
 """DropIT benchmark on Mask R-CNN R50-FPN: saved-activation bytes, real memory, time, gradients.
 
-Each variant is compared with the baseline side by side in one process: timings alternate
-baseline and variant steps and report the ratio of medians, so a noisy shared machine cancels out.
-Memory is measured above each model's own starting allocation (RSS on the CPU, the CUDA caching
-allocator's counters on a GPU), and the row says whether the step's peak falls in the forward or
-the backward pass. :func:`largest_batches` finds the largest batch each setting trains within a
-memory budget, which is what a GPU user wants to know.
+Each variant is compared with the baseline in one process. Memory comes first, measured above
+each model's own starting allocation (RSS on the CPU, the CUDA caching allocator's counters on a
+GPU), and the row says whether the step's peak falls in the forward or the backward pass. Timings
+come last, in rounds of one step per model (baseline and every variant in turn), with the ratio
+of medians reported, so a noisy shared machine cancels out. :func:`largest_batches` finds the
+largest batch each setting trains within a memory budget, which is what a GPU user wants to know.
 """
 
 from __future__ import annotations
@@ -239,13 +239,16 @@ def _memory(model: nn.Module, batch, device: torch.device, amp: str | None = Non
     return out
 
 
-def _alternate(fn, base, model, batch, dev, repeats: int) -> tuple[list[float], list[float]]:
-    """Time ``fn`` on baseline and variant alternately, so drifts in machine load hit both."""
-    t_base, t_var = [], []
-    for _ in range(repeats):
-        t_base.append(timed(lambda: fn(base, batch), dev)[1])
-        t_var.append(timed(lambda: fn(model, batch), dev)[1])
-    return t_base, t_var
+def _round_robin(fn, models: Sequence[nn.Module], batch, dev, repeats: int) -> list[list[float]]:
+    """Seconds of ``fn`` on each model, ``repeats`` rounds of one call per model in turn after
+    one untimed round: drifts in machine load hit every model alike."""
+    times: list[list[float]] = [[] for _ in models]
+    for round_ in range(repeats + 1):
+        for i, model in enumerate(models):
+            seconds = timed(lambda m=model: fn(m, batch), dev)[1]
+            if round_:
+                times[i].append(seconds)
+    return times
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -308,6 +311,7 @@ def run_benchmark(
     setting = {"amp": amp, "device": dev.type, "images": images, "image_size": image_size}
     yield {"variant": "baseline", "strategy": None, "gamma": None, "options": {}, **setting,
            **base_mem}  # fmt: skip
+    rows, models = [], []
     for v in variants:
         model = convert(base, v)
         for _ in range(2):
@@ -318,42 +322,54 @@ def run_benchmark(
         fidelity = _fidelity(grads, exact, converted)
         del grads
         model.zero_grad(set_to_none=True)
-        times = {}
-        if repeats > 0:  # repeats 0: memory and gradient fidelity only (exact on a busy machine)
-            with training_allocator(dev) as allocator:
-                step_b, step_v = _alternate(step, base, model, batch, dev, repeats)
-                eval_b, eval_v = _alternate(evaluate, base, model, batch, dev, repeats)
-            med = statistics.median
-            times = {
-                "step_time_ratio": round(med(step_v) / med(step_b), 4),
-                "eval_time_ratio": round(med(eval_v) / med(eval_b), 4),
-                "step_s": round(med(step_v), 4),
-                "baseline_step_s": round(med(step_b), 4),
-                "timing_allocator": allocator,
-            }
-        yield (
-            {
-                "variant": v.label,
-                "strategy": v.strategy,
-                "gamma": v.gamma,
-                "options": v.options,
-                **setting,
-                **mem,
-                "saved_ratio": _ratio(mem["saved_mb"], base_mem["saved_mb"]),
-                "live_ratio": _ratio(mem["live_mb"], base_mem["live_mb"]),
-                "peak_ratio": _ratio(mem["peak_mb"], base_mem["peak_mb"]),
-                "rss_live_ratio": _ratio(mem["rss_live_mb"], base_mem["rss_live_mb"]),
-                "rss_peak_ratio": _ratio(mem["rss_peak_mb"], base_mem["rss_peak_mb"]),
-                "cuda_peak_ratio": _ratio(mem["cuda_peak_mb"], base_mem["cuda_peak_mb"]),
-                **times,
-                "include": list(v.include),
-                **fidelity,
-            }
+        row = {
+            "variant": v.label,
+            "strategy": v.strategy,
+            "gamma": v.gamma,
+            "options": v.options,
+            **setting,
+            **mem,
+            "saved_ratio": _ratio(mem["saved_mb"], base_mem["saved_mb"]),
+            "live_ratio": _ratio(mem["live_mb"], base_mem["live_mb"]),
+            "peak_ratio": _ratio(mem["peak_mb"], base_mem["peak_mb"]),
+            "rss_live_ratio": _ratio(mem["rss_live_mb"], base_mem["rss_live_mb"]),
+            "rss_peak_ratio": _ratio(mem["rss_peak_mb"], base_mem["rss_peak_mb"]),
+            "cuda_peak_ratio": _ratio(mem["cuda_peak_mb"], base_mem["cuda_peak_mb"]),
+            "include": list(v.include),
+            **fidelity,
+        }
+        if repeats > 0:  # timed below, once every variant's memory is measured
+            rows.append(row)
+            models.append(model)
+            continue
+        yield row  # repeats 0: memory and gradient fidelity only (exact on a busy machine)
+        _release(model, dev)
+    if not models:
+        return
+    # Timing last: the allocator is switched for it (see rcnn_dropit.allocator), which would
+    # disturb memory figures taken after it.
+    with training_allocator(dev) as allocator:
+        steps = _round_robin(step, [base, *models], batch, dev, repeats)
+        evals = _round_robin(evaluate, [base, *models], batch, dev, repeats)
+    med = statistics.median
+    for i, (row, model) in enumerate(zip(rows, models, strict=True), start=1):
+        row.update(
+            step_time_ratio=round(med(steps[i]) / med(steps[0]), 4),
+            eval_time_ratio=round(med(evals[i]) / med(evals[0]), 4),
+            step_s=round(med(steps[i]), 4),
+            baseline_step_s=round(med(steps[0]), 4),
+            timing_allocator=allocator,
         )
-        from_dropit(model)
-        del model
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        yield row
+        _release(model, dev)
+
+
+def _release(model: nn.Module, dev: torch.device) -> None:
+    """Undo the conversion (the copy shares nothing with the baseline) and free device memory."""
+    from_dropit(model)
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:

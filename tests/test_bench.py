@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dropit_core import is_dropit
-from rcnn_dropit import max_batch
+from rcnn_dropit import benchmark, max_batch
 from rcnn_dropit.benchmark import Meter, Variant, markdown_table, parse_variant, run_benchmark
 from rcnn_dropit.max_batch import largest_batches, largest_fitting
 
@@ -54,6 +54,34 @@ def test_tiny_benchmark_rows_show_a_real_saving() -> None:
     table = markdown_table(rows)
     assert table.splitlines()[2].startswith("| baseline |")
     assert "| mink 0.8 |" in table
+
+
+def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
+    # Every variant's memory is taken before any timing (the timing switches the allocator),
+    # and every ratio divides by the same baseline median.
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # not a measuring process
+    order = []
+    monkeypatch.setattr(benchmark, "_memory", _logged(benchmark._memory, order, "memory"))
+    monkeypatch.setattr(benchmark, "timed", _logged(benchmark.timed, order, "timed"))
+    variants = [Variant("mink", 0.8), Variant("threshold", 0.8)]
+    base, mink, threshold = run_benchmark(
+        variants, image_size=64, repeats=2, rois_per_image=32, backbone="resnet18"
+    )
+    assert order.index("timed") > len(order) - order[::-1].index("memory") - 1
+    # (2 rounds + 1 untimed) x 3 models, for steps and for evals
+    assert order.count("timed") == 2 * 3 * 3 and order.count("memory") == 3
+    assert mink["baseline_step_s"] == threshold["baseline_step_s"] > 0
+    for row in (mink, threshold):
+        assert row["step_s"] > 0 and row["step_time_ratio"] > 0 and row["eval_time_ratio"] > 0
+        assert row["timing_allocator"] == "as started"
+
+
+def _logged(fn, order: list[str], name: str):
+    def wrapper(*args, **kwargs):
+        order.append(name)
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def test_memory_only_rows_of_part_of_the_model() -> None:
