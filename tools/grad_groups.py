@@ -17,13 +17,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from rcnn_dropit.engine.cli import run_cli  # noqa: E402
 
 # name -> to_dropit arguments: the study's gamma-0.8 settings and the norm-compensated option
+# (the default), and the gamma sweep's mink settings
 SETTINGS = {
     "mink_0.8": {"strategy": "mink", "gamma": 0.8},
     "mink_0.8_normcomp": {"strategy": "mink", "gamma": 0.8, "rescale": "norm"},
     "parallel_mink_0.8": {"strategy": "parallel_mink", "gamma": 0.8},
     "threshold_0.8": {"strategy": "threshold", "gamma": 0.8},
     "random_0.8": {"strategy": "random", "gamma": 0.8},
+    "mink_0.5": {"strategy": "mink", "gamma": 0.5},
+    "mink_0.7": {"strategy": "mink", "gamma": 0.7},
+    "mink_0.9": {"strategy": "mink", "gamma": 0.9},
 }
+DEFAULT_SETTINGS = [name for name in SETTINGS if "_0.8" in name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run", required=True, help="a run directory (config.yaml, checkpoints/)")
     parser.add_argument("--batches", type=int, default=4, help="training batches averaged over")
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS))
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args(argv)
 
