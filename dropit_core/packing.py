@@ -72,6 +72,9 @@ def zero_flagged(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (ints & keep.view(values.shape)).view(values.dtype)
 
 
+_TABLES: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _byte_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(set bits of each byte value; for each byte value and bit j, 1 + the set bits below j
     where bit j is set, and a large negative number where it is not)."""
@@ -89,10 +92,9 @@ def _byte_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor
     return _TABLES[key]
 
 
-_TABLES: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def bit_positions(bits: torch.Tensor, n: int, base: int = 0, total: int | None = None):
+def bit_positions(
+    bits: torch.Tensor, n: int, base: int = 0, total: int | None = None
+) -> torch.Tensor:
     """For each of the first ``n`` flags in ``bits``: ``base`` + 1 + how many flags are set before
     it when it is set, else 0. Indexing ``cat([0], kept)`` with it rebuilds the dense tensor.
 
