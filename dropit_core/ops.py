@@ -190,7 +190,6 @@ class MaskedReLUFunction(torch.autograd.Function):
             ctx.mark_dirty(x)
         else:
             out = torch.relu(x)
-        ctx.shape = out.shape
         ctx.save_for_backward(pack_bits((out <= 0).reshape(-1)))
         return out
 

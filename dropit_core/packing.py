@@ -61,13 +61,10 @@ def zero_flagged(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     flagged, and one AND on the bit patterns applies it: passing NaN and inf stay as they are,
     flagged elements become +0.0, exactly as ``masked_fill`` makes them.
     """
-    n = values.numel()
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    flags = bits.unsqueeze(-1) >> shifts
-    flags &= 1
+    flags = unpack_bits(bits, values.numel()).view(torch.uint8)  # a fresh buffer: ours to change
     flags -= 1  # uint8 wraps: passes (0) -> 0xFF, flagged (1) -> 0
     # Read as int8, 0xFF is -1, and widening keeps it all ones.
-    keep = flags.view(-1)[:n].view(torch.int8).to(_SAME_WIDTH_INT[values.element_size()])
+    keep = flags.view(torch.int8).to(_SAME_WIDTH_INT[values.element_size()])
     ints = values.view(keep.dtype)
     return (ints & keep.view(values.shape)).view(values.dtype)
 

@@ -206,8 +206,8 @@ def _sparse_bits(bits: torch.Tensor, nonzero: int | None) -> tuple[torch.Tensor,
 def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`_sparse_bits` for a mask of n elements."""
     n_bytes = (n + 7) // 8
-    bits = torch.zeros(n_bytes, dtype=torch.uint8, device=nonzero.device)
-    return bits.masked_scatter_(unpack_bits(flags, n_bytes), nonzero)
+    # one slice of whole mask bytes: the same rebuild as the values' (scatter_kept)
+    return scatter_kept(flags, nonzero, [nonzero.numel()], n_bytes, max(8, 8 * len(flags)))
 
 
 class _Elementwise(Strategy):

@@ -365,9 +365,8 @@ def run_benchmark(
 
 
 def _release(model: nn.Module, dev: torch.device) -> None:
-    """Undo the conversion (the copy shares nothing with the baseline) and free device memory."""
+    """Undo a variant's conversion and return cached device memory once it is measured."""
     from_dropit(model)
-    del model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
