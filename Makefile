@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench bench-gpu lint format study
+.PHONY: setup demo test test-fast test-gpu bench bench-gpu lint format study
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
+
+# On a machine with a CUDA GPU: the CUDA paths (ops against CPU, AMP, CUDA memory, NCCL, training).
+test-gpu: setup
+	$(PY) -m pytest -m gpu -rs
 
 bench: setup
 	$(PY) tools/bench.py

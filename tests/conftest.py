@@ -2,7 +2,9 @@
 
 Tiers: unmarked tests are the quick inner loop (`make test-fast`, `-m "not slow"`); `slow` marks
 tests that train or start fresh interpreters, `dist` those that start several processes
-(torchrun or plain processes with the launcher's variables). `make test` runs everything.
+(torchrun or plain processes with the launcher's variables), `gpu` those that need a CUDA GPU
+(tests/test_gpu.py: skipped without one, `make test-gpu` where there is one). `make test` runs
+everything.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def pytest_configure(config) -> None:
     """Register the tier markers."""
     config.addinivalue_line("markers", "slow: trains a model or starts fresh interpreters")
     config.addinivalue_line("markers", "dist: starts several processes of one distributed job")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; make test-gpu)")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
