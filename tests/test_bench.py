@@ -252,3 +252,23 @@ def test_bench_tool_says_when_cuda_is_missing() -> None:
     )
     assert done.returncode == 2
     assert "--device cuda: CUDA is not available on this machine" in done.stderr
+
+
+def test_op_costs_rows_name_every_pass_in_order() -> None:
+    from rcnn_dropit.op_costs import op_costs
+
+    rows = op_costs(n=1 << 12, repeats=1)
+    ops = [r["op"] for r in rows]
+    assert ops[:3] == ["copy (yardstick)", "relu (yardstick)", "abs and compare"]
+    assert len(rows) == 10 and {r["stage"] for r in rows} == {"-", "forward", "backward"}
+    assert all(r["ms"] >= 0 and r["elements"] == 4096 and r["device"] == "cpu" for r in rows)
+    assert rows[0]["per_copy"] == 1.0  # the yardstick is its own unit
+
+
+def test_op_costs_on_a_missing_gpu_is_a_clear_error() -> None:
+    from rcnn_dropit.op_costs import op_costs
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
+        op_costs(n=64, device="cuda")

@@ -7,6 +7,7 @@ python tools/bench.py --variants mink:0.9:values=int8 threshold:0.8 --json bench
 python tools/bench.py --device cuda --amp fp16 # GPU: allocator peaks, synchronised step times
 python tools/bench.py --device cuda --amp fp16 --max-batch 16000   # largest batch in 16 GB
 python tools/bench.py --widths                 # the narrow CPU model vs torchvision's widths
+python tools/bench.py --ops                    # each pass of the pack and rebuild, one 4Mi slice
 """
 
 from __future__ import annotations
@@ -69,10 +70,18 @@ def main() -> int:
         help="instead: train-step time of CONFIG's model (default: the study's narrow model) "
         "against the same model with torchvision's FPN and head widths, on one shapes batch",
     )
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="instead: milliseconds of each pass of an element-wise pack and rebuild on one 4Mi "
+        "slice (compare, bit packing, compaction, positions, gather, ReLU mask)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args()
     if args.widths:
         return _widths(args.widths, args.repeats, args.json)
+    if args.ops:
+        return _ops(args.device, args.repeats, args.json)
 
     from rcnn_dropit.benchmark import markdown_table, parse_variant, run_benchmark
     from rcnn_dropit.max_batch import largest_batches
@@ -113,6 +122,21 @@ def _widths(config: str, repeats: int, out: Path | None) -> int:
     def go() -> None:
         variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
         rows = compare_step_time(config, variants, repeats=max(repeats, 5))
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if out:
+            out.write_text(json.dumps(rows, indent=2) + "\n")
+
+    return run_cli(go)
+
+
+def _ops(device: str, repeats: int, out: Path | None) -> int:
+    """Per-pass costs of the element-wise ops on one slice: JSON lines."""
+    from rcnn_dropit.engine.cli import run_cli
+    from rcnn_dropit.op_costs import op_costs
+
+    def go() -> None:
+        rows = op_costs(repeats=max(repeats, 5), device=device)
         for row in rows:
             print(json.dumps(row), flush=True)
         if out:

@@ -1,0 +1,86 @@
+"""What each stage of an element-wise DropIT pack and rebuild costs, on one slice (a benchmark).
+
+Used by ``tools/bench.py --ops``. A whole training step says how much DropIT adds; this says
+where: one slice of ``n`` values (the ops work in slices of 4Mi), split into the passes that
+``threshold`` and ``mink`` make in the forward (|x| and compare, bit packing, compaction) and in the
+backward (positions, gather), and the ReLU's mask. Times are medians in milliseconds, with
+the plain ops a training step runs anyway (a copy, a ReLU) as the yardstick.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dropit_core.packing import bit_positions, pack_bits, scatter_kept, zero_flagged
+from rcnn_dropit.allocator import training_allocator
+
+SLICE = 1 << 22
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` after one untimed call (CUDA-synchronised on a GPU)."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def op_costs(
+    n: int = SLICE, gamma: float = 0.8, repeats: int = 15, device: str = "cpu"
+) -> list[dict[str, Any]]:
+    """One row per stage: ``{"op", "stage", "ms", "per_copy"}`` (time over a plain copy's)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen).to(dev)
+    relu_out = torch.relu(x)
+    a = x.abs()
+    t = torch.quantile(a[:: max(1, n // 65536)], gamma)  # the threshold strategy's estimate
+    mask = a >= t
+    bits = pack_bits(mask)
+    kept = x[mask]
+    count = kept.numel()
+    blocked = pack_bits(relu_out <= 0)
+    stages = [
+        ("copy (yardstick)", "-", lambda: x.clone()),
+        ("relu (yardstick)", "-", lambda: torch.relu(x)),
+        ("abs and compare", "forward", lambda: x.abs() >= t),
+        ("pack_bits", "forward", lambda: pack_bits(mask)),
+        ("compact x[mask]", "forward", lambda: x[mask]),
+        ("nonzero (inside compact)", "forward", lambda: torch.nonzero(mask)),
+        ("relu mask bits", "forward", lambda: pack_bits(relu_out <= 0)),
+        ("bit_positions", "backward", lambda: bit_positions(bits, n, 0, total=count)),
+        ("scatter_kept (rebuild)", "backward", lambda: scatter_kept(bits, kept, [count], n, n)),
+        ("relu backward (zero_flagged)", "backward", lambda: zero_flagged(x, blocked)),
+    ]
+    rows = []
+    with training_allocator(dev):
+        for op, stage, fn in stages:
+            rows.append({"op": op, "stage": stage, "ms": _median_ms(fn, repeats, dev)})
+    copy_ms = rows[0]["ms"]
+    for row in rows:
+        row.update(
+            elements=n,
+            gamma=gamma,
+            device=str(dev),
+            threads=torch.get_num_threads(),
+            per_copy=round(row["ms"] / copy_ms, 2) if copy_ms > 0 else None,
+            ms=round(row["ms"], 3),
+        )
+    return rows
