@@ -111,6 +111,53 @@ def bit_positions(
     return pos.view(-1)[:n].clamp_min_(0)
 
 
+_SELECT: dict[torch.device, torch.Tensor] = {}
+
+
+def _select_table(device: torch.device) -> torch.Tensor:
+    """Entry 8 * b + r: the position in byte value b of its r-th set bit (0 past the last)."""
+    if device not in _SELECT:
+        rows = []
+        for b in range(256):
+            set_bits = [j for j in range(8) if b >> j & 1]
+            rows += set_bits + [0] * (8 - len(set_bits))
+        _SELECT[device] = torch.tensor(rows, dtype=torch.int32, device=device)
+    return _SELECT[device]
+
+
+def kept_indices(bits: torch.Tensor) -> torch.Tensor:
+    """The positions of the set flags in ``bits``, ascending: ``nonzero`` of the unpacked flags.
+
+    ``nonzero`` over the flags themselves branches on each one and is the slowest pass of a pack
+    on the CPU. Here it runs over the non-empty bytes only (8x fewer elements), and each kept
+    flag's position comes from gathers: which non-empty byte it falls in (a prefix sum over
+    marks at each byte's first output slot), and where in that byte (a 256 x 8 table).
+    Indices are int32 when they fit, else int64 (``index_select`` takes either).
+    """
+    dtype = torch.int32 if 8 * bits.numel() < torch.iinfo(torch.int32).max else torch.int64
+    popcount, _ = _byte_tables(bits.device, dtype)
+    as_index = bits.to(torch.int32)
+    per_byte = popcount.index_select(0, as_index)
+    nonempty = torch.nonzero(per_byte).squeeze(1)
+    if nonempty.numel() == 0:
+        return torch.empty(0, dtype=dtype, device=bits.device)
+    per_nonempty = per_byte.index_select(0, nonempty)
+    start = torch.cumsum(per_nonempty, 0, dtype=dtype)
+    count = int(start[-1])
+    start -= per_nonempty  # each non-empty byte's first output slot
+    mark = torch.zeros(count, dtype=dtype, device=bits.device)
+    mark.index_fill_(0, start[1:].long(), 1)
+    ordinal = torch.cumsum(mark, 0, dtype=dtype)  # output slot -> which non-empty byte
+    del mark
+    # 8 * byte value - first slot, per non-empty byte: + the slot gives the select-table entry.
+    code = as_index.index_select(0, nonempty).to(dtype) * 8 - start
+    code = code.index_select(0, ordinal)
+    code += torch.arange(count, dtype=dtype, device=bits.device)
+    out = nonempty.to(dtype).mul_(8).index_select(0, ordinal)
+    out += _select_table(bits.device).index_select(0, code)
+    return out
+
+
 def scatter_kept(
     bits: torch.Tensor, kept: torch.Tensor, counts: Sequence[int], n: int, slice_len: int
 ) -> torch.Tensor:
@@ -142,6 +189,12 @@ def compact(values: torch.Tensor, mask: torch.Tensor, count: int | None = None) 
     if count is None:
         return values[mask]
     return values.index_select(0, torch.nonzero_static(mask, size=count).squeeze(1))
+
+
+def compact_bits(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``values[unpack_bits(bits, n)]`` for a flat tensor of n values: the CPU's compaction when
+    the mask is packed anyway (about 0.7x the time of a boolean index; :func:`kept_indices`)."""
+    return values.index_select(0, kept_indices(bits))
 
 
 _INT_LEVELS = {"int8": 127, "int4": 7}

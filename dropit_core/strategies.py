@@ -47,7 +47,15 @@ import torch
 import torch.nn.functional as F
 
 from . import select as select_mod
-from .packing import VALUE_FORMATS, ValueCodec, compact, pack_bits, scatter_kept, unpack_bits
+from .packing import (
+    VALUE_FORMATS,
+    ValueCodec,
+    compact,
+    compact_bits,
+    pack_bits,
+    scatter_kept,
+    unpack_bits,
+)
 from .registry import Option, Registry
 from .select import (
     abs_slices,
@@ -272,11 +280,13 @@ class _Elementwise(Strategy):
         for start in range(0, flat.numel(), step):
             piece = flat[start : start + step]
             mask = self._slice_mask(piece, start, state)
-            kept = compact(piece, mask)
+            if self.stores_mask:  # compacting from the packed bits beats a boolean index
+                bits.append(pack_bits(mask))
+                kept = compact_bits(piece, bits[-1])
+            else:
+                kept = compact(piece, mask)
             values.append(kept)
             counts.append(kept.numel())
-            if self.stores_mask:
-                bits.append(pack_bits(mask))
         return bits, values, counts, state
 
     def _masks_and_counts(self, flat: torch.Tensor, state: Any):
@@ -376,7 +386,7 @@ class MinK(_Elementwise):
         b = bracket(flat, k)
         supersets = []
         for start, a in zip(range(0, n, _SLICE), abs_slices(flat, _SLICE), strict=True):
-            supersets.append(flat[start : start + _SLICE][a >= b.lo])
+            supersets.append(compact_bits(flat[start : start + _SLICE], pack_bits(a >= b.lo)))
         above, candidates = 0, []
         for v in supersets:  # slice by slice: no superset-sized temporary
             m = v.abs()

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dropit_core.packing import bit_positions, pack_bits, scatter_kept, zero_flagged
+from dropit_core.packing import bit_positions, compact_bits, pack_bits, scatter_kept, zero_flagged
 from rcnn_dropit.allocator import training_allocator
 
 SLICE = 1 << 22
@@ -62,8 +62,9 @@ def op_costs(
         ("relu (yardstick)", "-", lambda: torch.relu(x)),
         ("abs and compare", "forward", lambda: x.abs() >= t),
         ("pack_bits", "forward", lambda: pack_bits(mask)),
-        ("compact x[mask]", "forward", lambda: x[mask]),
-        ("nonzero (inside compact)", "forward", lambda: torch.nonzero(mask)),
+        ("compact from bits (the pack's)", "forward", lambda: compact_bits(x, bits)),
+        ("compact x[mask] (reference)", "forward", lambda: x[mask]),
+        ("nonzero (inside x[mask])", "forward", lambda: torch.nonzero(mask)),
         ("relu mask bits", "forward", lambda: pack_bits(relu_out <= 0)),
         ("bit_positions", "backward", lambda: bit_positions(bits, n, 0, total=count)),
         ("scatter_kept (rebuild)", "backward", lambda: scatter_kept(bits, kept, [count], n, n)),

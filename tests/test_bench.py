@@ -260,7 +260,7 @@ def test_op_costs_rows_name_every_pass_in_order() -> None:
     rows = op_costs(n=1 << 12, repeats=1)
     ops = [r["op"] for r in rows]
     assert ops[:3] == ["copy (yardstick)", "relu (yardstick)", "abs and compare"]
-    assert len(rows) == 10 and {r["stage"] for r in rows} == {"-", "forward", "backward"}
+    assert len(rows) == 11 and {r["stage"] for r in rows} == {"-", "forward", "backward"}
     assert all(r["ms"] >= 0 and r["elements"] == 4096 and r["device"] == "cpu" for r in rows)
     assert rows[0]["per_copy"] == 1.0  # the yardstick is its own unit
 

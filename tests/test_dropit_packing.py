@@ -11,6 +11,8 @@ from dropit_core.packing import (
     VALUE_FORMATS,
     ValueCodec,
     bit_positions,
+    compact_bits,
+    kept_indices,
     pack_bits,
     scatter_kept,
     unpack_bits,
@@ -210,3 +212,21 @@ def test_bit_positions_count_set_flags_before_each_and_take_wide_indices_when_ne
     assert pos.tolist() == [6, 0, 7, 8, 0, 0, 0, 9, 10, 0, 11]
     wide = bit_positions(pack_bits(mask), mask.numel(), base=5, total=2**31)
     assert wide.dtype == torch.int64 and torch.equal(wide, pos.long())
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 1001, 1 << 16])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.2, 0.5, 1.0])
+def test_kept_indices_are_nonzero_of_the_flags(n: int, density: float) -> None:
+    gen = torch.Generator().manual_seed(n)
+    mask = torch.rand(n, generator=gen) < density
+    idx = kept_indices(pack_bits(mask))
+    assert idx.dtype == torch.int32
+    assert torch.equal(idx.long(), torch.nonzero(mask).squeeze(1))
+    x = torch.randn(n, generator=gen)
+    assert torch.equal(compact_bits(x, pack_bits(mask)), x[mask])
+
+
+def test_kept_indices_by_hand() -> None:
+    # bytes 0b00001101, 0b00000000, 0b10000001: flags 0, 2, 3, then 16 and 23
+    bits = torch.tensor([0b1101, 0, 0b10000001], dtype=torch.uint8)
+    assert kept_indices(bits).tolist() == [0, 2, 3, 16, 23]
