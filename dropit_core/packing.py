@@ -89,6 +89,17 @@ def _byte_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor
     return _TABLES[key]
 
 
+def _index_dtype(top: int) -> torch.dtype:
+    """int32 indices where the largest one, ``top``, fits (half the bytes), else int64."""
+    return torch.int32 if top < torch.iinfo(torch.int32).max else torch.int64
+
+
+def _set_per_byte(bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the mask bytes as table indices, how many flags each byte has set, as ``dtype``)."""
+    as_index = bits.to(torch.int32)
+    return as_index, _byte_tables(bits.device, dtype)[0].index_select(0, as_index)
+
+
 def bit_positions(
     bits: torch.Tensor, n: int, base: int = 0, total: int | None = None
 ) -> torch.Tensor:
@@ -99,14 +110,11 @@ def bit_positions(
     a prefix sum is serial, and eight times shorter is eight times cheaper. ``total``, the
     largest index that can occur (default: ``base + n``), picks int32 indices where they suffice.
     """
-    top = base + n if total is None else total
-    dtype = torch.int32 if top < torch.iinfo(torch.int32).max else torch.int64
-    counts, prefix = _byte_tables(bits.device, dtype)
-    as_index = bits.to(torch.int32)
-    per_byte = counts.index_select(0, as_index)
+    dtype = _index_dtype(base + n if total is None else total)
+    as_index, per_byte = _set_per_byte(bits, dtype)
     start = torch.cumsum(per_byte, 0, dtype=dtype)
     start -= per_byte - base  # exclusive: the flags set in earlier bytes, plus base
-    pos = prefix.index_select(0, as_index)
+    pos = _byte_tables(bits.device, dtype)[1].index_select(0, as_index)
     pos += start.unsqueeze(1)  # unset flags stay far below zero
     return pos.view(-1)[:n].clamp_min_(0)
 
@@ -134,10 +142,8 @@ def kept_indices(bits: torch.Tensor) -> torch.Tensor:
     marks at each byte's first output slot), and where in that byte (a 256 x 8 table).
     Indices are int32 when they fit, else int64 (``index_select`` takes either).
     """
-    dtype = torch.int32 if 8 * bits.numel() < torch.iinfo(torch.int32).max else torch.int64
-    popcount, _ = _byte_tables(bits.device, dtype)
-    as_index = bits.to(torch.int32)
-    per_byte = popcount.index_select(0, as_index)
+    dtype = _index_dtype(8 * bits.numel())
+    as_index, per_byte = _set_per_byte(bits, dtype)
     nonempty = torch.nonzero(per_byte).squeeze(1)
     if nonempty.numel() == 0:
         return torch.empty(0, dtype=dtype, device=bits.device)
