@@ -10,34 +10,31 @@ the plain ops a training step runs anyway (a copy, a ReLU) as the yardstick.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from dropit_core.memory import timed
 from dropit_core.packing import bit_positions, compact_bits, pack_bits, scatter_kept, zero_flagged
 from rcnn_dropit.allocator import training_allocator
 
 SLICE = 1 << 22
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``fn`` after one untimed call (CUDA-synchronised on a GPU)."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def _round_robin_ms(
+    fns: list[Callable[[], Any]], repeats: int, device: torch.device
+) -> list[float]:
+    """Median milliseconds of each of ``fns``, timed in rounds of one call each (CUDA-synchronised
+    on a GPU) after an untimed round: the C allocator's heap grows during the first calls, and
+    page faults of that growth would otherwise land on whichever pass ran first."""
+    times: list[list[float]] = [[] for _ in fns]
+    for round_ in range(repeats + 1):
+        for i, fn in enumerate(fns):
+            seconds = timed(fn, device)[1]
+            if round_:
+                times[i].append(seconds)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def op_costs(
@@ -70,10 +67,11 @@ def op_costs(
         ("scatter_kept (rebuild)", "backward", lambda: scatter_kept(bits, kept, [count], n, n)),
         ("relu backward (zero_flagged)", "backward", lambda: zero_flagged(x, blocked)),
     ]
-    rows = []
     with training_allocator(dev):
-        for op, stage, fn in stages:
-            rows.append({"op": op, "stage": stage, "ms": _median_ms(fn, repeats, dev)})
+        ms = _round_robin_ms([fn for *_, fn in stages], repeats, dev)
+    rows = [
+        {"op": op, "stage": stage, "ms": t} for (op, stage, _), t in zip(stages, ms, strict=True)
+    ]
     copy_ms = rows[0]["ms"]
     for row in rows:
         row.update(
