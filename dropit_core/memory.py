@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,3 +177,18 @@ def timed(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[An
     if sync:
         torch.cuda.synchronize(device)
     return result, time.perf_counter() - start
+
+
+def timed_rounds(
+    fns: Sequence[Callable[[], Any]], repeats: int, device: torch.device | None = None
+) -> list[list[float]]:
+    """Seconds of each of ``fns`` over ``repeats`` rounds of one call each, after one untimed
+    round (caches, the allocator's heap and lazy initialisation settle in it): drifts in machine
+    load hit every function alike, which is what makes ratios of their medians fair."""
+    times: list[list[float]] = [[] for _ in fns]
+    for round_ in range(repeats + 1):
+        for i, fn in enumerate(fns):
+            seconds = timed(fn, device)[1]
+            if round_:
+                times[i].append(seconds)
+    return times

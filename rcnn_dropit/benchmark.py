@@ -31,7 +31,7 @@ from dropit_core.memory import (
     reset_peak_rss,
     rss_mb,
     saved_activations,
-    timed,
+    timed_rounds,
 )
 from rcnn_dropit.allocator import training_allocator
 from rcnn_dropit.config import load_config
@@ -239,18 +239,6 @@ def _memory(model: nn.Module, batch, device: torch.device, amp: str | None = Non
     return out
 
 
-def _round_robin(fn, models: Sequence[nn.Module], batch, dev, repeats: int) -> list[list[float]]:
-    """Seconds of ``fn`` on each model, ``repeats`` rounds of one call per model in turn after
-    one untimed round: drifts in machine load hit every model alike."""
-    times: list[list[float]] = [[] for _ in models]
-    for round_ in range(repeats + 1):
-        for i, model in enumerate(models):
-            seconds = timed(lambda m=model: fn(m, batch), dev)[1]
-            if round_:
-                times[i].append(seconds)
-    return times
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 4)
 
@@ -349,8 +337,9 @@ def run_benchmark(
     # Timing last: the allocator is switched for it (see rcnn_dropit.allocator), which would
     # disturb memory figures taken after it.
     with training_allocator(dev) as allocator:
-        steps = _round_robin(step, [base, *models], batch, dev, repeats)
-        evals = _round_robin(evaluate, [base, *models], batch, dev, repeats)
+        every = [base, *models]
+        steps = timed_rounds([lambda m=m: step(m, batch) for m in every], repeats, dev)
+        evals = timed_rounds([lambda m=m: evaluate(m, batch) for m in every], repeats, dev)
     med = statistics.median
     for i, (row, model) in enumerate(zip(rows, models, strict=True), start=1):
         row.update(

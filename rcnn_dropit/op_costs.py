@@ -10,31 +10,15 @@ the plain ops a training step runs anyway (a copy, a ReLU) as the yardstick.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dropit_core.memory import timed
+from dropit_core.memory import timed_rounds
 from dropit_core.packing import bit_positions, compact_bits, pack_bits, scatter_kept, zero_flagged
 from rcnn_dropit.allocator import training_allocator
 
 SLICE = 1 << 22
-
-
-def _round_robin_ms(
-    fns: list[Callable[[], Any]], repeats: int, device: torch.device
-) -> list[float]:
-    """Median milliseconds of each of ``fns``, timed in rounds of one call each (CUDA-synchronised
-    on a GPU) after an untimed round: the C allocator's heap grows during the first calls, and
-    page faults of that growth would otherwise land on whichever pass ran first."""
-    times: list[list[float]] = [[] for _ in fns]
-    for round_ in range(repeats + 1):
-        for i, fn in enumerate(fns):
-            seconds = timed(fn, device)[1]
-            if round_:
-                times[i].append(seconds)
-    return [statistics.median(t) * 1e3 for t in times]
 
 
 def op_costs(
@@ -68,9 +52,12 @@ def op_costs(
         ("relu backward (zero_flagged)", "backward", lambda: zero_flagged(x, blocked)),
     ]
     with training_allocator(dev):
-        ms = _round_robin_ms([fn for *_, fn in stages], repeats, dev)
+        # In rounds, one call of each pass per round: no pass finds its input in the cache where
+        # a call of itself left it, as in a training step.
+        times = timed_rounds([fn for *_, fn in stages], repeats, dev)
     rows = [
-        {"op": op, "stage": stage, "ms": t} for (op, stage, _), t in zip(stages, ms, strict=True)
+        {"op": op, "stage": stage, "ms": statistics.median(t) * 1e3}
+        for (op, stage, _), t in zip(stages, times, strict=True)
     ]
     copy_ms = rows[0]["ms"]
     for row in rows:

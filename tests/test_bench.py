@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dropit_core import is_dropit
+from dropit_core import is_dropit, memory
 from rcnn_dropit import benchmark, max_batch
 from rcnn_dropit.benchmark import Meter, Variant, markdown_table, parse_variant, run_benchmark
 from rcnn_dropit.max_batch import largest_batches, largest_fitting
@@ -62,7 +62,7 @@ def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # not a measuring process
     order = []
     monkeypatch.setattr(benchmark, "_memory", _logged(benchmark._memory, order, "memory"))
-    monkeypatch.setattr(benchmark, "timed", _logged(benchmark.timed, order, "timed"))
+    monkeypatch.setattr(memory, "timed", _logged(memory.timed, order, "timed"))
     variants = [Variant("mink", 0.8), Variant("threshold", 0.8)]
     base, mink, threshold = run_benchmark(
         variants, image_size=64, repeats=2, rois_per_image=32, backbone="resnet18"

@@ -181,3 +181,12 @@ def test_cuda_helpers_query_a_cuda_device(monkeypatch) -> None:
     assert cuda_peak_mb() == 3.0  # None: the current CUDA device
     assert [name for name, _ in calls] == ["reset", "peak", "now", "peak"]
     assert calls[0][1] == torch.device("cuda", 1) and calls[3][1] == torch.device("cuda", 0)
+
+
+def test_timed_rounds_alternates_and_drops_the_first_round() -> None:
+    from dropit_core.memory import timed_rounds
+
+    calls: list[str] = []
+    times = timed_rounds([lambda: calls.append("a"), lambda: calls.append("b")], repeats=3)
+    assert calls == ["a", "b"] * 4  # one untimed round, then three timed ones
+    assert [len(t) for t in times] == [3, 3] and all(s >= 0 for t in times for s in t)
