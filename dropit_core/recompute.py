@@ -1,0 +1,170 @@
+"""Activation checkpointing of any ``nn.Module``'s submodules, chosen by module-path patterns.
+
+A chosen module keeps its parameters, buffers, hooks and ``state_dict()``: only its class is
+swapped for a generated subclass whose forward runs under ``torch.utils.checkpoint``
+(non-reentrant). Autograd then keeps the module's inputs instead of what is computed inside it,
+and the backward recomputes the inside, bit for bit: the RNG state is replayed, and BatchNorm
+running statistics are updated by the forward only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fnmatch
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from .patch import is_dropit
+
+_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+class _ScratchRunningStats:
+    """Context in which each training BatchNorm of a unit updates throwaway running statistics.
+
+    The recompute must run the forward's very ops: checkpoint checks that it saves the same
+    tensors, and track_running_stats=False would save fewer (no running stats for backward). So
+    the BatchNorms update copies; the forward already did the real update. Reusable, because a
+    backward with retain_graph=True and a second backward recompute the unit twice.
+    """
+
+    def __init__(self, unit: nn.Module) -> None:
+        self.unit = unit
+        self.swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        for bn in self.unit.modules():
+            if isinstance(bn, _BatchNorm) and bn.training and bn.track_running_stats:
+                for name in _RUNNING_STATS:
+                    stat = bn._buffers.get(name)
+                    if stat is not None:
+                        self.swapped.append((bn, name, stat))
+                        bn._buffers[name] = stat.clone()
+
+    def __exit__(self, *exc: object) -> None:
+        for bn, name, stat in self.swapped:
+            bn._buffers[name] = stat
+        self.swapped.clear()
+
+
+def _contexts(unit: nn.Module) -> tuple[contextlib.nullcontext, _ScratchRunningStats]:
+    return contextlib.nullcontext(), _ScratchRunningStats(unit)
+
+
+def _new_checkpointed(plain: type[nn.Module]) -> nn.Module:
+    # Unpickling entry point: generated classes have no importable name of their own.
+    cls = _checkpointed_class(plain)
+    return cls.__new__(cls)
+
+
+@functools.cache
+def _checkpointed_class(plain: type[nn.Module]) -> type[nn.Module]:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return plain.forward(self, *args, **kwargs)
+
+        # Inputs go in flat: checkpoint saves only top-level tensors as saved tensors (version
+        # checked, seen by saved_tensors_hooks) and keeps nested ones (the FPN's dict) as plain
+        # references; and no keyword of the module's forward can collide with checkpoint's.
+        leaves, spec = tree_flatten((args, kwargs))
+
+        def run(*leaves: Any) -> Any:
+            args, kwargs = tree_unflatten(list(leaves), spec)
+            return plain.forward(self, *args, **kwargs)
+
+        return checkpoint(
+            run,
+            *leaves,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=functools.partial(_contexts, self),
+        )
+
+    def __reduce_ex__(self: nn.Module, protocol: int) -> tuple:
+        _, _, *state = plain.__reduce_ex__(self, max(protocol, 2))
+        return (_new_checkpointed, (plain,), *state)
+
+    namespace = {
+        "forward": forward,
+        "__reduce_ex__": __reduce_ex__,
+        "__module__": __name__,
+        "__doc__": f"``{plain.__name__}`` whose training forward is recomputed in the backward.",
+        "dropit_checkpointed": True,
+    }
+    return type(f"Checkpointed{plain.__name__}", (plain,), namespace)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module`` is a unit made by :func:`checkpoint_modules`."""
+    return getattr(type(module), "dropit_checkpointed", False) is True
+
+
+def _matches(path: str, pattern: str) -> bool:
+    # As in patch.py: a pattern selects a module and everything under it.
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + ".*")
+
+
+def _check_patterns(patterns: Sequence[str], paths: list[str]) -> None:
+    if isinstance(patterns, str):
+        raise ValueError(f"checkpoint patterns must be a list, got the string {patterns!r}")
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ValueError(f"checkpoint pattern {pattern!r} is not a string")
+        if not any(_matches(p, pattern) for p in paths):
+            close = difflib.get_close_matches(pattern, paths, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"checkpoint pattern {pattern!r} matches no module{hint}")
+
+
+def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Checkpoint, in place, each outermost module whose path matches one of ``patterns``.
+
+    Patterns are fnmatch patterns on ``named_modules()`` paths, and cover the modules below the
+    one they name, as in ``to_dropit``; a module inside a chosen one is not a unit of its own.
+    Each unit recomputes its forward in the backward, in training with grad enabled only.
+    Returns the units' paths. Apply before ``to_dropit``, which leaves layers inside units plain.
+    """
+    named = [(path, module) for path, module in model.named_modules() if path]
+    _check_patterns(patterns, [path for path, _ in named])
+    already = [path or "the model" for path, m in model.named_modules() if is_checkpointed(m)]
+    if already:
+        raise ValueError(
+            f"model already has checkpointed modules (e.g. {already[0]}); "
+            "call uncheckpoint_modules first"
+        )
+    units: list[tuple[str, nn.Module]] = []
+    for path, module in named:  # pre-order: a unit comes before the modules inside it
+        inside = any(path.startswith(unit + ".") for unit, _ in units)
+        if not inside and any(_matches(path, p) for p in patterns):
+            units.append((path, module))
+    for path, module in units:  # validate every unit before swapping any class
+        dropit = next((p for p, m in module.named_modules(prefix=path) if is_dropit(m)), None)
+        if dropit is not None:
+            raise ValueError(
+                f"checkpointed module {path} would contain the DropIT layer {dropit} (a unit "
+                "keeps nothing inside it anyway): call checkpoint_modules before to_dropit"
+            )
+        if "forward" in module.__dict__:
+            raise ValueError(f"cannot checkpoint {path}: its instance overrides forward")
+    for _, module in units:
+        module.__class__ = _checkpointed_class(type(module))
+    return [path for path, _ in units]
+
+
+def uncheckpoint_modules(model: nn.Module) -> list[str]:
+    """Turn every checkpointed unit of ``model`` back into its plain class, in place; returns
+    their paths."""
+    restored = []
+    for path, module in model.named_modules():
+        if is_checkpointed(module):
+            module.__class__ = type(module).__bases__[0]
+            restored.append(path)
+    return restored
