@@ -6,18 +6,19 @@ costs, :mod:`dropit_core.registry` for their typed options (``REGISTRY``), and
 :mod:`dropit_core.memory` for measuring what autograd keeps.
 """
 
+from .base import Packed, Strategy
 from .packing import VALUE_FORMATS
 from .patch import ConvertedLayer, from_dropit, is_dropit, to_dropit
 from .registry import Option, Registry
-from .strategies import REGISTRY, STRATEGIES, STRATEGY_OPTIONS, Strategy, build_strategy
+from .strategies import REGISTRY, STRATEGIES, build_strategy
 
 __all__ = [
     "REGISTRY",
     "STRATEGIES",
-    "STRATEGY_OPTIONS",
     "VALUE_FORMATS",
     "ConvertedLayer",
     "Option",
+    "Packed",
     "Registry",
     "Strategy",
     "build_strategy",

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import Strategy
 from .ops import (
     ConvArgs,
     DropITConvFunction,
@@ -25,7 +26,7 @@ from .ops import (
     MaskedReLUFunction,
     autocast_inputs,
 )
-from .strategies import Strategy, build_strategy
+from .strategies import build_strategy
 
 
 def _training_step(module: nn.Module, x: torch.Tensor) -> bool:

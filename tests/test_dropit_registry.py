@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dropit_core import REGISTRY, STRATEGIES, STRATEGY_OPTIONS, Option, Registry, build_strategy
+from dropit_core import REGISTRY, STRATEGIES, Option, Registry, build_strategy
 from dropit_core import strategies as strategies_mod
+from dropit_core.base import COMMON_OPTIONS, BlocksMeta, ElementsMeta, PoolMeta, UnitsMeta
 from dropit_core.registry import DOCS_BEGIN, DOCS_END
-from dropit_core.strategies import COMMON_OPTIONS, BlocksMeta, ElementsMeta, PoolMeta, UnitsMeta
 from rcnn_dropit.config_schema import DropITConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -61,7 +61,6 @@ def test_config_choices_and_exports_derive_from_the_registry() -> None:
     for name in STRATEGIES:
         cls = REGISTRY.get(name)
         assert cls.name == name and cls.keeps and cls.cache_bytes
-        assert STRATEGY_OPTIONS[name] == {o.name: o.type for o in cls.options}
 
 
 def test_defaults_reach_the_built_strategy() -> None:
@@ -186,8 +185,7 @@ def test_packing_never_consults_the_registry(monkeypatch) -> None:
         monkeypatch.setattr(REGISTRY, method, refuse)
     x = torch.randn(2, 3, 6, 5, generator=torch.Generator().manual_seed(0))
     for strategy in built.values():
-        tensors, meta = strategy.pack(x, "conv")
-        assert strategy.unpack(tensors, meta).shape == x.shape
+        assert strategy.unpack(strategy.pack(x, "conv")).shape == x.shape
 
 
 META_TYPES = {
@@ -207,14 +205,15 @@ def test_meta_is_a_named_structure(layout: str, shape) -> None:
     assert set(META_TYPES) == set(STRATEGIES)
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     for name, kind in META_TYPES.items():
-        tensors, meta = build_strategy(name, 0.5).pack(x, layout)
+        packed = build_strategy(name, 0.5).pack(x, layout)
+        meta = packed.meta
         assert type(meta) is kind, name
         assert meta.shape == tuple(x.shape) and meta.dtype == x.dtype
         if kind is ElementsMeta:
-            kept = tensors[-1] if name == "random" else tensors[1]
-            assert sum(meta.counts) == kept.numel()
+            assert sum(meta.counts) == packed.values.numel()
+            assert (packed.bits is None) == (name == "random")
         if kind is UnitsMeta:
             assert meta.layout == layout
             assert meta.width == (shape[-2] * shape[-1] if layout == "conv" else shape[0])
         if kind is BlocksMeta:
-            assert meta.block_rows * meta.block_cols * meta.planes >= tensors[0].numel()
+            assert meta.block_rows * meta.block_cols * meta.planes >= packed.index.numel()
