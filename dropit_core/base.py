@@ -129,7 +129,9 @@ COMMON_OPTIONS = (
 )
 # The common options that build the codec, and the ValueCodec field each sets.
 CODEC_OPTIONS = {"values": "fmt", "int8_chunk": "int8_chunk", "int4_chunk": "int4_chunk"}
-SEED = Option("seed", int, 0, "seed of the random choice")
+SEED = Option(
+    "seed", int, 0, "seed of the random draws, mixed with the step and the layer (`set_step`)"
+)
 
 
 def keep_count(gamma: float, n: int) -> int:

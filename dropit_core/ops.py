@@ -17,6 +17,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .base import Packed, Strategy
 from .packing import pack_bits, zero_flagged
+from .seeds import mix_seed
 
 
 class InputCache:
@@ -25,12 +26,32 @@ class InputCache:
     In a ResNet the block input feeds conv1 and the downsample conv, and FPN reads the same stage
     outputs; in the RPN head one tensor feeds two convs. Packing it once halves or thirds both the
     work and the bytes. Entries die with the input tensor (weak keys), so nothing outlives a step.
+
+    It also says where the packs are in their random streams: each pack that draws is keyed by
+    (rank, ``stream``, step, its position among this step's packs). The forward order is
+    deterministic, so the position names the layer and the call; :meth:`set_step` (called through
+    ``dropit_core.set_step`` before each forward) makes a resumed run draw what the original drew.
+    Without it the position keeps counting, so every pack still draws afresh.
     """
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: Strategy, stream: int = 0) -> None:
         self.strategy = strategy
+        self.stream = stream  # tells the caches of one model apart (one per rule)
+        self.step = 0
+        self.rank = 0
+        self.position = 0
         self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def set_step(self, step: int, rank: int = 0) -> None:
+        """Start the random streams of training step ``step`` (on process ``rank``)."""
+        self.step, self.rank, self.position = step, rank, 0
+
+    def next_key(self) -> int:
+        """The key of the next pack that draws, and move on."""
+        key = mix_seed(self.rank, self.stream, self.step, self.position)
+        self.position += 1
+        return key
 
     def cast_param(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
@@ -61,7 +82,8 @@ class InputCache:
         hit = self._packs.get(key)
         if hit is not None and hit[:3] == (key._version, layout, x.dtype):
             return hit[3]
-        packed = self.strategy.pack(x, layout)
+        draw = self.next_key() if self.strategy.draws else 0
+        packed = self.strategy.pack(x, layout, draw)
         self._packs[key] = (key._version, layout, x.dtype, packed)
         return packed
 
@@ -69,12 +91,16 @@ class InputCache:
         """Rebuild the dense (dropped) input."""
         return self.strategy.unpack(packed)
 
-    # Weak dictionaries neither pickle nor deep-copy; a copy starts with an empty cache.
+    # Weak dictionaries neither pickle nor deep-copy; a copy starts with an empty cache, at the
+    # same place in the random streams.
+    _STATE = ("strategy", "stream", "step", "rank", "position")
+
     def __getstate__(self) -> dict:
-        return {"strategy": self.strategy}
+        return {name: getattr(self, name) for name in self._STATE}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["strategy"])
+        self.__init__(state["strategy"], state["stream"])
+        self.step, self.rank, self.position = state["step"], state["rank"], state["position"]
 
 
 class ConvArgs(NamedTuple):

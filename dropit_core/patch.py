@@ -220,6 +220,23 @@ def from_dropit(model: nn.Module) -> nn.Module:
     return model
 
 
+def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
+    """Seed the random draws of ``model``'s DropIT layers for training step ``step``.
+
+    Call it before each training forward (with the iteration a resumed run also counts): every
+    pack that draws is then seeded from the strategy's ``seed``, the step, ``rank`` and the pack's
+    place in the forward, so a resumed run draws exactly what the uninterrupted one did. Under
+    DDP pass the process rank, so that ranks draw independently. Strategies that draw nothing
+    ignore it; a model without DropIT layers is left as it is.
+    """
+    for name, value in (("step", step), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"DropIT set_step {name}={value!r} is invalid: allowed integers >= 0")
+    caches = [getattr(m, "dropit_cache", None) for m in model.modules()]
+    for cache in {id(c): c for c in caches if c is not None}.values():
+        cache.set_step(step, rank)
+
+
 def is_dropit(module: nn.Module) -> bool:
     """Whether ``module`` is a converted DropIT layer."""
     return type(module) in _PLAIN_CLASS

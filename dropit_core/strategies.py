@@ -25,7 +25,7 @@ mink              ceil(n/8) + kept*v                     the exact global k-th v
                                                          are gathered slice by slice: no dense copy
 parallel_mink     ceil(n/8) + kept*v                     top-k inside chunks of D elements, in
                                                          slices of ~4M elements: no dense temporary
-random            kept*v (mask rebuilt from a seed)      one random number per element
+random            kept*v (mask rebuilt from a seed)      one random number per element (see below)
 threshold         ceil(n/8) + kept*v                     gamma-quantile of ~64Ki |x| read at a
                                                          prime stride: O(n), no sort; kept count
                                                          approximate
@@ -37,6 +37,10 @@ pool              ceil(H/f)*ceil(W/f)*planes*v           one average pool (f fro
 
 ``kept`` is ``int((1 - gamma) * n)`` for mink and per chunk for parallel_mink; elements tied with
 the threshold are kept too, and zeros are never stored (they rebuild as zeros anyway).
+
+Random draws are seeded per pack from the strategy's ``seed`` and a key (:mod:`dropit_core.seeds`)
+that the layers' InputCache derives from the training step and the pack's place in the forward:
+call ``dropit_core.set_step(model, step)`` before each forward and a resumed run draws the same.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from .base import (
 from .elementwise import POSITIONS_OPTION, Elementwise
 from .packing import ValueCodec, pack_bits
 from .registry import Option, Registry
+from .seeds import mix_seed
 from .select import (
     abs_slices,
     kth_largest_abs,
@@ -213,11 +218,10 @@ class RandomKeep(Elementwise):
     def __init__(self, gamma: float, codec: ValueCodec, rescale: str, *, seed: int) -> None:
         super().__init__(gamma, codec, rescale)
         self.seed = seed
-        self._seeds = torch.Generator().manual_seed(seed)
 
     def _begin(self, flat: torch.Tensor, static: bool, key: int) -> tuple[int, None]:
-        # A CPU generator: drawing the seed never waits for an accelerator.
-        return int(torch.randint(0, 2**62, (1,), generator=self._seeds).item()), None
+        # A host integer: the mask seed never waits for an accelerator, and rides in the meta.
+        return mix_seed(self.seed, key), None
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: int) -> torch.Tensor:
         return self._rebuild_mask(start, piece.numel(), state, piece.device)
@@ -305,15 +309,13 @@ class ChannelRandom(_ChannelBase):
     def __init__(self, gamma: float, codec: ValueCodec, rescale: str, *, seed: int) -> None:
         super().__init__(gamma, codec, rescale)
         self.seed = seed
-        self._gens: dict[torch.device, torch.Generator] = {}
 
     def _choose(self, units: torch.Tensor, k: int, key: int) -> torch.Tensor:
-        # One generator per device, so the permutation is drawn where the planes are: a CPU
+        # A generator on the planes' device, so the permutation is drawn where they are: a CPU
         # permutation copied to the GPU would be a blocking host-to-device copy per layer.
         dev = units.device
-        if dev not in self._gens:
-            self._gens[dev] = torch.Generator(device=dev).manual_seed(self.seed)
-        return torch.randperm(units.shape[0], generator=self._gens[dev], device=dev)[:k]
+        gen = torch.Generator(device=dev).manual_seed(mix_seed(self.seed, key))
+        return torch.randperm(units.shape[0], generator=gen, device=dev)[:k]
 
 
 def _as_planes(x: torch.Tensor, layout: str) -> torch.Tensor:

@@ -202,7 +202,7 @@ def test_shared_input_is_packed_once_and_both_grads_are_right(monkeypatch) -> No
     assert drop.b.dropit_cache is drop.a.dropit_cache
     calls = []
     real_pack = strategy.pack
-    monkeypatch.setattr(strategy, "pack", lambda x, layout: calls.append(1) or real_pack(x, layout))
+    monkeypatch.setattr(strategy, "pack", lambda x, *a: calls.append(1) or real_pack(x, *a))
     x = _input((2, 3, 6, 6), seed=5)
     out_p, gx_p, g = _run(plain, x)
     out_d, gx_d, _ = _run(drop, x, g)
@@ -384,9 +384,7 @@ def test_shared_input_is_packed_once_under_autocast(monkeypatch) -> None:
     strategy = drop.a.dropit_cache.strategy
     packed = []
     real_pack = strategy.pack
-    monkeypatch.setattr(
-        strategy, "pack", lambda x, layout: packed.append(x) or real_pack(x, layout)
-    )
+    monkeypatch.setattr(strategy, "pack", lambda x, *a: packed.append(x) or real_pack(x, *a))
     x = _input((2, 3, 6, 6), seed=16)
     xp = x.detach().clone().requires_grad_(True)
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):

@@ -215,9 +215,11 @@ def test_random_fraction_values_and_seed(layout: str, shape, gamma: float) -> No
     assert torch.equal(again, out)
     other, _ = _roundtrip(build_strategy("random", gamma, seed=4), x, layout)
     assert not torch.equal(other != 0, kept_mask)
-    # The same strategy object draws a fresh mask per pack (a new step, a new mask).
-    second, _ = _roundtrip(strat, x, layout)
+    # The pack's key (step and layer, from the InputCache) picks the draw: another key, another
+    # mask; the same key, the same mask.
+    second, _ = _roundtrip(strat, x, layout, key=1)
     assert not torch.equal(second != 0, kept_mask)
+    assert torch.equal(_roundtrip(strat, x, layout, key=1)[0], second)
 
 
 def test_random_int8_bytes() -> None:
