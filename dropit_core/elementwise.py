@@ -27,6 +27,13 @@ POSITIONS_OPTION = Option(
     "the kept positions: a 1-bit mask, or only its non-zero bytes plus 1 bit per mask byte",
     choices=POSITIONS,
 )
+SAMPLE_OPTION = Option(
+    "sample",
+    int,
+    1 << 16,
+    "elements read at a prime stride to estimate the threshold (quantile or tau)",
+    minimum=1,
+)
 
 
 def counts_first(device: torch.device) -> bool:

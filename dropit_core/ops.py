@@ -44,8 +44,12 @@ class InputCache:
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
     def set_step(self, step: int, rank: int = 0) -> None:
-        """Start the random streams of training step ``step`` (on process ``rank``)."""
+        """Start the random streams of training step ``step`` (on process ``rank``).
+
+        Packs of earlier steps are forgotten: a tensor fed again (a fixed input) packs afresh.
+        """
         self.step, self.rank, self.position = step, rank, 0
+        self._packs = WeakTensorKeyDictionary()
 
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""

@@ -8,6 +8,8 @@ generator state to save in a checkpoint, nothing read from a device.
 
 from __future__ import annotations
 
+import torch
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -29,3 +31,10 @@ def mix_seed(*parts: int) -> int:
     for part in parts:
         h = _splitmix64(h ^ (part & _MASK64))
     return h >> 2
+
+
+def uniform(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
+    """``length`` fp32 numbers uniform in [0, 1): the draws for flat elements ``start`` onward of
+    a pack seeded ``seed``, from a generator on ``device`` (nothing crosses to the host)."""
+    gen = torch.Generator(device=device).manual_seed(seed + start)
+    return torch.rand(length, generator=gen, device=device)

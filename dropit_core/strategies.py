@@ -14,7 +14,8 @@ one of the F feature columns.
 
 Costs, for an input of n elements, kept fraction ``1 - gamma``, ``v`` bytes per stored value
 (4 fp32, 2 fp16/bf16, 1 int8 + 4 bytes of scale per ``int8_chunk`` values, 1/2 int4 + 4 bytes
-per ``int4_chunk``):
+per ``int4_chunk``); "unbiased": the rebuilt input equals the input in expectation over the
+pack's random draws (:mod:`dropit_core.unbiased`), so does the weight gradient:
 
 ================  =====================================  ===========================================
 strategy          cache bytes                            extra time in forward (backward: a scatter)
@@ -25,14 +26,23 @@ mink              ceil(n/8) + kept*v                     the exact global k-th v
                                                          are gathered slice by slice: no dense copy
 parallel_mink     ceil(n/8) + kept*v                     top-k inside chunks of D elements, in
                                                          slices of ~4M elements: no dense temporary
-random            kept*v (mask rebuilt from a seed)      one random number per element (see below)
+random            kept*v (mask rebuilt from a seed)      one random number per element (see below);
+                                                         ``scale``: kept values times 1/(1-gamma),
+                                                         unbiased (backward: one pass over them)
 threshold         ceil(n/8) + kept*v                     gamma-quantile of ~64Ki |x| read at a
                                                          prime stride: O(n), no sort; kept count
                                                          approximate
+importance        ceil(n/8) + kept*v + 4 (tau, fp32)     tau from a sort of ~64Ki |x| (water
+                                                         filling), one random number per element;
+                                                         unbiased (backward: max(|v|, tau) on the
+                                                         kept values); kept count random
 channel_mink      kept_planes*(H*W)*v + 4*kept_planes    one L2 norm per plane, top-k over planes
 channel_random    same as channel_mink                   a permutation of the planes
 block_mink        kept_blocks*b*b*v + 4*kept_blocks      one L2 norm per b x b block, top-k blocks
 pool              ceil(H/f)*ceil(W/f)*planes*v           one average pool (f from gamma or option)
+quant             ceil(n*bits/8) + 8*ceil(n/group)       min/max per group, one random number per
+                                                         element; unbiased; gamma unused (backward:
+                                                         a dense multiply-add)
 ================  =====================================  ===========================================
 
 ``kept`` is ``int((1 - gamma) * n)`` for mink and per chunk for parallel_mink; elements tied with
@@ -66,10 +76,10 @@ from .base import (
     encoded,
     keep_count,
 )
-from .elementwise import POSITIONS_OPTION, Elementwise
+from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise
 from .packing import ValueCodec, pack_bits
 from .registry import Option, Registry
-from .seeds import mix_seed
+from .seeds import mix_seed, uniform
 from .select import (
     abs_slices,
     kth_largest_abs,
@@ -79,6 +89,7 @@ from .select import (
     select_superset,
     tiny,
 )
+from .unbiased import Importance, Quant
 
 
 class MinK(Elementwise):
@@ -179,7 +190,7 @@ class Threshold(Elementwise):
     name = "threshold"
     options = (
         POSITIONS_OPTION,
-        Option("sample", int, 1 << 16, "elements read to estimate the quantile", minimum=1),
+        SAMPLE_OPTION,
     )
     keeps = "magnitudes above a gamma-quantile estimated from a 64Ki sample: no sort, O(n)"
     cache_bytes = "n/8 + kept v"
@@ -209,15 +220,31 @@ class RandomKeep(Elementwise):
     """Keep each element with probability 1-gamma; the mask is rebuilt from a stored seed."""
 
     name = "random"
-    options = (SEED,)
-    keeps = "each element with probability `1 - gamma` (the paper's contrast)"
+    options = (
+        SEED,
+        Option(
+            "scale",
+            bool,
+            False,
+            "multiply kept values by `1/(1-gamma)`: an unbiased estimate of the input "
+            "(randomized autodiff, Oktay et al. 2021)",
+        ),
+    )
+    keeps = (
+        "each element with probability `1 - gamma` (the paper's contrast); with `scale: true` "
+        "rebuilt times `1/(1-gamma)`: unbiased"
+    )
     cache_bytes = "kept v (mask rebuilt from a seed)"
     stores_mask = False
     draws = True
 
-    def __init__(self, gamma: float, codec: ValueCodec, rescale: str, *, seed: int) -> None:
+    def __init__(
+        self, gamma: float, codec: ValueCodec, rescale: str, *, seed: int, scale: bool
+    ) -> None:
         super().__init__(gamma, codec, rescale)
         self.seed = seed
+        self.scale = scale
+        self._factor = 1.0 / (1.0 - gamma)
 
     def _begin(self, flat: torch.Tensor, static: bool, key: int) -> tuple[int, None]:
         # A host integer: the mask seed never waits for an accelerator, and rides in the meta.
@@ -229,8 +256,14 @@ class RandomKeep(Elementwise):
     def _rebuild_mask(
         self, start: int, length: int, state: int, device: torch.device
     ) -> torch.Tensor:
-        gen = torch.Generator(device=device).manual_seed(state + start)
-        return torch.rand(length, generator=gen, device=device) >= self.gamma
+        return uniform(state, start, length, device) >= self.gamma
+
+    def _rebuilt_values(self, values: torch.Tensor, packed: Packed) -> torch.Tensor:
+        # Out of place: the decoded values may be the cached tensor itself, which layers share.
+        return values * self._factor if self.scale else values
+
+    def _describe_params(self) -> tuple[str, ...]:
+        return ("scale=true",) if self.scale else ()
 
 
 def _fp32_norms(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -423,7 +456,18 @@ class Pool(Strategy):
 
 # The one list of strategies, in the order users see them (config choices, messages, docs).
 REGISTRY = Registry(
-    (MinK, ParallelMinK, RandomKeep, Threshold, ChannelMinK, ChannelRandom, BlockMinK, Pool),
+    (
+        MinK,
+        ParallelMinK,
+        RandomKeep,
+        Threshold,
+        Importance,
+        ChannelMinK,
+        ChannelRandom,
+        BlockMinK,
+        Pool,
+        Quant,
+    ),
     COMMON_OPTIONS,
 )
 STRATEGIES: tuple[str, ...] = REGISTRY.names

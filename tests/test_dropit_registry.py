@@ -12,7 +12,14 @@ import torch
 
 from dropit_core import REGISTRY, STRATEGIES, Option, Registry, build_strategy
 from dropit_core import strategies as strategies_mod
-from dropit_core.base import COMMON_OPTIONS, BlocksMeta, ElementsMeta, PoolMeta, UnitsMeta
+from dropit_core.base import (
+    COMMON_OPTIONS,
+    BlocksMeta,
+    ElementsMeta,
+    PoolMeta,
+    QuantMeta,
+    UnitsMeta,
+)
 from dropit_core.registry import DOCS_BEGIN, DOCS_END
 from rcnn_dropit.config_schema import DropITConfig
 
@@ -91,8 +98,12 @@ def test_every_declared_option_checks_type_and_range(name: str, key: str, opt: O
         ValueError, match=re.escape(f"DropIT option {key}={bad!r} has the wrong type")
     ):
         build_strategy(name, 0.5, **{key: bad})
-    with pytest.raises(ValueError, match=re.escape(f"{key}=True has the wrong type")):
-        build_strategy(name, 0.5, **{key: True})  # a bool is no int
+    if opt.type is bool:
+        with pytest.raises(ValueError, match=re.escape(f"{key}=1 has the wrong type")):
+            build_strategy(name, 0.5, **{key: 1})  # an int is no bool
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"{key}=True has the wrong type")):
+            build_strategy(name, 0.5, **{key: True})  # a bool is no int
     if opt.minimum is not None:
         low = opt.minimum - 1
         with pytest.raises(
@@ -102,8 +113,9 @@ def test_every_declared_option_checks_type_and_range(name: str, key: str, opt: O
             build_strategy(name, 0.5, **{key: low})
         build_strategy(name, 0.5, **{key: opt.minimum})  # the bound itself is allowed
     if opt.choices is not None:
-        with pytest.raises(ValueError, match=re.escape(f"{key}='nope' is invalid: allowed (")):
-            build_strategy(name, 0.5, **{key: "nope"})
+        outside = "nope" if opt.type is str else max(opt.choices) + 1
+        with pytest.raises(ValueError, match=re.escape(f"{key}={outside!r} is invalid: allowed (")):
+            build_strategy(name, 0.5, **{key: outside})
         for choice in opt.choices:
             build_strategy(name, 0.5, **{key: choice})
 
@@ -197,6 +209,8 @@ META_TYPES = {
     "channel_random": UnitsMeta,
     "block_mink": BlocksMeta,
     "pool": PoolMeta,
+    "importance": ElementsMeta,
+    "quant": QuantMeta,
 }
 
 
@@ -217,3 +231,29 @@ def test_meta_is_a_named_structure(layout: str, shape) -> None:
             assert meta.width == (shape[-2] * shape[-1] if layout == "conv" else shape[0])
         if kind is BlocksMeta:
             assert meta.block_rows * meta.block_cols * meta.planes >= packed.index.numel()
+
+
+def test_a_strategy_refuses_the_common_options_it_skips() -> None:
+    # quant stores codes, not kept values: the value formats do not apply to it.
+    assert "values" not in REGISTRY.options("quant") and "rescale" in REGISTRY.options("quant")
+    message = (
+        "DropIT option 'values' does not apply to strategy 'quant': "
+        "allowed bits, group, rescale, seed"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_strategy("quant", 0.5, values="int8")
+    table = REGISTRY.markdown()
+    assert "| `values` | all but `quant` |" in table and "| `rescale` | all |" in table
+
+    class E(strategies_mod.MinK):
+        name = "e"
+        skips_common = ("nope",)
+
+    with pytest.raises(ValueError, match="'e': skips an option no strategy takes"):
+        Registry((E,), COMMON_OPTIONS)
+
+
+def test_description_omits_gamma_where_it_means_nothing() -> None:
+    assert build_strategy("quant", 0.8, bits=2).describe() == "quant(bits=2, group=256)"
+    assert build_strategy("random", 0.8, scale=True).describe() == "random(gamma=0.8, scale=true)"
+    assert build_strategy("importance", 0.5).describe() == "importance(gamma=0.5, sample=65536)"

@@ -133,6 +133,8 @@ def test_mink_pack_is_the_exact_topk_on_both_paths(monkeypatch, counts_first, ad
         ("threshold", {}),
         ("parallel_mink", {"chunk": 100}),
         ("random", {"seed": 3}),
+        ("importance", {}),
+        ("importance", {"positions": "sparse_bits", "values": "int8"}),
     ],
 )
 def test_counts_first_pack_equals_the_one_pass_pack(monkeypatch, name, options) -> None:
@@ -172,7 +174,8 @@ class _SyncOps(TorchDispatchMode):
 
 @pytest.mark.usefixtures("small_sample")
 @pytest.mark.parametrize(
-    "name,options", [("mink", {}), ("threshold", {}), ("parallel_mink", {}), ("random", {})]
+    "name,options",
+    [("mink", {}), ("threshold", {}), ("parallel_mink", {}), ("random", {}), ("importance", {})],
 )
 def test_counts_first_pack_reads_the_device_once_per_layer(monkeypatch, name, options) -> None:
     monkeypatch.setattr(base_mod, "SLICE", 2_048)

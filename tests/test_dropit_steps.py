@@ -32,7 +32,7 @@ class Net(nn.Module):
         return self.fc(h.mean(dim=(2, 3)))
 
 
-def _net(name: str, gamma: float = 0.5) -> Net:
+def _net(name: str, gamma: float = 0.8) -> Net:
     torch.manual_seed(0)
     model = Net()
     options = {"seed": 7} if "seed" in REGISTRY.options(name) else {}
@@ -108,6 +108,19 @@ def test_layers_of_one_step_draw_differently(name: str) -> None:
     x = _input()
     model.a(x.clone()).sum().backward()
     model.a(x.clone()).sum().backward()
+    assert len(packs) == 2 and not _same_packs(packs[:1], packs[1:])
+
+
+@pytest.mark.parametrize("name", DRAWING)
+def test_the_same_input_tensor_at_another_step_packs_afresh(name: str) -> None:
+    # Packs are shared within a step; a tensor that outlives a step (a fixed batch) must not
+    # carry its pack, and its draw, into the next one.
+    model = _net(name)
+    packs = _record(model)
+    x = _input()
+    for step in (0, 1):
+        set_step(model, step)
+        model.a(x).sum().backward()
     assert len(packs) == 2 and not _same_packs(packs[:1], packs[1:])
 
 
