@@ -12,6 +12,7 @@ from .base import Packed, Strategy
 from .packing import VALUE_FORMATS
 from .patch import ConvertedLayer, from_dropit, is_dropit, set_step, to_dropit
 from .registry import Option, Registry
+from .rules import Rule, check_options, check_rules
 from .strategies import REGISTRY, STRATEGIES, build_strategy
 
 __all__ = [
@@ -22,8 +23,11 @@ __all__ = [
     "Option",
     "Packed",
     "Registry",
+    "Rule",
     "Strategy",
     "build_strategy",
+    "check_options",
+    "check_rules",
     "from_dropit",
     "is_dropit",
     "set_step",

@@ -7,9 +7,7 @@ exactly as they were, so optimizers, checkpoints and DDP see the same model.
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Strategy
 from .ops import (
     ConvArgs,
     DropITConvFunction,
@@ -26,7 +23,11 @@ from .ops import (
     MaskedReLUFunction,
     autocast_inputs,
 )
-from .strategies import build_strategy
+from .rules import (
+    assign_layers,
+    check_options,  # noqa: F401  (its home before rules.py; callers import it here)
+    check_rules,
+)
 
 
 def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
@@ -126,37 +127,13 @@ _PLAIN_CLASS = {v: k for k, v in _DROPIT_CLASS.items()}
 
 @dataclass(frozen=True)
 class ConvertedLayer:
-    """One converted module: its dotted path, its original kind and the strategy it uses."""
+    """One converted module: its dotted path, its original kind, the strategy it uses and the
+    rule that chose it (its index in ``rules``; 0 without rules)."""
 
     path: str
     kind: str
     strategy: str
-
-
-def _matches(path: str, pattern: str) -> bool:
-    # A pattern selects a module and everything under it ("roi_heads" covers roi_heads.*).
-    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + ".*")
-
-
-def _check_patterns(kind: str, patterns: Sequence[str], paths: list[str]) -> None:
-    if isinstance(patterns, str):
-        raise ValueError(f"DropIT {kind} must be a list of patterns, got the string {patterns!r}")
-    for pattern in patterns:
-        if not isinstance(pattern, str):
-            raise ValueError(f"DropIT {kind} pattern {pattern!r} is not a string")
-        if not any(_matches(p, pattern) for p in paths):
-            close = difflib.get_close_matches(pattern, paths, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"DropIT {kind} pattern {pattern!r} matches no module{hint}")
-
-
-def check_options(strategy: str, gamma: float, relu: bool = True, **options: Any) -> Strategy:
-    """Validate what ``to_dropit`` takes besides the model and patterns (strategy, gamma, relu,
-    strategy options); returns the built strategy. Needs no model, so configs call it on load."""
-    built = build_strategy(strategy, gamma, **options)
-    if not isinstance(relu, bool):
-        raise ValueError(f"DropIT option relu={relu!r} must be true or false")
-    return built
+    rule: int = 0
 
 
 def to_dropit(
@@ -166,6 +143,7 @@ def to_dropit(
     include: Sequence[str] = ("*",),
     exclude: Sequence[str] = (),
     relu: bool = True,
+    rules: Sequence[Mapping[str, Any]] | None = None,
     **options: Any,
 ) -> tuple[nn.Module, list[ConvertedLayer]]:
     """Convert matching conv/linear layers (and ReLUs, when ``relu``) to DropIT, in place.
@@ -173,39 +151,27 @@ def to_dropit(
     ``include``/``exclude`` are fnmatch patterns on module paths as ``named_modules()`` gives them;
     a pattern also covers the modules below the one it names. ``options`` go to the strategy
     (e.g. ``chunk=16384``, ``values="int8"``), checked against its declaration in
-    ``dropit_core.REGISTRY``. Returns the model and what was converted.
+    ``dropit_core.REGISTRY``. ``rules``: per-group settings, e.g. ``[{"include": ["backbone"],
+    "gamma": 0.8}, {"include": ["roi_heads"], "strategy": "quant", "options": {"bits": 4}}]``;
+    a rule's missing keys fall back to the arguments above and ``exclude`` applies to every rule
+    (see :mod:`dropit_core.rules`). Each rule packs through its own cache. Returns the model and
+    what was converted.
     """
-    built = check_options(strategy, gamma, relu, **options)
+    checked = check_rules(rules, strategy, gamma, include, exclude, relu, **options)
     named = [(p, m) for p, m in model.named_modules() if p]
-    paths = [p for p, _ in named]
-    _check_patterns("include", include, paths)
-    _check_patterns("exclude", exclude, paths)
     already = [p for p, m in named if type(m) in _PLAIN_CLASS]
     if already:
         raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")
-
-    chosen = [
-        (path, module)
-        for path, module in named
-        if type(module) in _DROPIT_CLASS
-        and (relu or type(module) is not nn.ReLU)
-        and any(_matches(path, p) for p in include)
-        and not any(_matches(path, p) for p in exclude)
-    ]
-    if all(type(m) is nn.ReLU for _, m in chosen):
-        raise ValueError(
-            f"DropIT include={list(include)} with exclude={list(exclude)} selects no "
-            "Conv2d/ConvTranspose2d/Linear layer"
-        )
-    cache = InputCache(built)
+    chosen = assign_layers(named, checked, tuple(exclude), _DROPIT_CLASS)
+    caches = {id(rule): InputCache(rule.strategy, stream=rule.index or 0) for rule in checked}
     record: list[ConvertedLayer] = []
-    for path, module in chosen:  # convert only once everything is validated
+    for path, module, rule in chosen:  # convert only once everything is validated
         plain = type(module)
         module.__class__ = _DROPIT_CLASS[plain]
         if plain is not nn.ReLU:
-            module.dropit_cache = cache
-        label = "relu-mask" if plain is nn.ReLU else built.describe()
-        record.append(ConvertedLayer(path, plain.__name__, label))
+            module.dropit_cache = caches[id(rule)]
+        label = "relu-mask" if plain is nn.ReLU else rule.strategy.describe()
+        record.append(ConvertedLayer(path, plain.__name__, label, rule.index or 0))
     return model, record
 
 
