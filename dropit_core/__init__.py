@@ -10,7 +10,15 @@ autograd keeps.
 
 from .base import Packed, Strategy
 from .packing import VALUE_FORMATS
-from .patch import ConvertedLayer, from_dropit, is_dropit, set_step, to_dropit
+from .patch import (
+    AppliedSetting,
+    ConvertedLayer,
+    DropITRecord,
+    from_dropit,
+    is_dropit,
+    set_step,
+    to_dropit,
+)
 from .registry import Option, Registry
 from .rules import Rule, check_options, check_rules
 from .strategies import REGISTRY, STRATEGIES, build_strategy
@@ -19,7 +27,9 @@ __all__ = [
     "REGISTRY",
     "STRATEGIES",
     "VALUE_FORMATS",
+    "AppliedSetting",
     "ConvertedLayer",
+    "DropITRecord",
     "Option",
     "Packed",
     "Registry",

@@ -24,6 +24,7 @@ from .ops import (
     autocast_inputs,
 )
 from .rules import (
+    Rule,
     assign_layers,
     check_options,  # noqa: F401  (its home before rules.py; callers import it here)
     check_rules,
@@ -136,6 +137,57 @@ class ConvertedLayer:
     rule: int = 0
 
 
+@dataclass(frozen=True)
+class AppliedSetting:
+    """One DropIT setting as ``to_dropit`` applied it (one per rule; one without rules)."""
+
+    rule: int | None  # its index in ``rules``; None without rules
+    strategy: str  # the registry name, e.g. "mink"
+    gamma: float  # as given (strategies with uses_gamma=False ignore it)
+    options: dict[str, Any]  # the strategy options as given (defaults not filled in)
+    description: str  # e.g. "mink(gamma=0.8)", as the layers' entries show it
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]  # the call's exclude included
+    layers: int  # conv/linear layers converted
+    relus: int  # ReLUs converted to a 1-bit mask
+
+
+class DropITRecord(list):
+    """What ``to_dropit`` converted: a list of :class:`ConvertedLayer` in model order (as before),
+    plus ``settings`` (which strategy and gamma each rule applied, and to how many layers) and
+    ``skipped`` (layers left plain because they run inside a checkpointed module)."""
+
+    def __init__(
+        self,
+        layers: Sequence[ConvertedLayer] = (),
+        settings: Sequence[AppliedSetting] = (),
+        skipped: Sequence[str] = (),
+    ) -> None:
+        super().__init__(layers)
+        self.settings = tuple(settings)
+        self.skipped = tuple(skipped)
+
+    def summary(self) -> str:
+        """One line per setting, e.g. ``DropIT mink(gamma=0.8): 9 conv/linear layers and 4 ReLUs
+        (include *; exclude backbone.body.conv1)``."""
+        lines = []
+        for s in self.settings:
+            name = "DropIT" if s.rule is None else f"DropIT rules[{s.rule}]"
+            where = f"include {', '.join(s.include)}"
+            if s.exclude:
+                where += f"; exclude {', '.join(s.exclude)}"
+            lines.append(
+                f"{name} {s.description}: {s.layers} conv/linear layers and {s.relus} ReLUs "
+                f"({where})"
+            )
+        if self.skipped:
+            lines.append(
+                f"left plain inside checkpointed modules: {len(self.skipped)} layers "
+                f"({', '.join(self.skipped)})"
+            )
+        return "\n".join(lines)
+
+
 def to_dropit(
     model: nn.Module,
     strategy: str = "mink",
@@ -145,7 +197,7 @@ def to_dropit(
     relu: bool = True,
     rules: Sequence[Mapping[str, Any]] | None = None,
     **options: Any,
-) -> tuple[nn.Module, list[ConvertedLayer]]:
+) -> tuple[nn.Module, DropITRecord]:
     """Convert matching conv/linear layers (and ReLUs, when ``relu``) to DropIT, in place.
 
     ``include``/``exclude`` are fnmatch patterns on module paths as ``named_modules()`` gives them;
@@ -155,7 +207,8 @@ def to_dropit(
     "gamma": 0.8}, {"include": ["roi_heads"], "strategy": "quant", "options": {"bits": 4}}]``;
     a rule's missing keys fall back to the arguments above and ``exclude`` applies to every rule
     (see :mod:`dropit_core.rules`). Each rule packs through its own cache. Returns the model and
-    what was converted.
+    a :class:`DropITRecord` of what was converted (a list of :class:`ConvertedLayer` that also
+    says which settings were applied: ``record.settings``, ``record.summary()``).
     """
     checked = check_rules(rules, strategy, gamma, include, exclude, relu, **options)
     named = [(p, m) for p, m in model.named_modules() if p]
@@ -164,15 +217,31 @@ def to_dropit(
         raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")
     chosen = assign_layers(named, checked, tuple(exclude), _DROPIT_CLASS)
     caches = {id(rule): InputCache(rule.strategy, stream=rule.index or 0) for rule in checked}
-    record: list[ConvertedLayer] = []
+    layers: list[ConvertedLayer] = []
     for path, module, rule in chosen:  # convert only once everything is validated
         plain = type(module)
         module.__class__ = _DROPIT_CLASS[plain]
         if plain is not nn.ReLU:
             module.dropit_cache = caches[id(rule)]
         label = "relu-mask" if plain is nn.ReLU else rule.strategy.describe()
-        record.append(ConvertedLayer(path, plain.__name__, label, rule.index or 0))
-    return model, record
+        layers.append(ConvertedLayer(path, plain.__name__, label, rule.index or 0))
+    return model, DropITRecord(layers, [_applied(rule, chosen) for rule in checked])
+
+
+def _applied(rule: Rule, chosen: list[tuple[str, nn.Module, Rule]]) -> AppliedSetting:
+    kinds = [type(m) for _, m, r in chosen if r is rule]
+    relus = sum(k is DropITReLU for k in kinds)
+    return AppliedSetting(
+        rule.index,
+        rule.strategy.name,
+        rule.gamma,
+        dict(rule.options),
+        rule.strategy.describe(),
+        rule.include,
+        rule.exclude,
+        len(kinds) - relus,
+        relus,
+    )
 
 
 def from_dropit(model: nn.Module) -> nn.Module:

@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import check_rules, from_dropit, is_dropit, to_dropit
+from dropit_core import (
+    AppliedSetting,
+    ConvertedLayer,
+    DropITRecord,
+    check_rules,
+    from_dropit,
+    is_dropit,
+    to_dropit,
+)
 from dropit_core.patch import DropITConv2d, DropITConvTranspose2d, DropITLinear, DropITReLU
 
 
@@ -500,3 +508,48 @@ def test_check_rules_needs_no_model() -> None:
         check_rules([{"include": ["a"]}, {"include": ["b"], "strategy": "q"}])
     (only,) = check_rules(None, "random", 0.5, seed=3)
     assert only.index is None and only.strategy.describe() == "random(gamma=0.5)"
+
+
+# -------------------------------------------------------------------------- the returned record
+
+
+def test_the_record_says_which_setting_was_applied() -> None:
+    _, record = to_dropit(_model(), strategy="parallel_mink", gamma=0.9, chunk=64)
+    (setting,) = record.settings
+    assert isinstance(setting, AppliedSetting)
+    assert (setting.rule, setting.strategy, setting.gamma) == (None, "parallel_mink", 0.9)
+    assert setting.options == {"chunk": 64}
+    assert setting.description == "parallel_mink(gamma=0.9, chunk=64)"
+    assert (setting.include, setting.exclude) == (("*",), ())
+    assert (setting.layers, setting.relus) == (8, 5)
+    assert record.skipped == ()
+    assert record.summary() == (
+        "DropIT parallel_mink(gamma=0.9, chunk=64): 8 conv/linear layers and 5 ReLUs (include *)"
+    )
+
+
+def test_the_record_of_rules_has_one_setting_per_rule() -> None:
+    _, record = to_dropit(_model(), rules=MIXED, exclude=["roi_heads.box_predictor"])
+    assert [(s.rule, s.strategy, s.gamma, s.layers, s.relus) for s in record.settings] == [
+        (0, "mink", 0.8, 2, 2),
+        (1, "quant", 0.8, 4, 3),
+    ]
+    assert record.settings[1].options == {"bits": 4}
+    assert record.settings[1].exclude == ("roi_heads.box_predictor",)
+    assert record.summary().splitlines() == [
+        "DropIT rules[0] mink(gamma=0.8): 2 conv/linear layers and 2 ReLUs "
+        "(include backbone; exclude roi_heads.box_predictor)",
+        "DropIT rules[1] quant(bits=4, group=256): 4 conv/linear layers and 3 ReLUs "
+        "(include roi_heads; exclude roi_heads.box_predictor)",
+    ]
+
+
+def test_the_record_is_still_the_list_of_converted_layers() -> None:
+    _, record = to_dropit(_model(), exclude=CONFIG_EXCLUDE)
+    assert isinstance(record, list) and isinstance(record, DropITRecord)
+    assert all(isinstance(r, ConvertedLayer) for r in record)
+    assert record == list(record) and len(record) == 9 and record[0].path == "backbone.body.relu"
+    assert [r.path for r in record[1:3]] == ["backbone.body.layer1.0", "backbone.body.layer1.1"]
+    for again in (copy.deepcopy(record), pickle.loads(pickle.dumps(record))):
+        assert again == record and again.settings == record.settings
+        assert again.summary() == record.summary()
