@@ -11,6 +11,7 @@ autograd keeps.
 from .base import Packed, Strategy
 from .packing import VALUE_FORMATS
 from .patch import (
+    CHECKPOINTED_ATTRIBUTE,
     AppliedSetting,
     ConvertedLayer,
     DropITRecord,
@@ -24,6 +25,7 @@ from .rules import Rule, check_options, check_rules
 from .strategies import REGISTRY, STRATEGIES, build_strategy
 
 __all__ = [
+    "CHECKPOINTED_ATTRIBUTE",
     "REGISTRY",
     "STRATEGIES",
     "VALUE_FORMATS",

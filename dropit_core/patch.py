@@ -206,7 +206,9 @@ def to_dropit(
     ``dropit_core.REGISTRY``. ``rules``: per-group settings, e.g. ``[{"include": ["backbone"],
     "gamma": 0.8}, {"include": ["roi_heads"], "strategy": "quant", "options": {"bits": 4}}]``;
     a rule's missing keys fall back to the arguments above and ``exclude`` applies to every rule
-    (see :mod:`dropit_core.rules`). Each rule packs through its own cache. Returns the model and
+    (see :mod:`dropit_core.rules`). Each rule packs through its own cache. Layers inside a module
+    whose class sets ``dropit_checkpointed = True`` (activation checkpointing) stay plain: the
+    record lists them as ``skipped``. Returns the model and
     a :class:`DropITRecord` of what was converted (a list of :class:`ConvertedLayer` that also
     says which settings were applied: ``record.settings``, ``record.summary()``).
     """
@@ -216,6 +218,13 @@ def to_dropit(
     if already:
         raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")
     chosen = assign_layers(named, checked, tuple(exclude), _DROPIT_CLASS)
+    # Under checkpointing a layer's forward runs twice and its saved tensors are dropped anyway:
+    # leave the layers of checkpointed modules plain (the patterns were checked above).
+    regions = [p for p, m in [("", model), *named] if _checkpointed(m)]
+    skipped = [path for path, _, _ in chosen if any(_inside(path, r) for r in regions)]
+    if skipped:
+        left_plain = frozenset(skipped)
+        chosen = [item for item in chosen if item[0] not in left_plain]
     caches = {id(rule): InputCache(rule.strategy, stream=rule.index or 0) for rule in checked}
     layers: list[ConvertedLayer] = []
     for path, module, rule in chosen:  # convert only once everything is validated
@@ -225,7 +234,20 @@ def to_dropit(
             module.dropit_cache = caches[id(rule)]
         label = "relu-mask" if plain is nn.ReLU else rule.strategy.describe()
         layers.append(ConvertedLayer(path, plain.__name__, label, rule.index or 0))
-    return model, DropITRecord(layers, [_applied(rule, chosen) for rule in checked])
+    return model, DropITRecord(layers, [_applied(rule, chosen) for rule in checked], skipped)
+
+
+# A module whose class sets this attribute to True runs its forward under activation
+# checkpointing (dropit_core.recompute sets it): to_dropit leaves the layers inside it plain.
+CHECKPOINTED_ATTRIBUTE = "dropit_checkpointed"
+
+
+def _checkpointed(module: nn.Module) -> bool:
+    return getattr(type(module), CHECKPOINTED_ATTRIBUTE, False) is True
+
+
+def _inside(path: str, region: str) -> bool:
+    return region == "" or path == region or path.startswith(region + ".")
 
 
 def _applied(rule: Rule, chosen: list[tuple[str, nn.Module, Rule]]) -> AppliedSetting:

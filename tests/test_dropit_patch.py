@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dropit_core import (
     AppliedSetting,
@@ -553,3 +554,72 @@ def test_the_record_is_still_the_list_of_converted_layers() -> None:
     for again in (copy.deepcopy(record), pickle.loads(pickle.dumps(record))):
         assert again == record and again.settings == record.settings
         assert again.summary() == record.summary()
+
+
+# ------------------------------------------------------------------ with activation checkpointing
+
+
+class CheckpointedSequential(nn.Sequential):
+    """A stand-in for dropit_core.recompute's subclasses: its forward runs under checkpoint."""
+
+    dropit_checkpointed = True
+
+    def forward(self, x):
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
+def _checkpointed_model() -> TinyDetector:
+    model = _model()
+    model.backbone.body.layer1.__class__ = CheckpointedSequential
+    return model
+
+
+def test_layers_inside_a_checkpointed_module_stay_plain_and_are_recorded() -> None:
+    model = _checkpointed_model()
+    _, record = to_dropit(model, exclude=CONFIG_EXCLUDE)
+    inside = ["backbone.body.layer1.0", "backbone.body.layer1.1"]
+    assert record.skipped == tuple(inside)
+    assert [r.path for r in record] == [
+        "backbone.body.relu",
+        "roi_heads.box_head.fc6",
+        "roi_heads.box_head.relu6",
+        "roi_heads.box_head.fc7",
+        "roi_heads.box_head.relu7",
+        "roi_heads.mask_predictor.conv5_mask",
+        "roi_heads.mask_predictor.relu",
+    ]
+    assert type(model.backbone.body.layer1[0]) is nn.Conv2d
+    assert type(model.backbone.body.layer1[1]) is nn.ReLU
+    assert is_dropit(model.backbone.body.relu)
+    assert record.settings[0].layers == 3 and record.settings[0].relus == 4
+    assert record.summary().endswith(
+        "left plain inside checkpointed modules: 2 layers "
+        "(backbone.body.layer1.0, backbone.body.layer1.1)"
+    )
+    # The checkpointed layers' gradients are the plain model's, exactly.
+    plain = _checkpointed_model()
+    grads, ref = _train_step(model), _train_step(plain)
+    for name in ("backbone.body.layer1.0.weight", "backbone.body.layer1.0.bias"):
+        torch.testing.assert_close(grads[name], ref[name], rtol=0, atol=0)
+
+
+def test_a_rule_whose_layers_are_all_checkpointed_converts_nothing_without_an_error() -> None:
+    model = _checkpointed_model()
+    rules = [{"include": ["backbone.body.layer1"]}, {"include": ["roi_heads"], "gamma": 0.5}]
+    _, record = to_dropit(model, rules=rules)
+    assert record.skipped == ("backbone.body.layer1.0", "backbone.body.layer1.1")
+    assert [(s.layers, s.relus) for s in record.settings] == [(0, 0), (6, 3)]
+    # The whole model checkpointed: nothing converted.
+    whole = _model()
+    whole.__class__ = type("CheckpointedDetector", (TinyDetector,), {"dropit_checkpointed": True})
+    _, record = to_dropit(whole)
+    assert list(record) == [] and len(record.skipped) == 13
+
+
+def test_a_truthy_attribute_that_is_not_true_does_not_count() -> None:
+    model = _model()
+    model.backbone.body.layer1.__class__ = type(
+        "Marked", (nn.Sequential,), {"dropit_checkpointed": "yes"}
+    )
+    _, record = to_dropit(model)
+    assert record.skipped == () and len(record) == 13
