@@ -1,27 +1,47 @@
 """DropIT: cache only the largest-magnitude part of conv/linear inputs for the backward pass.
 
 ``to_dropit(model, strategy, gamma, include, exclude, **options)`` converts layers in place;
-``from_dropit(model)`` undoes it. See :mod:`dropit_core.strategies` for the strategies and their
-costs, :mod:`dropit_core.registry` for their typed options (``REGISTRY``), and
-:mod:`dropit_core.memory` for measuring what autograd keeps.
+``from_dropit(model)`` undoes it; ``set_step(model, step)``, called before each training forward,
+seeds the random strategies' draws per step and layer (resume stays bit-exact). See
+:mod:`dropit_core.strategies` for the strategies and their costs, :mod:`dropit_core.registry`
+for their typed options (``REGISTRY``), and :mod:`dropit_core.memory` for measuring what
+autograd keeps.
 """
 
+from .base import Packed, Strategy
 from .packing import VALUE_FORMATS
-from .patch import ConvertedLayer, from_dropit, is_dropit, to_dropit
+from .patch import (
+    CHECKPOINTED_ATTRIBUTE,
+    AppliedSetting,
+    ConvertedLayer,
+    DropITRecord,
+    from_dropit,
+    is_dropit,
+    set_step,
+    to_dropit,
+)
 from .registry import Option, Registry
-from .strategies import REGISTRY, STRATEGIES, STRATEGY_OPTIONS, Strategy, build_strategy
+from .rules import Rule, check_options, check_rules
+from .strategies import REGISTRY, STRATEGIES, build_strategy
 
 __all__ = [
+    "CHECKPOINTED_ATTRIBUTE",
     "REGISTRY",
     "STRATEGIES",
-    "STRATEGY_OPTIONS",
     "VALUE_FORMATS",
+    "AppliedSetting",
     "ConvertedLayer",
+    "DropITRecord",
     "Option",
+    "Packed",
     "Registry",
+    "Rule",
     "Strategy",
     "build_strategy",
+    "check_options",
+    "check_rules",
     "from_dropit",
     "is_dropit",
+    "set_step",
     "to_dropit",
 ]

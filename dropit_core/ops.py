@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .base import Packed, Strategy
 from .packing import pack_bits, zero_flagged
-from .strategies import Packed, PackMeta, Strategy
-
-_TINY = torch.finfo(torch.float32).tiny
+from .seeds import mix_seed
 
 
 class InputCache:
@@ -27,12 +26,36 @@ class InputCache:
     In a ResNet the block input feeds conv1 and the downsample conv, and FPN reads the same stage
     outputs; in the RPN head one tensor feeds two convs. Packing it once halves or thirds both the
     work and the bytes. Entries die with the input tensor (weak keys), so nothing outlives a step.
+
+    It also says where the packs are in their random streams: each pack that draws is keyed by
+    (rank, ``stream``, step, its position among this step's packs). The forward order is
+    deterministic, so the position names the layer and the call; :meth:`set_step` (called through
+    ``dropit_core.set_step`` before each forward) makes a resumed run draw what the original drew.
+    Without it the position keeps counting, so every pack still draws afresh.
     """
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: Strategy, stream: int = 0) -> None:
         self.strategy = strategy
+        self.stream = stream  # tells the caches of one model apart (one per rule)
+        self.step = 0
+        self.rank = 0
+        self.position = 0
         self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def set_step(self, step: int, rank: int = 0) -> None:
+        """Start the random streams of training step ``step`` (on process ``rank``).
+
+        Packs of earlier steps are forgotten: a tensor fed again (a fixed input) packs afresh.
+        """
+        self.step, self.rank, self.position = step, rank, 0
+        self._packs = WeakTensorKeyDictionary()
+
+    def next_key(self) -> int:
+        """The key of the next pack that draws, and move on."""
+        key = mix_seed(self.rank, self.stream, self.step, self.position)
+        self.position += 1
+        return key
 
     def cast_param(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
@@ -63,33 +86,25 @@ class InputCache:
         hit = self._packs.get(key)
         if hit is not None and hit[:3] == (key._version, layout, x.dtype):
             return hit[3]
-        packed = self.strategy.pack(x, layout)
-        if self.strategy.rescale == "norm":  # one more pass over x; the norm rides as a tensor
-            tensors, meta = packed
-            norm = torch.linalg.vector_norm(x, dtype=torch.float32)
-            packed = ((*tensors, norm), meta)
+        draw = self.next_key() if self.strategy.draws else 0
+        packed = self.strategy.pack(x, layout, draw)
         self._packs[key] = (key._version, layout, x.dtype, packed)
         return packed
 
-    def unpack(self, tensors: tuple[torch.Tensor, ...], meta: PackMeta) -> torch.Tensor:
-        """Rebuild the dense (dropped) input; with ``rescale="norm"``, scaled to the input's
-        L2 norm (dropping the small elements shrinks the weight gradient by the same factor)."""
-        if self.strategy.rescale != "norm":
-            return self.strategy.unpack(tensors, meta)
-        *tensors, norm = tensors
-        x_hat = self.strategy.unpack(tuple(tensors), meta)
-        rebuilt = torch.linalg.vector_norm(x_hat, dtype=torch.float32)
-        # An all-zero rebuild stays zero (no division by zero); no host sync either way.
-        scale = torch.where(rebuilt > 0, norm / rebuilt.clamp_min(_TINY), 1.0)
-        # Out of place: some strategies rebuild as a view of a cached tensor, which layers share.
-        return x_hat * scale.to(x_hat.dtype)
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        """Rebuild the dense (dropped) input."""
+        return self.strategy.unpack(packed)
 
-    # Weak dictionaries neither pickle nor deep-copy; a copy starts with an empty cache.
+    # Weak dictionaries neither pickle nor deep-copy; a copy starts with an empty cache, at the
+    # same place in the random streams.
+    _STATE = ("strategy", "stream", "step", "rank", "position")
+
     def __getstate__(self) -> dict:
-        return {"strategy": self.strategy}
+        return {name: getattr(self, name) for name in self._STATE}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["strategy"])
+        self.__init__(state["strategy"], state["stream"])
+        self.step, self.rank, self.position = state["step"], state["rank"], state["position"]
 
 
 class ConvArgs(NamedTuple):
@@ -115,10 +130,22 @@ class PackKey(NamedTuple):
 
 
 def _save_for_backward(ctx, x, weight, cache: InputCache, key: PackKey, layout: str) -> None:
-    """Keep the weight (input gradient) and, when the weight trains, the packed input."""
-    tensors, meta = cache.pack(x, layout, key.source) if weight.requires_grad else ((), None)
-    ctx.cache, ctx.meta, ctx.x_shape = cache, meta, x.shape
-    ctx.save_for_backward(weight, *tensors)
+    """Keep the weight (input gradient) and, when the weight trains, the packed input: its
+    tensor fields through ``save_for_backward`` (None included), its metadata on ``ctx``."""
+    if weight.requires_grad:
+        packed = cache.pack(x, layout, key.source)
+        ctx.meta = packed.meta
+        ctx.save_for_backward(weight, *packed[1:])
+    else:
+        ctx.meta = None
+        ctx.save_for_backward(weight)
+    ctx.cache, ctx.x_shape = cache, x.shape
+
+
+def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
+    """(weight, the packed input or None) from what :func:`_save_for_backward` kept."""
+    weight, *tensors = ctx.saved_tensors
+    return weight, (Packed(ctx.meta, *tensors) if ctx.meta is not None else None)
 
 
 class DropITConvFunction(torch.autograd.Function):
@@ -133,10 +160,10 @@ class DropITConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        weight, *tensors = ctx.saved_tensors
+        weight, packed = _saved_pack(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if need_w:
-            x_hat = ctx.cache.unpack(tuple(tensors), ctx.meta)
+            x_hat = ctx.cache.unpack(packed)
         else:
             x_hat = _zeros_like_shape(grad, ctx.x_shape)
         args = ctx.args
@@ -163,14 +190,14 @@ class DropITLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        weight, *tensors = ctx.saved_tensors
+        weight, packed = _saved_pack(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = gw = gb = None
         if need_x:
             gx = (g2 @ weight).view(ctx.x_shape)
         if need_w:
-            x_hat = ctx.cache.unpack(tuple(tensors), ctx.meta)
+            x_hat = ctx.cache.unpack(packed)
             gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
         if need_b:
             gb = g2.sum(0)

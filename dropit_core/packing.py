@@ -203,6 +203,32 @@ def compact_bits(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return values.index_select(0, kept_indices(bits))
 
 
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a flat uint8 tensor of ``bits``-bit codes (2, 4 or 8) into bytes, the first code in
+    the low bits; a last partial byte is padded with zero codes."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    pad = (-codes.numel()) % per_byte
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    c = codes.view(-1, per_byte)
+    out = c[:, 0] | (c[:, 1] << bits)
+    for j in range(2, per_byte):
+        out |= c[:, j] << (bits * j)
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the first ``n`` codes as a flat uint8 tensor."""
+    if bits == 8:
+        return packed[:n]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = packed.unsqueeze(-1) >> shifts
+    codes &= (1 << bits) - 1
+    return codes.view(-1)[:n]
+
+
 _INT_LEVELS = {"int8": 127, "int4": 7}
 
 

@@ -7,9 +7,7 @@ exactly as they were, so optimizers, checkpoints and DDP see the same model.
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +23,12 @@ from .ops import (
     MaskedReLUFunction,
     autocast_inputs,
 )
-from .strategies import Strategy, build_strategy
+from .rules import (
+    Rule,
+    assign_layers,
+    check_options,  # noqa: F401  (its home before rules.py; callers import it here)
+    check_rules,
+)
 
 
 def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
@@ -125,37 +128,64 @@ _PLAIN_CLASS = {v: k for k, v in _DROPIT_CLASS.items()}
 
 @dataclass(frozen=True)
 class ConvertedLayer:
-    """One converted module: its dotted path, its original kind and the strategy it uses."""
+    """One converted module: its dotted path, its original kind, the strategy it uses and the
+    rule that chose it (its index in ``rules``; 0 without rules)."""
 
     path: str
     kind: str
     strategy: str
+    rule: int = 0
 
 
-def _matches(path: str, pattern: str) -> bool:
-    # A pattern selects a module and everything under it ("roi_heads" covers roi_heads.*).
-    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + ".*")
+@dataclass(frozen=True)
+class AppliedSetting:
+    """One DropIT setting as ``to_dropit`` applied it (one per rule; one without rules)."""
+
+    rule: int | None  # its index in ``rules``; None without rules
+    strategy: str  # the registry name, e.g. "mink"
+    gamma: float  # as given (strategies with uses_gamma=False ignore it)
+    options: dict[str, Any]  # the strategy options as given (defaults not filled in)
+    description: str  # e.g. "mink(gamma=0.8)", as the layers' entries show it
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]  # the call's exclude included
+    layers: int  # conv/linear layers converted
+    relus: int  # ReLUs converted to a 1-bit mask
 
 
-def _check_patterns(kind: str, patterns: Sequence[str], paths: list[str]) -> None:
-    if isinstance(patterns, str):
-        raise ValueError(f"DropIT {kind} must be a list of patterns, got the string {patterns!r}")
-    for pattern in patterns:
-        if not isinstance(pattern, str):
-            raise ValueError(f"DropIT {kind} pattern {pattern!r} is not a string")
-        if not any(_matches(p, pattern) for p in paths):
-            close = difflib.get_close_matches(pattern, paths, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"DropIT {kind} pattern {pattern!r} matches no module{hint}")
+class DropITRecord(list):
+    """What ``to_dropit`` converted: a list of :class:`ConvertedLayer` in model order (as before),
+    plus ``settings`` (which strategy and gamma each rule applied, and to how many layers) and
+    ``skipped`` (layers left plain because they run inside a checkpointed module)."""
 
+    def __init__(
+        self,
+        layers: Sequence[ConvertedLayer] = (),
+        settings: Sequence[AppliedSetting] = (),
+        skipped: Sequence[str] = (),
+    ) -> None:
+        super().__init__(layers)
+        self.settings = tuple(settings)
+        self.skipped = tuple(skipped)
 
-def check_options(strategy: str, gamma: float, relu: bool = True, **options: Any) -> Strategy:
-    """Validate what ``to_dropit`` takes besides the model and patterns (strategy, gamma, relu,
-    strategy options); returns the built strategy. Needs no model, so configs call it on load."""
-    built = build_strategy(strategy, gamma, **options)
-    if not isinstance(relu, bool):
-        raise ValueError(f"DropIT option relu={relu!r} must be true or false")
-    return built
+    def summary(self) -> str:
+        """One line per setting, e.g. ``DropIT mink(gamma=0.8): 9 conv/linear layers and 4 ReLUs
+        (include *; exclude backbone.body.conv1)``."""
+        lines = []
+        for s in self.settings:
+            name = "DropIT" if s.rule is None else f"DropIT rules[{s.rule}]"
+            where = f"include {', '.join(s.include)}"
+            if s.exclude:
+                where += f"; exclude {', '.join(s.exclude)}"
+            lines.append(
+                f"{name} {s.description}: {s.layers} conv/linear layers and {s.relus} ReLUs "
+                f"({where})"
+            )
+        if self.skipped:
+            lines.append(
+                f"left plain inside checkpointed modules: {len(self.skipped)} layers "
+                f"({', '.join(self.skipped)})"
+            )
+        return "\n".join(lines)
 
 
 def to_dropit(
@@ -165,47 +195,75 @@ def to_dropit(
     include: Sequence[str] = ("*",),
     exclude: Sequence[str] = (),
     relu: bool = True,
+    rules: Sequence[Mapping[str, Any]] | None = None,
     **options: Any,
-) -> tuple[nn.Module, list[ConvertedLayer]]:
+) -> tuple[nn.Module, DropITRecord]:
     """Convert matching conv/linear layers (and ReLUs, when ``relu``) to DropIT, in place.
 
     ``include``/``exclude`` are fnmatch patterns on module paths as ``named_modules()`` gives them;
     a pattern also covers the modules below the one it names. ``options`` go to the strategy
     (e.g. ``chunk=16384``, ``values="int8"``), checked against its declaration in
-    ``dropit_core.REGISTRY``. Returns the model and what was converted.
+    ``dropit_core.REGISTRY``. ``rules``: per-group settings, e.g. ``[{"include": ["backbone"],
+    "gamma": 0.8}, {"include": ["roi_heads"], "strategy": "quant", "options": {"bits": 4}}]``;
+    a rule's missing keys fall back to the arguments above and ``exclude`` applies to every rule
+    (see :mod:`dropit_core.rules`). Each rule packs through its own cache. Layers inside a module
+    whose class sets ``dropit_checkpointed = True`` (activation checkpointing) stay plain: the
+    record lists them as ``skipped``. Returns the model and
+    a :class:`DropITRecord` of what was converted (a list of :class:`ConvertedLayer` that also
+    says which settings were applied: ``record.settings``, ``record.summary()``).
     """
-    built = check_options(strategy, gamma, relu, **options)
+    checked = check_rules(rules, strategy, gamma, include, exclude, relu, **options)
     named = [(p, m) for p, m in model.named_modules() if p]
-    paths = [p for p, _ in named]
-    _check_patterns("include", include, paths)
-    _check_patterns("exclude", exclude, paths)
     already = [p for p, m in named if type(m) in _PLAIN_CLASS]
     if already:
         raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")
-
-    chosen = [
-        (path, module)
-        for path, module in named
-        if type(module) in _DROPIT_CLASS
-        and (relu or type(module) is not nn.ReLU)
-        and any(_matches(path, p) for p in include)
-        and not any(_matches(path, p) for p in exclude)
-    ]
-    if all(type(m) is nn.ReLU for _, m in chosen):
-        raise ValueError(
-            f"DropIT include={list(include)} with exclude={list(exclude)} selects no "
-            "Conv2d/ConvTranspose2d/Linear layer"
-        )
-    cache = InputCache(built)
-    record: list[ConvertedLayer] = []
-    for path, module in chosen:  # convert only once everything is validated
+    chosen = assign_layers(named, checked, tuple(exclude), _DROPIT_CLASS)
+    # Under checkpointing a layer's forward runs twice and its saved tensors are dropped anyway:
+    # leave the layers of checkpointed modules plain (the patterns were checked above).
+    regions = [p for p, m in [("", model), *named] if _checkpointed(m)]
+    skipped = [path for path, _, _ in chosen if any(_inside(path, r) for r in regions)]
+    if skipped:
+        left_plain = frozenset(skipped)
+        chosen = [item for item in chosen if item[0] not in left_plain]
+    caches = {id(rule): InputCache(rule.strategy, stream=rule.index or 0) for rule in checked}
+    layers: list[ConvertedLayer] = []
+    for path, module, rule in chosen:  # convert only once everything is validated
         plain = type(module)
         module.__class__ = _DROPIT_CLASS[plain]
         if plain is not nn.ReLU:
-            module.dropit_cache = cache
-        label = "relu-mask" if plain is nn.ReLU else built.describe()
-        record.append(ConvertedLayer(path, plain.__name__, label))
-    return model, record
+            module.dropit_cache = caches[id(rule)]
+        label = "relu-mask" if plain is nn.ReLU else rule.strategy.describe()
+        layers.append(ConvertedLayer(path, plain.__name__, label, rule.index or 0))
+    return model, DropITRecord(layers, [_applied(rule, chosen) for rule in checked], skipped)
+
+
+# A module whose class sets this attribute to True runs its forward under activation
+# checkpointing (dropit_core.recompute sets it): to_dropit leaves the layers inside it plain.
+CHECKPOINTED_ATTRIBUTE = "dropit_checkpointed"
+
+
+def _checkpointed(module: nn.Module) -> bool:
+    return getattr(type(module), CHECKPOINTED_ATTRIBUTE, False) is True
+
+
+def _inside(path: str, region: str) -> bool:
+    return region == "" or path == region or path.startswith(region + ".")
+
+
+def _applied(rule: Rule, chosen: list[tuple[str, nn.Module, Rule]]) -> AppliedSetting:
+    kinds = [type(m) for _, m, r in chosen if r is rule]
+    relus = sum(k is DropITReLU for k in kinds)
+    return AppliedSetting(
+        rule.index,
+        rule.strategy.name,
+        rule.gamma,
+        dict(rule.options),
+        rule.strategy.describe(),
+        rule.include,
+        rule.exclude,
+        len(kinds) - relus,
+        relus,
+    )
 
 
 def from_dropit(model: nn.Module) -> nn.Module:
@@ -217,6 +275,23 @@ def from_dropit(model: nn.Module) -> nn.Module:
         module.__class__ = plain
         module.__dict__.pop("dropit_cache", None)
     return model
+
+
+def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
+    """Seed the random draws of ``model``'s DropIT layers for training step ``step``.
+
+    Call it before each training forward (with the iteration a resumed run also counts): every
+    pack that draws is then seeded from the strategy's ``seed``, the step, ``rank`` and the pack's
+    place in the forward, so a resumed run draws exactly what the uninterrupted one did. Under
+    DDP pass the process rank, so that ranks draw independently. Strategies that draw nothing
+    ignore it; a model without DropIT layers is left as it is.
+    """
+    for name, value in (("step", step), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"DropIT set_step {name}={value!r} is invalid: allowed integers >= 0")
+    caches = [getattr(m, "dropit_cache", None) for m in model.modules()]
+    for cache in {id(c): c for c in caches if c is not None}.values():
+        cache.set_step(step, rank)
 
 
 def is_dropit(module: nn.Module) -> bool:

@@ -1,7 +1,8 @@
 """The strategy registry: every strategy's name and typed options, declared once.
 
 A strategy class declares ``name``, ``options`` (a tuple of :class:`Option`), ``keeps`` and
-``cache_bytes`` (one line each, for the docs); :class:`Registry` collects the classes in the
+``cache_bytes`` (one line each, for the docs) and ``skips_common`` (common options that do not
+apply to it); :class:`Registry` collects the classes in the
 order users see them. Option validation (:meth:`Registry.resolve`, used by ``build_strategy``
 and so by ``to_dropit``), the strategy list of the config schema and the README's DropIT-options
 tables (:meth:`Registry.markdown`, printed by ``python -m dropit_core``) all derive from it.
@@ -92,6 +93,8 @@ class Registry:
             own = [o.name for o in cls.options]
             if len(set(own)) != len(own) or common_names & set(own):
                 raise ValueError(f"strategy {cls.name!r}: an option is declared twice")
+            if not set(cls.skips_common) <= common_names:
+                raise ValueError(f"strategy {cls.name!r}: skips an option no strategy takes")
             for option in (*cls.options, *self.common):
                 if option.default is not None:  # a declared default must pass its own checks
                     option.check_type(option.default)
@@ -110,9 +113,12 @@ class Registry:
         return self._classes[name]
 
     def options(self, name: str) -> dict[str, Option]:
-        """Every option strategy ``name`` takes, by name: the common ones, then its own (the
-        order in which :meth:`resolve` checks values, so the first bad one is reported)."""
-        return {o.name: o for o in (*self.common, *self.get(name).options)}
+        """Every option strategy ``name`` takes, by name: the common ones (less those it skips),
+        then its own (the order in which :meth:`resolve` checks values, so the first bad one is
+        reported)."""
+        cls = self.get(name)
+        common = [o for o in self.common if o.name not in cls.skips_common]
+        return {o.name: o for o in (*common, *cls.options)}
 
     def resolve(self, name: str, given: Mapping[str, Any]) -> dict[str, Any]:
         """Check ``given`` options against strategy ``name``'s declaration; return every option
@@ -153,7 +159,12 @@ class Registry:
             for option in cls.options:
                 users.setdefault(option, []).append(f"`{name}`")
         for option, names in users.items():
-            where = "all" if option in self.common else ", ".join(names)
+            where = ", ".join(names)
+            if option in self.common:
+                skipping = [
+                    f"`{n}`" for n, c in self._classes.items() if option.name in c.skips_common
+                ]
+                where = "all" + (f" but {', '.join(skipping)}" if skipping else "")
             lines.append(
                 f"| `{option.name}` | {where} | {option.type.__name__} | {option.default_text()} "
                 f"| {option.allowed_text()} | {option.help} |"

@@ -9,6 +9,10 @@ bit patterns of ``|x|`` finds it exactly in two histogram passes.
 
 Both return the value floored at the dtype's smallest normal number, so that keeping
 ``|x| >= value`` never keeps exact zeros (they rebuild as zeros anyway).
+
+On the CPU the counting pass gathers every value at or above the bracket's low end, a superset of
+the k largest (:func:`select_superset`): min-k packs its kept values from it instead of reading
+the input a third time.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from typing import NamedTuple
 
 import torch
 
+from .packing import compact_bits, pack_bits
+
 # Tensors up to this size are simply sorted: the sort is as small as the sample would be.
-_DIRECT = 1 << 16
-_SAMPLE = 1 << 16
+DIRECT = 1 << 16
+SAMPLE = 1 << 16
 # Bracket half-width in standard deviations of the sample's rank, plus a few ranks of slack.
 # A strided sample of a feature map is not i.i.d., so the spread is generous; it costs only a
 # wider gather (about 2 * 8 * sqrt(p (1-p) / 65536) of n: 2.5% at p = 0.2).
@@ -29,8 +35,8 @@ _SPREAD = 8.0
 _SLACK = 16
 # On CUDA each slice gathers into a fixed-size buffer (no host sync): this many times its
 # expected share of the bracket, plus a floor; a slice that overflows it is reported as a miss.
-_CAP_FACTOR = 4.0
-_CAP_FLOOR = 1024
+CAP_FACTOR = 4.0
+CAP_FLOOR = 1024
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -53,7 +59,8 @@ def sample_stride(n: int, sample: int) -> int:
     return 1 if stride <= 1 else prime_at_least(max(3, stride))
 
 
-def _tiny(dtype: torch.dtype) -> float:
+def tiny(dtype: torch.dtype) -> float:
+    """The smallest normal number of ``dtype``: the floor of every magnitude threshold."""
     return torch.finfo(dtype).tiny
 
 
@@ -84,8 +91,8 @@ def bracket(flat: torch.Tensor, k: int) -> Bracket:
     """Bracket the k-th largest ``|flat|`` from a ~64Ki strided sample (no host sync)."""
     n = flat.numel()
     dev = flat.device
-    tiny = _tiny(flat.dtype)
-    sample = flat[:: sample_stride(n, _SAMPLE)].abs()
+    floor = tiny(flat.dtype)
+    sample = flat[:: sample_stride(n, SAMPLE)].abs()
     m = sample.numel()
     p = k / n
     margin = _SPREAD * math.sqrt(m * p * (1.0 - p)) + _SLACK
@@ -95,7 +102,7 @@ def bracket(flat: torch.Tensor, k: int) -> Bracket:
     hi = picked.get(r_hi, torch.full((), math.inf, dtype=flat.dtype, device=dev))
     lo_raw = picked.get(r_lo, torch.zeros((), dtype=flat.dtype, device=dev))
     share = (min(r_lo, m - 1) - max(r_hi, -1) + 1) / m
-    return Bracket(lo_raw.clamp_min(tiny), hi, lo_raw <= tiny, share)
+    return Bracket(lo_raw.clamp_min(floor), hi, lo_raw <= floor, share)
 
 
 def kth_from_candidates(
@@ -108,9 +115,9 @@ def kth_from_candidates(
     rank = k - above  # of the k-th largest among the candidates, 1-based, descending
     if 1 <= rank <= magnitudes.numel():
         t = torch.kthvalue(magnitudes, magnitudes.numel() - rank + 1).values
-        return t.clamp_min(_tiny(magnitudes.dtype))
+        return t.clamp_min(tiny(magnitudes.dtype))
     if rank >= 1 and bool(b.floored):
-        return torch.full_like(b.lo, _tiny(b.lo.dtype))
+        return torch.full_like(b.lo, tiny(b.lo.dtype))
     return None
 
 
@@ -125,20 +132,41 @@ def kth_largest_abs(
     """
     n = flat.numel()
     dev = flat.device
-    tiny = _tiny(flat.dtype)
-    if n <= _DIRECT:
-        t = largest(flat.abs(), [k - 1])[0].clamp_min(tiny)
+    if n <= DIRECT:
+        t = largest(flat.abs(), [k - 1])[0].clamp_min(tiny(flat.dtype))
         return t, torch.ones((), dtype=torch.bool, device=dev)
-    b = bracket(flat, k)
     if static:
-        return _scan_static(flat, k, slice_len, b)
-    above, parts = 0, []
-    for a in abs_slices(flat, slice_len):
-        above += int(torch.count_nonzero(a > b.hi))
-        parts.append(a[(a >= b.lo) & (a <= b.hi)])
-    t = kth_from_candidates(torch.cat(parts), above, k, b)
+        return _scan_static(flat, k, slice_len, bracket(flat, k))
+    t = select_superset(flat, k, slice_len).t
     ok = torch.full((), t is not None, dtype=torch.bool, device=dev)
-    return (t if t is not None else b.lo), ok
+    return (t if t is not None else torch.zeros((), dtype=flat.dtype, device=dev)), ok
+
+
+class Superset(NamedTuple):
+    """The k-th largest ``|x|`` and, slice by slice, every value at or above the bracket's low
+    end (signed, in order): a superset of the kept values that a pack filters them from."""
+
+    t: torch.Tensor | None  # floored at the smallest normal; None when the sample misled
+    values: list[torch.Tensor]
+
+
+def select_superset(flat: torch.Tensor, k: int, slice_len: int) -> Superset:
+    """Bracket the k-th largest ``|flat|``, gather the values at or above the bracket slice by
+    slice, and find the exact k-th value among them (the CPU path: host-side counts)."""
+    b = bracket(flat, k)
+    values = [
+        compact_bits(flat[start : start + slice_len], pack_bits(a >= b.lo))
+        for start, a in zip(
+            range(0, flat.numel(), slice_len), abs_slices(flat, slice_len), strict=True
+        )
+    ]
+    above, candidates = 0, []
+    for v in values:  # slice by slice: no superset-sized temporary
+        m = v.abs()
+        inside = m[m <= b.hi]  # the rest of the superset (all >= lo) lies above hi
+        above += m.numel() - inside.numel()
+        candidates.append(inside)
+    return Superset(kth_from_candidates(torch.cat(candidates), above, k, b), values)
 
 
 def abs_slices(flat: torch.Tensor, slice_len: int) -> Iterator[torch.Tensor]:
@@ -155,7 +183,7 @@ def _scan_static(
     """The counting pass without host syncs: each slice gathers into a fixed-size buffer."""
     lo, hi, floored, share = b
     dev = flat.device
-    tiny = _tiny(flat.dtype)
+    floor = tiny(flat.dtype)
     above = torch.zeros((), dtype=torch.int64, device=dev)
     inside_count = torch.zeros((), dtype=torch.int64, device=dev)
     overflow = torch.zeros((), dtype=torch.bool, device=dev)
@@ -164,7 +192,7 @@ def _scan_static(
         above += torch.count_nonzero(a > hi)
         inside = (a >= lo) & (a <= hi)
         count = torch.count_nonzero(inside)
-        cap = min(a.numel(), math.ceil(a.numel() * share * _CAP_FACTOR) + _CAP_FLOOR)
+        cap = min(a.numel(), math.ceil(a.numel() * share * CAP_FACTOR) + CAP_FLOOR)
         idx = torch.nonzero_static(inside, size=cap, fill_value=-1).squeeze(1)
         # -1 pads the buffer: below every magnitude, so it sorts last.
         parts.append(torch.where(idx >= 0, a[idx.clamp_min(0)], -1))
@@ -177,7 +205,7 @@ def _scan_static(
     # index_select, not candidates[rank]: a 0-dim index would be read on the host (a sync).
     at = rank.clamp(0, candidates.numel() - 1).view(1)
     picked = candidates.index_select(0, at).squeeze(0)
-    t = torch.where(in_bracket, picked, torch.full_like(lo, tiny)).clamp_min(tiny)
+    t = torch.where(in_bracket, picked, torch.full_like(lo, floor)).clamp_min(floor)
     return t, (rank >= 0) & (in_bracket | floored) & ~overflow
 
 
@@ -188,10 +216,10 @@ def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> torch.T
     16 bits pin the value down (one pass for 16-bit floats). Temporaries are one slice and 64Ki
     counters; it syncs with the host per level, which is fine for a fallback.
     """
-    tiny = _tiny(flat.dtype)
+    floor = tiny(flat.dtype)
     bits_dtype = _BITS.get(flat.dtype)
     if bits_dtype is None:  # float64: not used by detectors; a sort is exact
-        return torch.sort(flat.abs(), descending=True).values[k - 1].clamp_min(tiny)
+        return torch.sort(flat.abs(), descending=True).values[k - 1].clamp_min(floor)
     width = torch.iinfo(bits_dtype).bits
     shifts = (16, 0) if width == 32 else (0,)
     prefix, remaining = 0, k
@@ -208,4 +236,4 @@ def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> torch.T
         remaining -= int(at_least[j].item()) - int(hist[bucket].item())
         prefix = (prefix << 16) | bucket
     value = torch.tensor([prefix], dtype=torch.int64).to(bits_dtype).view(flat.dtype)
-    return value[0].to(flat.device).clamp_min(tiny)
+    return value[0].to(flat.device).clamp_min(floor)

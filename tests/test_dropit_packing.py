@@ -14,8 +14,10 @@ from dropit_core.packing import (
     compact_bits,
     kept_indices,
     pack_bits,
+    pack_codes,
     scatter_kept,
     unpack_bits,
+    unpack_codes,
     zero_flagged,
 )
 
@@ -230,3 +232,19 @@ def test_kept_indices_by_hand() -> None:
     # bytes 0b00001101, 0b00000000, 0b10000001: flags 0, 2, 3, then 16 and 23
     bits = torch.tensor([0b1101, 0, 0b10000001], dtype=torch.uint8)
     assert kept_indices(bits).tolist() == [0, 2, 3, 16, 23]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 3, 8, 37])
+def test_pack_codes_round_trip_and_size(bits: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(n + bits)
+    codes = torch.randint(0, 1 << bits, (n,), generator=gen).to(torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n * bits / 8)
+    assert torch.equal(unpack_codes(packed, bits, n), codes)
+
+
+def test_pack_codes_order_is_low_bits_first() -> None:
+    codes = torch.tensor([1, 2, 3, 0, 3], dtype=torch.uint8)
+    assert pack_codes(codes, 2).tolist() == [1 | 2 << 2 | 3 << 4, 3]
+    assert pack_codes(codes[:2], 4).tolist() == [1 | 2 << 4]

@@ -10,8 +10,17 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from dropit_core import from_dropit, is_dropit, to_dropit
+from dropit_core import (
+    AppliedSetting,
+    ConvertedLayer,
+    DropITRecord,
+    check_rules,
+    from_dropit,
+    is_dropit,
+    to_dropit,
+)
 from dropit_core.patch import DropITConv2d, DropITConvTranspose2d, DropITLinear, DropITReLU
 
 
@@ -370,3 +379,247 @@ def test_converting_twice_raises() -> None:
     # Also when the second call would touch other layers only.
     with pytest.raises(ValueError, match="already has DropIT layers"):
         to_dropit(model, include=("roi_heads.box_predictor",))
+
+
+# ------------------------------------------------------------------------------- per-group rules
+
+BACKBONE = [p for p, _ in ALL if p.startswith("backbone.")]
+HEADS = [p for p, _ in ALL if p.startswith("roi_heads.")]
+MIXED = [
+    {"include": ["backbone"], "strategy": "mink", "gamma": 0.8},
+    {"include": ["roi_heads"], "strategy": "quant", "options": {"bits": 4}},
+]
+
+
+def test_rules_give_each_group_its_own_setting_and_cache() -> None:
+    model = _model()
+    _, record = to_dropit(model, rules=MIXED)
+    assert [(r.path, r.kind) for r in record] == ALL
+    for r in record:
+        if r.kind == "ReLU":
+            assert r.strategy == "relu-mask"
+        elif r.path.startswith("backbone."):
+            assert (r.strategy, r.rule) == ("mink(gamma=0.8)", 0)
+        else:
+            assert (r.strategy, r.rule) == ("quant(bits=4, group=256)", 1)
+    caches = {m.dropit_cache for m in model.modules() if hasattr(m, "dropit_cache")}
+    assert sorted((c.stream, c.strategy.name) for c in caches) == [(0, "mink"), (1, "quant")]
+    # The backbone trains exactly as a backbone-only mink conversion: same kept sets.
+    plain = _model()
+    x = _image()
+    assert torch.equal(model(x), plain(x))
+    alone = _model()
+    to_dropit(alone, include=["backbone"], gamma=0.8)
+    grads, ref = _train_step(model), _train_step(alone)
+    for name, g in grads.items():
+        assert bool(torch.isfinite(g).all()), name
+        if name.startswith("backbone."):
+            assert torch.equal(g, ref[name]), name
+
+
+def test_a_rule_falls_back_to_the_call_for_what_it_leaves_out() -> None:
+    model = _model()
+    rules = [{"include": ["backbone"]}, {"include": ["roi_heads"], "gamma": 0.5, "relu": False}]
+    _, record = to_dropit(
+        model, strategy="parallel_mink", gamma=0.9, chunk=8, rules=rules, exclude=CONFIG_EXCLUDE
+    )
+    labels = {r.path: r.strategy for r in record}
+    assert labels["backbone.body.layer1.0"] == "parallel_mink(gamma=0.9, chunk=8)"
+    assert labels["roi_heads.box_head.fc6"] == "parallel_mink(gamma=0.5, chunk=8)"
+    assert "backbone.body.relu" in labels and "roi_heads.box_head.relu6" not in labels
+    # the call's exclude applies to every rule
+    assert "backbone.body.conv1" not in labels and "roi_heads.box_predictor.cls_score" not in labels
+    # a rule without include takes the call's include
+    _, record = to_dropit(_model(), include=["roi_heads.box_head"], rules=[{"gamma": 0.5}])
+    assert [r.path for r in record] == [p for p in HEADS if ".box_head." in p]
+
+
+@pytest.mark.parametrize(
+    "rules,kwargs,message",
+    [
+        (
+            [{"include": ["backbone"]}, {"include": ["roi_head"]}],
+            {},
+            r"DropIT rules\[1\] include pattern 'roi_head' matches no module; did you mean",
+        ),
+        (
+            [{"include": ["backbone"], "exclude": ["backbone.nope"]}],
+            {},
+            r"DropIT rules\[0\] exclude pattern 'backbone.nope' matches no module",
+        ),
+        (
+            [{"include": ["backbone"]}],
+            {"exclude": ["nope"]},
+            "DropIT exclude pattern 'nope' matches no module",
+        ),
+        (
+            [{"include": ["*"]}, {"include": ["roi_heads"], "strategy": "quant"}],
+            {},
+            r"DropIT rules\[0\] and rules\[1\] both claim layer 'roi_heads.box_head.fc6': narrow",
+        ),
+        (
+            [{"include": ["backbone"], "strategy": "minkk"}],
+            {},
+            r"DropIT rules\[0\]: unknown DropIT",
+        ),
+        (
+            [{"include": ["backbone"]}, {"include": ["roi_heads"], "gamma": 1.5}],
+            {},
+            r"DropIT rules\[1\]: DropIT gamma=1.5 is out of range: allowed 0 <= gamma < 1",
+        ),
+        (
+            [{"include": ["roi_heads"], "strategy": "quant", "options": {"bits": 3}}],
+            {},
+            r"DropIT rules\[0\]: DropIT option bits=3 is invalid: allowed \(2, 4, 8\)",
+        ),
+        (
+            [{"include": ["roi_heads"], "strategy": "quant"}],
+            {"values": "int8"},  # the call's options reach a rule that gives none
+            r"DropIT rules\[0\]: DropIT option 'values' does not apply to strategy 'quant'",
+        ),
+        ([{"include": ["backbone"], "gama": 0.5}], {}, "unknown key 'gama'.*did you mean 'gamma'"),
+        ([{"include": "backbone"}], {}, "DropIT rules\\[0\\] include must be a list of patterns"),
+        ([{"include": ["backbone"], "options": [1]}], {}, "rules\\[0\\] options must be a dict"),
+        ([{"include": ["backbone"], "relu": "no"}], {}, "rules\\[0\\]: DropIT option relu='no'"),
+        ({"include": ["backbone"]}, {}, "DropIT rules must be a list of rule dicts"),
+        ([], {}, "DropIT rules is empty"),
+        (["backbone"], {}, "DropIT rules\\[0\\] must be a dict"),
+        (
+            [{"include": ["backbone.body.relu"]}],
+            {},
+            r"DropIT rules\[0\] include=\['backbone.body.relu'\] .*selects no Conv2d",
+        ),
+    ],
+)
+def test_rule_errors_name_the_rule_and_leave_the_model_untouched(rules, kwargs, message) -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=message):
+        to_dropit(model, rules=rules, **kwargs)
+    assert _converted_paths(model) == []
+
+
+def test_check_rules_needs_no_model() -> None:
+    checked = check_rules(MIXED, exclude=["roi_heads.box_predictor"], values="int8")
+    assert [r.index for r in checked] == [0, 1]
+    assert checked[0].strategy.describe() == "mink(gamma=0.8)"
+    assert checked[0].strategy.codec.fmt == "int8"  # the call's options: rule 0 gives none
+    assert checked[1].strategy.describe() == "quant(bits=4, group=256)"
+    assert checked[1].exclude == ("roi_heads.box_predictor",)
+    with pytest.raises(ValueError, match=r"rules\[1\]: unknown DropIT strategy 'q'"):
+        check_rules([{"include": ["a"]}, {"include": ["b"], "strategy": "q"}])
+    (only,) = check_rules(None, "random", 0.5, seed=3)
+    assert only.index is None and only.strategy.describe() == "random(gamma=0.5)"
+
+
+# -------------------------------------------------------------------------- the returned record
+
+
+def test_the_record_says_which_setting_was_applied() -> None:
+    _, record = to_dropit(_model(), strategy="parallel_mink", gamma=0.9, chunk=64)
+    (setting,) = record.settings
+    assert isinstance(setting, AppliedSetting)
+    assert (setting.rule, setting.strategy, setting.gamma) == (None, "parallel_mink", 0.9)
+    assert setting.options == {"chunk": 64}
+    assert setting.description == "parallel_mink(gamma=0.9, chunk=64)"
+    assert (setting.include, setting.exclude) == (("*",), ())
+    assert (setting.layers, setting.relus) == (8, 5)
+    assert record.skipped == ()
+    assert record.summary() == (
+        "DropIT parallel_mink(gamma=0.9, chunk=64): 8 conv/linear layers and 5 ReLUs (include *)"
+    )
+
+
+def test_the_record_of_rules_has_one_setting_per_rule() -> None:
+    _, record = to_dropit(_model(), rules=MIXED, exclude=["roi_heads.box_predictor"])
+    assert [(s.rule, s.strategy, s.gamma, s.layers, s.relus) for s in record.settings] == [
+        (0, "mink", 0.8, 2, 2),
+        (1, "quant", 0.8, 4, 3),
+    ]
+    assert record.settings[1].options == {"bits": 4}
+    assert record.settings[1].exclude == ("roi_heads.box_predictor",)
+    assert record.summary().splitlines() == [
+        "DropIT rules[0] mink(gamma=0.8): 2 conv/linear layers and 2 ReLUs "
+        "(include backbone; exclude roi_heads.box_predictor)",
+        "DropIT rules[1] quant(bits=4, group=256): 4 conv/linear layers and 3 ReLUs "
+        "(include roi_heads; exclude roi_heads.box_predictor)",
+    ]
+
+
+def test_the_record_is_still_the_list_of_converted_layers() -> None:
+    _, record = to_dropit(_model(), exclude=CONFIG_EXCLUDE)
+    assert isinstance(record, list) and isinstance(record, DropITRecord)
+    assert all(isinstance(r, ConvertedLayer) for r in record)
+    assert record == list(record) and len(record) == 9 and record[0].path == "backbone.body.relu"
+    assert [r.path for r in record[1:3]] == ["backbone.body.layer1.0", "backbone.body.layer1.1"]
+    for again in (copy.deepcopy(record), pickle.loads(pickle.dumps(record))):
+        assert again == record and again.settings == record.settings
+        assert again.summary() == record.summary()
+
+
+# ------------------------------------------------------------------ with activation checkpointing
+
+
+class CheckpointedSequential(nn.Sequential):
+    """A stand-in for dropit_core.recompute's subclasses: its forward runs under checkpoint."""
+
+    dropit_checkpointed = True
+
+    def forward(self, x):
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
+def _checkpointed_model() -> TinyDetector:
+    model = _model()
+    model.backbone.body.layer1.__class__ = CheckpointedSequential
+    return model
+
+
+def test_layers_inside_a_checkpointed_module_stay_plain_and_are_recorded() -> None:
+    model = _checkpointed_model()
+    _, record = to_dropit(model, exclude=CONFIG_EXCLUDE)
+    inside = ["backbone.body.layer1.0", "backbone.body.layer1.1"]
+    assert record.skipped == tuple(inside)
+    assert [r.path for r in record] == [
+        "backbone.body.relu",
+        "roi_heads.box_head.fc6",
+        "roi_heads.box_head.relu6",
+        "roi_heads.box_head.fc7",
+        "roi_heads.box_head.relu7",
+        "roi_heads.mask_predictor.conv5_mask",
+        "roi_heads.mask_predictor.relu",
+    ]
+    assert type(model.backbone.body.layer1[0]) is nn.Conv2d
+    assert type(model.backbone.body.layer1[1]) is nn.ReLU
+    assert is_dropit(model.backbone.body.relu)
+    assert record.settings[0].layers == 3 and record.settings[0].relus == 4
+    assert record.summary().endswith(
+        "left plain inside checkpointed modules: 2 layers "
+        "(backbone.body.layer1.0, backbone.body.layer1.1)"
+    )
+    # The checkpointed layers' gradients are the plain model's, exactly.
+    plain = _checkpointed_model()
+    grads, ref = _train_step(model), _train_step(plain)
+    for name in ("backbone.body.layer1.0.weight", "backbone.body.layer1.0.bias"):
+        torch.testing.assert_close(grads[name], ref[name], rtol=0, atol=0)
+
+
+def test_a_rule_whose_layers_are_all_checkpointed_converts_nothing_without_an_error() -> None:
+    model = _checkpointed_model()
+    rules = [{"include": ["backbone.body.layer1"]}, {"include": ["roi_heads"], "gamma": 0.5}]
+    _, record = to_dropit(model, rules=rules)
+    assert record.skipped == ("backbone.body.layer1.0", "backbone.body.layer1.1")
+    assert [(s.layers, s.relus) for s in record.settings] == [(0, 0), (6, 3)]
+    # The whole model checkpointed: nothing converted.
+    whole = _model()
+    whole.__class__ = type("CheckpointedDetector", (TinyDetector,), {"dropit_checkpointed": True})
+    _, record = to_dropit(whole)
+    assert list(record) == [] and len(record.skipped) == 13
+
+
+def test_a_truthy_attribute_that_is_not_true_does_not_count() -> None:
+    model = _model()
+    model.backbone.body.layer1.__class__ = type(
+        "Marked", (nn.Sequential,), {"dropit_checkpointed": "yes"}
+    )
+    _, record = to_dropit(model)
+    assert record.skipped == () and len(record) == 13

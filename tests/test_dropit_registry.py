@@ -10,10 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from dropit_core import REGISTRY, STRATEGIES, STRATEGY_OPTIONS, Option, Registry, build_strategy
+from dropit_core import REGISTRY, STRATEGIES, Option, Registry, build_strategy
 from dropit_core import strategies as strategies_mod
+from dropit_core.base import (
+    COMMON_OPTIONS,
+    BlocksMeta,
+    ElementsMeta,
+    PoolMeta,
+    QuantMeta,
+    UnitsMeta,
+)
 from dropit_core.registry import DOCS_BEGIN, DOCS_END
-from dropit_core.strategies import COMMON_OPTIONS, BlocksMeta, ElementsMeta, PoolMeta, UnitsMeta
 from rcnn_dropit.config_schema import DropITConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -61,7 +68,6 @@ def test_config_choices_and_exports_derive_from_the_registry() -> None:
     for name in STRATEGIES:
         cls = REGISTRY.get(name)
         assert cls.name == name and cls.keeps and cls.cache_bytes
-        assert STRATEGY_OPTIONS[name] == {o.name: o.type for o in cls.options}
 
 
 def test_defaults_reach_the_built_strategy() -> None:
@@ -92,8 +98,12 @@ def test_every_declared_option_checks_type_and_range(name: str, key: str, opt: O
         ValueError, match=re.escape(f"DropIT option {key}={bad!r} has the wrong type")
     ):
         build_strategy(name, 0.5, **{key: bad})
-    with pytest.raises(ValueError, match=re.escape(f"{key}=True has the wrong type")):
-        build_strategy(name, 0.5, **{key: True})  # a bool is no int
+    if opt.type is bool:
+        with pytest.raises(ValueError, match=re.escape(f"{key}=1 has the wrong type")):
+            build_strategy(name, 0.5, **{key: 1})  # an int is no bool
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"{key}=True has the wrong type")):
+            build_strategy(name, 0.5, **{key: True})  # a bool is no int
     if opt.minimum is not None:
         low = opt.minimum - 1
         with pytest.raises(
@@ -103,8 +113,9 @@ def test_every_declared_option_checks_type_and_range(name: str, key: str, opt: O
             build_strategy(name, 0.5, **{key: low})
         build_strategy(name, 0.5, **{key: opt.minimum})  # the bound itself is allowed
     if opt.choices is not None:
-        with pytest.raises(ValueError, match=re.escape(f"{key}='nope' is invalid: allowed (")):
-            build_strategy(name, 0.5, **{key: "nope"})
+        outside = "nope" if opt.type is str else max(opt.choices) + 1
+        with pytest.raises(ValueError, match=re.escape(f"{key}={outside!r} is invalid: allowed (")):
+            build_strategy(name, 0.5, **{key: outside})
         for choice in opt.choices:
             build_strategy(name, 0.5, **{key: choice})
 
@@ -186,8 +197,7 @@ def test_packing_never_consults_the_registry(monkeypatch) -> None:
         monkeypatch.setattr(REGISTRY, method, refuse)
     x = torch.randn(2, 3, 6, 5, generator=torch.Generator().manual_seed(0))
     for strategy in built.values():
-        tensors, meta = strategy.pack(x, "conv")
-        assert strategy.unpack(tensors, meta).shape == x.shape
+        assert strategy.unpack(strategy.pack(x, "conv")).shape == x.shape
 
 
 META_TYPES = {
@@ -199,6 +209,8 @@ META_TYPES = {
     "channel_random": UnitsMeta,
     "block_mink": BlocksMeta,
     "pool": PoolMeta,
+    "importance": ElementsMeta,
+    "quant": QuantMeta,
 }
 
 
@@ -207,14 +219,41 @@ def test_meta_is_a_named_structure(layout: str, shape) -> None:
     assert set(META_TYPES) == set(STRATEGIES)
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     for name, kind in META_TYPES.items():
-        tensors, meta = build_strategy(name, 0.5).pack(x, layout)
+        packed = build_strategy(name, 0.5).pack(x, layout)
+        meta = packed.meta
         assert type(meta) is kind, name
         assert meta.shape == tuple(x.shape) and meta.dtype == x.dtype
         if kind is ElementsMeta:
-            kept = tensors[-1] if name == "random" else tensors[1]
-            assert sum(meta.counts) == kept.numel()
+            assert sum(meta.counts) == packed.values.numel()
+            assert (packed.bits is None) == (name == "random")
         if kind is UnitsMeta:
             assert meta.layout == layout
             assert meta.width == (shape[-2] * shape[-1] if layout == "conv" else shape[0])
         if kind is BlocksMeta:
-            assert meta.block_rows * meta.block_cols * meta.planes >= tensors[0].numel()
+            assert meta.block_rows * meta.block_cols * meta.planes >= packed.index.numel()
+
+
+def test_a_strategy_refuses_the_common_options_it_skips() -> None:
+    # quant stores codes, not kept values: the value formats do not apply to it.
+    assert "values" not in REGISTRY.options("quant") and "rescale" in REGISTRY.options("quant")
+    message = (
+        "DropIT option 'values' does not apply to strategy 'quant': "
+        "allowed bits, group, rescale, seed"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_strategy("quant", 0.5, values="int8")
+    table = REGISTRY.markdown()
+    assert "| `values` | all but `quant` |" in table and "| `rescale` | all |" in table
+
+    class E(strategies_mod.MinK):
+        name = "e"
+        skips_common = ("nope",)
+
+    with pytest.raises(ValueError, match="'e': skips an option no strategy takes"):
+        Registry((E,), COMMON_OPTIONS)
+
+
+def test_description_omits_gamma_where_it_means_nothing() -> None:
+    assert build_strategy("quant", 0.8, bits=2).describe() == "quant(bits=2, group=256)"
+    assert build_strategy("random", 0.8, scale=True).describe() == "random(gamma=0.8, scale=true)"
+    assert build_strategy("importance", 0.5).describe() == "importance(gamma=0.5, sample=65536)"

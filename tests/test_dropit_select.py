@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dropit_core import base as base_mod
 from dropit_core import build_strategy
+from dropit_core import elementwise as elementwise_mod
 from dropit_core import select as select_mod
-from dropit_core import strategies as strategies_mod
 from dropit_core.select import kth_largest_abs, largest, radix_kth_largest_abs, sample_stride
 
 N = 20_000
@@ -24,8 +25,8 @@ SLICE = 3_000  # slices with a tail
 @pytest.fixture
 def small_sample(monkeypatch) -> None:
     """Bracket from a 512-element sample for tensors above 256 elements."""
-    monkeypatch.setattr(select_mod, "_DIRECT", 256)
-    monkeypatch.setattr(select_mod, "_SAMPLE", 512)
+    monkeypatch.setattr(select_mod, "DIRECT", 256)
+    monkeypatch.setattr(select_mod, "SAMPLE", 512)
 
 
 def _reference(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -74,7 +75,7 @@ def test_radix_select_is_exact(dtype, kind: str) -> None:
 def _adversarial(n: int = N) -> torch.Tensor:
     """Every element the strided sample reads is 100x larger than the rest."""
     x = _tensor("normal", torch.float32, n, seed=2)
-    stride = sample_stride(n, select_mod._SAMPLE)
+    stride = sample_stride(n, select_mod.SAMPLE)
     x[::stride] *= 100.0
     return x
 
@@ -91,8 +92,8 @@ def test_a_misleading_sample_is_reported_not_hidden(static: bool) -> None:
 
 def test_the_cuda_gather_reports_a_slice_over_its_buffer(monkeypatch, small_sample) -> None:
     # One slice holds nearly all the elements near the k-th value: its fixed buffer overflows.
-    monkeypatch.setattr(select_mod, "_CAP_FACTOR", 1.0)
-    monkeypatch.setattr(select_mod, "_CAP_FLOOR", 0)
+    monkeypatch.setattr(select_mod, "CAP_FACTOR", 1.0)
+    monkeypatch.setattr(select_mod, "CAP_FLOOR", 0)
     x = _tensor("normal", torch.float32, seed=3)
     k = int(0.2 * N)
     ref = _reference(x, k)
@@ -112,16 +113,16 @@ def _keep_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("counts_first", [False, True])
 @pytest.mark.parametrize("adversarial", [False, True])
 def test_mink_pack_is_the_exact_topk_on_both_paths(monkeypatch, counts_first, adversarial) -> None:
-    monkeypatch.setattr(strategies_mod, "_SLICE", 2_048)
-    monkeypatch.setattr(strategies_mod, "counts_first", lambda device: counts_first)
+    monkeypatch.setattr(base_mod, "SLICE", 2_048)
+    monkeypatch.setattr(elementwise_mod, "counts_first", lambda device: counts_first)
     x = _adversarial() if adversarial else _tensor("relu", torch.float32, seed=4)
     x = x.view(4, 5, 25, 40)
     strategy = build_strategy("mink", 0.8)
-    tensors, meta = strategy.pack(x, "conv")
+    packed = strategy.pack(x, "conv")
     expected = _keep_topk(x, int((1 - 0.8) * N))  # as strategies.py counts k
-    assert torch.equal(strategy.unpack(tensors, meta), expected)
+    assert torch.equal(strategy.unpack(packed), expected)
     kept = int((expected != 0).sum())
-    assert sum(t.nbytes for t in tensors) == math.ceil(N / 8) + 4 * kept
+    assert packed.nbytes() == math.ceil(N / 8) + 4 * kept
 
 
 @pytest.mark.parametrize(
@@ -132,21 +133,25 @@ def test_mink_pack_is_the_exact_topk_on_both_paths(monkeypatch, counts_first, ad
         ("threshold", {}),
         ("parallel_mink", {"chunk": 100}),
         ("random", {"seed": 3}),
+        ("importance", {}),
+        ("importance", {"positions": "sparse_bits", "values": "int8"}),
     ],
 )
 def test_counts_first_pack_equals_the_one_pass_pack(monkeypatch, name, options) -> None:
-    monkeypatch.setattr(strategies_mod, "_SLICE", 1_000)
+    monkeypatch.setattr(base_mod, "SLICE", 1_000)
     x = _tensor("normal", torch.float32, n=6_400, seed=5).view(2, 8, 20, 20)
     one_pass = build_strategy(name, 0.8, **options)
-    tensors_a, meta_a = one_pass.pack(x, "conv")
-    monkeypatch.setattr(strategies_mod, "counts_first", lambda device: True)
+    packed_a = one_pass.pack(x, "conv")
+    monkeypatch.setattr(elementwise_mod, "counts_first", lambda device: True)
     counts_first = build_strategy(name, 0.8, **options)
-    tensors_b, meta_b = counts_first.pack(x, "conv")
-    assert meta_a.counts == meta_b.counts  # kept count per slice
-    assert len(tensors_a) == len(tensors_b)
-    for a, b in zip(tensors_a, tensors_b, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(one_pass.unpack(tensors_a, meta_a), counts_first.unpack(tensors_b, meta_b))
+    packed_b = counts_first.pack(x, "conv")
+    assert packed_a.meta.counts == packed_b.meta.counts  # kept count per slice
+    for field, a in packed_a._asdict().items():  # the same tensors in the same fields
+        b = getattr(packed_b, field)
+        assert (a is None) == (b is None), field
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), field
+    assert torch.equal(one_pass.unpack(packed_a), counts_first.unpack(packed_b))
 
 
 class _SyncOps(TorchDispatchMode):
@@ -169,22 +174,22 @@ class _SyncOps(TorchDispatchMode):
 
 @pytest.mark.usefixtures("small_sample")
 @pytest.mark.parametrize(
-    "name,options", [("mink", {}), ("threshold", {}), ("parallel_mink", {}), ("random", {})]
+    "name,options",
+    [("mink", {}), ("threshold", {}), ("parallel_mink", {}), ("random", {}), ("importance", {})],
 )
 def test_counts_first_pack_reads_the_device_once_per_layer(monkeypatch, name, options) -> None:
-    monkeypatch.setattr(strategies_mod, "_SLICE", 2_048)
-    monkeypatch.setattr(strategies_mod, "counts_first", lambda device: True)
+    monkeypatch.setattr(base_mod, "SLICE", 2_048)
+    monkeypatch.setattr(elementwise_mod, "counts_first", lambda device: True)
     reads = []
-    real = strategies_mod._host_ints
-    monkeypatch.setattr(strategies_mod, "_host_ints", lambda v: reads.append(len(v)) or real(v))
+    real = elementwise_mod.host_ints
+    monkeypatch.setattr(elementwise_mod, "host_ints", lambda v: reads.append(len(v)) or real(v))
     strategy = build_strategy(name, 0.8, **options)
     x = _tensor("relu", torch.float32, seed=6).view(4, 5, 25, 40)
     with _SyncOps() as mode:
-        strategy.pack(x, "conv")
-    # random draws its per-pack seed from a CPU generator: a host value, never a device wait.
-    allowed = ["_local_scalar_dense"] if name == "random" else []
-    assert mode.syncs == allowed
-    n_slices = math.ceil(N / strategy._slice_len())
+        strategy.pack(x, "conv", key=12345)
+    # random's per-pack seed is a host integer mixed from its key: no device read either.
+    assert mode.syncs == []
+    n_slices = math.ceil(N / strategy.slice_len())
     assert reads == [n_slices + (1 if name == "mink" else 0)]  # counts (+ mink's bracket flag)
 
 

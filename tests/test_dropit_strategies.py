@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dropit_core import STRATEGIES, build_strategy
-from dropit_core import strategies as strategies_mod
+from dropit_core import REGISTRY, STRATEGIES, build_strategy
+from dropit_core import base as base_mod
+from dropit_core import elementwise as elementwise_mod
 from dropit_core.ops import InputCache
 
 GAMMAS = (0.5, 0.8)
@@ -22,15 +23,15 @@ def _x(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=gen)
 
 
-def _roundtrip(strategy, x: torch.Tensor, layout: str):
-    tensors, meta = strategy.pack(x, layout)
-    out = strategy.unpack(tensors, meta)
+def _roundtrip(strategy, x: torch.Tensor, layout: str, key: int = 0):
+    packed = strategy.pack(x, layout, key)
+    out = strategy.unpack(packed)
     assert out.shape == x.shape and out.dtype == x.dtype
-    return out, tensors
+    return out, packed
 
 
-def _cache_bytes(tensors) -> int:
-    return sum(t.nbytes for t in tensors)
+def _cache_bytes(packed) -> int:
+    return sum(t.nbytes for t in packed.stored())
 
 
 def _kept_count(gamma: float, n: int) -> int:
@@ -66,9 +67,9 @@ def test_mink_keeps_global_topk(layout: str, shape, gamma: float) -> None:
     x = _x(shape, seed=1)
     n = x.numel()
     k = _kept_count(gamma, n)
-    out, tensors = _roundtrip(build_strategy("mink", gamma), x, layout)
+    out, packed = _roundtrip(build_strategy("mink", gamma), x, layout)
     assert torch.equal(out, _keep_topk(x, k))
-    assert _cache_bytes(tensors) == math.ceil(n / 8) + 4 * k
+    assert _cache_bytes(packed) == math.ceil(n / 8) + 4 * k
 
 
 @pytest.mark.parametrize("values", ["fp16", "bf16", "int8", "int4"])
@@ -78,9 +79,9 @@ def test_mink_narrow_values_bytes_and_error(values: str) -> None:
     options = {"values": values}
     if values.startswith("int"):
         options[f"{values}_chunk"] = 16
-    out, tensors = _roundtrip(build_strategy("mink", 0.8, **options), x, "conv")
+    out, packed = _roundtrip(build_strategy("mink", 0.8, **options), x, "conv")
     expected = _keep_topk(x, k)
-    assert _cache_bytes(tensors) == math.ceil(n / 8) + _value_bytes(values, k)
+    assert _cache_bytes(packed) == math.ceil(n / 8) + _value_bytes(values, k)
     assert torch.equal(out != 0, expected != 0)
     if values.startswith("int"):
         # Each value is off by at most half a quantisation step of its chunk of 16 kept values.
@@ -98,26 +99,26 @@ def test_mink_narrow_values_bytes_and_error(values: str) -> None:
 def test_mink_bf16_input_keeps_ties() -> None:
     x = _x(CONV_SHAPE, seed=3).to(torch.bfloat16)
     n, k = x.numel(), _kept_count(0.8, x.numel())
-    out, tensors = _roundtrip(build_strategy("mink", 0.8), x, "conv")
+    out, packed = _roundtrip(build_strategy("mink", 0.8), x, "conv")
     a = x.float().abs()
     kth = torch.topk(a.reshape(-1), k).values.min()
     expected = torch.where(a >= kth, x, torch.zeros_like(x))
     assert torch.equal(out, expected)
     kept = int((a >= kth).sum())
     assert kept >= k
-    assert _cache_bytes(tensors) == math.ceil(n / 8) + 2 * kept
+    assert _cache_bytes(packed) == math.ceil(n / 8) + 2 * kept
 
 
 def test_mink_never_stores_zeros() -> None:
     x = _x((4, 10), seed=4)
     x[:, ::2] = 0.0  # half the elements are exact zeros
-    out, tensors = _roundtrip(build_strategy("mink", 0.0), x, "linear")
+    out, packed = _roundtrip(build_strategy("mink", 0.0), x, "linear")
     assert torch.equal(out, x)
-    assert _cache_bytes(tensors) == math.ceil(40 / 8) + 4 * 20
+    assert _cache_bytes(packed) == math.ceil(40 / 8) + 4 * 20
     # gamma 0.4 wants 24 elements but only 20 are non-zero: nothing more is stored.
-    out, tensors = _roundtrip(build_strategy("mink", 0.4), x, "linear")
+    out, packed = _roundtrip(build_strategy("mink", 0.4), x, "linear")
     assert torch.equal(out, x)
-    assert _cache_bytes(tensors) == 5 + 4 * 20
+    assert _cache_bytes(packed) == 5 + 4 * 20
 
 
 def _parallel_expected(x: torch.Tensor, gamma: float, chunk: int) -> tuple[torch.Tensor, int]:
@@ -140,9 +141,9 @@ def test_parallel_mink_topk_per_chunk_with_tail(layout: str, shape, gamma: float
     n = x.numel()
     assert n % 64 != 0  # a tail chunk exists
     expected, kept = _parallel_expected(x, gamma, 64)
-    out, tensors = _roundtrip(build_strategy("parallel_mink", gamma, chunk=64), x, layout)
+    out, packed = _roundtrip(build_strategy("parallel_mink", gamma, chunk=64), x, layout)
     assert torch.equal(out, expected)
-    assert _cache_bytes(tensors) == math.ceil(n / 8) + 4 * kept
+    assert _cache_bytes(packed) == math.ceil(n / 8) + 4 * kept
     # One global top-k would keep a different set: the chunking is real.
     assert not torch.equal(out, _keep_topk(x, _kept_count(gamma, n)))
 
@@ -164,12 +165,12 @@ def test_threshold_is_the_quantile_of_a_prime_stride_sample(
     n = x.numel()
     assert n == 210
     # sample=42: n // sample = 5, a prime, so the sample is x[::5] (42 values).
-    out, tensors = _roundtrip(build_strategy("threshold", gamma, sample=42), x, layout)
+    out, packed = _roundtrip(build_strategy("threshold", gamma, sample=42), x, layout)
     expected = _threshold_expected(x, gamma, 5)
     assert torch.equal(out, expected)
     kept = int((expected != 0).sum())
     assert abs(kept / n - (1 - gamma)) < 0.1
-    assert _cache_bytes(tensors) == math.ceil(n / 8) + 4 * kept
+    assert _cache_bytes(packed) == math.ceil(n / 8) + 4 * kept
 
 
 @pytest.mark.parametrize("shape,options", [((4, 16, 8, 8), {}), ((5, 8, 8, 8), {"sample": 1024})])
@@ -187,14 +188,14 @@ def test_threshold_sample_does_not_lock_onto_columns(shape, options) -> None:
 def test_threshold_small_sample_properties(gamma: float) -> None:
     x = _x((4, 8, 16, 16), seed=7)
     n = x.numel()
-    out, tensors = _roundtrip(build_strategy("threshold", gamma, sample=2048), x, "conv")
+    out, packed = _roundtrip(build_strategy("threshold", gamma, sample=2048), x, "conv")
     kept_mask = out != 0
     assert torch.equal(out[kept_mask], x[kept_mask])  # kept values are exact
     # The kept set is an upper set of |x|: {|x| >= t} for some t.
     assert x.abs()[kept_mask].min() > x.abs()[~kept_mask].max()
     kept = int(kept_mask.sum())
     assert abs(kept / n - (1 - gamma)) < 0.04
-    assert _cache_bytes(tensors) == math.ceil(n / 8) + 4 * kept
+    assert _cache_bytes(packed) == math.ceil(n / 8) + 4 * kept
 
 
 @pytest.mark.parametrize("layout,shape", [("conv", (4, 8, 16, 16)), ("linear", (64, 128))])
@@ -203,30 +204,32 @@ def test_random_fraction_values_and_seed(layout: str, shape, gamma: float) -> No
     x = _x(shape, seed=8)
     n = x.numel()
     strat = build_strategy("random", gamma, seed=3)
-    out, tensors = _roundtrip(strat, x, layout)
+    out, packed = _roundtrip(strat, x, layout)
     kept_mask = out != 0
     assert torch.equal(out[kept_mask], x[kept_mask])
     kept = int(kept_mask.sum())
     assert abs(kept / n - (1 - gamma)) < 0.03
-    assert len(tensors) == 1  # no position mask: it is rebuilt from the seed
-    assert _cache_bytes(tensors) == 4 * kept
+    assert packed.bits is None and len(packed.stored()) == 1  # mask rebuilt from the seed
+    assert _cache_bytes(packed) == 4 * kept
     again, _ = _roundtrip(build_strategy("random", gamma, seed=3), x, layout)
     assert torch.equal(again, out)
     other, _ = _roundtrip(build_strategy("random", gamma, seed=4), x, layout)
     assert not torch.equal(other != 0, kept_mask)
-    # The same strategy object draws a fresh mask per pack (a new step, a new mask).
-    second, _ = _roundtrip(strat, x, layout)
+    # The pack's key (step and layer, from the InputCache) picks the draw: another key, another
+    # mask; the same key, the same mask.
+    second, _ = _roundtrip(strat, x, layout, key=1)
     assert not torch.equal(second != 0, kept_mask)
+    assert torch.equal(_roundtrip(strat, x, layout, key=1)[0], second)
 
 
 def test_random_int8_bytes() -> None:
     x = _x((4, 8, 8, 8), seed=9)
     strat = build_strategy("random", 0.8, values="int8", int8_chunk=16, seed=5)
-    _, tensors = _roundtrip(strat, x, "conv")
+    _, packed = _roundtrip(strat, x, "conv")
     # int8 may round tiny kept values to zero: count the kept set with fp32 values, same seed.
     exact, _ = _roundtrip(build_strategy("random", 0.8, seed=5), x, "conv")
     kept = int((exact != 0).sum())
-    assert _cache_bytes(tensors) == kept + 4 * math.ceil(kept / 16)
+    assert _cache_bytes(packed) == kept + 4 * math.ceil(kept / 16)
 
 
 # ----------------------------------------------------------------------- planes, blocks, pooling
@@ -256,9 +259,9 @@ def test_channel_mink_keeps_largest_norm_units(layout: str, shape, gamma: float)
             expected.view(-1, shape[-2], shape[-1])[u] = 0
         else:
             expected[..., u] = 0
-    out, tensors = _roundtrip(build_strategy("channel_mink", gamma), x, layout)
+    out, packed = _roundtrip(build_strategy("channel_mink", gamma), x, layout)
     assert torch.equal(out, expected)
-    assert _cache_bytes(tensors) == k * width * 4 + 4 * k
+    assert _cache_bytes(packed) == k * width * 4 + 4 * k
 
 
 def _kept_units(out: torch.Tensor, x: torch.Tensor, layout: str) -> list[int]:
@@ -279,10 +282,10 @@ def test_channel_random_whole_units_count_and_seed(layout: str, shape, gamma: fl
     x = _x(shape, seed=11)
     units = _units(x, layout)
     k = _kept_count(gamma, units.shape[0])
-    out, tensors = _roundtrip(build_strategy("channel_random", gamma, seed=1), x, layout)
+    out, packed = _roundtrip(build_strategy("channel_random", gamma, seed=1), x, layout)
     kept = _kept_units(out, x, layout)
     assert len(kept) == k
-    assert _cache_bytes(tensors) == k * units.shape[1] * 4 + 4 * k
+    assert _cache_bytes(packed) == k * units.shape[1] * 4 + 4 * k
     again, _ = _roundtrip(build_strategy("channel_random", gamma, seed=1), x, layout)
     assert torch.equal(again, out)
     picks = {
@@ -325,9 +328,9 @@ def test_block_mink_keeps_largest_norm_blocks(layout: str, shape, block: int, ga
     x = _x(shape, seed=12)
     planes = x.reshape(-1, shape[-2], shape[-1]) if layout == "conv" else x.reshape(1, *shape)
     expected, k = _block_expected(planes, gamma, block)
-    out, tensors = _roundtrip(build_strategy("block_mink", gamma, block=block), x, layout)
+    out, packed = _roundtrip(build_strategy("block_mink", gamma, block=block), x, layout)
     assert torch.equal(out, expected.reshape(shape))
-    assert _cache_bytes(tensors) == k * block * block * 4 + 4 * k
+    assert _cache_bytes(packed) == k * block * block * 4 + 4 * k
 
 
 def _pool_expected(x: torch.Tensor, layout: str, f: int) -> tuple[torch.Tensor, int]:
@@ -359,7 +362,7 @@ def _pool_expected(x: torch.Tensor, layout: str, f: int) -> tuple[torch.Tensor, 
 def test_pool_window_means_repeated(layout: str, shape, gamma: float, options, factor: int) -> None:
     x = _x(shape, seed=13)
     strat = build_strategy("pool", gamma, **options)
-    out, tensors = _roundtrip(strat, x, layout)
+    out, packed = _roundtrip(strat, x, layout)
     expected, cells = _pool_expected(x, layout, factor)
     # Means are summed in a different order than avg_pool: equal up to float rounding.
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
@@ -378,7 +381,7 @@ def test_pool_window_means_repeated(layout: str, shape, gamma: float, options, f
             for j in range(0, shape[-1], factor * factor):
                 win = out[:, j : j + factor * factor]
                 assert torch.equal(win, win[:, :1].expand_as(win))
-    assert _cache_bytes(tensors) == cells * 4
+    assert _cache_bytes(packed) == cells * 4
     if layout == "conv":
         h, w = shape[-2:]
         planes = shape[0] * shape[1]
@@ -388,7 +391,8 @@ def test_pool_window_means_repeated(layout: str, shape, gamma: float, options, f
 # --------------------------------------------------------------------------------- all strategies
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+# quant quantises whatever gamma is: gamma means nothing to it.
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if REGISTRY.get(n).uses_gamma])
 @pytest.mark.parametrize("layout,shape", [("conv", CONV_SHAPE), ("linear", LINEAR_SHAPE)])
 def test_gamma_zero_is_exact(name: str, layout: str, shape) -> None:
     x = _x(shape, seed=14)
@@ -406,6 +410,8 @@ def test_strategy_list() -> None:
         "block_mink",
         "pool",
         "threshold",
+        "importance",
+        "quant",
     }
 
 
@@ -421,20 +427,20 @@ def test_strategy_list() -> None:
 def test_elementwise_slicing_does_not_change_the_result(monkeypatch, name: str, options) -> None:
     x = _x(CONV_SHAPE, seed=15)
     whole, whole_t = _roundtrip(build_strategy(name, 0.8, **options), x, "conv")
-    monkeypatch.setattr(strategies_mod, "_SLICE", 16)
+    monkeypatch.setattr(base_mod, "SLICE", 16)
     sliced, sliced_t = _roundtrip(build_strategy(name, 0.8, **options), x, "conv")
     assert torch.equal(sliced, whole)
     assert _cache_bytes(sliced_t) == _cache_bytes(whole_t)
 
 
 def test_random_multi_slice_round_trip(monkeypatch) -> None:
-    monkeypatch.setattr(strategies_mod, "_SLICE", 16)
+    monkeypatch.setattr(base_mod, "SLICE", 16)
     x = _x((4, 8, 8, 8), seed=16)
-    out, tensors = _roundtrip(build_strategy("random", 0.5, seed=2), x, "conv")
+    out, packed = _roundtrip(build_strategy("random", 0.5, seed=2), x, "conv")
     kept_mask = out != 0
     assert torch.equal(out[kept_mask], x[kept_mask])
     assert abs(int(kept_mask.sum()) / x.numel() - 0.5) < 0.05
-    assert _cache_bytes(tensors) == 4 * int(kept_mask.sum())
+    assert _cache_bytes(packed) == 4 * int(kept_mask.sum())
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -476,46 +482,44 @@ def test_input_cache_shares_packs_until_the_tensor_changes() -> None:
     second = cache.pack(x, "conv")
     assert second is not first
     assert cache.pack(x, "conv") is second
-    assert torch.equal(cache.unpack(*second), _keep_topk(x, _kept_count(0.5, x.numel())))
-    assert torch.equal(cache.unpack(*first) * 2.0, cache.unpack(*second))
+    assert torch.equal(cache.unpack(second), _keep_topk(x, _kept_count(0.5, x.numel())))
+    assert torch.equal(cache.unpack(first) * 2.0, cache.unpack(second))
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if "values" in REGISTRY.options(n)])
 @pytest.mark.parametrize("layout,shape", [("conv", CONV_SHAPE), ("linear", LINEAR_SHAPE)])
 def test_int4_values_round_trip_for_every_strategy(name: str, layout: str, shape) -> None:
     # Odd value counts (a padding code in the last byte) included: channel and block rows.
+    # The same key, so random choices are the same: only the value format differs.
     x = _x(shape, seed=19)
-    exact, _ = _roundtrip(build_strategy(name, 0.5, seed=1) if "random" in name
-                          else build_strategy(name, 0.5), x, layout)  # fmt: skip
+    exact, _ = _roundtrip(build_strategy(name, 0.5), x, layout, key=5)
     options = {"values": "int4", "int4_chunk": 8}
-    if "random" in name:
-        options["seed"] = 1
-    out, _ = _roundtrip(build_strategy(name, 0.5, **options), x, layout)
+    out, _ = _roundtrip(build_strategy(name, 0.5, **options), x, layout, key=5)
     # Within half a step of each chunk's scale: at most 1/14 of the largest kept magnitude.
     assert float((out - exact).abs().max()) <= float(exact.abs().max()) / 14 * (1 + 1e-5)
 
 
-@pytest.mark.parametrize("name", ["mink", "threshold", "parallel_mink"])
+@pytest.mark.parametrize("name", ["mink", "threshold", "parallel_mink", "importance"])
 @pytest.mark.parametrize("counts_first", [False, True])
 def test_sparse_bits_positions_round_trip_and_bytes(monkeypatch, name: str, counts_first) -> None:
-    monkeypatch.setattr(strategies_mod, "_SLICE", 64)
-    monkeypatch.setattr(strategies_mod, "counts_first", lambda device: counts_first)
+    monkeypatch.setattr(base_mod, "SLICE", 64)
+    monkeypatch.setattr(elementwise_mod, "counts_first", lambda device: counts_first)
     x = _x((2, 4, 10, 10), seed=20)
     x[:, :2] = 0.0  # whole zero planes: zero mask bytes
     options = {"chunk": 32} if name == "parallel_mink" else {}
     dense, dense_t = _roundtrip(build_strategy(name, 0.9, **options), x, "conv")
-    out, tensors = _roundtrip(
+    out, packed = _roundtrip(
         build_strategy(name, 0.9, positions="sparse_bits", **options), x, "conv"
     )
     assert torch.equal(out, dense)
-    bits = dense_t[0]
+    bits = dense_t.bits
     nonzero = int((bits != 0).sum())
     assert nonzero < bits.numel() // 2
-    assert tensors[0].numel() == math.ceil(bits.numel() / 8) and torch.equal(
-        tensors[1], bits[bits != 0]
+    assert packed.bits.numel() == math.ceil(bits.numel() / 8) and torch.equal(
+        packed.mask_bytes, bits[bits != 0]
     )
     assert (
-        _cache_bytes(tensors) == _cache_bytes(dense_t) - bits.numel() + tensors[0].numel() + nonzero
+        _cache_bytes(packed) == _cache_bytes(dense_t) - bits.numel() + packed.bits.numel() + nonzero
     )
 
 
@@ -532,7 +536,7 @@ def test_norms_in_slices_choose_the_same_units(monkeypatch, name: str, layout: s
     # A bf16 input is turned into fp32 norms a few rows at a time, never copied whole.
     x = _x(shape, seed=21).to(torch.bfloat16)
     whole, whole_t = _roundtrip(build_strategy(name, 0.5), x, layout)
-    monkeypatch.setattr(strategies_mod, "_SLICE", 40)
+    monkeypatch.setattr(base_mod, "SLICE", 40)
     sliced, sliced_t = _roundtrip(build_strategy(name, 0.5), x, layout)
     assert torch.equal(sliced, whole)
-    assert torch.equal(torch.sort(sliced_t[0]).values, torch.sort(whole_t[0]).values)
+    assert torch.equal(torch.sort(sliced_t.index).values, torch.sort(whole_t.index).values)

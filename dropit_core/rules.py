@@ -1,0 +1,181 @@
+"""Which layers get which DropIT setting: module-path patterns, per-group rules, and their checks.
+
+A rule is a dict with any of ``include``, ``exclude``, ``strategy``, ``gamma``, ``relu`` and
+``options``; a key it leaves out falls back to ``to_dropit``'s argument of the same name (the
+``options`` dict as a whole), and ``to_dropit``'s own ``exclude`` applies to every rule. Without
+rules, ``to_dropit``'s arguments are the one rule. :func:`check_rules` validates rules without a
+model (configs call it on load); :func:`assign_layers` matches them against a model: a pattern
+that matches no module and two rules claiming one layer are errors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .base import Strategy
+from .strategies import build_strategy
+
+RULE_KEYS = ("include", "exclude", "strategy", "gamma", "relu", "options")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One checked rule: its patterns (the call's exclude included), its settings as given, and
+    the strategy they build."""
+
+    index: int | None  # its place in ``rules``; None for to_dropit's own arguments
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]
+    strategy: Strategy
+    gamma: float
+    relu: bool
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """How messages name the rule: ``DropIT rules[1]`` or ``DropIT``."""
+        return "DropIT" if self.index is None else f"DropIT rules[{self.index}]"
+
+
+def check_options(strategy: str, gamma: float, relu: bool = True, **options: Any) -> Strategy:
+    """Validate what ``to_dropit`` takes besides the model and patterns (strategy, gamma, relu,
+    strategy options); returns the built strategy. Needs no model, so configs call it on load."""
+    built = build_strategy(strategy, gamma, **options)
+    if not isinstance(relu, bool):
+        raise ValueError(f"DropIT option relu={relu!r} must be true or false")
+    return built
+
+
+def _patterns(label: str, kind: str, patterns: Any) -> tuple[str, ...]:
+    if isinstance(patterns, str):
+        raise ValueError(f"{label} {kind} must be a list of patterns, got the string {patterns!r}")
+    if not isinstance(patterns, Sequence):
+        raise ValueError(f"{label} {kind} must be a list of patterns, got {patterns!r}")
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ValueError(f"{label} {kind} pattern {pattern!r} is not a string")
+    return tuple(patterns)
+
+
+def check_rules(
+    rules: Any,
+    strategy: str = "mink",
+    gamma: float = 0.8,
+    include: Sequence[str] = ("*",),
+    exclude: Sequence[str] = (),
+    relu: bool = True,
+    **options: Any,
+) -> list[Rule]:
+    """Validate per-group rules without a model (the other arguments are ``to_dropit``'s, the
+    fallbacks); return them checked, strategies built. ``rules=None``: the arguments are the
+    one rule. Each error names the rule (``rules[i]``) and what is allowed."""
+    if rules is None:
+        built = check_options(strategy, gamma, relu, **options)
+        include = _patterns("DropIT", "include", include)
+        exclude = _patterns("DropIT", "exclude", exclude)
+        return [Rule(None, include, exclude, built, gamma, relu, dict(options))]
+    exclude = _patterns("DropIT", "exclude", exclude)
+    if isinstance(rules, (str, Mapping)) or not isinstance(rules, Sequence):
+        raise ValueError(f"DropIT rules must be a list of rule dicts, got {rules!r}")
+    if not rules:
+        raise ValueError("DropIT rules is empty: give at least one rule, or rules=None")
+    checked = []
+    for i, rule in enumerate(rules):
+        label = f"DropIT rules[{i}]"
+        if not isinstance(rule, Mapping):
+            raise ValueError(f"{label} must be a dict with keys {', '.join(RULE_KEYS)}: {rule!r}")
+        for key in rule:
+            if key not in RULE_KEYS:
+                close = difflib.get_close_matches(str(key), RULE_KEYS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"{label} has the unknown key {key!r}: allowed {', '.join(RULE_KEYS)}{hint}"
+                )
+        rule_options = rule.get("options", options)
+        if not isinstance(rule_options, Mapping):
+            raise ValueError(f"{label} options must be a dict, got {rule_options!r}")
+        settings = (rule.get("strategy", strategy), rule.get("gamma", gamma))
+        rule_relu = rule.get("relu", relu)
+        try:
+            built = check_options(*settings, rule_relu, **rule_options)
+        except ValueError as err:
+            raise ValueError(f"{label}: {err}") from None
+        own_include = _patterns(label, "include", rule.get("include", include))
+        own_exclude = _patterns(label, "exclude", rule.get("exclude", ()))
+        checked.append(
+            Rule(
+                i,
+                own_include,
+                own_exclude + tuple(p for p in exclude if p not in own_exclude),
+                built,
+                settings[1],
+                rule_relu,
+                dict(rule_options),
+            )
+        )
+    return checked
+
+
+def matches(path: str, pattern: str) -> bool:
+    """Whether module ``path`` matches ``pattern``; a pattern also selects the modules below the
+    one it names ("roi_heads" covers roi_heads.*)."""
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + ".*")
+
+
+def _check_matches(label: str, kind: str, patterns: Sequence[str], paths: list[str]) -> None:
+    for pattern in patterns:
+        if not any(matches(p, pattern) for p in paths):
+            close = difflib.get_close_matches(pattern, paths, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"{label} {kind} pattern {pattern!r} matches no module{hint}")
+
+
+def assign_layers(
+    named: list[tuple[str, nn.Module]],
+    rules: list[Rule],
+    exclude: Sequence[str],
+    convertible: Collection[type],
+) -> list[tuple[str, nn.Module, Rule]]:
+    """(path, module, rule) for every layer of ``named`` (``named_modules()`` order) whose type
+    is one of ``convertible`` (exactly: a subclass may compute something else) that a rule
+    selects. ReLUs go only to rules with ``relu``. Raises for a
+    pattern that matches no module, two rules claiming one layer, or a rule that selects no
+    conv/linear layer."""
+    paths = [p for p, _ in named]
+    for rule in rules:
+        _check_matches(rule.label, "include", rule.include, paths)
+    _check_matches("DropIT", "exclude", exclude, paths)  # the call's, checked once
+    for rule in rules:
+        _check_matches(rule.label, "exclude", [p for p in rule.exclude if p not in exclude], paths)
+    claimed: dict[str, Rule] = {}
+    chosen = []
+    for rule in rules:
+        own = [
+            (path, module)
+            for path, module in named
+            if type(module) in convertible
+            and (rule.relu or type(module) is not nn.ReLU)
+            and any(matches(path, p) for p in rule.include)
+            and not any(matches(path, p) for p in rule.exclude)
+        ]
+        if all(type(m) is nn.ReLU for _, m in own):
+            raise ValueError(
+                f"{rule.label} include={list(rule.include)} with exclude={list(rule.exclude)} "
+                "selects no Conv2d/ConvTranspose2d/Linear layer"
+            )
+        for path, module in own:
+            if path in claimed:
+                raise ValueError(
+                    f"DropIT rules[{claimed[path].index}] and rules[{rule.index}] both claim "
+                    f"layer {path!r}: narrow one of them with include or exclude"
+                )
+            claimed[path] = rule
+            chosen.append((path, module, rule))
+    order = {p: i for i, p in enumerate(paths)}
+    return sorted(chosen, key=lambda item: order[item[0]])
