@@ -12,7 +12,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import nn
 from torchvision.transforms.functional import pil_to_tensor
 
-from rcnn_dropit.checkpoint import find_last_checkpoint
+from rcnn_dropit.checkpoint.files import find_last_checkpoint
 from rcnn_dropit.config import Config, load_config
 from rcnn_dropit.data import build_dataset, dataset_paths, ensure_dataset, load_coco_json
 from rcnn_dropit.data.coco import read_json_file

@@ -21,7 +21,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from rcnn_dropit.distributed import get_rank, is_main_process, run_on_main
-from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, read_metrics
+from rcnn_dropit.metrics_file import MetricsWriter, NullWriter, read_metrics
 from rcnn_dropit.tensorboard import TensorBoardWriter
 
 LOGGER_NAME = "rcnn_dropit"

@@ -22,7 +22,7 @@ import torch
 from pycocotools import mask as mask_util
 from pycocotools.coco import COCO
 
-from rcnn_dropit.logging_utils import read_metrics
+from rcnn_dropit.metrics_file import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_PY, TEST_PY = REPO / "tools/train.py", REPO / "tools/test.py"

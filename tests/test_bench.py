@@ -6,9 +6,15 @@ import pytest
 import torch
 
 from dropit_core import is_dropit, memory
-from rcnn_dropit import benchmark, max_batch
-from rcnn_dropit.benchmark import Meter, Variant, markdown_table, parse_variant, run_benchmark
-from rcnn_dropit.max_batch import largest_batches, largest_fitting
+from rcnn_dropit.measure import max_batch, step_bench
+from rcnn_dropit.measure.max_batch import largest_batches, largest_fitting
+from rcnn_dropit.measure.step_bench import (
+    Meter,
+    Variant,
+    markdown_table,
+    parse_variant,
+    run_benchmark,
+)
 
 
 def test_parse_variant_reads_strategy_gamma_and_typed_options() -> None:
@@ -61,7 +67,7 @@ def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
     # and every ratio divides by the same baseline median.
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # not a measuring process
     order = []
-    monkeypatch.setattr(benchmark, "_memory", _logged(benchmark._memory, order, "memory"))
+    monkeypatch.setattr(step_bench, "_memory", _logged(step_bench._memory, order, "memory"))
     monkeypatch.setattr(memory, "timed", _logged(memory.timed, order, "timed"))
     variants = [Variant("mink", 0.8), Variant("threshold", 0.8)]
     base, mink, threshold = run_benchmark(
@@ -197,7 +203,7 @@ def test_largest_batches_rows_per_setting() -> None:
 
 
 def test_step_peak_is_measured_and_out_of_memory_is_none(monkeypatch) -> None:
-    from rcnn_dropit.benchmark import build_detector
+    from rcnn_dropit.measure.step_bench import build_detector
 
     model = build_detector(False, 64, 32, "resnet18").train()
     cpu = torch.device("cpu")
@@ -220,7 +226,7 @@ def test_unknown_strategy_is_a_clear_error() -> None:
 def test_step_time_comparison_of_widths(tmp_path):
     """Both models train on the same batch; the first is the 1x reference; narrow has fewer
     parameters."""
-    from rcnn_dropit.step_cost import TORCHVISION_WIDTHS, compare_step_time
+    from rcnn_dropit.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
     from tests.conftest import tiny_opts
 
     rows = compare_step_time(
@@ -255,7 +261,7 @@ def test_bench_tool_says_when_cuda_is_missing() -> None:
 
 
 def test_op_costs_rows_name_every_pass_in_order() -> None:
-    from rcnn_dropit.op_costs import op_costs
+    from rcnn_dropit.measure.op_bench import op_costs
 
     rows = op_costs(n=1 << 12, repeats=1)
     ops = [r["op"] for r in rows]
@@ -266,7 +272,7 @@ def test_op_costs_rows_name_every_pass_in_order() -> None:
 
 
 def test_op_costs_on_a_missing_gpu_is_a_clear_error() -> None:
-    from rcnn_dropit.op_costs import op_costs
+    from rcnn_dropit.measure.op_bench import op_costs
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from rcnn_dropit import checkpoint as ckpt
-from rcnn_dropit.checkpoint import (
+from rcnn_dropit.checkpoint.checkpointer import Checkpointer
+from rcnn_dropit.checkpoint.files import (
     capture_rng_state,
     check_model_compat,
     find_last_checkpoint,
@@ -18,7 +19,6 @@ from rcnn_dropit.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from rcnn_dropit.engine.checkpointer import Checkpointer
 
 
 def _checkpointer(folder, seed: int = 0, steps: int = 1) -> Checkpointer:

@@ -17,12 +17,12 @@ from torch import nn
 from tqdm import tqdm
 
 from dropit_core import memory
-from rcnn_dropit.checkpoint import load_checkpoint
+from rcnn_dropit.checkpoint.files import load_checkpoint
 from rcnn_dropit.engine import runner as runner_module
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
 from rcnn_dropit.engine.runner import check_output_dir, train
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, step_scheduler
-from rcnn_dropit.logging_utils import NullWriter, peak_memory_mb, read_metrics
+from rcnn_dropit.metrics_file import NullWriter, peak_memory_mb, read_metrics
 from rcnn_dropit.run_dir import truncate_metrics
 from tests.conftest import FASTER_CFG, MASK_CFG, MASK_DROPIT_CFG, train_records
 from tests.conftest import tiny_opts as shared_tiny_opts

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from pycocotools.coco import COCO
 
-from rcnn_dropit.checkpoint import save_checkpoint
+from rcnn_dropit.checkpoint.files import save_checkpoint
 from rcnn_dropit.config import dump_config, load_config
 from rcnn_dropit.data import ensure_dataset
 from rcnn_dropit.inference import class_names_for

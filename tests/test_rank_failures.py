@@ -80,7 +80,7 @@ import os, runpy, sys
 sys.path.insert(0, {repo!r})
 if os.environ["RANK"] == "0":
     if {where!r} == "metrics":
-        from rcnn_dropit.logging_utils import MetricsWriter
+        from rcnn_dropit.metrics_file import MetricsWriter
 
         real_write = MetricsWriter.write
 

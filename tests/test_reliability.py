@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcnn_dropit.checkpoint import load_checkpoint
+from rcnn_dropit.checkpoint.files import load_checkpoint
 from rcnn_dropit.data import make_shapes
-from rcnn_dropit.logging_utils import read_metrics
+from rcnn_dropit.metrics_file import read_metrics
 from tests.conftest import FASTER_CFG, MASK_CFG, TEST_PY, TRAIN_PY, coco_opts
 from tests.conftest import tiny_opts as shared_tiny_opts
 
@@ -146,8 +146,8 @@ def edit_json(path: Path, change: Callable[[dict], object]) -> None:
 def _save_training_checkpoint(cfg_path: Path, opts: list[str], path: Path) -> None:
     """A complete training checkpoint, written by the trainer's checkpointer, of an untrained
     model."""
+    from rcnn_dropit.checkpoint.checkpointer import Checkpointer
     from rcnn_dropit.config import load_config
-    from rcnn_dropit.engine.checkpointer import Checkpointer
     from rcnn_dropit.models import build_model
 
     cfg = load_config(cfg_path, opts)

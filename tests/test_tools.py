@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rcnn_dropit.checkpoint.checkpointer import Checkpointer
 from rcnn_dropit.config import load_config
-from rcnn_dropit.engine.checkpointer import Checkpointer
 from rcnn_dropit.models import build_model
 from tests.conftest import FASTER_CFG, REPO, assert_one_line_error, call_tool
 from tests.conftest import run_tool as run_fresh

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcnn_dropit.checkpoint import load_checkpoint
+from rcnn_dropit.checkpoint.files import load_checkpoint
 from rcnn_dropit.config import load_config
 from rcnn_dropit.data import make_shapes
 from rcnn_dropit.engine import runner
-from rcnn_dropit.logging_utils import read_metrics
+from rcnn_dropit.metrics_file import read_metrics
 from rcnn_dropit.models import build_model
 from tests.conftest import (
     FASTER_CFG,

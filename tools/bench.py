@@ -83,8 +83,8 @@ def main() -> int:
     if args.ops:
         return _ops(args.device, args.repeats, args.json)
 
-    from rcnn_dropit.benchmark import markdown_table, parse_variant, run_benchmark
-    from rcnn_dropit.max_batch import largest_batches
+    from rcnn_dropit.measure.max_batch import largest_batches
+    from rcnn_dropit.measure.step_bench import markdown_table, parse_variant, run_benchmark
 
     rows = []
     try:
@@ -116,8 +116,8 @@ def main() -> int:
 
 def _widths(config: str, repeats: int, out: Path | None) -> int:
     """Step time of a config's model vs torchvision's widths: JSON lines (ratio, first = 1x)."""
-    from rcnn_dropit.engine.cli import run_cli
-    from rcnn_dropit.step_cost import TORCHVISION_WIDTHS, compare_step_time
+    from rcnn_dropit.cli import run_cli
+    from rcnn_dropit.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
 
     def go() -> None:
         variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
@@ -132,8 +132,8 @@ def _widths(config: str, repeats: int, out: Path | None) -> int:
 
 def _ops(device: str, repeats: int, out: Path | None) -> int:
     """Per-pass costs of the element-wise ops on one slice: JSON lines."""
-    from rcnn_dropit.engine.cli import run_cli
-    from rcnn_dropit.op_costs import op_costs
+    from rcnn_dropit.cli import run_cli
+    from rcnn_dropit.measure.op_bench import op_costs
 
     def go() -> None:
         rows = op_costs(repeats=max(repeats, 5), device=device)

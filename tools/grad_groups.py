@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from rcnn_dropit.engine.cli import run_cli  # noqa: E402
+from rcnn_dropit.cli import run_cli  # noqa: E402
 
 # name -> to_dropit arguments: the study's gamma-0.8 settings and the norm-compensated option
 # (the default), and the gamma sweep's mink settings
@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def go() -> None:
-        from rcnn_dropit.checkpoint import load_checkpoint
+        from rcnn_dropit.checkpoint.files import load_checkpoint
         from rcnn_dropit.config import load_config
-        from rcnn_dropit.grad_groups import group_fidelity, markdown_table, training_batches
         from rcnn_dropit.inference import resolve_model_files
+        from rcnn_dropit.measure.grad_groups import group_fidelity, markdown_table, training_batches
 
         config, checkpoint = resolve_model_files(args.run, None, None)
         cfg = load_config(config)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from rcnn_dropit.engine.cli import add_opts_argument, run_cli  # noqa: E402
+from rcnn_dropit.cli import add_opts_argument, run_cli  # noqa: E402
 from rcnn_dropit.engine.runner import resolve_output_dir  # noqa: E402
 from rcnn_dropit.inference import (  # noqa: E402
     find_images,

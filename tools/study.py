@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from rcnn_dropit.engine.cli import run_cli  # noqa: E402
-from rcnn_dropit.study import load_plan, plan_runs, run_study  # noqa: E402
+from rcnn_dropit.cli import run_cli  # noqa: E402
+from rcnn_dropit.measure.study import load_plan, plan_runs, run_study  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'done ' if done else 'todo '} {run.name}  {' '.join(run.overrides)}")
             return
         if args.report_only:
-            from rcnn_dropit.report.study_report import write_study_report
+            from rcnn_dropit.measure.study_report import write_study_report
 
             print(write_study_report(load_plan(args.plan), args.plan, args.jobs))
             return

@@ -13,7 +13,14 @@ import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rcnn_dropit.checkpoint import check_model_compat, find_last_checkpoint, resolve_resume
+from rcnn_dropit.checkpoint.checkpointer import (
+    Checkpointer,
+    ResumePoint,
+    format_version,
+    load_on_every_rank,
+    model_weights,
+)
+from rcnn_dropit.checkpoint.files import check_model_compat, find_last_checkpoint, resolve_resume
 from rcnn_dropit.config import Config, load_config
 from rcnn_dropit.data import build_train_loader, build_val_loader, ensure_dataset
 from rcnn_dropit.distributed import (
@@ -22,13 +29,6 @@ from rcnn_dropit.distributed import (
     init_distributed,
     main_only,
     run_on_main,
-)
-from rcnn_dropit.engine.checkpointer import (
-    Checkpointer,
-    ResumePoint,
-    format_version,
-    load_on_every_rank,
-    model_weights,
 )
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
 from rcnn_dropit.engine.memory_report import dropit_summary, measure_memory

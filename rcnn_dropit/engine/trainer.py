@@ -14,12 +14,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from rcnn_dropit.checkpoint import capture_rng_state, restore_rng_state
+from rcnn_dropit.checkpoint.checkpointer import Checkpointer
+from rcnn_dropit.checkpoint.files import capture_rng_state, restore_rng_state
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import get_world_size, reduce_dict
-from rcnn_dropit.engine.checkpointer import Checkpointer
 from rcnn_dropit.engine.data_position import epoch_batches
-from rcnn_dropit.logging_utils import peak_memory_mb
+from rcnn_dropit.metrics_file import peak_memory_mb
 
 log = logging.getLogger(__name__)
 LOSS_KEYS_ORDER = (

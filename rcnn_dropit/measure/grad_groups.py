@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from dropit_core import to_dropit
-from rcnn_dropit.benchmark import _weight_grads
 from rcnn_dropit.config import Config
 from rcnn_dropit.data.loader import build_dataset, ensure_dataset
-from rcnn_dropit.grad_figure import _cosine, _norm_ratio
+from rcnn_dropit.measure.grad_figure import _cosine, _norm_ratio
+from rcnn_dropit.measure.step_bench import _weight_grads
 from rcnn_dropit.models.build import build_model
 
 # (label, module-path prefix); "all" is every trained conv/linear weight.

@@ -17,7 +17,7 @@ from torch import nn
 
 from dropit_core import build_strategy, from_dropit
 from dropit_core.memory import cuda_allocated_mb
-from rcnn_dropit.benchmark import (
+from rcnn_dropit.measure.step_bench import (
     Meter,
     Variant,
     build_detector,

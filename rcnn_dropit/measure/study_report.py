@@ -15,7 +15,7 @@ from rcnn_dropit.report.paired import PairedDiff, paired_diff, spread
 from rcnn_dropit.report.runs import Run, RunNotUsable, load_run
 
 if TYPE_CHECKING:
-    from rcnn_dropit.study import Plan
+    from rcnn_dropit.measure.study import Plan
 
 BASELINE = "baseline"
 # The paper's claim, checked per regime, and DropIT on the backbone only (where a plan has it).
@@ -201,7 +201,7 @@ def _grad_groups(path: Path) -> list[str]:
     """The per-group gradient fidelity tables of ``tools/grad_groups.py``, when it was run."""
     if not path.is_file():
         return []
-    from rcnn_dropit.grad_groups import markdown_table
+    from rcnn_dropit.measure.grad_groups import markdown_table
 
     data = json.loads(path.read_text())
     run = data.pop("run")
@@ -237,7 +237,7 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
     """Write plan.report (and its figures next to it); returns the Markdown."""
     import torch
 
-    from rcnn_dropit.study import plan_runs
+    from rcnn_dropit.measure.study import plan_runs
 
     planned = [r for r in plan_runs(plan) if not r.exports]
     plan.report.parent.mkdir(parents=True, exist_ok=True)

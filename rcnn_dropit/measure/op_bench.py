@@ -16,7 +16,7 @@ import torch
 
 from dropit_core.memory import timed_rounds
 from dropit_core.packing import bit_positions, compact_bits, pack_bits, scatter_kept, zero_flagged
-from rcnn_dropit.allocator import training_allocator
+from rcnn_dropit.measure.allocator import training_allocator
 
 SLICE = 1 << 22
 

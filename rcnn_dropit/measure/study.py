@@ -208,7 +208,7 @@ def run_study(
         else:
             todo.append((i, run))
     failed = _schedule(plan, todo, len(runs), jobs, threads or max(1, _cpu_count() // jobs))
-    from rcnn_dropit.report.study_report import write_study_report
+    from rcnn_dropit.measure.study_report import write_study_report
 
     markdown = write_study_report(plan, plan_path, jobs)
     if failed:
@@ -319,7 +319,7 @@ def _resume_flag(run_dir: Path, run: StudyRun) -> str | None:
     """A started run resumes from its newest checkpoint; a finished pretraining re-exports."""
     if not run_dir.exists():
         return None
-    from rcnn_dropit.checkpoint import find_last_checkpoint
+    from rcnn_dropit.checkpoint.files import find_last_checkpoint
 
     if (run_dir / "eval.json").is_file() and find_last_checkpoint(run_dir / "checkpoints") is None:
         return "retrain"  # finished on another machine: its checkpoint was never committed
@@ -328,7 +328,7 @@ def _resume_flag(run_dir: Path, run: StudyRun) -> str | None:
 
 def _export(run_dir: Path, target: str) -> bool:
     """Write the run's backbone to ``target`` and record its digest next to the run."""
-    from rcnn_dropit.checkpoint import find_last_checkpoint
+    from rcnn_dropit.checkpoint.files import find_last_checkpoint
     from rcnn_dropit.models.weights import export_backbone
 
     ckpt = find_last_checkpoint(run_dir / "checkpoints")

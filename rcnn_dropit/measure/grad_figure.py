@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dropit_core import to_dropit
-from rcnn_dropit.benchmark import EXCLUDE, _weight_grads, build_detector, make_batch
+from rcnn_dropit.measure.step_bench import EXCLUDE, _weight_grads, build_detector, make_batch
 
 DEFAULT_LAYERS = (
     "backbone.body.layer2.0.conv2",

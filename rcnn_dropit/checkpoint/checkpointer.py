@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rcnn_dropit.checkpoint import (
+from rcnn_dropit.checkpoint.files import (
     capture_rng_state,
     check_model_compat,
     load_checkpoint,

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from rcnn_dropit.checkpoint import CheckpointWriteError
+from rcnn_dropit.checkpoint.files import CheckpointWriteError
 from rcnn_dropit.distributed import read_launch_env
 
 

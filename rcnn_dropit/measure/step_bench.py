@@ -33,11 +33,11 @@ from dropit_core.memory import (
     saved_activations,
     timed_rounds,
 )
-from rcnn_dropit.allocator import training_allocator
 from rcnn_dropit.config import load_config
+from rcnn_dropit.measure.allocator import training_allocator
 from rcnn_dropit.models import build_model
 
-_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "maskrcnn_baseline.yaml"
+_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "maskrcnn_baseline.yaml"
 AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 EXCLUDE = (
     "backbone.body.conv1",
@@ -334,7 +334,7 @@ def run_benchmark(
         _release(model, dev)
     if not models:
         return
-    # Timing last: the allocator is switched for it (see rcnn_dropit.allocator), which would
+    # Timing last: the allocator is switched for it (see rcnn_dropit.measure.allocator), which would
     # disturb memory figures taken after it.
     with training_allocator(dev) as allocator:
         every = [base, *models]
