@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark DropIT variants against the baseline on Mask R-CNN R50-FPN; prints JSON lines.
 
 python tools/bench.py                          # COCO recipe (FrozenBN, 3 trainable stages)
@@ -17,8 +16,6 @@ import json
 import os
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DEFAULT_VARIANTS = [
     "mink:0.8",

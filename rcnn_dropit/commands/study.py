@@ -9,12 +9,9 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from rcnn_dropit.cli import run_cli  # noqa: E402
-from rcnn_dropit.measure.study import load_plan, plan_runs, run_study  # noqa: E402
+from rcnn_dropit.cli import run_cli
+from rcnn_dropit.measure.study import load_plan, plan_runs, run_study
 
 
 def main(argv: list[str] | None = None) -> int:

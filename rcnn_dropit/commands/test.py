@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from rcnn_dropit.cli import add_opts_argument, exit_process, run_cli  # noqa: E402
-from rcnn_dropit.engine import test  # noqa: E402
+from rcnn_dropit.cli import add_opts_argument, exit_process, run_cli
+from rcnn_dropit.engine import test
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,10 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from rcnn_dropit.cli import run_cli  # noqa: E402
-from rcnn_dropit.measure.grad_figure import gradient_study, plot, save_json  # noqa: E402
+from rcnn_dropit.cli import run_cli
+from rcnn_dropit.measure.grad_figure import gradient_study, plot, save_json
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,8 @@
 
 import argparse
 import sys
-from pathlib import Path
 
-# Run from a checkout without installing: make the repository root importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rcnn_dropit.report import NoUsableRuns, build_report  # noqa: E402
+from rcnn_dropit.report import NoUsableRuns, build_report
 
 
 def main(argv: list[str] | None = None) -> int:

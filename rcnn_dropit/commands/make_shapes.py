@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-# Run from a checkout without installing: make the repository root importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rcnn_dropit.data import make_shapes  # noqa: E402
+from rcnn_dropit.data import make_shapes
 
 
 def main() -> None:

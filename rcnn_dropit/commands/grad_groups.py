@@ -12,9 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from rcnn_dropit.cli import run_cli  # noqa: E402
+from rcnn_dropit.cli import run_cli
 
 # name -> to_dropit arguments: the study's gamma-0.8 settings and the norm-compensated option
 # (the default), and the gamma sweep's mink settings

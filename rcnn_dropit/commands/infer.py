@@ -12,11 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from rcnn_dropit.cli import add_opts_argument, run_cli  # noqa: E402
-from rcnn_dropit.engine.runner import resolve_output_dir  # noqa: E402
-from rcnn_dropit.inference import (  # noqa: E402
+from rcnn_dropit.cli import add_opts_argument, run_cli
+from rcnn_dropit.engine.runner import resolve_output_dir
+from rcnn_dropit.inference import (
     find_images,
     image_ids_for,
     load_predictor,
