@@ -18,6 +18,7 @@ from rcnn_dropit.data import build_dataset, dataset_paths, ensure_dataset, load_
 from rcnn_dropit.data.coco import read_json_file
 from rcnn_dropit.distributed import resolve_device
 from rcnn_dropit.engine.evaluator_loop import iou_types_for
+from rcnn_dropit.errors import MissingPathError, UsageError
 from rcnn_dropit.evaluation import coco_results
 from rcnn_dropit.models import build_model
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
@@ -62,23 +63,23 @@ def resolve_model_files(
 ) -> tuple[Path, Path]:
     """(config, checkpoint) from --run DIR (its config.yaml, newest checkpoint) or as given."""
     if run is not None and config is not None:
-        raise ValueError("give either --run DIR or --config FILE --checkpoint FILE, not both")
+        raise UsageError("give either --run DIR or --config FILE --checkpoint FILE, not both")
     if run is None:
         if config is None or checkpoint is None:
-            raise ValueError("give --run DIR (a run directory), or both --config and --checkpoint")
+            raise UsageError("give --run DIR (a run directory), or both --config and --checkpoint")
         return Path(config), Path(checkpoint)
     run = Path(run)
     if not run.is_dir():
-        raise FileNotFoundError(f"--run: folder '{run}' does not exist")
+        raise MissingPathError(f"--run: folder '{run}' does not exist")
     if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"--run: '{run}' has no config.yaml; expected a run directory such as outputs/NAME"
         )
     if checkpoint is not None:
         return run / "config.yaml", Path(checkpoint)
     newest = find_last_checkpoint(run / "checkpoints")
     if newest is None:
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"--run: '{run / 'checkpoints'}' holds no checkpoint; train first or pass --checkpoint"
         )
     return run / "config.yaml", newest
@@ -90,14 +91,14 @@ def check_checkpoint_fits(weights: dict[str, torch.Tensor], cfg: Config, path: P
     if _CLS_SCORE in weights:
         arch = "maskrcnn" if has_mask else "fasterrcnn"
         if arch != cfg.model.arch:
-            raise ValueError(
+            raise UsageError(
                 f"--checkpoint '{path}' is a {arch} "
                 f"({'with' if has_mask else 'without'} a mask head), "
                 f"config model.arch {cfg.model.arch}"
             )
         classes = int(weights[_CLS_SCORE].shape[0])
         if classes != cfg.model.num_classes:
-            raise ValueError(
+            raise UsageError(
                 f"--checkpoint '{path}' has {classes} classes, "
                 f"config model.num_classes {cfg.model.num_classes}"
             )
@@ -132,7 +133,7 @@ def load_predictor(
     """The detector of a run directory or of config + checkpoint, weights loaded, in eval mode."""
     config_path, ckpt = resolve_model_files(run, config, checkpoint)
     if not config_path.is_file():
-        raise FileNotFoundError(f"--config: file '{config_path}' does not exist")
+        raise MissingPathError(f"--config: file '{config_path}' does not exist")
     cfg = load_config(config_path, overrides)
     weights = load_state_dict_file(ckpt, "--checkpoint")
     check_checkpoint_fits(weights, cfg, ckpt)
@@ -148,19 +149,19 @@ def list_images(path: str | Path) -> list[Path]:
     """An image file as given, or a folder's image files (by suffix, sorted by name)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"--input: '{path}' does not exist")
+        raise MissingPathError(f"--input: '{path}' does not exist")
     if path.is_file():
         return [path]
     found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not found:
-        raise ValueError(
+        raise UsageError(
             f"--input: folder '{path}' holds no images (looked for {', '.join(IMAGE_SUFFIXES)})"
         )
     return found
 
 
-def _not_an_image(path: Path, err: Exception) -> ValueError:
-    return ValueError(
+def _not_an_image(path: Path, err: Exception) -> UsageError:
+    return UsageError(
         f"--input: '{path}' is not an image that can be read "
         f"(allowed: {', '.join(IMAGE_SUFFIXES)}; {err})"
     )
@@ -173,7 +174,7 @@ def read_image(path: str | Path) -> torch.Tensor:
         with Image.open(path) as pil:
             return pil_to_tensor(ImageOps.exif_transpose(pil).convert("RGB"))
     except FileNotFoundError:
-        raise FileNotFoundError(f"--input: '{path}' does not exist") from None
+        raise MissingPathError(f"--input: '{path}' does not exist") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
         raise _not_an_image(path, err) from None
 
@@ -203,7 +204,7 @@ def image_ids_for(paths: Sequence[Path], mapping: str | Path | None = None) -> l
     elif isinstance(data, dict):
         table = {Path(str(k)).name: v for k, v in data.items()}
     else:
-        raise ValueError(
+        raise UsageError(
             f"--image-ids: '{mapping}' must be a COCO file with 'images' or an object "
             "{file name: image id}"
         )
@@ -211,7 +212,7 @@ def image_ids_for(paths: Sequence[Path], mapping: str | Path | None = None) -> l
     for path in paths:
         value = table.get(path.name)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(
+            raise UsageError(
                 f"--image-ids: '{mapping}' gives no integer id for '{path.name}' "
                 f"({len(table)} file names in it)"
             )
@@ -292,12 +293,12 @@ def val_gallery(
     """The first num_images validation images of the run's data set, each row prediction | truth,
     saved as one PNG at path."""
     if num_images < 1:
-        raise ValueError(f"--val: {num_images} images; give a number >= 1")
+        raise UsageError(f"--val: {num_images} images; give a number >= 1")
     cfg = predictor.cfg
     ensure_dataset(cfg)
     dataset = build_dataset(cfg, "val")
     if len(dataset) == 0:
-        raise ValueError(f"data: the validation set of '{cfg.data.root}' holds no images")
+        raise UsageError(f"data: the validation set of '{cfg.data.root}' holds no images")
     pairs = []
     for index in range(min(num_images, len(dataset))):
         image, target = dataset[index]

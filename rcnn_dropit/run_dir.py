@@ -21,6 +21,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from rcnn_dropit.distributed import get_rank, is_main_process, run_on_main
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.metrics_file import MetricsWriter, NullWriter, read_metrics
 from rcnn_dropit.tensorboard import TensorBoardWriter
 
@@ -202,11 +203,11 @@ class RunDir:
         (unless clear=False: check only, so nothing is lost if a later check fails)."""
         out = self.root
         if out.exists() and not out.is_dir():
-            raise ValueError(f"output dir '{out}' exists and is not a folder")
+            raise UsageError(f"output dir '{out}' exists and is not a folder")
         if resume is not None or not out.is_dir() or not any(out.iterdir()):
             return
         if not overwrite:
-            raise ValueError(
+            raise UsageError(
                 f"output dir '{out}' is not empty; pass --resume auto to continue that run, "
                 "--overwrite to replace it, or --output-dir to choose another folder"
             )
@@ -231,7 +232,7 @@ class RunDir:
                 self.root.mkdir(parents=True, exist_ok=True)
                 write_atomic(self.config, lambda f: f.write(config_yaml.encode()))
             except OSError as err:  # e.g. a file where a parent folder should be, no permission
-                raise ValueError(
+                raise UsageError(
                     f"output dir '{self.root}' cannot be written ({err.strerror or err}); "
                     "choose another with --output-dir"
                 ) from None

@@ -13,16 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from rcnn_dropit.errors import CheckpointWriteError, MissingPathError, UsageError
 from rcnn_dropit.models.weights import compare_state_dict  # the one key/shape comparison
 from rcnn_dropit.run_dir import write_atomic
 
 POINTER_NAME = "last_checkpoint"
 _NUMBERED = re.compile(r"model_(\d+)\.pth")
 _TMP = re.compile(r"\..+\.tmp-(\d+)")
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
 
 def _write_atomic(path: Path, write: Any) -> None:
@@ -110,13 +107,13 @@ def load_checkpoint(path: Path | str, map_location: Any = "cpu") -> dict:
     """Load a checkpoint dict with torch.load(weights_only=True)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+        raise MissingPathError(f"checkpoint '{path}' does not exist")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises many types for truncated or foreign files
-        raise ValueError(f"checkpoint '{path}' is unreadable or corrupt: {err}") from err
+        raise UsageError(f"checkpoint '{path}' is unreadable or corrupt: {err}") from err
     if not isinstance(state, dict):
-        raise ValueError(f"checkpoint '{path}' holds a {type(state).__name__}, not a dict")
+        raise UsageError(f"checkpoint '{path}' holds a {type(state).__name__}, not a dict")
     return state
 
 
@@ -148,7 +145,7 @@ def resolve_resume(resume: str | Path | None, ckpt_dir: Path | str) -> Path | No
         return find_last_checkpoint(ckpt_dir)
     path = Path(resume)
     if not path.is_file():
-        raise FileNotFoundError(f"resume: checkpoint '{path}' does not exist")
+        raise MissingPathError(f"resume: checkpoint '{path}' does not exist")
     return path
 
 
@@ -217,7 +214,7 @@ def check_model_compat(model: nn.Module, state_dict: dict[str, torch.Tensor]) ->
     hint = ""
     if unexpected and all(k.startswith("module.") for k in unexpected):
         hint = " (keys start with 'module.': saved from the DDP wrapper, save model.module)"
-    raise ValueError(
+    raise UsageError(
         "checkpoint is from another model (checkpoint shape vs model shape): "
         + "; ".join(parts)
         + hint

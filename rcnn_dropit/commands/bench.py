@@ -17,6 +17,9 @@ import os
 import sys
 from pathlib import Path
 
+from rcnn_dropit.cli import run_cli
+from rcnn_dropit.errors import UsageError
+
 DEFAULT_VARIANTS = [
     "mink:0.8",
     "parallel_mink:0.8",
@@ -27,7 +30,17 @@ DEFAULT_VARIANTS = [
 ]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (``dropit-bench``).
+
+    Started from the command line (``argv`` None), the process first restarts itself with
+    ``MALLOC_MMAP_THRESHOLD_=65536``: large blocks are then mmapped from the OS and go back to it
+    when freed, so RSS tracks live tensors.
+    """
+    if argv is None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        # the same command again (script, console script or -m module), now measuring
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -74,72 +87,63 @@ def main() -> int:
         "slice (compare, bit packing, compaction, positions, gather, ReLU mask)",
     )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.widths:
-        return _widths(args.widths, args.repeats, args.json)
+        return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
     if args.ops:
-        return _ops(args.device, args.repeats, args.json)
+        return run_cli(lambda: _ops(args.device, args.repeats, args.json))
+    return run_cli(lambda: _variants(args))
 
+
+def _variants(args: argparse.Namespace) -> None:
+    """Rows of the baseline and each variant (or their largest batches), then the table."""
     from rcnn_dropit.measure.max_batch import largest_batches
     from rcnn_dropit.measure.step_bench import markdown_table, parse_variant, run_benchmark
 
+    if args.device.startswith("cuda") and not _cuda():
+        raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+    variants = [parse_variant(v) for v in args.variants]
+    if args.max_batch is not None:
+        produced = largest_batches(
+            variants, args.max_batch, args.batch_limit, args.scratch, args.image_size,
+            args.device, amp=args.amp,
+        )  # fmt: skip
+    else:
+        produced = run_benchmark(
+            variants, args.scratch, args.image_size, args.repeats, args.device,
+            amp=args.amp, images=args.images,
+        )  # fmt: skip
     rows = []
-    try:
-        if args.device.startswith("cuda") and not _cuda():
-            raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
-        variants = [parse_variant(v) for v in args.variants]
-        if args.max_batch is not None:
-            produced = largest_batches(
-                variants, args.max_batch, args.batch_limit, args.scratch, args.image_size,
-                args.device, amp=args.amp,
-            )  # fmt: skip
-        else:
-            produced = run_benchmark(
-                variants, args.scratch, args.image_size, args.repeats, args.device,
-                amp=args.amp, images=args.images,
-            )  # fmt: skip
-        for row in produced:
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    for row in produced:
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     print()
     print(markdown_table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    return 0
 
 
-def _widths(config: str, repeats: int, out: Path | None) -> int:
+def _widths(config: str, repeats: int, out: Path | None) -> None:
     """Step time of a config's model vs torchvision's widths: JSON lines (ratio, first = 1x)."""
-    from rcnn_dropit.cli import run_cli
     from rcnn_dropit.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
 
-    def go() -> None:
-        variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
-        rows = compare_step_time(config, variants, repeats=max(repeats, 5))
-        for row in rows:
-            print(json.dumps(row), flush=True)
-        if out:
-            out.write_text(json.dumps(rows, indent=2) + "\n")
-
-    return run_cli(go)
+    variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
+    rows = compare_step_time(config, variants, repeats=max(repeats, 5))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if out:
+        out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
-def _ops(device: str, repeats: int, out: Path | None) -> int:
+def _ops(device: str, repeats: int, out: Path | None) -> None:
     """Per-pass costs of the element-wise ops on one slice: JSON lines."""
-    from rcnn_dropit.cli import run_cli
     from rcnn_dropit.measure.op_bench import op_costs
 
-    def go() -> None:
-        rows = op_costs(repeats=max(repeats, 5), device=device)
-        for row in rows:
-            print(json.dumps(row), flush=True)
-        if out:
-            out.write_text(json.dumps(rows, indent=2) + "\n")
-
-    return run_cli(go)
+    rows = op_costs(repeats=max(repeats, 5), device=device)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if out:
+        out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 def _cuda() -> bool:
@@ -149,8 +153,4 @@ def _cuda() -> bool:
 
 
 if __name__ == "__main__":
-    # Large blocks mmapped from the OS go back to it when freed, so RSS tracks live tensors.
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        os.execv(sys.executable, [sys.executable, *sys.argv])
     sys.exit(main())

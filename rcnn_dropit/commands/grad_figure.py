@@ -12,7 +12,7 @@ from rcnn_dropit.measure.grad_figure import gradient_study, plot, save_json
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+    """Entry point (``dropit-grad-figure``)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gammas", nargs="+", type=float, default=[0.5, 0.7, 0.8, 0.9, 0.95])
     parser.add_argument("--strategies", nargs="+", default=["mink", "random"])

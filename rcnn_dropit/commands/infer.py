@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rcnn_dropit.cli import add_opts_argument, run_cli
 from rcnn_dropit.engine.runner import resolve_output_dir
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.inference import (
     find_images,
     image_ids_for,
@@ -76,17 +77,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> None:
     """Load the model, then draw (and write results for) the requested images."""
     if not 0.0 <= args.score_thresh <= 1.0:
-        raise ValueError(f"--score-thresh: {args.score_thresh} is not in [0, 1]")
+        raise UsageError(f"--score-thresh: {args.score_thresh} is not in [0, 1]")
     if args.scale <= 0:
-        raise ValueError(f"--scale: {args.scale} must be > 0")
+        raise UsageError(f"--scale: {args.scale} must be > 0")
     if args.image_ids and not args.json:
-        raise ValueError("--image-ids numbers the images of --json results; add --json")
+        raise UsageError("--image-ids numbers the images of --json results; add --json")
     paths, ids = None, None
     if args.input is not None:  # inputs first: a bad path fails before the model loads
         paths = find_images(args.input)
         ids = image_ids_for(paths, args.image_ids) if args.json else None
     elif args.json or args.image_ids:
-        raise ValueError("--json and --image-ids go with --input, not --val")
+        raise UsageError("--json and --image-ids go with --input, not --val")
     predictor = load_predictor(args.run, args.config, args.checkpoint, args.opts)
     run_dir = Path(args.run) if args.run else resolve_output_dir(predictor.cfg)
     if args.val is not None:
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+    """Entry point (``dropit-infer``)."""
     args = parse_args(argv)
     return run_cli(lambda: run(args))
 

@@ -7,7 +7,8 @@ from rcnn_dropit.report import NoUsableRuns, build_report
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, write the report, print where it went (or the Markdown for --out -)."""
+    """Entry point (``dropit-report``): write the report, print where it went (or the Markdown
+    for --out -)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
     parser.add_argument(

@@ -15,7 +15,7 @@ from rcnn_dropit.measure.study import load_plan, plan_runs, run_study
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+    """Entry point (``dropit-study``)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--plan", default="configs/study/plan.yaml")
     parser.add_argument(

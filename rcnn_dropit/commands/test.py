@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from rcnn_dropit.cli import add_opts_argument, exit_process, run_cli
+from rcnn_dropit.cli import add_opts_argument, finish, run_cli
 from rcnn_dropit.engine import test
 
 
@@ -21,12 +22,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+    """Entry point (``dropit-test``): the exit code; a process of a multi-process job ends here."""
     args = parse_args(argv)
-    return run_cli(
+    code = run_cli(
         lambda: test(args.config, args.checkpoint, output_dir=args.output_dir, overrides=args.opts)
     )
+    return finish(code)
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    sys.exit(main())

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from rcnn_dropit.cli import add_opts_argument, exit_process, run_cli
+from rcnn_dropit.cli import add_opts_argument, finish, run_cli
 from rcnn_dropit.engine import train
 
 
@@ -26,9 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
+    """Entry point (``dropit-train``): the exit code; a process of a multi-process job ends here."""
     args = parse_args(argv)
-    return run_cli(
+    code = run_cli(
         lambda: train(
             args.config,
             overrides=args.opts,
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
         )
     )
+    return finish(code)
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    sys.exit(main())

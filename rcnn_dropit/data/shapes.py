@@ -10,6 +10,8 @@ import numpy as np
 import pycocotools.mask as mask_utils
 from PIL import Image
 
+from rcnn_dropit.errors import UsageError
+
 CLASS_NAMES = ("circle", "square", "triangle", "ellipse", "diamond", "hexagon")
 _ROUND_SHAPES = ("circle", "ellipse")  # stored as RLE; the others as polygons when fully visible
 _MIN_VISIBLE = 0.6  # an occluded object keeps at least this fraction of its pixels
@@ -31,18 +33,18 @@ def make_shapes(
     first_class (and seed) has other objects, e.g. to pretrain a backbone for the fine-tune study.
     """
     if not 0 <= first_class < len(CLASS_NAMES):
-        raise ValueError(
+        raise UsageError(
             f"data.shapes.first_class: {first_class} is not in 0..{len(CLASS_NAMES) - 1}"
         )
     if not 1 <= num_classes <= len(CLASS_NAMES) - first_class:
-        raise ValueError(
+        raise UsageError(
             f"data.shapes.num_classes: {num_classes} is not in 1..{len(CLASS_NAMES) - first_class}"
             f" (with first_class {first_class}, of {len(CLASS_NAMES)} shapes)"
         )
     if image_size < 32:
-        raise ValueError(f"data.shapes.image_size: {image_size} must be >= 32")
+        raise UsageError(f"data.shapes.image_size: {image_size} must be >= 32")
     if num_train < 1 or num_val < 1:
-        raise ValueError(
+        raise UsageError(
             f"data.shapes: num_train ({num_train}) and num_val ({num_val}) must be >= 1"
         )
     root = Path(root)

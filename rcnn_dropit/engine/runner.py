@@ -34,6 +34,7 @@ from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
 from rcnn_dropit.engine.memory_report import dropit_summary, measure_memory
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterations
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
+from rcnn_dropit.errors import MissingPathError, UsageError, one_line
 from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.models import build_model
 from rcnn_dropit.run_dir import RunDir
@@ -46,6 +47,12 @@ def say(message: str) -> None:
     """A line for the user: rank 0's console (through tqdm, so progress bars stay intact) and
     log.txt, once the run's logging is started."""
     log.info(message)
+
+
+def log_error(err: BaseException) -> None:
+    """A failure into log.txt (other ranks: their log files) with its traceback, once the run
+    folder exists; the console's line or traceback is the tool's (rcnn_dropit.cli.run_cli)."""
+    log.error(f"error: {one_line(err)}", exc_info=err, extra={"file_only": True})
 
 
 def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Path:
@@ -97,7 +104,7 @@ def make_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler | None:
     if amp != "fp16":
         return None
     if device.type != "cuda":
-        raise ValueError("solver.amp: fp16 needs a CUDA device; use bf16 or none on CPU")
+        raise UsageError("solver.amp: fp16 needs a CUDA device; use bf16 or none on CPU")
     return torch.amp.GradScaler("cuda")
 
 
@@ -153,9 +160,8 @@ def train(
     try:
         return _train(cfg, info, run_dir, resume, overwrite)
     except Exception as err:
-        # into log.txt (and other ranks' logs); the console line is run_cli's
-        log.error(f"error: {' '.join(str(err).split())}", extra={"file_only": True})
-        if isinstance(err, (ValueError, FileNotFoundError)) and created:
+        log_error(err)
+        if isinstance(err, UsageError) and created:
             main_only(lambda: discard_unfinished_run(run_dir))
         raise
     finally:
@@ -210,7 +216,7 @@ def build(cfg: Config, info: DistInfo, scaler, run_dir: RunDir) -> Parts:
     say_dropped(val_loader.dataset, "val")
     ipe = len(train_loader.batch_sampler)
     if ipe == 0:
-        raise ValueError(f"data: the training set of '{cfg.data.root}' yields no batches")
+        raise UsageError(f"data: the training set of '{cfg.data.root}' yields no batches")
     total = total_iterations(cfg.solver.epochs, ipe, cfg.solver.max_iters)
     optimizer, scheduler = build_optimizer_and_scheduler(
         cfg.solver, model, ipe, total, world_size=info.world_size
@@ -329,7 +335,7 @@ def test(
 
         def check_checkpoint() -> None:
             if not ckpt.is_file():
-                raise FileNotFoundError(f"--checkpoint: file '{ckpt}' does not exist")
+                raise MissingPathError(f"--checkpoint: file '{ckpt}' does not exist")
 
         run_on_main(check_checkpoint)  # rank 0 decides, so no rank fails alone
         run_on_main(lambda: ensure_dataset(cfg))
@@ -350,6 +356,9 @@ def test(
         say(f"evaluation of '{ckpt}' ({metrics['num_images']} images):")
         say(format_metrics_table(metrics))
         return metrics
+    except Exception as err:
+        log_error(err)
+        raise
     finally:
         run_dir.stop_logging()
         cleanup()
@@ -360,5 +369,5 @@ def load_model_weights(net: nn.Module, weights: dict, path: Path) -> None:
     try:
         check_model_compat(net, weights)
     except ValueError as err:
-        raise ValueError(f"--checkpoint '{path}': {err}") from None
+        raise UsageError(f"--checkpoint '{path}': {err}") from None
     net.load_state_dict(weights)

@@ -12,7 +12,15 @@ from typing import Any
 import torch
 
 from dropit_core import to_dropit
-from rcnn_dropit.measure.step_bench import EXCLUDE, _weight_grads, build_detector, make_batch
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.measure.step_bench import (
+    EXCLUDE,
+    Variant,
+    _weight_grads,
+    build_detector,
+    check_variants,
+    make_batch,
+)
 
 DEFAULT_LAYERS = (
     "backbone.body.layer2.0.conv2",
@@ -43,12 +51,13 @@ def gradient_study(
 ) -> dict[str, Any]:
     """Cosine similarity and norm ratio to the exact weight gradient for each (strategy, gamma),
     and the gradients of ``layers`` at each setting for the histograms."""
+    check_variants([Variant(s, g) for s in strategies for g in gammas])  # before the model
     batch = make_batch(image_size, torch.device("cpu"))
     base = build_detector(False, image_size, backbone=backbone).train()
     exact = _weight_grads(base, batch)
     missing = [name for name in layers if name not in exact]
     if missing:
-        raise ValueError(f"layers {missing} have no weight gradient; pick trainable conv/linear")
+        raise UsageError(f"layers {missing} have no weight gradient; pick trainable conv/linear")
     result: dict[str, Any] = {"gammas": list(gammas), "layers": list(layers), "cosine": {}}
     grads: dict[str, dict[str, torch.Tensor]] = {"exact": {n: exact[n] for n in layers}}
     for strategy in strategies:

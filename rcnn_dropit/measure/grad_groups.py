@@ -18,6 +18,7 @@ import torch
 from dropit_core import to_dropit
 from rcnn_dropit.config import Config
 from rcnn_dropit.data.loader import build_dataset, ensure_dataset
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.measure.grad_figure import _cosine, _norm_ratio
 from rcnn_dropit.measure.step_bench import _weight_grads
 from rcnn_dropit.models.build import build_model
@@ -39,7 +40,7 @@ def training_batches(cfg: Config, count: int) -> list[tuple[list[torch.Tensor], 
     dataset = build_dataset(cfg, "train", seed=0, as_float=True)
     size = int(cfg.solver.batch_size)
     if count * size > len(dataset):
-        raise ValueError(f"{count} batches of {size} need more than the {len(dataset)} images")
+        raise UsageError(f"{count} batches of {size} need more than the {len(dataset)} images")
     batches = []
     for b in range(count):
         items = [dataset[i] for i in range(b * size, (b + 1) * size)]

@@ -15,13 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dropit_core import build_strategy, from_dropit
+from dropit_core import from_dropit
 from dropit_core.memory import cuda_allocated_mb
 from rcnn_dropit.measure.step_bench import (
     Meter,
     Variant,
     build_detector,
     check_amp,
+    check_variants,
     convert,
     make_batch,
     train_step,
@@ -144,8 +145,7 @@ def largest_batches(
     """For the baseline and each variant alone on the device: the largest batch (up to
     ``limit`` images) whose training step (forward, backward, SGD momentum update) fits
     ``budget_mb``. ``peak_of(model, n, floor)`` replaces the measurement (tests)."""
-    for v in variants:
-        build_strategy(v.strategy, v.gamma, **v.options)
+    check_variants(variants)
     dev = torch.device(device)
     check_amp(amp)
     # Built on the CPU and moved to the device one setting at a time: each has it to itself.

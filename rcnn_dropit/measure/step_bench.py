@@ -34,6 +34,7 @@ from dropit_core.memory import (
     timed_rounds,
 )
 from rcnn_dropit.config import load_config
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.measure.allocator import training_allocator
 from rcnn_dropit.models import build_model
 
@@ -69,11 +70,11 @@ def parse_variant(text: str) -> Variant:
     ``include=backbone.*+rpn.*`` converts only the layers those patterns name."""
     parts = text.split(":")
     if len(parts) < 2:
-        raise ValueError(f"variant {text!r}: expected strategy:gamma[:key=value,...]")
+        raise UsageError(f"variant {text!r}: expected strategy:gamma[:key=value,...]")
     try:
         gamma = float(parts[1])
     except ValueError:
-        raise ValueError(f"variant {text!r}: gamma {parts[1]!r} is not a number") from None
+        raise UsageError(f"variant {text!r}: gamma {parts[1]!r} is not a number") from None
     options: dict[str, Any] = {}
     for item in ":".join(parts[2:]).split(",") if len(parts) > 2 else []:
         key, _, value = item.partition("=")
@@ -87,6 +88,15 @@ def _option_value(text: str) -> Any:
     if text.lstrip("-").isdigit():
         return int(text)
     return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def check_variants(variants: Sequence[Variant]) -> None:
+    """Raise a UsageError for a variant whose strategy, gamma or options dropit_core refuses."""
+    for v in variants:
+        try:
+            build_strategy(v.strategy, v.gamma, **v.options)
+        except ValueError as err:  # dropit_core's own type: the variant is the user's
+            raise UsageError(str(err)) from err
 
 
 def build_detector(
@@ -129,7 +139,7 @@ def make_batch(image_size: int, device: torch.device, n_images: int = 2):
 def check_amp(amp: str | None) -> None:
     """Raise a clear error for an ``amp`` value other than None, "fp16" or "bf16"."""
     if amp is not None and amp not in AMP_DTYPES:
-        raise ValueError(f"amp={amp!r} is invalid: allowed {', '.join(AMP_DTYPES)} or none")
+        raise UsageError(f"amp={amp!r} is invalid: allowed {', '.join(AMP_DTYPES)} or none")
 
 
 def _autocast(device: torch.device, amp: str | None):
@@ -279,8 +289,7 @@ def run_benchmark(
     images: int = 2,
 ) -> Iterator[dict[str, Any]]:
     """Measure the baseline, then each variant; yields one result dict per row as it is done."""
-    for v in variants:  # fail on a bad variant before minutes of model building
-        build_strategy(v.strategy, v.gamma, **v.options)
+    check_variants(variants)  # fail on a bad variant before minutes of model building
     dev = torch.device(device)
     check_amp(amp)  # fail on a bad amp value early too
     batch = make_batch(image_size, dev, images)

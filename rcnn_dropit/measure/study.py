@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import yaml
 
+from rcnn_dropit.errors import UsageError
+
 PRETRAIN = "pretrain"  # folder and run name of the study's own backbone pretraining
 TIMES_FILE = "study_times.jsonl"  # one record per finished or failed run: the budget's account
 
@@ -69,7 +71,7 @@ class Plan:
     notes: Path | None = None  # hand-written findings, copied into the report after the verdict
 
 
-class PlanError(ValueError):
+class PlanError(UsageError):
     """A study plan file that cannot be used; the message names the key and what is allowed."""
 
 
@@ -183,9 +185,9 @@ def run_study(
     Each run uses ``threads`` CPU threads (default: the cores shared out among the jobs).
     """
     if jobs < 1:
-        raise ValueError(f"jobs: {jobs} must be >= 1")
+        raise UsageError(f"jobs: {jobs} must be >= 1")
     if threads is not None and threads < 1:
-        raise ValueError(f"threads: {threads} must be >= 1")
+        raise UsageError(f"threads: {threads} must be >= 1")
     plan = load_plan(plan_path)
     unknown = [r for r in regimes if r not in plan.regimes]
     if unknown:
@@ -438,7 +440,7 @@ def _check_same_config(run_dir: Path, config: str | Path, overrides: Sequence[st
         cfg.get("train", {}).pop("output_dir", None)
     if want != have:
         diff = _first_difference(want, have)
-        raise ValueError(
+        raise UsageError(
             f"study run '{run_dir}' was trained with a different config than {config} gives now "
             f"({diff}); move it away (or restore the config) so the study does not mix settings"
         )

@@ -11,6 +11,7 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
 from rcnn_dropit.config import Config
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models.backbone import build_backbone
 from rcnn_dropit.models.heads import MLPHead
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
@@ -35,7 +36,7 @@ def build_model(cfg: Config) -> tuple[nn.Module, Any]:
         fpn_channels=m.fpn_channels,
     )
     if m.arch not in ("maskrcnn", "fasterrcnn"):
-        raise ValueError(f"model.arch: '{m.arch}' is not one of maskrcnn, fasterrcnn")
+        raise UsageError(f"model.arch: '{m.arch}' is not one of maskrcnn, fasterrcnn")
     # the heads are built here because torchvision fixes their widths (1024 and 256)
     heads: dict[str, nn.Module] = {
         "box_head": MLPHead(backbone.out_channels * _ROI_SIZE**2, m.box_head_width),
@@ -80,11 +81,14 @@ def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, Any]:
         # the shared default excludes name the mask branch; to_dropit rejects patterns that
         # match nothing, and a Faster R-CNN has no mask branch to exclude
         exclude = tuple(p for p in exclude if not p.startswith("roi_heads.mask_"))
-    return to_dropit(
-        model,
-        strategy=d.strategy,
-        gamma=d.gamma,
-        include=tuple(d.include),
-        exclude=exclude,
-        **d.options,
-    )
+    try:
+        return to_dropit(
+            model,
+            strategy=d.strategy,
+            gamma=d.gamma,
+            include=tuple(d.include),
+            exclude=exclude,
+            **d.options,
+        )
+    except ValueError as err:  # dropit_core's: a pattern, strategy or option of cfg.dropit
+        raise UsageError(str(err)) from err

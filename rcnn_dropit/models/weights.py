@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rcnn_dropit.errors import MissingPathError, UsageError
+
 _SHOW = 8  # key names listed in an error message
 
 
@@ -17,17 +19,17 @@ def load_state_dict_file(path: str | Path, key: str) -> dict[str, torch.Tensor]:
     """Tensors from a raw state_dict file or from a checkpoint dict holding one under "model"."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{key}: file '{path}' does not exist")
+        raise MissingPathError(f"{key}: file '{path}' does not exist")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise ValueError(f"{key}: '{path}' is not a loadable torch file ({err})") from err
+        raise UsageError(f"{key}: '{path}' is not a loadable torch file ({err})") from err
     for nested in ("model", "state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(nested), dict):
             obj = obj[nested]
             break
     if not isinstance(obj, dict) or not all(torch.is_tensor(v) for v in obj.values()):
-        raise ValueError(f"{key}: '{path}' holds no state_dict (a mapping of names to tensors)")
+        raise UsageError(f"{key}: '{path}' holds no state_dict (a mapping of names to tensors)")
     if obj and all(k.startswith("module.") for k in obj):  # saved from a DDP-wrapped model
         obj = {k[len("module.") :]: v for k, v in obj.items()}
     return obj
@@ -62,7 +64,7 @@ def load_strict(
         if keys
     ]
     if problems:
-        raise ValueError(f"{key}: '{path}' does not match the model: {'; '.join(problems)}")
+        raise UsageError(f"{key}: '{path}' does not match the model: {'; '.join(problems)}")
     module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
 
 
@@ -84,7 +86,7 @@ def export_backbone(checkpoint: str | Path, out: str | Path) -> str:
     state = load_state_dict_file(checkpoint, "checkpoint")
     body = {k[len(_BODY) :]: v.clone() for k, v in state.items() if k.startswith(_BODY)}
     if not body:
-        raise ValueError(f"checkpoint: '{checkpoint}' holds no '{_BODY}*' tensors (no detector)")
+        raise UsageError(f"checkpoint: '{checkpoint}' holds no '{_BODY}*' tensors (no detector)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)

@@ -1,0 +1,11 @@
+"""`dropit-bench` run from a checkout (the package installed: `make setup`).
+
+The command is rcnn_dropit/commands/bench.py.
+"""
+
+import sys
+
+from rcnn_dropit.commands.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""`dropit-train` run from a checkout (the package installed: `make setup`).
+
+The command is rcnn_dropit/commands/train.py.
+"""
+
+import sys
+
+from rcnn_dropit.commands.train import main
+
+if __name__ == "__main__":
+    sys.exit(main())
