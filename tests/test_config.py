@@ -200,7 +200,7 @@ def test_base_cycle_is_detected(tmp_path: Path):
 )
 def test_every_shipped_config_loads(path: Path):
     if path.name == "plan.yaml":  # a study plan, not a training config: its runs' configs load
-        from rcnn_dropit.measure.study import load_plan, plan_runs
+        from rcnn_dropit.measure.study_plan import load_plan, plan_runs
 
         runs = plan_runs(load_plan(path))
         assert all(isinstance(load_config(r.config, r.overrides), Config) for r in runs)

@@ -10,7 +10,8 @@ import torch
 
 import rcnn_dropit.measure.study as study
 from rcnn_dropit.config import dump_config, load_config
-from rcnn_dropit.measure.study import PlanError, StudyRun, load_plan, plan_runs, run_study
+from rcnn_dropit.measure.study import run_study
+from rcnn_dropit.measure.study_plan import PlanError, StudyRun, load_plan, plan_runs
 from rcnn_dropit.report.paired import paired_diff, spread, t95
 
 ROOT = Path(__file__).resolve().parents[1]

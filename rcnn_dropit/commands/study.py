@@ -11,7 +11,8 @@ import signal
 import sys
 
 from rcnn_dropit.cli import run_cli
-from rcnn_dropit.measure.study import load_plan, plan_runs, run_study
+from rcnn_dropit.measure.study import run_study
+from rcnn_dropit.measure.study_plan import load_plan, plan_runs
 
 
 def main(argv: list[str] | None = None) -> int:
