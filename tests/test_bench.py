@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dropit_core import is_dropit, memory
+from dropit_core import is_dropit, timing
 from rcnn_dropit.measure import max_batch, step_bench
 from rcnn_dropit.measure.max_batch import largest_batches, largest_fitting
 from rcnn_dropit.measure.step_bench import (
-    Meter,
     Variant,
     markdown_table,
     parse_variant,
@@ -62,32 +61,41 @@ def test_tiny_benchmark_rows_show_a_real_saving() -> None:
     assert "| mink 0.8 |" in table
 
 
+# Seconds the fake clock gives each timed call, in call order: 1 untimed + 2 timed rounds of
+# (baseline, mink, threshold), steps first, then evaluations.
+STEP_SECONDS = [9.0, 9.0, 9.0, 1.0, 3.0, 1.5, 2.0, 6.0, 3.5]  # medians 1.5, 4.5, 2.5
+EVAL_SECONDS = [9.0, 9.0, 9.0, 0.5, 0.5, 1.0, 0.5, 1.5, 1.0]  # medians 0.5, 1.0, 1.0
+
+
 def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
     # Every variant's memory is taken before any timing (the timing switches the allocator),
     # and every ratio divides by the same baseline median.
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # not a measuring process
     order = []
-    monkeypatch.setattr(step_bench, "_memory", _logged(step_bench._memory, order, "memory"))
-    monkeypatch.setattr(memory, "timed", _logged(memory.timed, order, "timed"))
+    seconds = iter(STEP_SECONDS + EVAL_SECONDS)
+
+    def memory(*args, **kwargs):
+        order.append("memory")
+        return real_memory(*args, **kwargs)
+
+    def timed(fn, device=None):
+        order.append("timed")
+        return fn(), next(seconds)
+
+    real_memory = step_bench._memory
+    monkeypatch.setattr(step_bench, "_memory", memory)
+    monkeypatch.setattr(timing, "timed", timed)
     variants = [Variant("mink", 0.8), Variant("threshold", 0.8)]
     base, mink, threshold = run_benchmark(
         variants, image_size=64, repeats=2, rois_per_image=32, backbone="resnet18"
     )
-    assert order.index("timed") > len(order) - order[::-1].index("memory") - 1
-    # (2 rounds + 1 untimed) x 3 models, for steps and for evals
-    assert order.count("timed") == 2 * 3 * 3 and order.count("memory") == 3
-    assert mink["baseline_step_s"] == threshold["baseline_step_s"] > 0
+    assert order == ["memory"] * 3 + ["timed"] * 18  # (1 untimed + 2) rounds x 3, twice
+    assert (mink["step_s"], mink["baseline_step_s"], mink["step_time_ratio"]) == (4.5, 1.5, 3.0)
+    assert (threshold["step_s"], threshold["baseline_step_s"]) == (2.5, 1.5)
+    assert threshold["step_time_ratio"] == round(2.5 / 1.5, 4)
+    assert mink["eval_time_ratio"] == threshold["eval_time_ratio"] == 2.0
     for row in (mink, threshold):
-        assert row["step_s"] > 0 and row["step_time_ratio"] > 0 and row["eval_time_ratio"] > 0
         assert row["timing_allocator"] == "as started"
-
-
-def _logged(fn, order: list[str], name: str):
-    def wrapper(*args, **kwargs):
-        order.append(name)
-        return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def test_memory_only_rows_of_part_of_the_model() -> None:
@@ -124,43 +132,6 @@ def test_tiny_benchmark_under_bf16_autocast() -> None:
 def test_bad_amp_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="amp='fp8' is invalid: allowed fp16, bf16"):
         list(run_benchmark([Variant("mink", 0.8)], image_size=64, amp="fp8"))
-
-
-def _fake_cuda(monkeypatch) -> dict[str, float]:
-    """A fake CUDA caching allocator: counters in MB that a test moves by hand."""
-    mb = 1024 * 1024
-    state = {"allocated": 0.0, "peak": 0.0}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"] * mb)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"] * mb)
-    monkeypatch.setattr(
-        torch.cuda,
-        "reset_peak_memory_stats",
-        lambda device=None: state.update(peak=state["allocated"]),
-    )
-    return state
-
-
-def test_cuda_peak_is_taken_above_the_models_own_start(monkeypatch) -> None:
-    # The baseline and earlier variants still hold 3000 MB: a variant's figures must not include it.
-    state = _fake_cuda(monkeypatch)
-    state.update(allocated=3000.0, peak=5000.0)  # an earlier, larger peak is forgotten too
-    meter = Meter(torch.device("cuda", 0))
-    meter.begin()
-    assert meter.start == 3000.0
-    state.update(allocated=3400.0, peak=3700.0)  # after the forward
-    assert meter.now() == 400.0 and meter.peak() == 700.0
-    state.update(allocated=3100.0, peak=3900.0)  # after the backward
-    assert meter.peak() == 900.0
-
-
-def test_cpu_meter_ignores_cuda_on_a_gpu_node(monkeypatch) -> None:
-    state = _fake_cuda(monkeypatch)
-    state.update(allocated=3000.0, peak=5000.0)
-    meter = Meter(torch.device("cpu"))
-    meter.begin()
-    assert not meter.cuda and meter.start is not None and meter.start < 3000.0  # RSS, not CUDA
 
 
 @pytest.mark.parametrize(
@@ -205,11 +176,33 @@ def test_largest_batches_rows_per_setting() -> None:
 def test_step_peak_is_measured_and_out_of_memory_is_none(monkeypatch) -> None:
     from rcnn_dropit.measure.step_bench import build_detector
 
+    events = []
+
+    class Meter:  # the RSS of a test process moves by noise: a meter that says what it saw
+        cuda = False
+
+        def __init__(self, device) -> None:
+            self.start = None
+
+        def begin(self) -> None:
+            events.append("begin")
+            self.start = 500.0
+
+        def peak(self) -> float:
+            events.append("peak")
+            return 42.5
+
+    real_step = max_batch.train_step
+    monkeypatch.setattr(max_batch, "PeakMeter", Meter)
+    monkeypatch.setattr(max_batch, "train_step", lambda *a: events.append("step") or real_step(*a))
     model = build_detector(False, 64, 32, "resnet18").train()
     cpu = torch.device("cpu")
-    peak = max_batch._step_peak_mb(model, 64, cpu, None, 1, 0.0)
-    assert peak is not None and peak > 0
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert max_batch._step_peak_mb(model, 64, cpu, None, 1, 0.0) == 42.5  # the CPU peak as read
+    assert events == ["begin", "step", "peak"]  # the peak spans the step and the SGD update
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.grad is not None for p in trainable)  # gradients stay allocated, as in training
+    momentum = model._bench_optimizer.state
+    assert all("momentum_buffer" in momentum[p] for p in trainable)
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -260,15 +253,19 @@ def test_bench_tool_says_when_cuda_is_missing() -> None:
     assert "--device cuda: CUDA is not available on this machine" in done.stderr
 
 
-def test_op_costs_rows_name_every_pass_in_order() -> None:
+def test_op_costs_rows_name_every_pass_in_order(monkeypatch) -> None:
     from rcnn_dropit.measure.op_bench import op_costs
 
+    # pass i takes (i + 1) ms in the timed round; the untimed first round says 50 ms each
+    seconds = iter([0.05] * 11 + [(i + 1) / 1000 for i in range(11)])
+    monkeypatch.setattr(timing, "timed", lambda fn, device=None: (fn(), next(seconds)))
     rows = op_costs(n=1 << 12, repeats=1)
     ops = [r["op"] for r in rows]
     assert ops[:3] == ["copy (yardstick)", "relu (yardstick)", "abs and compare"]
     assert len(rows) == 11 and {r["stage"] for r in rows} == {"-", "forward", "backward"}
-    assert all(r["ms"] >= 0 and r["elements"] == 4096 and r["device"] == "cpu" for r in rows)
-    assert rows[0]["per_copy"] == 1.0  # the yardstick is its own unit
+    assert [r["ms"] for r in rows] == [float(i + 1) for i in range(11)]
+    assert [r["per_copy"] for r in rows] == [float(i + 1) for i in range(11)]  # copy is 1 ms
+    assert all(r["elements"] == 4096 and r["device"] == "cpu" for r in rows)
 
 
 def test_op_costs_on_a_missing_gpu_is_a_clear_error() -> None:

@@ -22,7 +22,7 @@ from rcnn_dropit.engine import runner as runner_module
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
 from rcnn_dropit.engine.runner import check_output_dir, train
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, step_scheduler
-from rcnn_dropit.metrics_file import NullWriter, peak_memory_mb, read_metrics
+from rcnn_dropit.metrics_file import NullWriter, read_metrics
 from rcnn_dropit.run_dir import truncate_metrics
 from tests.conftest import FASTER_CFG, MASK_CFG, MASK_DROPIT_CFG, train_records
 from tests.conftest import tiny_opts as shared_tiny_opts
@@ -425,17 +425,6 @@ def test_peak_mem_mb_covers_only_its_logging_window() -> None:
         trainer._log(iteration, bar)
     first, second = (r["peak_mem_mb"] for r in trainer.writer.records)
     assert first - second > 300  # the second window no longer reports the first one's peak
-
-
-def test_cuda_peak_is_read_then_reset_on_the_run_device(monkeypatch) -> None:
-    calls = []
-    peaks = iter([3 * 2**20, 2**20])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: next(peaks))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: calls.append(d))
-    device = torch.device("cuda", 1)
-    assert peak_memory_mb(device, reset=True) == 3.0
-    assert peak_memory_mb(device) == 1.0
-    assert calls == [device]
 
 
 # ---- fp16 skipped steps ----------------------------------------------------------------------

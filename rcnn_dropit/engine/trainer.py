@@ -14,12 +14,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from dropit_core import memory
 from rcnn_dropit.checkpoint.checkpointer import Checkpointer
 from rcnn_dropit.checkpoint.files import capture_rng_state, restore_rng_state
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import get_world_size, reduce_dict
 from rcnn_dropit.engine.data_position import epoch_batches
-from rcnn_dropit.metrics_file import peak_memory_mb
 
 log = logging.getLogger(__name__)
 LOSS_KEYS_ORDER = (
@@ -282,7 +282,7 @@ class Trainer:
             "data_time": w.data_time / w.count,
             "images_per_sec": images / w.time if w.time > 0 else 0.0,
             # of this window only: an all-time peak would show the evaluation's after the first
-            "peak_mem_mb": peak_memory_mb(self.device, reset=True),
+            "peak_mem_mb": memory.peak_mb(self.device, reset=True),
             "skipped_steps": self.skipped_steps,
         }
         self.writer.write(record)

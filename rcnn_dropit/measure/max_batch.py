@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from dropit_core import from_dropit
-from dropit_core.memory import cuda_allocated_mb
+from dropit_core.memory import PeakMeter, cuda_allocated_mb
 from rcnn_dropit.measure.step_bench import (
-    Meter,
     Variant,
     build_detector,
     check_amp,
@@ -77,7 +76,7 @@ def _step_peak_mb(
     if optimizer is None:  # momentum buffers are part of what must fit
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
         model._bench_optimizer = optimizer
-    meter = Meter(device)
+    meter = PeakMeter(device)
     gc.collect()
     meter.begin()
     try:

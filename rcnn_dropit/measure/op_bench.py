@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from dropit_core.memory import timed_rounds
 from dropit_core.packing import bit_positions, compact_bits, pack_bits, scatter_kept, zero_flagged
+from dropit_core.timing import timed_rounds
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.measure.allocator import training_allocator
 

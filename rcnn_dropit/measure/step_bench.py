@@ -23,16 +23,8 @@ import torch
 from torch import nn
 
 from dropit_core import build_strategy, from_dropit, is_dropit, to_dropit
-from dropit_core.memory import (
-    cuda_allocated_mb,
-    cuda_peak_mb,
-    peak_rss_mb,
-    reset_cuda_peak,
-    reset_peak_rss,
-    rss_mb,
-    saved_activations,
-    timed_rounds,
-)
+from dropit_core.memory import PeakMeter, saved_activations
+from dropit_core.timing import timed_rounds
 from rcnn_dropit.config import load_config
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.measure.allocator import training_allocator
@@ -183,41 +175,6 @@ def _weight_grads(model: nn.Module, batch, amp: str | None = None) -> dict[str, 
     }
 
 
-class Meter:
-    """Memory of one process above a starting point: RSS on the CPU, allocator counters on CUDA."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.start: float | None = None
-
-    def begin(self) -> None:
-        """Take the starting allocation and reset the peak."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            reset_cuda_peak(self.device)
-            self.start = cuda_allocated_mb(self.device)
-        else:
-            reset_peak_rss()
-            self.start = rss_mb()
-
-    def now(self) -> float | None:
-        """Memory in use now, above the start."""
-        if self.start is None:
-            return None
-        now = cuda_allocated_mb(self.device) if self.cuda else rss_mb()
-        return None if now is None else now - self.start
-
-    def peak(self) -> float | None:
-        """Peak since :meth:`begin`, above the start."""
-        if self.start is None:
-            return None
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        peak = cuda_peak_mb(self.device) if self.cuda else peak_rss_mb()
-        return None if peak is None else peak - self.start
-
-
 def _memory(model: nn.Module, batch, device: torch.device, amp: str | None = None) -> dict:
     """Saved bytes, live memory after the forward, and the peak of the step and where it falls.
 
@@ -226,7 +183,7 @@ def _memory(model: nn.Module, batch, device: torch.device, amp: str | None = Non
     """
     model.zero_grad(set_to_none=True)
     gc.collect()
-    meter = Meter(device)
+    meter = PeakMeter(device)
     meter.begin()
     loss, report = saved_activations(model, lambda: _loss(model, batch, amp))
     live, peak_forward = meter.now(), meter.peak()
