@@ -55,7 +55,7 @@ def test_tiny_benchmark_rows_show_a_real_saving() -> None:
         # (At 64 px without MALLOC_MMAP_THRESHOLD_ the RSS moves by noise; only the logic here.)
         assert r["peak_mb"] >= r["peak_forward_mb"] and r["live_mb"] == r["rss_live_mb"]
         assert (r["peak_phase"] == "forward") == (r["peak_forward_mb"] >= r["peak_mb"])
-        assert r["amp"] is None and r["images"] == 2
+        assert r["amp"] == "none" and r["images"] == 2
     table = markdown_table(rows)
     assert table.splitlines()[2].startswith("| baseline |")
     assert "| mink 0.8 |" in table
@@ -197,7 +197,7 @@ def test_step_peak_is_measured_and_out_of_memory_is_none(monkeypatch) -> None:
     monkeypatch.setattr(max_batch, "train_step", lambda *a: events.append("step") or real_step(*a))
     model = build_detector(False, 64, 32, "resnet18").train()
     cpu = torch.device("cpu")
-    assert max_batch._step_peak_mb(model, 64, cpu, None, 1, 0.0) == 42.5  # the CPU peak as read
+    assert max_batch._step_peak_mb(model, 64, cpu, "none", 1, 0.0) == 42.5  # the CPU peak as read
     assert events == ["begin", "step", "peak"]  # the peak spans the step and the SGD update
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert all(p.grad is not None for p in trainable)  # gradients stay allocated, as in training
@@ -208,7 +208,7 @@ def test_step_peak_is_measured_and_out_of_memory_is_none(monkeypatch) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(max_batch, "train_step", oom)
-    assert max_batch._step_peak_mb(model, 64, cpu, None, 64, 0.0) is None
+    assert max_batch._step_peak_mb(model, 64, cpu, "none", 64, 0.0) is None
 
 
 def test_unknown_strategy_is_a_clear_error() -> None:

@@ -19,9 +19,11 @@ from tqdm import tqdm
 from dropit_core import memory
 from rcnn_dropit.checkpoint.files import load_checkpoint
 from rcnn_dropit.engine import runner as runner_module
+from rcnn_dropit.engine.amp import autocast, make_scaler
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
 from rcnn_dropit.engine.runner import check_output_dir, train
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, step_scheduler
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.metrics_file import NullWriter, read_metrics
 from rcnn_dropit.run_dir import truncate_metrics
 from tests.conftest import FASTER_CFG, MASK_CFG, MASK_DROPIT_CFG, train_records
@@ -464,3 +466,23 @@ def test_step_scheduler_silences_only_the_scheduler_order_warning() -> None:
     assert order_warnings == 1 and "before `optimizer.step()`" in str(caught[0].message)
     assert [str(w.message) for w in caught[1:]] == ["another warning"]
     assert scheduler.last_epoch == 1
+
+
+# ---- mixed precision -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("amp, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_autocast_runs_the_forward_in_the_solver_amp_dtype(amp: str, dtype: torch.dtype) -> None:
+    layer = nn.Linear(4, 3)
+    with autocast(amp, torch.device("cpu")):
+        assert layer(torch.ones(2, 4)).dtype == dtype
+    with autocast("none", torch.device("cpu")):
+        assert layer(torch.ones(2, 4)).dtype == torch.float32
+
+
+def test_amp_values_are_checked_and_fp16_needs_cuda() -> None:
+    with pytest.raises(UsageError, match="amp='fp8' is invalid: allowed fp16, bf16 or none"):
+        autocast("fp8", torch.device("cpu"))
+    with pytest.raises(UsageError, match="fp16 needs a CUDA device"):
+        make_scaler("fp16", torch.device("cpu"))
+    assert make_scaler("bf16", torch.device("cpu")) is None

@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument(
-        "--amp", choices=["fp16", "bf16"], help="autocast dtype (default: none, fp32)"
+        "--amp",
+        choices=["none", "fp16", "bf16"],
+        default="none",
+        help="autocast dtype (default: none, fp32)",
     )
     parser.add_argument("--images", type=int, default=2, help="images per step (default: 2)")
     parser.add_argument(

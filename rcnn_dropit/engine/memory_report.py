@@ -9,8 +9,9 @@ from torch import nn
 
 from dropit_core import from_dropit, memory
 from rcnn_dropit.data import images_to_device
+from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
-from rcnn_dropit.engine.trainer import autocast_context, move_targets
+from rcnn_dropit.engine.trainer import move_targets
 
 
 def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: torch.device):
@@ -19,7 +20,7 @@ def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: 
     # both peaks: memory.json reports the allocator's (on CUDA) and the process's
     memory.reset_cuda_peak(device)  # nothing to reset for a CPU run, on a GPU node too
     memory.reset_peak_rss()
-    with autocast_context(amp, device):
+    with autocast(amp, device):
         losses, report = memory.saved_activations(net, lambda: net(images, targets))
     sum(losses.values()).backward()
     net.zero_grad(set_to_none=True)  # the measurement must leave no gradients behind

@@ -30,6 +30,7 @@ from rcnn_dropit.distributed import (
     main_only,
     run_on_main,
 )
+from rcnn_dropit.engine.amp import make_scaler
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
 from rcnn_dropit.engine.memory_report import dropit_summary, measure_memory
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterations
@@ -97,15 +98,6 @@ def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
         return net, net
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     return DistributedDataParallel(net, device_ids=device_ids), net
-
-
-def make_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """GradScaler for fp16 on CUDA; bf16 and fp32 need none."""
-    if amp != "fp16":
-        return None
-    if device.type != "cuda":
-        raise UsageError("solver.amp: fp16 needs a CUDA device; use bf16 or none on CPU")
-    return torch.amp.GradScaler("cuda")
 
 
 def say_dropped(dataset: object, split: str) -> None:

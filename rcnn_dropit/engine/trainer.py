@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -19,6 +18,7 @@ from rcnn_dropit.checkpoint.checkpointer import Checkpointer
 from rcnn_dropit.checkpoint.files import capture_rng_state, restore_rng_state
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import get_world_size, reduce_dict
+from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
 
 log = logging.getLogger(__name__)
@@ -113,14 +113,6 @@ class LogWindow:
         if not state:
             return cls()
         return cls(state["count"], dict(state["losses"]), state["time"], state["data_time"])
-
-
-def autocast_context(amp: str, device: torch.device):
-    """Autocast for solver.amp (none | fp16 | bf16) on the device's type."""
-    if amp == "none":
-        return contextlib.nullcontext()
-    dtype = torch.float16 if amp == "fp16" else torch.bfloat16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def move_targets(targets: list[dict], device: torch.device) -> list[dict]:
@@ -231,7 +223,7 @@ class Trainer:
     def step(self, images: list[torch.Tensor], targets: list[dict], iteration: int) -> dict:
         """Forward, non-finite guard, backward, clip, optimizer and scheduler step."""
         solver = self.options
-        with autocast_context(solver.amp, self.device):
+        with autocast(solver.amp, self.device):
             loss_dict = self.model(images, targets)
         total = sum(loss_dict.values())
         # One small all-reduce per step: every rank must agree on skipping/stopping or DDP hangs.

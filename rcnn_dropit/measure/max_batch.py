@@ -17,10 +17,10 @@ from torch import nn
 
 from dropit_core import from_dropit
 from dropit_core.memory import PeakMeter, cuda_allocated_mb
+from rcnn_dropit.engine.amp import check_amp
 from rcnn_dropit.measure.step_bench import (
     Variant,
     build_detector,
-    check_amp,
     check_variants,
     convert,
     make_batch,
@@ -64,7 +64,7 @@ def largest_fitting(peak_of: Callable[[int], float | None], budget_mb: float, li
 
 
 def _step_peak_mb(
-    model: nn.Module, image_size: int, device: torch.device, amp: str | None, n: int, floor: float
+    model: nn.Module, image_size: int, device: torch.device, amp: str, n: int, floor: float
 ) -> float | None:
     """Peak memory (MB) of one SGD-with-momentum step on n images; None when out of memory.
 
@@ -138,7 +138,7 @@ def largest_batches(
     device: str = "cpu",
     rois_per_image: int = 512,
     backbone: str = "resnet50",
-    amp: str | None = None,
+    amp: str = "none",
     peak_of: Callable[[nn.Module, int, float], float | None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """For the baseline and each variant alone on the device: the largest batch (up to

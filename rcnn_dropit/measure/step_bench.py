@@ -10,7 +10,6 @@ largest batch each setting trains within a memory budget, which is what a GPU us
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import statistics
@@ -26,12 +25,12 @@ from dropit_core import build_strategy, from_dropit, is_dropit, to_dropit
 from dropit_core.memory import PeakMeter, saved_activations
 from dropit_core.timing import timed_rounds
 from rcnn_dropit.config import load_config
+from rcnn_dropit.engine.amp import autocast, check_amp
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.measure.allocator import training_allocator
 from rcnn_dropit.models import build_model
 
 _CONFIG = Path(__file__).resolve().parents[2] / "configs" / "maskrcnn_baseline.yaml"
-AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 EXCLUDE = (
     "backbone.body.conv1",
     "roi_heads.box_predictor",
@@ -128,29 +127,15 @@ def make_batch(image_size: int, device: torch.device, n_images: int = 2):
     return images, targets
 
 
-def check_amp(amp: str | None) -> None:
-    """Raise a clear error for an ``amp`` value other than None, "fp16" or "bf16"."""
-    if amp is not None and amp not in AMP_DTYPES:
-        raise UsageError(f"amp={amp!r} is invalid: allowed {', '.join(AMP_DTYPES)} or none")
-
-
-def _autocast(device: torch.device, amp: str | None):
-    """``torch.autocast`` for ``amp`` ("fp16"/"bf16"), or nothing when ``amp`` is None."""
-    check_amp(amp)
-    if amp is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
-
-
-def _loss(model: nn.Module, batch, amp: str | None = None) -> torch.Tensor:
+def _loss(model: nn.Module, batch, amp: str = "none") -> torch.Tensor:
     # Proposal sampling draws from the global RNG: the same seed gives every variant the same graph.
     torch.manual_seed(1)
     device = batch[0][0].device
-    with _autocast(device, amp):
+    with autocast(amp, device):
         return sum(model(*batch).values())
 
 
-def train_step(model: nn.Module, batch, amp: str | None = None) -> None:
+def train_step(model: nn.Module, batch, amp: str = "none") -> None:
     """One forward and backward (gradients set to None first)."""
     model.zero_grad(set_to_none=True)
     # Under fp16 a real run scales the loss (GradScaler); the scale changes neither memory nor
@@ -158,14 +143,14 @@ def train_step(model: nn.Module, batch, amp: str | None = None) -> None:
     _loss(model, batch, amp).backward()
 
 
-def _eval(model: nn.Module, batch, amp: str | None = None) -> None:
+def _eval(model: nn.Module, batch, amp: str = "none") -> None:
     model.eval()
-    with torch.no_grad(), _autocast(batch[0][0].device, amp):
+    with torch.no_grad(), autocast(amp, batch[0][0].device):
         model(batch[0])
     model.train()
 
 
-def _weight_grads(model: nn.Module, batch, amp: str | None = None) -> dict[str, torch.Tensor]:
+def _weight_grads(model: nn.Module, batch, amp: str = "none") -> dict[str, torch.Tensor]:
     """Weight gradients of the conv/linear layers that received one, by module path."""
     train_step(model, batch, amp)
     return {
@@ -175,7 +160,7 @@ def _weight_grads(model: nn.Module, batch, amp: str | None = None) -> dict[str, 
     }
 
 
-def _memory(model: nn.Module, batch, device: torch.device, amp: str | None = None) -> dict:
+def _memory(model: nn.Module, batch, device: torch.device, amp: str = "none") -> dict:
     """Saved bytes, live memory after the forward, and the peak of the step and where it falls.
 
     Every figure is taken above this model's own starting allocation (its gradients freed), so
@@ -242,7 +227,7 @@ def run_benchmark(
     device: str = "cpu",
     rois_per_image: int = 512,
     backbone: str = "resnet50",
-    amp: str | None = None,
+    amp: str = "none",
     images: int = 2,
 ) -> Iterator[dict[str, Any]]:
     """Measure the baseline, then each variant; yields one result dict per row as it is done."""
