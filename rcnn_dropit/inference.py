@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import nn
 from torchvision.transforms.functional import pil_to_tensor
 
+from rcnn_dropit.atomic import write_json_atomic
 from rcnn_dropit.checkpoint.files import find_last_checkpoint
 from rcnn_dropit.config import Config, load_config
 from rcnn_dropit.data import build_dataset, dataset_paths, ensure_dataset, load_coco_json
@@ -240,7 +240,7 @@ def write_results(results: dict[str, list[dict]], output_dir: Path) -> list[Path
     written = []
     for iou_type, entries in results.items():
         path = output_dir / f"coco_results_{iou_type}.json"
-        path.write_text(json.dumps(entries))
+        write_json_atomic(path, entries, indent=None)
         written.append(path)
     return written
 

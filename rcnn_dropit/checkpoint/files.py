@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rcnn_dropit.atomic import write_atomic
 from rcnn_dropit.errors import CheckpointWriteError, MissingPathError, UsageError
 from rcnn_dropit.models.weights import compare_state_dict  # the one key/shape comparison
-from rcnn_dropit.run_dir import write_atomic
 
 POINTER_NAME = "last_checkpoint"
 _NUMBERED = re.compile(r"model_(\d+)\.pth")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from rcnn_dropit.atomic import write_atomic
 from rcnn_dropit.errors import MissingPathError, UsageError
 
 _SHOW = 8  # key names listed in an error message
@@ -89,12 +88,5 @@ def export_backbone(checkpoint: str | Path, out: str | Path) -> str:
         raise UsageError(f"checkpoint: '{checkpoint}' holds no '{_BODY}*' tensors (no detector)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as stream:
-            torch.save(body, stream)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomic(out, lambda f: torch.save(body, f))
     return hashlib.sha256(out.read_bytes()).hexdigest()
