@@ -21,7 +21,7 @@ from rcnn_dropit.engine.evaluator_loop import iou_types_for
 from rcnn_dropit.errors import MissingPathError, UsageError
 from rcnn_dropit.evaluation import coco_results
 from rcnn_dropit.models import build_model
-from rcnn_dropit.models.weights import load_state_dict_file, load_strict
+from rcnn_dropit.models.weights import check_detector_kind, load_state_dict_file, load_strict
 from rcnn_dropit.visualize import (
     draw_ground_truth,
     draw_prediction,
@@ -31,8 +31,6 @@ from rcnn_dropit.visualize import (
 )
 
 IMAGE_SUFFIXES = (".bmp", ".gif", ".jpeg", ".jpg", ".png", ".ppm", ".tif", ".tiff", ".webp")
-_CLS_SCORE = "roi_heads.box_predictor.cls_score.weight"  # (num_classes, features)
-_MASK_HEAD = "roi_heads.mask_predictor."
 
 
 @dataclass
@@ -85,25 +83,6 @@ def resolve_model_files(
     return run / "config.yaml", newest
 
 
-def check_checkpoint_fits(weights: dict[str, torch.Tensor], cfg: Config, path: Path) -> None:
-    """Name an architecture or class-count mismatch before the key-by-key comparison."""
-    has_mask = any(k.startswith(_MASK_HEAD) for k in weights)
-    if _CLS_SCORE in weights:
-        arch = "maskrcnn" if has_mask else "fasterrcnn"
-        if arch != cfg.model.arch:
-            raise UsageError(
-                f"--checkpoint '{path}' is a {arch} "
-                f"({'with' if has_mask else 'without'} a mask head), "
-                f"config model.arch {cfg.model.arch}"
-            )
-        classes = int(weights[_CLS_SCORE].shape[0])
-        if classes != cfg.model.num_classes:
-            raise UsageError(
-                f"--checkpoint '{path}' has {classes} classes, "
-                f"config model.num_classes {cfg.model.num_classes}"
-            )
-
-
 def class_names_for(cfg: Config) -> tuple[list[str], list[int]]:
     """(names by label, category ids) from the config's validation annotation file.
 
@@ -136,7 +115,7 @@ def load_predictor(
         raise MissingPathError(f"--config: file '{config_path}' does not exist")
     cfg = load_config(config_path, overrides)
     weights = load_state_dict_file(ckpt, "--checkpoint")
-    check_checkpoint_fits(weights, cfg, ckpt)
+    check_detector_kind(weights, cfg.model.arch, cfg.model.num_classes, ckpt)
     model, _record = build_model(cfg)
     load_strict(model, weights, "--checkpoint", str(ckpt))
     device = resolve_device(cfg.train.device, 0)

@@ -10,12 +10,12 @@ from torch import nn
 
 from rcnn_dropit.checkpoint.files import (
     capture_rng_state,
-    check_model_compat,
     load_checkpoint,
     save_checkpoint,
 )
 from rcnn_dropit.distributed import all_gather_object, get_rank, get_world_size, run_on_main
 from rcnn_dropit.errors import UsageError
+from rcnn_dropit.models.weights import check_model_compat
 
 # Version 1: the unversioned files written before this module (still read). Version 2 drops
 # the unread "epoch" and "sampler" fields and keeps the loop's bookkeeping under "loop".

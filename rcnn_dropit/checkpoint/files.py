@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from rcnn_dropit.atomic import write_atomic
 from rcnn_dropit.errors import CheckpointWriteError, MissingPathError, UsageError
-from rcnn_dropit.models.weights import compare_state_dict  # the one key/shape comparison
 
 POINTER_NAME = "last_checkpoint"
 _NUMBERED = re.compile(r"model_(\d+)\.pth")
@@ -195,27 +193,3 @@ def restore_rng_state(state: dict) -> None:
 
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
-def check_model_compat(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError if state_dict's keys or shapes do not fit model."""
-    missing, unexpected, mismatched = compare_state_dict(model.state_dict(), state_dict)
-    if not (missing or unexpected or mismatched):
-        return
-    parts = []
-    for label, keys in (
-        ("missing keys", missing),
-        ("unexpected keys", unexpected),
-        ("shape mismatches", mismatched),
-    ):
-        if keys:
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            parts.append(f"{len(keys)} {label}: {', '.join(keys[:3])}{more}")
-    hint = ""
-    if unexpected and all(k.startswith("module.") for k in unexpected):
-        hint = " (keys start with 'module.': saved from the DDP wrapper, save model.module)"
-    raise UsageError(
-        "checkpoint is from another model (checkpoint shape vs model shape): "
-        + "; ".join(parts)
-        + hint
-    )

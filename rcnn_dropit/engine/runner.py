@@ -20,7 +20,7 @@ from rcnn_dropit.checkpoint.checkpointer import (
     load_on_every_rank,
     model_weights,
 )
-from rcnn_dropit.checkpoint.files import check_model_compat, find_last_checkpoint, resolve_resume
+from rcnn_dropit.checkpoint.files import find_last_checkpoint, resolve_resume
 from rcnn_dropit.config import Config, load_config
 from rcnn_dropit.data import build_train_loader, build_val_loader, ensure_dataset
 from rcnn_dropit.distributed import (
@@ -38,6 +38,7 @@ from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
 from rcnn_dropit.errors import MissingPathError, UsageError, one_line
 from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.models import build_model
+from rcnn_dropit.models.weights import check_model_compat
 from rcnn_dropit.run_dir import RunDir
 from rcnn_dropit.tensorboard import require_tensorboard
 

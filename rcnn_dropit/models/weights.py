@@ -1,4 +1,5 @@
-"""Loading state dicts from local files with one clear error message."""
+"""State dicts: loading them from local files, and whether one fits a model, each with one
+clear error message (the only place that compares keys and shapes)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from rcnn_dropit.atomic import write_atomic
 from rcnn_dropit.errors import MissingPathError, UsageError
 
 _SHOW = 8  # key names listed in an error message
+_CLS_SCORE = "roi_heads.box_predictor.cls_score.weight"  # (num_classes, features)
+_MASK_HEAD = "roi_heads.mask_predictor."
 
 
 def load_state_dict_file(path: str | Path, key: str) -> dict[str, torch.Tensor]:
@@ -52,7 +55,7 @@ def compare_state_dict(
 def load_strict(
     module: nn.Module, state: dict[str, torch.Tensor], key: str, path: str, ignore_prefix: str = ""
 ) -> None:
-    """Load every tensor; any missing, unexpected or mis-shaped key is a ValueError naming them."""
+    """Load every tensor; any missing, unexpected or mis-shaped key is a UsageError naming them."""
     own = module.state_dict()
     missing, unexpected, shapes = compare_state_dict(
         own, state, lambda k: _ignored(k, ignore_prefix)
@@ -65,6 +68,53 @@ def load_strict(
     if problems:
         raise UsageError(f"{key}: '{path}' does not match the model: {'; '.join(problems)}")
     module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+
+
+def check_detector_kind(
+    weights: dict[str, torch.Tensor], arch: str, num_classes: int, path: str | Path
+) -> None:
+    """Name an architecture or class-count mismatch of a detector's weights before the
+    key-by-key comparison (whose list of keys would bury it)."""
+    has_mask = any(k.startswith(_MASK_HEAD) for k in weights)
+    if _CLS_SCORE in weights:
+        found = "maskrcnn" if has_mask else "fasterrcnn"
+        if found != arch:
+            raise UsageError(
+                f"--checkpoint '{path}' is a {found} "
+                f"({'with' if has_mask else 'without'} a mask head), "
+                f"config model.arch {arch}"
+            )
+        classes = int(weights[_CLS_SCORE].shape[0])
+        if classes != num_classes:
+            raise UsageError(
+                f"--checkpoint '{path}' has {classes} classes, "
+                f"config model.num_classes {num_classes}"
+            )
+
+
+def check_model_compat(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Raise a UsageError if state_dict's keys or shapes do not fit model (a checkpoint of
+    another model)."""
+    missing, unexpected, mismatched = compare_state_dict(model.state_dict(), state_dict)
+    if not (missing or unexpected or mismatched):
+        return
+    parts = []
+    for label, keys in (
+        ("missing keys", missing),
+        ("unexpected keys", unexpected),
+        ("shape mismatches", mismatched),
+    ):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            parts.append(f"{len(keys)} {label}: {', '.join(keys[:3])}{more}")
+    hint = ""
+    if unexpected and all(k.startswith("module.") for k in unexpected):
+        hint = " (keys start with 'module.': saved from the DDP wrapper, save model.module)"
+    raise UsageError(
+        "checkpoint is from another model (checkpoint shape vs model shape): "
+        + "; ".join(parts)
+        + hint
+    )
 
 
 def _ignored(name: str, prefix: str) -> bool:
