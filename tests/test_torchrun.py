@@ -25,6 +25,7 @@ from rcnn_dropit.data import make_shapes
 from rcnn_dropit.engine import runner
 from rcnn_dropit.metrics_file import read_metrics
 from rcnn_dropit.models import build_model
+from rcnn_dropit.rng import seed_all
 from tests.conftest import (
     FASTER_CFG,
     MASK_DROPIT_CFG,
@@ -293,7 +294,7 @@ def test_one_ddp_step_matches_single_process(two_node_run, twin_root, tmp_path) 
     single = load_checkpoint(single_run / "checkpoints/model_0000001.pth")["model"]
     ddp = load_checkpoint(run / "checkpoints/model_0000001.pth")["model"]
     cfg = load_config(FASTER_CFG, opts)
-    runner.seed_all(cfg.train.seed)  # the initial weights, as the runner makes them
+    seed_all(cfg.train.seed)  # the initial weights, as the runner makes them
     start = build_model(cfg)[0].state_dict()
     step_sq = diff_sq = 0.0
     for name, value in single.items():

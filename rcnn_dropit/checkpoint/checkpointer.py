@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from rcnn_dropit.checkpoint.files import (
-    capture_rng_state,
     load_checkpoint,
     save_checkpoint,
 )
 from rcnn_dropit.distributed import all_gather_object, get_rank, get_world_size, run_on_main
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models.weights import check_model_compat
+from rcnn_dropit.rng import capture_rng_state
 
 # Version 1: the unversioned files written before this module (still read). Version 2 drops
 # the unread "epoch" and "sampler" fields and keeps the loop's bookkeeping under "loop".

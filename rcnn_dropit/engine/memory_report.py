@@ -12,6 +12,7 @@ from rcnn_dropit.data import images_to_device
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.trainer import move_targets
+from rcnn_dropit.rng import rng_preserved
 
 
 def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: torch.device):
@@ -33,7 +34,7 @@ def measure_memory(
 ) -> dict:
     """The memory.json report: one step measured on the first training batch (on every rank:
     SyncBN needs all)."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with rng_preserved():  # the training streams go on as if nothing was measured
         images, targets = next(epoch_batches(train_loader, 0))
         images = images_to_device(images, device)
         targets = move_targets(targets, device)

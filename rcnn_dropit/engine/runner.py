@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from rcnn_dropit.errors import MissingPathError, UsageError, one_line
 from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.models import build_model
 from rcnn_dropit.models.weights import check_model_compat
+from rcnn_dropit.rng import seed_all
 from rcnn_dropit.run_dir import RunDir
 from rcnn_dropit.tensorboard import require_tensorboard
 
@@ -70,18 +70,6 @@ def check_output_dir(out: Path, resume: str | None, overwrite: bool, clear: bool
     """Refuse to mix a new run into a used folder; --overwrite clears our own files first
     (unless clear=False: check only, so nothing is lost if a later check fails)."""
     RunDir(out).check(resume, overwrite, clear)
-
-
-def seed_all(seed: int) -> None:
-    """Seed python, numpy (if present) and torch generators."""
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    torch.manual_seed(seed)
 
 
 def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:

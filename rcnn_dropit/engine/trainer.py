@@ -15,11 +15,11 @@ from tqdm import tqdm
 
 from dropit_core import memory
 from rcnn_dropit.checkpoint.checkpointer import Checkpointer
-from rcnn_dropit.checkpoint.files import capture_rng_state, restore_rng_state
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import get_world_size, reduce_dict
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
+from rcnn_dropit.rng import restore_rng_state, rng_preserved
 
 log = logging.getLogger(__name__)
 LOSS_KEYS_ORDER = (
@@ -297,9 +297,8 @@ class Trainer:
 
     def run_eval(self, iteration: int) -> dict:
         """Evaluate without disturbing the training RNG streams, then record the metrics."""
-        rng = capture_rng_state()  # eval draws random numbers (loader seeds); keep resume exact
-        metrics = self.evaluate()
-        restore_rng_state(rng)
+        with rng_preserved():  # eval draws random numbers (loader seeds); keep resume exact
+            metrics = self.evaluate()
         self.writer.write(
             {
                 "type": "eval",
