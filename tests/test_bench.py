@@ -6,14 +6,71 @@ import pytest
 import torch
 
 from dropit_core import is_dropit, timing
+from rcnn_dropit.config import load_config
 from rcnn_dropit.measure import max_batch, step_bench
+from rcnn_dropit.measure.grad_fidelity import cosine, mean_fidelity, norm_ratio
 from rcnn_dropit.measure.max_batch import largest_batches, largest_fitting
-from rcnn_dropit.measure.step_bench import (
+from rcnn_dropit.measure.step_bench import markdown_table, run_benchmark
+from rcnn_dropit.measure.workload import (
     Variant,
-    markdown_table,
+    build_detector,
+    convert,
     parse_variant,
-    run_benchmark,
+    recipe_config,
 )
+from tests.conftest import REPO
+
+
+@pytest.mark.parametrize("scratch", [False, True])
+def test_the_bench_model_is_the_coco_recipe_without_its_config_file(scratch: bool) -> None:
+    # Built from the schema so that an installed package needs no configs/ folder.
+    overrides = [
+        "model.pretrained_backbone=false",
+        "model.min_size=512",
+        "model.max_size=512",
+        "model.box_batch_size_per_image=256",
+    ]
+    if scratch:
+        overrides += ["model.norm=bn", "model.trainable_layers=5"]
+    recipe = load_config(REPO / "configs/maskrcnn_baseline.yaml", overrides)
+    built = recipe_config(scratch, 512, 256)
+    assert built.model == recipe.model and built.test == recipe.test
+    assert not built.dropit.enabled
+
+
+def test_variants_keep_the_papers_exclusions_exact() -> None:
+    base = build_detector(False, 64, 32, "resnet18")
+    model = convert(base, Variant("mink", 0.8))
+    converted = {n for n, m in model.named_modules() if is_dropit(m)}
+    assert "backbone.body.layer1.0.conv1" in converted and "roi_heads.box_head.fc6" in converted
+    for exact in (
+        "backbone.body.conv1",
+        "roi_heads.box_predictor.cls_score",
+        "roi_heads.box_predictor.bbox_pred",
+        "roi_heads.mask_predictor.mask_fcn_logits",
+    ):
+        assert exact not in converted
+    assert not any(is_dropit(m) for m in base.modules())  # a copy was converted
+
+
+def test_gradient_fidelity_of_hand_made_gradients() -> None:
+    exact = {"a": torch.tensor([[3.0, 4.0]]), "b": torch.tensor([1.0, 0.0]), "c": torch.ones(2)}
+    grads = {"a": torch.tensor([[1.5, 2.0]]), "b": torch.tensor([1.0, 1.0]), "c": torch.ones(2)}
+    assert cosine(grads["a"], exact["a"]) == pytest.approx(1.0)
+    assert norm_ratio(grads["a"], exact["a"]) == pytest.approx(0.5)  # same direction, half length
+    assert cosine(grads["b"], exact["b"]) == pytest.approx(2**-0.5)
+    assert norm_ratio(grads["b"], exact["b"]) == pytest.approx(2**0.5)
+    row = mean_fidelity(grads, exact, {"a", "b"})  # "c" is not a converted layer
+    assert row == {
+        "grad_cosine": round((1.0 + 2**-0.5) / 2, 4),
+        "grad_norm_ratio": round((0.5 + 2**0.5) / 2, 4),
+        "converted_layers": 2,
+    }
+    assert mean_fidelity(grads, exact, set()) == {
+        "grad_cosine": None,
+        "grad_norm_ratio": None,
+        "converted_layers": 0,
+    }
 
 
 def test_parse_variant_reads_strategy_gamma_and_typed_options() -> None:
@@ -174,8 +231,6 @@ def test_largest_batches_rows_per_setting() -> None:
 
 
 def test_step_peak_is_measured_and_out_of_memory_is_none(monkeypatch) -> None:
-    from rcnn_dropit.measure.step_bench import build_detector
-
     events = []
 
     class Meter:  # the RSS of a test process moves by noise: a meter that says what it saw

@@ -19,9 +19,8 @@ from dropit_core import to_dropit
 from rcnn_dropit.config import Config
 from rcnn_dropit.data.loader import build_dataset, ensure_dataset
 from rcnn_dropit.errors import UsageError
-from rcnn_dropit.measure.grad_figure import _cosine, _norm_ratio
-from rcnn_dropit.measure.step_bench import _weight_grads
-from rcnn_dropit.models.build import build_model
+from rcnn_dropit.measure.grad_fidelity import cosine, norm_ratio, weight_grads
+from rcnn_dropit.models import build_model, fitting_exclude
 
 # (label, module-path prefix); "all" is every trained conv/linear weight.
 GROUPS = (
@@ -73,21 +72,21 @@ def group_fidelity(
     if weights is not None:
         base.load_state_dict(weights)
     base.train()
-    exact = [_weight_grads(base, batch) for batch in batches]
+    exact = [weight_grads(base, batch) for batch in batches]
     result: dict[str, dict[str, dict[str, float]]] = {}
     for name, options in settings.items():
-        options = {"exclude": tuple(cfg.dropit.exclude), **options}
+        options = {"exclude": fitting_exclude(base, cfg.dropit.exclude), **options}
         model, _ = to_dropit(copy.deepcopy(base), **options)
         sums: dict[str, list[float]] = {}
         for i, batch in enumerate(batches):
-            approx = _weight_grads(model, batch)
+            approx = weight_grads(model, batch)
             for label, prefix in GROUPS:
                 a, e = _group_vector(approx, prefix), _group_vector(exact[i], prefix)
                 if a is None or e is None:
                     continue
                 acc = sums.setdefault(label, [0.0, 0.0])
-                acc[0] += _cosine(a, e)
-                acc[1] += _norm_ratio(a, e)
+                acc[0] += cosine(a, e)
+                acc[1] += norm_ratio(a, e)
         result[name] = {
             label: {"cosine": c / len(batches), "norm_ratio": r / len(batches)}
             for label, (c, r) in sums.items()

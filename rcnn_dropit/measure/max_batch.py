@@ -18,7 +18,7 @@ from torch import nn
 from dropit_core import from_dropit
 from dropit_core.memory import PeakMeter, cuda_allocated_mb
 from rcnn_dropit.engine.amp import check_amp
-from rcnn_dropit.measure.step_bench import (
+from rcnn_dropit.measure.workload import (
     Variant,
     build_detector,
     check_variants,
