@@ -36,7 +36,7 @@ __all__ = [
     "TestConfig",
     "TrainConfig",
     "config_from_dict",
-    "dump_config",
+    "config_yaml",
     "load_config",
 ]
 
@@ -64,11 +64,9 @@ def config_from_dict(d: dict[str, Any]) -> Config:
     )
 
 
-def dump_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML (loadable again with load_config)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False))
+def config_yaml(cfg: Config) -> str:
+    """The resolved config as YAML text (a run's config.yaml; loadable again with load_config)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 
 # --- reading files ---------------------------------------------------------------------------

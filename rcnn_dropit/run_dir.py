@@ -236,10 +236,6 @@ class RunDir:
 
         return run_on_main(find)
 
-    def has_eval_record(self, iteration: int) -> bool:
-        """Whether metrics.jsonl holds an evaluation of `iteration`."""
-        return self.eval_record(iteration) is not None
-
     def write_json(self, name: str, obj: dict) -> None:
         """<name> in the folder, atomically (rank 0; every rank calls it)."""
         run_on_main(lambda: write_json_atomic(self.root / name, obj))

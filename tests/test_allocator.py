@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rcnn_dropit.measure.allocator import training_allocator
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 # In a fresh process started for measuring: RSS kept after freeing a 16 MB tensor, inside the
 # context and after it.

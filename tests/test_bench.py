@@ -18,7 +18,7 @@ from rcnn_dropit.measure.workload import (
     parse_variant,
     recipe_config,
 )
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 @pytest.mark.parametrize("scratch", [False, True])
@@ -90,6 +90,7 @@ def test_parse_variant_rejects_malformed_text(text: str) -> None:
         parse_variant(text)
 
 
+@pytest.mark.slow
 def test_tiny_benchmark_rows_show_a_real_saving() -> None:
     # A ResNet-18 keeps it quick; tools/bench.py runs the real R50 recipe.
     variants = [Variant("mink", 0.8)]
@@ -271,21 +272,24 @@ def test_unknown_strategy_is_a_clear_error() -> None:
         list(run_benchmark([Variant("mink2", 0.8)], image_size=64, repeats=1))
 
 
-def test_step_time_comparison_of_widths(tmp_path):
-    """Both models train on the same batch; the first is the 1x reference; narrow has fewer
-    parameters."""
+def test_step_time_comparison_of_widths(tiny_shapes, monkeypatch):
+    """Both models train on the same batch, in rounds; the first is the 1x reference; narrow
+    has fewer parameters."""
     from rcnn_dropit.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
-    from tests.conftest import tiny_opts
+    from tests.helpers import tiny_opts
 
+    seconds = iter([2.0, 0.5, 3.0, 0.25])  # rounds of (torchvision widths, narrow)
+    monkeypatch.setattr(timing, "timed", lambda fn, device=None: (fn(), next(seconds)))
     rows = compare_step_time(
         "configs/demo/maskrcnn_shapes_baseline.yaml",
         [("torchvision widths", TORCHVISION_WIDTHS), ("narrow", ())],
-        common=tiny_opts(tmp_path / "shapes"),
-        repeats=1,
+        common=tiny_opts(tiny_shapes),
+        repeats=2,
         warmup=0,
     )
     assert [r["model"] for r in rows] == ["torchvision widths", "narrow"]
-    assert rows[0]["step_ratio"] == 1.0 and rows[1]["step_s"] > 0
+    assert [r["step_s"] for r in rows] == [2.5, 0.375]  # medians of the two rounds
+    assert [r["step_ratio"] for r in rows] == [1.0, 0.15]
     assert rows[1]["params_m"] < rows[0]["params_m"] - 10  # 1024-wide fc6 over 256x7x7 features
     assert rows[0]["overrides"] == list(TORCHVISION_WIDTHS) and rows[1]["images"] == 2
 

@@ -6,7 +6,6 @@ import hashlib
 import json
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pycocotools.mask as mask_utils
@@ -15,6 +14,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
+from rcnn_dropit.config import Config, config_from_dict
 from rcnn_dropit.data import (
     CocoDetection,
     GroupedBatchSampler,
@@ -35,30 +35,25 @@ from rcnn_dropit.engine.data_position import epoch_batches
 SHAPES = {"num_train": 6, "num_val": 3, "image_size": 64, "num_classes": 3, "seed": 1}
 
 
-def make_cfg(root: Path, dataset: str = "shapes", **data_overrides) -> SimpleNamespace:
-    """Stand-in for the Config object with exactly the attributes the data module reads."""
+def make_cfg(root: Path, dataset: str = "shapes", **data_overrides) -> Config:
+    """A validated Config of the data set at root (COCO file names as the defaults have them),
+    batches of 2."""
     data = {
         "dataset": dataset,
         "root": str(root),
-        "train_images": "train2017",
-        "train_ann": "annotations/instances_train2017.json",
-        "val_images": "val2017",
-        "val_ann": "annotations/instances_val2017.json",
-        "shapes": SimpleNamespace(**SHAPES),
+        "shapes": SHAPES,
         "num_workers": 0,
         "aspect_ratio_group_factor": 3,
         "hflip_prob": 0.5,
-        "skip_missing_images": False,
         **data_overrides,
     }
-    return SimpleNamespace(data=SimpleNamespace(**data), solver=SimpleNamespace(batch_size=2))
+    model = {"num_classes": SHAPES["num_classes"] + 1}
+    return config_from_dict({"data": data, "solver": {"batch_size": 2}, "model": model})
 
 
 @pytest.fixture(scope="module")
-def shapes_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("shapes")
-    make_shapes(root, **SHAPES)
-    return root
+def shapes_root(shapes_set) -> Path:
+    return shapes_set(**SHAPES)
 
 
 def mask_box(mask: torch.Tensor) -> list[int]:

@@ -55,6 +55,7 @@ def sample():
     return [torch.rand(3, 64, 64)], [target]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "expected"), [("maskrcnn", LOSSES | {"loss_mask"}), ("fasterrcnn", LOSSES)]
 )
@@ -172,6 +173,7 @@ def test_weights_with_other_num_classes_is_rejected(saved_faster: tuple[dict, Pa
         build_model(tiny_cfg(arch="fasterrcnn", num_classes=5, weights=weights))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["maskrcnn", "fasterrcnn"])
 def test_dropit_is_applied_per_config(arch: str):
     cfg = tiny_cfg(arch=arch, dropit={"enabled": True, "strategy": "mink", "gamma": 0.8})

@@ -14,7 +14,7 @@ from rcnn_dropit.config import load_config
 from rcnn_dropit.metrics_file import read_metrics
 from rcnn_dropit.run_dir import LOGGER_NAME, RunDir
 from rcnn_dropit.tensorboard import scalars
-from tests.conftest import FASTER_CFG
+from tests.helpers import FASTER_CFG
 
 log = logging.getLogger(LOGGER_NAME)
 

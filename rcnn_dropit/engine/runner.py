@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -20,7 +19,7 @@ from rcnn_dropit.checkpoint.checkpointer import (
     model_weights,
 )
 from rcnn_dropit.checkpoint.files import find_last_checkpoint, resolve_resume
-from rcnn_dropit.config import Config, load_config
+from rcnn_dropit.config import Config, config_yaml, load_config
 from rcnn_dropit.data import build_train_loader, build_val_loader, ensure_dataset
 from rcnn_dropit.distributed import (
     DistInfo,
@@ -64,12 +63,6 @@ def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Pat
     if cfg.train.output_dir:
         return Path(cfg.train.output_dir)
     return Path("outputs") / (cfg.name or "run")
-
-
-def check_output_dir(out: Path, resume: str | None, overwrite: bool, clear: bool = True) -> None:
-    """Refuse to mix a new run into a used folder; --overwrite clears our own files first
-    (unless clear=False: check only, so nothing is lost if a later check fails)."""
-    RunDir(out).check(resume, overwrite, clear)
 
 
 def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
@@ -182,7 +175,7 @@ def _train(
     if start is not None:
         say(f"resumed from '{ckpt_path}' at iteration {start.iteration}")
     run_on_main(lambda: run_dir.check(resume, overwrite))  # --overwrite clears only now
-    run_dir.create(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False))
+    run_dir.create(config_yaml(cfg))
     return run(cfg, info, parts, run_dir, start, resumed=resume is not None)
 
 
