@@ -73,6 +73,18 @@ def segmentation_to_mask(seg: Any, height: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(mask_utils.decode(rle), dtype=np.uint8)
 
 
+def mask_to_rle(mask: np.ndarray) -> dict[str, Any]:
+    """COCO's uncompressed RLE of a binary HxW mask, exact: run lengths of 0s and 1s in turn,
+    column by column, starting with 0s. pycocotools' frPyObjects reads it for iscrowd=0 objects
+    (as torchvision's reference loader uses it), which compressed (string) counts are not."""
+    flat = np.asarray(mask, dtype=bool).ravel(order="F")
+    starts = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+    counts = np.diff(np.concatenate([[0], starts, [flat.size]])).tolist()
+    if flat.size and flat[0]:
+        counts.insert(0, 0)  # the first run counts 0s
+    return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": [int(c) for c in counts]}
+
+
 def _box_mask(box: np.ndarray, height: int, width: int) -> np.ndarray:
     """Filled-box mask for annotations that carry no segmentation."""
     mask = np.zeros((height, width), dtype=np.uint8)

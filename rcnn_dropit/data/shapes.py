@@ -12,6 +12,8 @@ from PIL import Image
 
 from rcnn_dropit.errors import UsageError
 
+from .coco import mask_to_rle
+
 CLASS_NAMES = ("circle", "square", "triangle", "ellipse", "diamond", "hexagon")
 _ROUND_SHAPES = ("circle", "ellipse")  # stored as RLE; the others as polygons when fully visible
 _MIN_VISIBLE = 0.6  # an occluded object keeps at least this fraction of its pixels
@@ -214,15 +216,16 @@ def _visible_masks(full: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def _annotation(shape: dict, visible: np.ndarray) -> dict:
-    """COCO annotation of the visible part: polygon if intact, else compressed RLE."""
+    """COCO annotation of the visible part: its polygon if intact (the polygon is what painted
+    it, so it decodes to exactly these pixels), else uncompressed RLE, exact too. Both are what
+    readers of iscrowd=0 objects accept, torchvision's reference loader included."""
     ys, xs = np.nonzero(visible)
     x0, y0 = int(xs.min()), int(ys.min())
     bbox = [x0, y0, int(xs.max()) - x0 + 1, int(ys.max()) - y0 + 1]
     if shape["polygon"] is not None and np.array_equal(visible, shape["full"]):
         segmentation = [shape["polygon"]]
     else:
-        rle = mask_utils.encode(np.asfortranarray(visible))
-        segmentation = {"size": list(rle["size"]), "counts": rle["counts"].decode("ascii")}
+        segmentation = mask_to_rle(visible)
     return {
         "category_id": shape["category_id"],
         "bbox": bbox,
