@@ -23,6 +23,7 @@ from rcnn_dropit.evaluation import coco_results
 from rcnn_dropit.models import build_model
 from rcnn_dropit.models.weights import check_detector_kind, load_state_dict_file, load_strict
 from rcnn_dropit.visualize import (
+    DISPLAY_OVERLAP,
     draw_ground_truth,
     draw_prediction,
     fit_scale,
@@ -238,8 +239,10 @@ def predict_images(
     score_thresh: float = 0.5,
     scale: float = 1.0,
     image_ids: Sequence[int] | None = None,
+    overlap: float = DISPLAY_OVERLAP,
 ) -> InferResult:
-    """Draw the detections of each image into output_dir/<stem>.png.
+    """Draw the detections of each image into output_dir/<stem>.png (score_thresh and overlap:
+    which are shown, see visualize.shown_detections).
 
     With image_ids (one per path, see image_ids_for), also write every detection, down to
     test.score_thresh rather than only the drawn ones, as COCO results.
@@ -252,7 +255,9 @@ def predict_images(
     for path, name, image_id in zip(paths, picture_names(paths), ids, strict=True):
         image = read_image(path)
         output = predictor(image)
-        picture = draw_prediction(image, output, predictor.class_names, score_thresh, scale=scale)
+        picture = draw_prediction(
+            image, output, predictor.class_names, score_thresh, scale=scale, overlap=overlap
+        )
         pictures.append(save_png(picture, output_dir / name))
         if image_id is not None:
             found = coco_results(output, image_id, iou_types, predictor.label_to_cat_id)
@@ -268,6 +273,7 @@ def val_gallery(
     path: str | Path,
     score_thresh: float = 0.5,
     panel_size: int = 256,
+    overlap: float = DISPLAY_OVERLAP,
 ) -> Path:
     """The first num_images validation images of the run's data set, each row prediction | truth,
     saved as one PNG at path."""
@@ -286,7 +292,14 @@ def val_gallery(
         prediction = predictor(image)
         pairs.append(
             (
-                draw_prediction(image, prediction, dataset.class_names, score_thresh, scale=scale),
+                draw_prediction(
+                    image,
+                    prediction,
+                    dataset.class_names,
+                    score_thresh,
+                    scale=scale,
+                    overlap=overlap,
+                ),  # fmt: skip
                 draw_ground_truth(image, target, dataset.class_names, scale=scale),
             )
         )

@@ -26,6 +26,7 @@ from rcnn_dropit.visualize import (
     draw_ground_truth,
     draw_prediction,
     prediction_vs_truth,
+    shown_detections,
 )
 from tests.helpers import assert_one_line_error, call_tool, tiny_opts
 
@@ -67,6 +68,27 @@ def test_drawn_prediction_colours_box_edge_and_mask_interior() -> None:
     assert big.shape == (3, 120, 120)
     assert torch.equal(big[:, 60, 10], color)
     assert torch.allclose(big[:, 60, 40].float(), color.float() / 2, atol=1)
+
+
+def test_a_picture_shows_one_box_per_object() -> None:
+    # One object found three times (two classes, boxes of about its size), another once.
+    prediction = {
+        "boxes": torch.tensor(
+            [[10.0, 10.0, 50.0, 50.0], [12.0, 11.0, 50.0, 52.0], [8.0, 9.0, 49.0, 48.0],
+             [60.0, 60.0, 90.0, 90.0], [61.0, 60.0, 90.0, 91.0]]
+        ),
+        "scores": torch.tensor([0.9, 0.8, 0.7, 0.6, 0.4]),
+        "labels": torch.tensor([1, 2, 1, 2, 1]),
+    }  # fmt: skip
+    assert shown_detections(prediction, 0.5).tolist() == [0, 3]
+    assert shown_detections(prediction, 0.5, overlap=1.0).tolist() == [0, 1, 2, 3]
+    assert shown_detections(prediction, 0.3).tolist() == [0, 3]  # 4 hides behind 3
+    assert shown_detections(prediction, 0.95).tolist() == []
+    image = torch.zeros(3, 100, 100, dtype=torch.uint8)
+    one = draw_prediction(image, prediction, ["bg", "a", "b"], score_thresh=0.5)
+    every = draw_prediction(image, prediction, ["bg", "a", "b"], score_thresh=0.5, overlap=1.0)
+    assert torch.equal(one[:, 30, 12], torch.zeros(3, dtype=torch.uint8))  # box 1's edge: hidden
+    assert torch.equal(every[:, 30, 12], torch.tensor(class_color(2), dtype=torch.uint8))
 
 
 def test_ground_truth_panel_and_gallery_layout() -> None:

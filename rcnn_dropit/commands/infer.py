@@ -22,6 +22,7 @@ from rcnn_dropit.inference import (
     predict_images,
     val_gallery,
 )
+from rcnn_dropit.visualize import DISPLAY_OVERLAP
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +57,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="draw detections scoring at least this (default 0.5)",
     )
     parser.add_argument(
+        "--overlap",
+        type=float,
+        default=DISPLAY_OVERLAP,
+        help="do not draw a detection that overlaps a better one by more than this IoU, whatever "
+        f"the classes: one box per object (default {DISPLAY_OVERLAP}; 1 draws all; --json "
+        "results keep every detection)",
+    )
+    parser.add_argument(
         "--scale", type=float, default=1.0, help="resize pictures by this factor (default 1)"
     )
     parser.add_argument(
@@ -78,6 +87,8 @@ def run(args: argparse.Namespace) -> None:
     """Load the model, then draw (and write results for) the requested images."""
     if not 0.0 <= args.score_thresh <= 1.0:
         raise UsageError(f"--score-thresh: {args.score_thresh} is not in [0, 1]")
+    if not 0.0 <= args.overlap <= 1.0:
+        raise UsageError(f"--overlap: {args.overlap} is not in [0, 1]")
     if args.scale <= 0:
         raise UsageError(f"--scale: {args.scale} must be > 0")
     if args.image_ids and not args.json:
@@ -92,7 +103,9 @@ def run(args: argparse.Namespace) -> None:
     run_dir = Path(args.run) if args.run else resolve_output_dir(predictor.cfg)
     if args.val is not None:
         out = Path(args.output) if args.output else run_dir
-        path = val_gallery(predictor, args.val, out / "predictions.png", args.score_thresh)
+        path = val_gallery(
+            predictor, args.val, out / "predictions.png", args.score_thresh, overlap=args.overlap
+        )
         print(f"prediction (left) next to ground truth (right): {path}")
         return
     out = Path(args.output) if args.output else run_dir / "infer"
@@ -103,6 +116,7 @@ def run(args: argparse.Namespace) -> None:
         score_thresh=args.score_thresh,
         scale=args.scale,
         image_ids=ids,
+        overlap=args.overlap,
     )
     print(f"wrote {len(result.pictures)} picture(s) to '{out}'")
     for path in result.results_files:
