@@ -9,9 +9,8 @@ it was first saved, so the breakdown says which layer kind holds the memory.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,28 +166,62 @@ def reset_cuda_peak(device: torch.device | str | None = None) -> None:
         torch.cuda.reset_peak_memory_stats(cuda)
 
 
-def timed(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[Any, float]:
-    """Run ``fn`` and return (result, seconds), synchronising CUDA around it."""
-    sync = device is not None and device.type == "cuda"
-    if sync:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if sync:
-        torch.cuda.synchronize(device)
-    return result, time.perf_counter() - start
+def peak_mb(device: torch.device | str, reset: bool = False) -> float | None:
+    """Peak memory in MB since the last reset: the allocator's on a CUDA device, else this
+    process's resident peak (VmHWM); ``reset=True`` starts a new window once it is read."""
+    peak = cuda_peak_mb(device) if _cuda_device(device) is not None else peak_rss_mb()
+    if reset:
+        reset_peak(device)
+    return peak
 
 
-def timed_rounds(
-    fns: Sequence[Callable[[], Any]], repeats: int, device: torch.device | None = None
-) -> list[list[float]]:
-    """Seconds of each of ``fns`` over ``repeats`` rounds of one call each, after one untimed
-    round (caches, the allocator's heap and lazy initialisation settle in it): drifts in machine
-    load hit every function alike, which is what makes ratios of their medians fair."""
-    times: list[list[float]] = [[] for _ in fns]
-    for round_ in range(repeats + 1):
-        for i, fn in enumerate(fns):
-            seconds = timed(fn, device)[1]
-            if round_:
-                times[i].append(seconds)
-    return times
+def reset_peak(device: torch.device | str) -> None:
+    """Start a new peak window for :func:`peak_mb` (where /proc/self/clear_refs is not
+    writable, the CPU peak stays the all-time one)."""
+    if _cuda_device(device) is not None:
+        reset_cuda_peak(device)
+    else:
+        reset_peak_rss()
+
+
+def allocated_mb(device: torch.device | str) -> float | None:
+    """Memory in use now, in MB: the allocator's on a CUDA device, else this process's RSS."""
+    return cuda_allocated_mb(device) if _cuda_device(device) is not None else rss_mb()
+
+
+class PeakMeter:
+    """Memory of one process above a starting point: RSS on the CPU, allocator counters on CUDA.
+
+    What else the process holds at :meth:`begin` (other models, earlier measurements) does not
+    count in :meth:`now` and :meth:`peak`.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.start: float | None = None
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def begin(self) -> None:
+        """Take the starting allocation and reset the peak."""
+        self._sync()
+        reset_peak(self.device)
+        self.start = allocated_mb(self.device)
+
+    def now(self) -> float | None:
+        """Memory in use now, above the start."""
+        if self.start is None:
+            return None
+        now = allocated_mb(self.device)
+        return None if now is None else now - self.start
+
+    def peak(self) -> float | None:
+        """Peak since :meth:`begin`, above the start."""
+        if self.start is None:
+            return None
+        self._sync()
+        peak = peak_mb(self.device)
+        return None if peak is None else peak - self.start

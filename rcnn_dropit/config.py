@@ -24,6 +24,7 @@ from rcnn_dropit.config_schema import (
     TrainConfig,
     cross_check,
 )
+from rcnn_dropit.errors import MissingPathError, UsageError
 
 __all__ = [
     "Config",
@@ -35,7 +36,7 @@ __all__ = [
     "TestConfig",
     "TrainConfig",
     "config_from_dict",
-    "dump_config",
+    "config_yaml",
     "load_config",
 ]
 
@@ -57,17 +58,15 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 def config_from_dict(d: dict[str, Any]) -> Config:
     """Rebuild a validated Config from a plain dict (e.g. the one stored in a checkpoint)."""
     if not isinstance(d, dict):
-        raise ValueError(f"config: expected a mapping, got {type(d).__name__}")
+        raise UsageError(f"config: expected a mapping, got {type(d).__name__}")
     return _build(
         Config, _check_tree(d, Config, "", "config dict"), prefix="", source="config dict"
     )
 
 
-def dump_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML (loadable again with load_config)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False))
+def config_yaml(cfg: Config) -> str:
+    """The resolved config as YAML text (a run's config.yaml; loadable again with load_config)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 
 # --- reading files ---------------------------------------------------------------------------
@@ -75,24 +74,24 @@ def dump_config(cfg: Config, path: str | Path) -> None:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise FileNotFoundError(f"config file '{path}' does not exist")
+        raise MissingPathError(f"config file '{path}' does not exist")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
-        raise ValueError(
+        raise UsageError(
             f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})"
         ) from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ValueError(f"{path}:{where}: invalid YAML: {err.problem or err}") from None
+        raise UsageError(f"{path}:{where}: invalid YAML: {err.problem or err}") from None
     except (yaml.YAMLError, ValueError, OverflowError) as err:
         # ValueError: a scalar YAML resolves but cannot build, e.g. the date 2001-13-01
-        raise ValueError(f"{path}: invalid YAML: {err}") from None
+        raise UsageError(f"{path}: invalid YAML: {err}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+        raise UsageError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return data
 
 
@@ -101,20 +100,20 @@ def _load_tree(path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
     resolved = path.resolve()
     if resolved in stack:
         chain = " -> ".join(str(p) for p in (*stack, resolved))
-        raise ValueError(f"{path}: circular _base_ inclusion: {chain}")
+        raise UsageError(f"{path}: circular _base_ inclusion: {chain}")
     data = _read_yaml(path)
     bases = data.pop(BASE_KEY, [])
     if isinstance(bases, str):
         bases = [bases]
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
-        raise ValueError(
+        raise UsageError(
             f"{path}: _base_ must be a file name or a list of file names, got {bases!r}"
         )
     merged: dict[str, Any] = {}
     for base in bases:
         base_path = path.parent / base
         if not base_path.is_file():
-            raise FileNotFoundError(f"{path}: _base_ file '{base_path}' does not exist")
+            raise MissingPathError(f"{path}: _base_ file '{base_path}' does not exist")
         _merge(merged, _load_tree(base_path, (*stack, resolved)))
     _merge(merged, _check_tree(data, Config, "", str(path)))
     return merged
@@ -135,12 +134,12 @@ def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 def _parse_override(item: str) -> dict[str, Any]:
     """`a.b.c=value` -> {"a": {"b": {"c": typed value}}}, checked against the schema."""
     if "=" not in item:
-        raise ValueError(f"override '{item}': expected key=value, e.g. solver.lr=0.01")
+        raise UsageError(f"override '{item}': expected key=value, e.g. solver.lr=0.01")
     key, raw = item.split("=", 1)
     key = key.strip()
     parts = key.split(".")
     if not key or not all(parts):
-        raise ValueError(f"override '{item}': empty key part in '{key}'")
+        raise UsageError(f"override '{item}': empty key part in '{key}'")
     source = f"override '{item}'"
     hint = _field_type(Config, parts)
     try:
@@ -179,7 +178,7 @@ def _unknown(prefix: list[str], key: str, known: dict[str, Any], source: str) ->
     close = difflib.get_close_matches(key, list(known), n=1)
     hint = f"; did you mean '{'.'.join([*prefix, close[0]])}'?" if close else ""
     allowed = ", ".join(known)
-    raise ValueError(f"{source}: unknown key '{full}'{hint} (allowed here: {allowed})")
+    raise UsageError(f"{source}: unknown key '{full}'{hint} (allowed here: {allowed})")
 
 
 def _check_tree(data: dict[str, Any], cls: type, prefix: str, source: str) -> dict[str, Any]:
@@ -262,7 +261,7 @@ def _wrong(key: str, value: Any, expected: str, source: str) -> typing.NoReturn:
     shown = repr(value)
     if len(shown) > 60:  # e.g. a 400-digit number: the start identifies it
         shown = shown[:57] + "..."
-    raise ValueError(f"{source}: {key} = {shown} has the wrong type; expected {expected}")
+    raise UsageError(f"{source}: {key} = {shown} has the wrong type; expected {expected}")
 
 
 def _is_str_type(hint: Any) -> bool:
@@ -283,7 +282,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
     obj = _instantiate(cls, data, prefix, source)
     errors = cross_check(obj) if cls is Config else []
     if errors:
-        raise ValueError(f"{source}: {errors[0]}")
+        raise UsageError(f"{source}: {errors[0]}")
     return obj
 
 
@@ -306,11 +305,11 @@ def _validate(key: str, value: Any, rules: typing.Mapping[str, Any], source: str
         return
     choices = rules.get("choices")
     if choices is not None and value not in choices:
-        raise ValueError(f"{source}: {key} = {value!r} is not one of {', '.join(choices)}")
+        raise UsageError(f"{source}: {key} = {value!r} is not one of {', '.join(choices)}")
     ops = {"ge": (">=", operator.ge), "gt": (">", operator.gt)}
     ops |= {"le": ("<=", operator.le), "lt": ("<", operator.lt)}
     used = [r for r in ops if r in rules]
     # compared as they are: float() of a huge int overflows; NaN fails every comparison
     if any(not ops[r][1](value, rules[r]) for r in used):
         allowed = " and ".join(f"{ops[r][0]} {rules[r]}" for r in used)
-        raise ValueError(f"{source}: {key} = {value!r} is out of range; it must be {allowed}")
+        raise UsageError(f"{source}: {key} = {value!r} is out of range; it must be {allowed}")

@@ -12,6 +12,14 @@ from dropit_core.patch import check_options
 # dropit_core's strategy registry owns the list and each strategy's options; dropit.options
 # depends on dropit.strategy, so it is checked in cross_check, against the registry
 DROPIT_STRATEGIES: tuple[str, ...] = REGISTRY.names
+# The DropIT paper's exclusions, dropit.exclude's default: the stem conv (its input is the image)
+# and the final predictors (class scores and box deltas, mask logits) stay exact.
+# rcnn_dropit.models.paper_exclude(model) gives those that exist in a given model.
+PAPER_EXCLUDE: tuple[str, ...] = (
+    "backbone.body.conv1",
+    "roi_heads.box_predictor.*",
+    "roi_heads.mask_predictor.mask_fcn_logits",
+)
 
 
 def _f(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, **rules: Any):
@@ -56,13 +64,7 @@ class DropITConfig:
     strategy: str = _f("mink", choices=DROPIT_STRATEGIES)
     gamma: float = _f(0.8, ge=0.0, lt=1.0)
     include: list[str] = _f(factory=lambda: ["*"])
-    exclude: list[str] = _f(
-        factory=lambda: [
-            "backbone.body.conv1",
-            "roi_heads.box_predictor.*",
-            "roi_heads.mask_predictor.mask_fcn_logits",
-        ]
-    )
+    exclude: list[str] = _f(factory=lambda: list(PAPER_EXCLUDE))
     options: dict[str, Any] = _f(factory=dict)
 
 

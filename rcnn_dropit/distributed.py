@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from rcnn_dropit.errors import UsageError
+
 DEFAULT_MASTER_PORT = 29500
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 T = TypeVar("T")
@@ -52,12 +54,12 @@ def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) 
     value = environ.get(name)
     if value is None:
         if default is None:
-            raise ValueError(f"environment variable {name} is not set; the launcher must set it")
+            raise UsageError(f"environment variable {name} is not set; the launcher must set it")
         return default
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+        raise UsageError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def _first_host(nodelist: str) -> str:
@@ -72,7 +74,7 @@ def _first_host(nodelist: str) -> str:
     # Without scontrol, the common single-bracket forms are easy to expand by hand.
     first = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
     if first is None or "[" in nodelist[first.end() :].split(",")[0]:
-        raise ValueError(
+        raise UsageError(
             f"SLURM_NODELIST={nodelist!r}: cannot find the first host without scontrol; "
             "set MASTER_ADDR"
         )
@@ -106,7 +108,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         if not addr:
             nodelist = env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
             if not nodelist:
-                raise ValueError(
+                raise UsageError(
                     "SLURM job without SLURM_LAUNCH_NODE_IPADDR or SLURM_NODELIST: set MASTER_ADDR"
                 )
             addr = _first_host(nodelist)
@@ -124,18 +126,18 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 def resolve_device(device_pref: str, local_rank: int) -> torch.device:
     """Device for this process: cuda:LOCAL_RANK when CUDA is wanted and present, else cpu."""
     if device_pref not in DEVICE_CHOICES:
-        raise ValueError(f"device {device_pref!r} is not one of {', '.join(DEVICE_CHOICES)}")
+        raise UsageError(f"device {device_pref!r} is not one of {', '.join(DEVICE_CHOICES)}")
     if device_pref == "cpu" or (device_pref == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but CUDA is not available; use auto or cpu")
+        raise UsageError("device 'cuda' was requested but CUDA is not available; use auto or cpu")
     count = torch.cuda.device_count()
     if count == 1:
         # One visible GPU per process (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank):
         # the launcher already chose it, whatever the local rank.
         return torch.device("cuda", 0)
     if local_rank >= count:
-        raise ValueError(
+        raise UsageError(
             f"local rank {local_rank} has no GPU: only {count} visible on this node "
             "(start at most one process per GPU: --nproc_per_node, --ntasks-per-node)"
         )
@@ -153,10 +155,10 @@ def init_distributed(device_pref: str = "auto", timeout_s: float = 1800) -> Dist
     if launch.world_size == 1:
         return DistInfo(0, 1, launch.local_rank, device, False)
     if not dist.is_available():
-        raise ValueError("torch.distributed is not available in this torch build")
+        raise UsageError("torch.distributed is not available in this torch build")
     if launch.source == "torchrun":
         if not launch.master_addr:
-            raise ValueError("environment variable MASTER_ADDR is not set; launch with torchrun")
+            raise UsageError("environment variable MASTER_ADDR is not set; launch with torchrun")
         init_method = "env://"
     else:
         init_method = f"tcp://{launch.master_addr}:{launch.master_port}"

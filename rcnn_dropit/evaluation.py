@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +14,6 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from rcnn_dropit import distributed
-from rcnn_dropit.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 IOU_TYPES = ("bbox", "segm")
@@ -155,15 +153,6 @@ class COCOEvaluator:
         # A failure on rank 0 reaches the other ranks as the same error, so none waits forever.
         metrics = distributed.run_on_main(score)
         return metrics, outcome.get("results")
-
-    def evaluate(self, output_dir: Path | str | None = None) -> dict[str, Any]:
-        """Metrics on every rank; with output_dir, rank 0 writes coco_results_<type>.json there."""
-        metrics, results = self.evaluate_with_results()
-        if output_dir is not None:
-            run_dir = RunDir(output_dir)
-            distributed.run_on_main(lambda: run_dir.root.mkdir(parents=True, exist_ok=True))
-            run_dir.write_coco_results(results)
-        return metrics
 
 
 def format_metrics_table(metrics: dict[str, Any]) -> str:

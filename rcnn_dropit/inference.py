@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,16 +11,19 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import nn
 from torchvision.transforms.functional import pil_to_tensor
 
-from rcnn_dropit.checkpoint import find_last_checkpoint
+from rcnn_dropit.atomic import write_json_atomic
+from rcnn_dropit.checkpoint.files import find_last_checkpoint
 from rcnn_dropit.config import Config, load_config
 from rcnn_dropit.data import build_dataset, dataset_paths, ensure_dataset, load_coco_json
 from rcnn_dropit.data.coco import read_json_file
 from rcnn_dropit.distributed import resolve_device
 from rcnn_dropit.engine.evaluator_loop import iou_types_for
+from rcnn_dropit.errors import MissingPathError, UsageError
 from rcnn_dropit.evaluation import coco_results
 from rcnn_dropit.models import build_model
-from rcnn_dropit.models.weights import load_state_dict_file, load_strict
+from rcnn_dropit.models.weights import check_detector_kind, load_state_dict_file, load_strict
 from rcnn_dropit.visualize import (
+    DISPLAY_OVERLAP,
     draw_ground_truth,
     draw_prediction,
     fit_scale,
@@ -30,8 +32,6 @@ from rcnn_dropit.visualize import (
 )
 
 IMAGE_SUFFIXES = (".bmp", ".gif", ".jpeg", ".jpg", ".png", ".ppm", ".tif", ".tiff", ".webp")
-_CLS_SCORE = "roi_heads.box_predictor.cls_score.weight"  # (num_classes, features)
-_MASK_HEAD = "roi_heads.mask_predictor."
 
 
 @dataclass
@@ -62,45 +62,26 @@ def resolve_model_files(
 ) -> tuple[Path, Path]:
     """(config, checkpoint) from --run DIR (its config.yaml, newest checkpoint) or as given."""
     if run is not None and config is not None:
-        raise ValueError("give either --run DIR or --config FILE --checkpoint FILE, not both")
+        raise UsageError("give either --run DIR or --config FILE --checkpoint FILE, not both")
     if run is None:
         if config is None or checkpoint is None:
-            raise ValueError("give --run DIR (a run directory), or both --config and --checkpoint")
+            raise UsageError("give --run DIR (a run directory), or both --config and --checkpoint")
         return Path(config), Path(checkpoint)
     run = Path(run)
     if not run.is_dir():
-        raise FileNotFoundError(f"--run: folder '{run}' does not exist")
+        raise MissingPathError(f"--run: folder '{run}' does not exist")
     if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"--run: '{run}' has no config.yaml; expected a run directory such as outputs/NAME"
         )
     if checkpoint is not None:
         return run / "config.yaml", Path(checkpoint)
     newest = find_last_checkpoint(run / "checkpoints")
     if newest is None:
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"--run: '{run / 'checkpoints'}' holds no checkpoint; train first or pass --checkpoint"
         )
     return run / "config.yaml", newest
-
-
-def check_checkpoint_fits(weights: dict[str, torch.Tensor], cfg: Config, path: Path) -> None:
-    """Name an architecture or class-count mismatch before the key-by-key comparison."""
-    has_mask = any(k.startswith(_MASK_HEAD) for k in weights)
-    if _CLS_SCORE in weights:
-        arch = "maskrcnn" if has_mask else "fasterrcnn"
-        if arch != cfg.model.arch:
-            raise ValueError(
-                f"--checkpoint '{path}' is a {arch} "
-                f"({'with' if has_mask else 'without'} a mask head), "
-                f"config model.arch {cfg.model.arch}"
-            )
-        classes = int(weights[_CLS_SCORE].shape[0])
-        if classes != cfg.model.num_classes:
-            raise ValueError(
-                f"--checkpoint '{path}' has {classes} classes, "
-                f"config model.num_classes {cfg.model.num_classes}"
-            )
 
 
 def class_names_for(cfg: Config) -> tuple[list[str], list[int]]:
@@ -132,10 +113,10 @@ def load_predictor(
     """The detector of a run directory or of config + checkpoint, weights loaded, in eval mode."""
     config_path, ckpt = resolve_model_files(run, config, checkpoint)
     if not config_path.is_file():
-        raise FileNotFoundError(f"--config: file '{config_path}' does not exist")
+        raise MissingPathError(f"--config: file '{config_path}' does not exist")
     cfg = load_config(config_path, overrides)
     weights = load_state_dict_file(ckpt, "--checkpoint")
-    check_checkpoint_fits(weights, cfg, ckpt)
+    check_detector_kind(weights, cfg.model.arch, cfg.model.num_classes, ckpt)
     model, _record = build_model(cfg)
     load_strict(model, weights, "--checkpoint", str(ckpt))
     device = resolve_device(cfg.train.device, 0)
@@ -148,19 +129,19 @@ def list_images(path: str | Path) -> list[Path]:
     """An image file as given, or a folder's image files (by suffix, sorted by name)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"--input: '{path}' does not exist")
+        raise MissingPathError(f"--input: '{path}' does not exist")
     if path.is_file():
         return [path]
     found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not found:
-        raise ValueError(
+        raise UsageError(
             f"--input: folder '{path}' holds no images (looked for {', '.join(IMAGE_SUFFIXES)})"
         )
     return found
 
 
-def _not_an_image(path: Path, err: Exception) -> ValueError:
-    return ValueError(
+def _not_an_image(path: Path, err: Exception) -> UsageError:
+    return UsageError(
         f"--input: '{path}' is not an image that can be read "
         f"(allowed: {', '.join(IMAGE_SUFFIXES)}; {err})"
     )
@@ -173,7 +154,7 @@ def read_image(path: str | Path) -> torch.Tensor:
         with Image.open(path) as pil:
             return pil_to_tensor(ImageOps.exif_transpose(pil).convert("RGB"))
     except FileNotFoundError:
-        raise FileNotFoundError(f"--input: '{path}' does not exist") from None
+        raise MissingPathError(f"--input: '{path}' does not exist") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
         raise _not_an_image(path, err) from None
 
@@ -203,7 +184,7 @@ def image_ids_for(paths: Sequence[Path], mapping: str | Path | None = None) -> l
     elif isinstance(data, dict):
         table = {Path(str(k)).name: v for k, v in data.items()}
     else:
-        raise ValueError(
+        raise UsageError(
             f"--image-ids: '{mapping}' must be a COCO file with 'images' or an object "
             "{file name: image id}"
         )
@@ -211,7 +192,7 @@ def image_ids_for(paths: Sequence[Path], mapping: str | Path | None = None) -> l
     for path in paths:
         value = table.get(path.name)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(
+            raise UsageError(
                 f"--image-ids: '{mapping}' gives no integer id for '{path.name}' "
                 f"({len(table)} file names in it)"
             )
@@ -239,7 +220,7 @@ def write_results(results: dict[str, list[dict]], output_dir: Path) -> list[Path
     written = []
     for iou_type, entries in results.items():
         path = output_dir / f"coco_results_{iou_type}.json"
-        path.write_text(json.dumps(entries))
+        write_json_atomic(path, entries, indent=None)
         written.append(path)
     return written
 
@@ -258,8 +239,10 @@ def predict_images(
     score_thresh: float = 0.5,
     scale: float = 1.0,
     image_ids: Sequence[int] | None = None,
+    overlap: float = DISPLAY_OVERLAP,
 ) -> InferResult:
-    """Draw the detections of each image into output_dir/<stem>.png.
+    """Draw the detections of each image into output_dir/<stem>.png (score_thresh and overlap:
+    which are shown, see visualize.shown_detections).
 
     With image_ids (one per path, see image_ids_for), also write every detection, down to
     test.score_thresh rather than only the drawn ones, as COCO results.
@@ -272,7 +255,9 @@ def predict_images(
     for path, name, image_id in zip(paths, picture_names(paths), ids, strict=True):
         image = read_image(path)
         output = predictor(image)
-        picture = draw_prediction(image, output, predictor.class_names, score_thresh, scale=scale)
+        picture = draw_prediction(
+            image, output, predictor.class_names, score_thresh, scale=scale, overlap=overlap
+        )
         pictures.append(save_png(picture, output_dir / name))
         if image_id is not None:
             found = coco_results(output, image_id, iou_types, predictor.label_to_cat_id)
@@ -288,16 +273,17 @@ def val_gallery(
     path: str | Path,
     score_thresh: float = 0.5,
     panel_size: int = 256,
+    overlap: float = DISPLAY_OVERLAP,
 ) -> Path:
     """The first num_images validation images of the run's data set, each row prediction | truth,
     saved as one PNG at path."""
     if num_images < 1:
-        raise ValueError(f"--val: {num_images} images; give a number >= 1")
+        raise UsageError(f"--val: {num_images} images; give a number >= 1")
     cfg = predictor.cfg
     ensure_dataset(cfg)
     dataset = build_dataset(cfg, "val")
     if len(dataset) == 0:
-        raise ValueError(f"data: the validation set of '{cfg.data.root}' holds no images")
+        raise UsageError(f"data: the validation set of '{cfg.data.root}' holds no images")
     pairs = []
     for index in range(min(num_images, len(dataset))):
         image, target = dataset[index]
@@ -306,7 +292,14 @@ def val_gallery(
         prediction = predictor(image)
         pairs.append(
             (
-                draw_prediction(image, prediction, dataset.class_names, score_thresh, scale=scale),
+                draw_prediction(
+                    image,
+                    prediction,
+                    dataset.class_names,
+                    score_thresh,
+                    scale=scale,
+                    overlap=overlap,
+                ),  # fmt: skip
                 draw_ground_truth(image, target, dataset.class_names, scale=scale),
             )
         )

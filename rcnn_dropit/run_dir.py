@@ -1,4 +1,4 @@
-"""A run directory: its paths, the one atomic writer, and every file a run writes.
+"""A run directory: its paths and every file a run writes (atomically, rcnn_dropit.atomic).
 
 `outputs/<run>/`: config.yaml, metrics.jsonl, checkpoints/, eval.json, memory.json,
 coco_results_{bbox,segm}.json, log.txt (log.rank<N>.txt for other ranks' warnings and errors),
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from tqdm import tqdm
 
+from rcnn_dropit.atomic import write_atomic, write_json_atomic
 from rcnn_dropit.distributed import get_rank, is_main_process, run_on_main
-from rcnn_dropit.logging_utils import MetricsWriter, NullWriter, read_metrics
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.metrics_file import MetricsWriter, NullWriter, read_metrics
 from rcnn_dropit.tensorboard import TensorBoardWriter
 
 LOGGER_NAME = "rcnn_dropit"
@@ -41,29 +41,6 @@ _OTHER_ARTIFACTS = ("log.rank*.txt", "events.out.tfevents.*")  # other ranks' lo
 log = logging.getLogger(LOGGER_NAME)
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Run write(file) on a temp file next to path, fsync it, then rename it over path.
-
-    Readers see the old file or the new one, never half of one (a kill, a full disk).
-    """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_json_atomic(path: Path, obj: Any, indent: int | None = 2) -> None:
-    """obj as JSON (a trailing newline when indented), written atomically."""
-    text = json.dumps(obj, indent=indent) + ("\n" if indent is not None else "")
-    write_atomic(path, lambda f: f.write(text.encode()))
-
-
 def truncate_metrics(path: Path | str, max_iter: int) -> int:
     """Drop records with iter > max_iter (on resume), rewriting atomically; returns kept count."""
     path = Path(path)
@@ -72,17 +49,6 @@ def truncate_metrics(path: Path | str, max_iter: int) -> int:
     kept = [r for r in read_metrics(path) if int(r.get("iter", 0)) <= max_iter]
     write_atomic(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
     return len(kept)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename is only durable once the directory entry itself reaches the disk.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
 
 
 class RecordWriters:
@@ -202,11 +168,11 @@ class RunDir:
         (unless clear=False: check only, so nothing is lost if a later check fails)."""
         out = self.root
         if out.exists() and not out.is_dir():
-            raise ValueError(f"output dir '{out}' exists and is not a folder")
+            raise UsageError(f"output dir '{out}' exists and is not a folder")
         if resume is not None or not out.is_dir() or not any(out.iterdir()):
             return
         if not overwrite:
-            raise ValueError(
+            raise UsageError(
                 f"output dir '{out}' is not empty; pass --resume auto to continue that run, "
                 "--overwrite to replace it, or --output-dir to choose another folder"
             )
@@ -231,7 +197,7 @@ class RunDir:
                 self.root.mkdir(parents=True, exist_ok=True)
                 write_atomic(self.config, lambda f: f.write(config_yaml.encode()))
             except OSError as err:  # e.g. a file where a parent folder should be, no permission
-                raise ValueError(
+                raise UsageError(
                     f"output dir '{self.root}' cannot be written ({err.strerror or err}); "
                     "choose another with --output-dir"
                 ) from None
@@ -269,10 +235,6 @@ class RunDir:
             return None
 
         return run_on_main(find)
-
-    def has_eval_record(self, iteration: int) -> bool:
-        """Whether metrics.jsonl holds an evaluation of `iteration`."""
-        return self.eval_record(iteration) is not None
 
     def write_json(self, name: str, obj: dict) -> None:
         """<name> in the folder, atomically (rank 0; every rank calls it)."""

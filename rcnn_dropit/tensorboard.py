@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rcnn_dropit.errors import UsageError
+
 INSTALL_HINT = "pip install 'rcnn-dropit[tensorboard]' (or pip install tensorboard)"
 _NOT_SCALARS = ("type", "iter", "epoch")
 
@@ -35,7 +37,7 @@ def require_tensorboard() -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        raise ValueError(
+        raise UsageError(
             f"train.tensorboard: true needs the tensorboard package; {INSTALL_HINT}, "
             "or set train.tensorboard=false"
         ) from None

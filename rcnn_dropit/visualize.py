@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
+from torchvision.ops import nms
 from torchvision.transforms.v2.functional import resize
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
@@ -29,6 +30,8 @@ BOX_WIDTH = 2
 GAP = 4  # pixels between panels of a grid
 BACKGROUND = 255  # grid background and caption strips: white
 CAPTION_HEIGHT = 16
+# A shown detection hides any other it overlaps by more than this IoU, whatever the classes.
+DISPLAY_OVERLAP = 0.5
 
 
 def class_color(label: int) -> tuple[int, int, int]:
@@ -87,6 +90,25 @@ def _scaled(
     return image, boxes * scale, masks
 
 
+def shown_detections(
+    prediction: dict[str, torch.Tensor], score_thresh: float = 0.5, overlap: float = DISPLAY_OVERLAP
+) -> torch.Tensor:
+    """Indices (best first) of the detections a picture shows: those scoring at least
+    score_thresh, less any that overlap a better-scoring shown one by more than ``overlap`` IoU,
+    whatever the classes (1 keeps them all).
+
+    The detector suppresses duplicates per class only, so one object often comes out as a stack
+    of boxes of several classes, or of one class at several sizes. A picture shows the best of
+    them; COCO results (and AP) keep every detection.
+    """
+    scores = prediction["scores"]
+    candidates = torch.nonzero(scores >= score_thresh).flatten()
+    if overlap >= 1.0 or len(candidates) < 2:
+        return candidates
+    kept = nms(prediction["boxes"][candidates].float(), scores[candidates].float(), overlap)
+    return candidates[kept.sort().values]  # in the detector's order: best first
+
+
 def draw_prediction(
     image: torch.Tensor,
     prediction: dict[str, torch.Tensor],
@@ -94,13 +116,14 @@ def draw_prediction(
     score_thresh: float = 0.5,
     mask_thresh: float = 0.5,
     scale: float = 1.0,
+    overlap: float = DISPLAY_OVERLAP,
 ) -> torch.Tensor:
     """A torchvision detector's output for one image drawn over it (uint8 CHW, scaled).
 
-    Only detections scoring at least score_thresh are drawn; a mask pixel is the object where its
+    The detections of :func:`shown_detections` are drawn; a mask pixel is the object where its
     probability exceeds mask_thresh, as in the COCO evaluation.
     """
-    keep = prediction["scores"] >= score_thresh
+    keep = shown_detections(prediction, score_thresh, overlap)
     boxes = prediction["boxes"][keep].float()
     labels = prediction["labels"][keep].tolist()
     scores = prediction["scores"][keep].tolist()
@@ -183,6 +206,7 @@ def save_png(image: torch.Tensor, path: str | Path) -> Path:
 
 
 __all__ = [
+    "DISPLAY_OVERLAP",
     "PALETTE",
     "class_color",
     "class_name",
@@ -193,4 +217,5 @@ __all__ = [
     "grid",
     "prediction_vs_truth",
     "save_png",
+    "shown_detections",
 ]

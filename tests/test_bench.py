@@ -5,10 +5,72 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dropit_core import is_dropit, memory
-from rcnn_dropit import benchmark, max_batch
-from rcnn_dropit.benchmark import Meter, Variant, markdown_table, parse_variant, run_benchmark
-from rcnn_dropit.max_batch import largest_batches, largest_fitting
+from dropit_core import is_dropit, timing
+from rcnn_dropit.config import load_config
+from rcnn_dropit.measure import max_batch, step_bench
+from rcnn_dropit.measure.grad_fidelity import cosine, mean_fidelity, norm_ratio
+from rcnn_dropit.measure.max_batch import largest_batches, largest_fitting
+from rcnn_dropit.measure.step_bench import markdown_table, run_benchmark
+from rcnn_dropit.measure.workload import (
+    Variant,
+    build_detector,
+    convert,
+    parse_variant,
+    recipe_config,
+)
+from tests.helpers import REPO
+
+
+@pytest.mark.parametrize("scratch", [False, True])
+def test_the_bench_model_is_the_coco_recipe_without_its_config_file(scratch: bool) -> None:
+    # Built from the schema so that an installed package needs no configs/ folder.
+    overrides = [
+        "model.pretrained_backbone=false",
+        "model.min_size=512",
+        "model.max_size=512",
+        "model.box_batch_size_per_image=256",
+    ]
+    if scratch:
+        overrides += ["model.norm=bn", "model.trainable_layers=5"]
+    recipe = load_config(REPO / "configs/maskrcnn_baseline.yaml", overrides)
+    built = recipe_config(scratch, 512, 256)
+    assert built.model == recipe.model and built.test == recipe.test
+    assert not built.dropit.enabled
+
+
+def test_variants_keep_the_papers_exclusions_exact() -> None:
+    base = build_detector(False, 64, 32, "resnet18")
+    model = convert(base, Variant("mink", 0.8))
+    converted = {n for n, m in model.named_modules() if is_dropit(m)}
+    assert "backbone.body.layer1.0.conv1" in converted and "roi_heads.box_head.fc6" in converted
+    for exact in (
+        "backbone.body.conv1",
+        "roi_heads.box_predictor.cls_score",
+        "roi_heads.box_predictor.bbox_pred",
+        "roi_heads.mask_predictor.mask_fcn_logits",
+    ):
+        assert exact not in converted
+    assert not any(is_dropit(m) for m in base.modules())  # a copy was converted
+
+
+def test_gradient_fidelity_of_hand_made_gradients() -> None:
+    exact = {"a": torch.tensor([[3.0, 4.0]]), "b": torch.tensor([1.0, 0.0]), "c": torch.ones(2)}
+    grads = {"a": torch.tensor([[1.5, 2.0]]), "b": torch.tensor([1.0, 1.0]), "c": torch.ones(2)}
+    assert cosine(grads["a"], exact["a"]) == pytest.approx(1.0)
+    assert norm_ratio(grads["a"], exact["a"]) == pytest.approx(0.5)  # same direction, half length
+    assert cosine(grads["b"], exact["b"]) == pytest.approx(2**-0.5)
+    assert norm_ratio(grads["b"], exact["b"]) == pytest.approx(2**0.5)
+    row = mean_fidelity(grads, exact, {"a", "b"})  # "c" is not a converted layer
+    assert row == {
+        "grad_cosine": round((1.0 + 2**-0.5) / 2, 4),
+        "grad_norm_ratio": round((0.5 + 2**0.5) / 2, 4),
+        "converted_layers": 2,
+    }
+    assert mean_fidelity(grads, exact, set()) == {
+        "grad_cosine": None,
+        "grad_norm_ratio": None,
+        "converted_layers": 0,
+    }
 
 
 def test_parse_variant_reads_strategy_gamma_and_typed_options() -> None:
@@ -28,6 +90,7 @@ def test_parse_variant_rejects_malformed_text(text: str) -> None:
         parse_variant(text)
 
 
+@pytest.mark.slow
 def test_tiny_benchmark_rows_show_a_real_saving() -> None:
     # A ResNet-18 keeps it quick; tools/bench.py runs the real R50 recipe.
     variants = [Variant("mink", 0.8)]
@@ -50,10 +113,16 @@ def test_tiny_benchmark_rows_show_a_real_saving() -> None:
         # (At 64 px without MALLOC_MMAP_THRESHOLD_ the RSS moves by noise; only the logic here.)
         assert r["peak_mb"] >= r["peak_forward_mb"] and r["live_mb"] == r["rss_live_mb"]
         assert (r["peak_phase"] == "forward") == (r["peak_forward_mb"] >= r["peak_mb"])
-        assert r["amp"] is None and r["images"] == 2
+        assert r["amp"] == "none" and r["images"] == 2
     table = markdown_table(rows)
     assert table.splitlines()[2].startswith("| baseline |")
     assert "| mink 0.8 |" in table
+
+
+# Seconds the fake clock gives each timed call, in call order: 1 untimed + 2 timed rounds of
+# (baseline, mink, threshold), steps first, then evaluations.
+STEP_SECONDS = [9.0, 9.0, 9.0, 1.0, 3.0, 1.5, 2.0, 6.0, 3.5]  # medians 1.5, 4.5, 2.5
+EVAL_SECONDS = [9.0, 9.0, 9.0, 0.5, 0.5, 1.0, 0.5, 1.5, 1.0]  # medians 0.5, 1.0, 1.0
 
 
 def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
@@ -61,27 +130,30 @@ def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
     # and every ratio divides by the same baseline median.
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # not a measuring process
     order = []
-    monkeypatch.setattr(benchmark, "_memory", _logged(benchmark._memory, order, "memory"))
-    monkeypatch.setattr(memory, "timed", _logged(memory.timed, order, "timed"))
+    seconds = iter(STEP_SECONDS + EVAL_SECONDS)
+
+    def memory(*args, **kwargs):
+        order.append("memory")
+        return real_memory(*args, **kwargs)
+
+    def timed(fn, device=None):
+        order.append("timed")
+        return fn(), next(seconds)
+
+    real_memory = step_bench._memory
+    monkeypatch.setattr(step_bench, "_memory", memory)
+    monkeypatch.setattr(timing, "timed", timed)
     variants = [Variant("mink", 0.8), Variant("threshold", 0.8)]
     base, mink, threshold = run_benchmark(
         variants, image_size=64, repeats=2, rois_per_image=32, backbone="resnet18"
     )
-    assert order.index("timed") > len(order) - order[::-1].index("memory") - 1
-    # (2 rounds + 1 untimed) x 3 models, for steps and for evals
-    assert order.count("timed") == 2 * 3 * 3 and order.count("memory") == 3
-    assert mink["baseline_step_s"] == threshold["baseline_step_s"] > 0
+    assert order == ["memory"] * 3 + ["timed"] * 18  # (1 untimed + 2) rounds x 3, twice
+    assert (mink["step_s"], mink["baseline_step_s"], mink["step_time_ratio"]) == (4.5, 1.5, 3.0)
+    assert (threshold["step_s"], threshold["baseline_step_s"]) == (2.5, 1.5)
+    assert threshold["step_time_ratio"] == round(2.5 / 1.5, 4)
+    assert mink["eval_time_ratio"] == threshold["eval_time_ratio"] == 2.0
     for row in (mink, threshold):
-        assert row["step_s"] > 0 and row["step_time_ratio"] > 0 and row["eval_time_ratio"] > 0
         assert row["timing_allocator"] == "as started"
-
-
-def _logged(fn, order: list[str], name: str):
-    def wrapper(*args, **kwargs):
-        order.append(name)
-        return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def test_memory_only_rows_of_part_of_the_model() -> None:
@@ -118,43 +190,6 @@ def test_tiny_benchmark_under_bf16_autocast() -> None:
 def test_bad_amp_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="amp='fp8' is invalid: allowed fp16, bf16"):
         list(run_benchmark([Variant("mink", 0.8)], image_size=64, amp="fp8"))
-
-
-def _fake_cuda(monkeypatch) -> dict[str, float]:
-    """A fake CUDA caching allocator: counters in MB that a test moves by hand."""
-    mb = 1024 * 1024
-    state = {"allocated": 0.0, "peak": 0.0}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"] * mb)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"] * mb)
-    monkeypatch.setattr(
-        torch.cuda,
-        "reset_peak_memory_stats",
-        lambda device=None: state.update(peak=state["allocated"]),
-    )
-    return state
-
-
-def test_cuda_peak_is_taken_above_the_models_own_start(monkeypatch) -> None:
-    # The baseline and earlier variants still hold 3000 MB: a variant's figures must not include it.
-    state = _fake_cuda(monkeypatch)
-    state.update(allocated=3000.0, peak=5000.0)  # an earlier, larger peak is forgotten too
-    meter = Meter(torch.device("cuda", 0))
-    meter.begin()
-    assert meter.start == 3000.0
-    state.update(allocated=3400.0, peak=3700.0)  # after the forward
-    assert meter.now() == 400.0 and meter.peak() == 700.0
-    state.update(allocated=3100.0, peak=3900.0)  # after the backward
-    assert meter.peak() == 900.0
-
-
-def test_cpu_meter_ignores_cuda_on_a_gpu_node(monkeypatch) -> None:
-    state = _fake_cuda(monkeypatch)
-    state.update(allocated=3000.0, peak=5000.0)
-    meter = Meter(torch.device("cpu"))
-    meter.begin()
-    assert not meter.cuda and meter.start is not None and meter.start < 3000.0  # RSS, not CUDA
 
 
 @pytest.mark.parametrize(
@@ -197,19 +232,39 @@ def test_largest_batches_rows_per_setting() -> None:
 
 
 def test_step_peak_is_measured_and_out_of_memory_is_none(monkeypatch) -> None:
-    from rcnn_dropit.benchmark import build_detector
+    events = []
 
+    class Meter:  # the RSS of a test process moves by noise: a meter that says what it saw
+        cuda = False
+
+        def __init__(self, device) -> None:
+            self.start = None
+
+        def begin(self) -> None:
+            events.append("begin")
+            self.start = 500.0
+
+        def peak(self) -> float:
+            events.append("peak")
+            return 42.5
+
+    real_step = max_batch.train_step
+    monkeypatch.setattr(max_batch, "PeakMeter", Meter)
+    monkeypatch.setattr(max_batch, "train_step", lambda *a: events.append("step") or real_step(*a))
     model = build_detector(False, 64, 32, "resnet18").train()
     cpu = torch.device("cpu")
-    peak = max_batch._step_peak_mb(model, 64, cpu, None, 1, 0.0)
-    assert peak is not None and peak > 0
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert max_batch._step_peak_mb(model, 64, cpu, "none", 1, 0.0) == 42.5  # the CPU peak as read
+    assert events == ["begin", "step", "peak"]  # the peak spans the step and the SGD update
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.grad is not None for p in trainable)  # gradients stay allocated, as in training
+    momentum = model._bench_optimizer.state
+    assert all("momentum_buffer" in momentum[p] for p in trainable)
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(max_batch, "train_step", oom)
-    assert max_batch._step_peak_mb(model, 64, cpu, None, 64, 0.0) is None
+    assert max_batch._step_peak_mb(model, 64, cpu, "none", 64, 0.0) is None
 
 
 def test_unknown_strategy_is_a_clear_error() -> None:
@@ -217,21 +272,24 @@ def test_unknown_strategy_is_a_clear_error() -> None:
         list(run_benchmark([Variant("mink2", 0.8)], image_size=64, repeats=1))
 
 
-def test_step_time_comparison_of_widths(tmp_path):
-    """Both models train on the same batch; the first is the 1x reference; narrow has fewer
-    parameters."""
-    from rcnn_dropit.step_cost import TORCHVISION_WIDTHS, compare_step_time
-    from tests.conftest import tiny_opts
+def test_step_time_comparison_of_widths(tiny_shapes, monkeypatch):
+    """Both models train on the same batch, in rounds; the first is the 1x reference; narrow
+    has fewer parameters."""
+    from rcnn_dropit.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
+    from tests.helpers import tiny_opts
 
+    seconds = iter([2.0, 0.5, 3.0, 0.25])  # rounds of (torchvision widths, narrow)
+    monkeypatch.setattr(timing, "timed", lambda fn, device=None: (fn(), next(seconds)))
     rows = compare_step_time(
         "configs/demo/maskrcnn_shapes_baseline.yaml",
         [("torchvision widths", TORCHVISION_WIDTHS), ("narrow", ())],
-        common=tiny_opts(tmp_path / "shapes"),
-        repeats=1,
+        common=tiny_opts(tiny_shapes),
+        repeats=2,
         warmup=0,
     )
     assert [r["model"] for r in rows] == ["torchvision widths", "narrow"]
-    assert rows[0]["step_ratio"] == 1.0 and rows[1]["step_s"] > 0
+    assert [r["step_s"] for r in rows] == [2.5, 0.375]  # medians of the two rounds
+    assert [r["step_ratio"] for r in rows] == [1.0, 0.15]
     assert rows[1]["params_m"] < rows[0]["params_m"] - 10  # 1024-wide fc6 over 256x7x7 features
     assert rows[0]["overrides"] == list(TORCHVISION_WIDTHS) and rows[1]["images"] == 2
 
@@ -254,19 +312,23 @@ def test_bench_tool_says_when_cuda_is_missing() -> None:
     assert "--device cuda: CUDA is not available on this machine" in done.stderr
 
 
-def test_op_costs_rows_name_every_pass_in_order() -> None:
-    from rcnn_dropit.op_costs import op_costs
+def test_op_costs_rows_name_every_pass_in_order(monkeypatch) -> None:
+    from rcnn_dropit.measure.op_bench import op_costs
 
+    # pass i takes (i + 1) ms in the timed round; the untimed first round says 50 ms each
+    seconds = iter([0.05] * 11 + [(i + 1) / 1000 for i in range(11)])
+    monkeypatch.setattr(timing, "timed", lambda fn, device=None: (fn(), next(seconds)))
     rows = op_costs(n=1 << 12, repeats=1)
     ops = [r["op"] for r in rows]
     assert ops[:3] == ["copy (yardstick)", "relu (yardstick)", "abs and compare"]
     assert len(rows) == 11 and {r["stage"] for r in rows} == {"-", "forward", "backward"}
-    assert all(r["ms"] >= 0 and r["elements"] == 4096 and r["device"] == "cpu" for r in rows)
-    assert rows[0]["per_copy"] == 1.0  # the yardstick is its own unit
+    assert [r["ms"] for r in rows] == [float(i + 1) for i in range(11)]
+    assert [r["per_copy"] for r in rows] == [float(i + 1) for i in range(11)]  # copy is 1 ms
+    assert all(r["elements"] == 4096 and r["device"] == "cpu" for r in rows)
 
 
 def test_op_costs_on_a_missing_gpu_is_a_clear_error() -> None:
-    from rcnn_dropit.op_costs import op_costs
+    from rcnn_dropit.measure.op_bench import op_costs
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -9,16 +9,15 @@ import torch
 from torch import nn
 
 from rcnn_dropit import checkpoint as ckpt
-from rcnn_dropit.checkpoint import (
-    capture_rng_state,
-    check_model_compat,
+from rcnn_dropit.checkpoint.checkpointer import Checkpointer
+from rcnn_dropit.checkpoint.files import (
     find_last_checkpoint,
     load_checkpoint,
     resolve_resume,
-    restore_rng_state,
     save_checkpoint,
 )
-from rcnn_dropit.engine.checkpointer import Checkpointer
+from rcnn_dropit.models.weights import check_model_compat
+from rcnn_dropit.rng import capture_rng_state, restore_rng_state
 
 
 def _checkpointer(folder, seed: int = 0, steps: int = 1) -> Checkpointer:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
-from rcnn_dropit.config import Config, config_from_dict, dump_config, load_config
+from rcnn_dropit.config import Config, config_from_dict, config_yaml, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -200,13 +201,19 @@ def test_base_cycle_is_detected(tmp_path: Path):
 )
 def test_every_shipped_config_loads(path: Path):
     if path.name == "plan.yaml":  # a study plan, not a training config: its runs' configs load
-        from rcnn_dropit.study import load_plan, plan_runs
+        from rcnn_dropit.measure.study_plan import load_plan, plan_runs
 
-        runs = plan_runs(load_plan(path))
-        assert all(isinstance(load_config(r.config, r.overrides), Config) for r in runs)
+        for run in plan_runs(load_plan(path)):
+            cfg = load_config(run.config, run.overrides)  # each run's name and seed applied
+            name = run.name.split("/")[-1]
+            assert cfg.name == name
+            if name != "pretrain":
+                assert cfg.train.seed == int(name.rpartition("_s")[2])
         return
     cfg = load_config(path)
-    assert isinstance(cfg, Config)
+    # named by the file unless it says otherwise; a run's config.yaml of it loads back to it
+    assert cfg.name == (yaml.safe_load(path.read_text()) or {}).get("name", path.stem)
+    assert config_from_dict(yaml.safe_load(config_yaml(cfg))) == cfg
 
 
 def test_published_recipes():
@@ -239,8 +246,8 @@ def test_dump_and_reload_round_trip(tmp_path: Path):
         CONFIGS / "maskrcnn_g0.8.yaml",
         ["dropit.strategy=parallel_mink", "dropit.options={chunk: 4}", "solver.lr=1e-3"],
     )
-    dump_config(cfg, tmp_path / "run/config.yaml")
-    again = load_config(tmp_path / "run/config.yaml")
+    (tmp_path / "config.yaml").write_text(config_yaml(cfg))  # a run's config.yaml
+    again = load_config(tmp_path / "config.yaml")
     assert again == cfg
     assert config_from_dict(cfg.to_dict()) == cfg
 

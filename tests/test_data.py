@@ -6,7 +6,6 @@ import hashlib
 import json
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pycocotools.mask as mask_utils
@@ -15,6 +14,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
+from rcnn_dropit.config import Config, config_from_dict
 from rcnn_dropit.data import (
     CocoDetection,
     GroupedBatchSampler,
@@ -27,6 +27,7 @@ from rcnn_dropit.data import (
     hflip,
     images_to_device,
     make_shapes,
+    mask_to_rle,
     segmentation_to_mask,
     shard_indices,
 )
@@ -35,30 +36,25 @@ from rcnn_dropit.engine.data_position import epoch_batches
 SHAPES = {"num_train": 6, "num_val": 3, "image_size": 64, "num_classes": 3, "seed": 1}
 
 
-def make_cfg(root: Path, dataset: str = "shapes", **data_overrides) -> SimpleNamespace:
-    """Stand-in for the Config object with exactly the attributes the data module reads."""
+def make_cfg(root: Path, dataset: str = "shapes", **data_overrides) -> Config:
+    """A validated Config of the data set at root (COCO file names as the defaults have them),
+    batches of 2."""
     data = {
         "dataset": dataset,
         "root": str(root),
-        "train_images": "train2017",
-        "train_ann": "annotations/instances_train2017.json",
-        "val_images": "val2017",
-        "val_ann": "annotations/instances_val2017.json",
-        "shapes": SimpleNamespace(**SHAPES),
+        "shapes": SHAPES,
         "num_workers": 0,
         "aspect_ratio_group_factor": 3,
         "hflip_prob": 0.5,
-        "skip_missing_images": False,
         **data_overrides,
     }
-    return SimpleNamespace(data=SimpleNamespace(**data), solver=SimpleNamespace(batch_size=2))
+    model = {"num_classes": SHAPES["num_classes"] + 1}
+    return config_from_dict({"data": data, "solver": {"batch_size": 2}, "model": model})
 
 
 @pytest.fixture(scope="module")
-def shapes_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("shapes")
-    make_shapes(root, **SHAPES)
-    return root
+def shapes_root(shapes_set) -> Path:
+    return shapes_set(**SHAPES)
 
 
 def mask_box(mask: torch.Tensor) -> list[int]:
@@ -106,8 +102,72 @@ def test_shapes_json_has_both_segmentation_kinds(shapes_root):
         img = doc["images"][ann["image_id"] - 1]
         mask = segmentation_to_mask(ann["segmentation"], img["height"], img["width"])
         assert int(mask.sum()) == ann["area"] > 0
-        if isinstance(ann["segmentation"], dict):
-            assert isinstance(ann["segmentation"]["counts"], str)
+        if isinstance(ann["segmentation"], dict):  # uncompressed RLE: what others can read
+            assert all(isinstance(c, int) for c in ann["segmentation"]["counts"])
+
+
+def _shapes_digest(root: Path) -> str:
+    """SHA-256 over every annotation's decoded mask bits, box, area and ids, and every image."""
+    h = hashlib.sha256()
+    for split in ("train", "val"):
+        doc = json.loads((root / "annotations" / f"instances_{split}.json").read_text())
+        sizes = {im["id"]: (im["height"], im["width"]) for im in doc["images"]}
+        for ann in doc["annotations"]:
+            mask = segmentation_to_mask(ann["segmentation"], *sizes[ann["image_id"]])
+            h.update(np.packbits(mask).tobytes())
+            fields = ("bbox", "area", "category_id", "image_id", "id", "iscrowd")
+            h.update(json.dumps([ann[k] for k in fields]).encode())
+        for im in doc["images"]:
+            h.update((root / split / im["file_name"]).read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize(
+    "params, digest",
+    [
+        ((8, 4, 64, 3, 0), "a7d9151f11c4ef1df015c30d2984a2ec9033dd898e6f9ae8ea76cc9ccf3cc8ab"),
+        ((30, 10, 96, 3, 5, 3), "f7b73ea1f7c8841fdb22dcb090287df1aaa68cd3c9f45b4b196ba5735d6a35c2"),
+    ],
+)
+def test_shapes_decode_to_the_masks_the_study_trained_on(tmp_path, params, digest):
+    # Digests taken with the generator that wrote compressed RLE (commit fae5b30), whose decoded
+    # masks the accuracy study's runs trained on: the format changed, no mask bit, box or area.
+    # (The demo's set, 200 + 50 images of 128 px, gave 625c2276757e... both ways.)
+    make_shapes(tmp_path, *params)
+    assert _shapes_digest(tmp_path) == digest
+
+
+def _reference_masks(segmentations: list, height: int, width: int) -> list[torch.Tensor]:
+    """What torchvision's detection reference does with a COCO target's segmentations
+    (convert_coco_poly_to_mask), written out: frPyObjects, decode, any over the parts."""
+    masks = []
+    for segmentation in segmentations:
+        decoded = mask_utils.decode(mask_utils.frPyObjects(segmentation, height, width))
+        if decoded.ndim == 2:  # one RLE, not a list of polygon parts
+            decoded = decoded[..., None]
+        masks.append(torch.as_tensor(decoded, dtype=torch.uint8).any(dim=2))
+    return masks
+
+
+def test_torchvisions_reference_reads_every_shapes_annotation(shapes_root):
+    for split in ("train", "val"):
+        doc = json.loads((shapes_root / "annotations" / f"instances_{split}.json").read_text())
+        for img in doc["images"]:
+            anns = [a for a in doc["annotations"] if a["image_id"] == img["id"]]
+            h, w = img["height"], img["width"]
+            theirs = _reference_masks([a["segmentation"] for a in anns], h, w)
+            for ann, mask in zip(anns, theirs, strict=True):
+                ours = segmentation_to_mask(ann["segmentation"], h, w)
+                assert torch.equal(mask, torch.from_numpy(ours).bool())
+
+
+def test_mask_to_rle_is_exact_and_starts_with_zeros():
+    mask = np.zeros((3, 4), dtype=np.uint8)
+    mask[0, 0] = mask[1:, 2] = 1  # column-major: 1, 0 0 0 0 0, 0 1 1, 0 0 0
+    rle = mask_to_rle(mask)
+    assert rle == {"size": [3, 4], "counts": [0, 1, 6, 2, 3]}
+    assert np.array_equal(mask_utils.decode(mask_utils.frPyObjects(rle, 3, 4)), mask)
+    assert mask_to_rle(np.zeros((2, 2)))["counts"] == [4]
 
 
 def test_shapes_deterministic(tmp_path):

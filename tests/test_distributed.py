@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from rcnn_dropit import distributed
 from rcnn_dropit.distributed import LaunchEnv, init_distributed, read_launch_env, resolve_device
 from rcnn_dropit.evaluation import COCOEvaluator
-from tests.conftest import CAT_OF_LABEL, free_port, make_coco_gt, predictions
+from tests.helpers import CAT_OF_LABEL, evaluate_into, free_port, make_coco_gt, predictions
 
 LAUNCH_VARS = (
     "RANK",
@@ -128,13 +128,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     evaluator = COCOEvaluator(make_coco_gt(), ("bbox", "segm"), CAT_OF_LABEL.__getitem__)
     image_id = rank + 1
     evaluator.update([predictions(image_id, shift=0.2 if rank else 0.0)], [image_id])
-    record["metrics"] = evaluator.evaluate(os.path.join(out_dir, "eval"))
+    record["metrics"] = evaluate_into(evaluator, os.path.join(out_dir, "eval"))
 
     # Both ranks claiming image 1 must fail on every rank, not hang the others.
     twice = COCOEvaluator(make_coco_gt(), ("bbox",), CAT_OF_LABEL.__getitem__)
     twice.update([predictions(1)], [1])
     try:
-        twice.evaluate()
+        twice.evaluate_with_results()
         record["duplicate_error"] = None
     except RuntimeError as err:
         record["duplicate_error"] = str(err)
@@ -157,7 +157,7 @@ def test_two_process_gloo_matches_single_process(tmp_path):
 
     single = COCOEvaluator(make_coco_gt(), ("bbox", "segm"), CAT_OF_LABEL.__getitem__)
     single.update([predictions(1), predictions(2, shift=0.2)], [1, 2])
-    expected = single.evaluate(tmp_path / "single")
+    expected = evaluate_into(single, tmp_path / "single")
     assert expected["num_images"] == 2
     assert 0.0 < expected["bbox"]["AP"] < 1.0
 

@@ -9,18 +9,22 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import to_dropit
+from dropit_core import memory, timing, to_dropit
 from dropit_core.memory import (
     MB,
+    PeakMeter,
+    allocated_mb,
     cuda_allocated_mb,
     cuda_peak_mb,
+    peak_mb,
     peak_rss_mb,
     reset_cuda_peak,
+    reset_peak,
     reset_peak_rss,
     rss_mb,
     saved_activations,
-    timed,
 )
+from dropit_core.timing import timed, timed_rounds
 
 X_SHAPE = (2, 3, 6, 6)  # conv1 input: 216 elements
 H_SHAPE = (2, 4, 6, 6)  # conv1 output / ReLU output / conv2 input: 288 elements
@@ -137,9 +141,20 @@ def test_process_memory_helpers() -> None:
         assert peak is not None and peak >= now * 0.5
     if not torch.cuda.is_available():
         assert cuda_peak_mb() is None
-    result, seconds = timed(lambda: sum(range(1000)))
-    assert result == 499500
-    assert 0.0 <= seconds < 5.0
+
+
+def _clock(monkeypatch, durations: list[float]) -> None:
+    """perf_counter as timing sees it: each timed call takes the next of ``durations``."""
+    ticks, now = [], 100.0
+    for seconds in durations:
+        ticks += [now, now + seconds]
+        now += seconds + 1.0  # time between calls is not counted
+    monkeypatch.setattr(timing, "perf_counter", iter(ticks).__next__)
+
+
+def test_timed_returns_the_result_and_the_seconds_between_its_clock_reads(monkeypatch) -> None:
+    _clock(monkeypatch, [0.25])
+    assert timed(lambda: sum(range(1000))) == (499500, 0.25)
 
 
 def _fake_cuda(monkeypatch) -> list[tuple[str, object]]:
@@ -183,10 +198,73 @@ def test_cuda_helpers_query_a_cuda_device(monkeypatch) -> None:
     assert calls[0][1] == torch.device("cuda", 1) and calls[3][1] == torch.device("cuda", 0)
 
 
-def test_timed_rounds_alternates_and_drops_the_first_round() -> None:
-    from dropit_core.memory import timed_rounds
-
+def test_timed_rounds_alternates_and_drops_the_warmup_rounds(monkeypatch) -> None:
     calls: list[str] = []
-    times = timed_rounds([lambda: calls.append("a"), lambda: calls.append("b")], repeats=3)
-    assert calls == ["a", "b"] * 4  # one untimed round, then three timed ones
-    assert [len(t) for t in times] == [3, 3] and all(s >= 0 for t in times for s in t)
+    fns = [lambda: calls.append("a"), lambda: calls.append("b")]
+    # one untimed round (a 9, b 8), then three timed ones
+    _clock(monkeypatch, [9.0, 8.0, 1.0, 2.0, 1.5, 2.5, 1.25, 2.25])
+    assert timed_rounds(fns, repeats=3) == [[1.0, 1.5, 1.25], [2.0, 2.5, 2.25]]
+    assert calls == ["a", "b"] * 4
+    calls.clear()
+    _clock(monkeypatch, [9.0, 8.0, 7.0, 6.0, 1.0, 2.0])
+    assert timed_rounds(fns, repeats=1, warmup=2) == [[1.0], [2.0]]
+    _clock(monkeypatch, [1.0, 2.0])
+    assert timed_rounds(fns, repeats=1, warmup=0) == [[1.0], [2.0]]
+
+
+def _fake_allocator(monkeypatch) -> dict[str, float]:
+    """A fake CUDA caching allocator: counters in MB that a test moves by hand."""
+    state = {"allocated": 0.0, "peak": 0.0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"] * MB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"] * MB)
+    monkeypatch.setattr(
+        torch.cuda,
+        "reset_peak_memory_stats",
+        lambda device=None: state.update(peak=state["allocated"]),
+    )
+    return state
+
+
+def test_peak_meter_on_cuda_is_taken_above_its_own_start(monkeypatch) -> None:
+    # Other models still hold 3000 MB: a measurement's figures must not include them.
+    state = _fake_allocator(monkeypatch)
+    state.update(allocated=3000.0, peak=5000.0)  # an earlier, larger peak is forgotten too
+    meter = PeakMeter(torch.device("cuda", 0))
+    meter.begin()
+    assert meter.cuda and meter.start == 3000.0
+    state.update(allocated=3400.0, peak=3700.0)  # after the forward
+    assert meter.now() == 400.0 and meter.peak() == 700.0
+    state.update(allocated=3100.0, peak=3900.0)  # after the backward
+    assert meter.peak() == 900.0
+
+
+def test_peak_meter_on_the_cpu_reads_rss_on_a_gpu_node(monkeypatch) -> None:
+    state = _fake_allocator(monkeypatch)
+    state.update(allocated=3000.0, peak=5000.0)
+    meter = PeakMeter("cpu")
+    meter.begin()
+    assert not meter.cuda and meter.start == pytest.approx(rss_mb(), abs=50.0)
+    assert meter.start < 3000.0  # RSS of this test process, not the fake allocator's count
+
+
+def test_peak_window_is_read_then_reset_on_the_device(monkeypatch) -> None:
+    state = _fake_allocator(monkeypatch)
+    state.update(allocated=1.0, peak=3.0)
+    device = torch.device("cuda", 1)
+    assert peak_mb(device, reset=True) == 3.0
+    assert peak_mb(device) == 1.0  # the new window starts at what is allocated
+    assert allocated_mb(device) == 1.0
+    state.update(peak=2.0)
+    reset_peak(device)
+    assert peak_mb(device) == 1.0
+    # a CPU device reads the process's own peak and resident memory, never the allocator's
+    monkeypatch.setattr(memory, "peak_rss_mb", lambda: 700.0)
+    monkeypatch.setattr(memory, "rss_mb", lambda: 600.0)
+    resets = []
+    monkeypatch.setattr(memory, "reset_peak_rss", lambda: resets.append("rss") or True)
+    state.update(peak=2.5)
+    assert peak_mb("cpu", reset=True) == 700.0 and allocated_mb("cpu") == 600.0
+    assert resets == ["rss"] and state["peak"] == 2.5  # the allocator's window left alone

@@ -17,27 +17,31 @@ from torch import nn
 from tqdm import tqdm
 
 from dropit_core import memory
-from rcnn_dropit.checkpoint import load_checkpoint
+from rcnn_dropit.checkpoint.files import load_checkpoint
 from rcnn_dropit.engine import runner as runner_module
+from rcnn_dropit.engine.amp import autocast, make_scaler
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
-from rcnn_dropit.engine.runner import check_output_dir, train
+from rcnn_dropit.engine.runner import train
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, step_scheduler
-from rcnn_dropit.logging_utils import NullWriter, peak_memory_mb, read_metrics
-from rcnn_dropit.run_dir import truncate_metrics
-from tests.conftest import FASTER_CFG, MASK_CFG, MASK_DROPIT_CFG, train_records
-from tests.conftest import tiny_opts as shared_tiny_opts
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.metrics_file import NullWriter, read_metrics
+from rcnn_dropit.run_dir import RunDir, truncate_metrics
+from tests.helpers import (
+    FASTER_CFG,
+    MASK_CFG,
+    MASK_DROPIT_CFG,
+    assert_one_line_error,
+    call_tool,
+    train_records,
+)
+from tests.helpers import tiny_opts as shared_tiny_opts
 
 LOSS_KEYS = ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg")
 
 
 def tiny_opts(root: Path, *extra: str) -> list[str]:
-    """Overrides for a seconds-long CPU run (tests/conftest.py), keeping one checkpoint."""
+    """Overrides for a seconds-long CPU run (tests/helpers.py), keeping one checkpoint."""
     return shared_tiny_opts(root, "train.keep_last=1", *extra)
-
-
-@pytest.fixture(scope="module")
-def shapes_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data") / "shapes"
 
 
 def check_ap(block: dict) -> None:
@@ -110,11 +114,11 @@ def test_auto_scale_lr() -> None:
 
 
 @pytest.mark.slow
-def test_train_maskrcnn_dropit_two_iterations(tmp_path, shapes_root) -> None:
+def test_train_maskrcnn_dropit_two_iterations(tmp_path, tiny_shapes) -> None:
     run = tmp_path / "run"
     result = train(
         MASK_DROPIT_CFG,
-        tiny_opts(shapes_root, "solver.max_iters=2", "train.measure_memory=true"),
+        tiny_opts(tiny_shapes, "solver.max_iters=2", "train.measure_memory=true"),
         output_dir=run,
     )
     for name in (
@@ -172,10 +176,10 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, shapes_root) -> None:
 
 
 @pytest.fixture(scope="module")
-def faster_straight(tmp_path_factory, shapes_root) -> Path:
+def faster_straight(tmp_path_factory, tiny_shapes) -> Path:
     """Faster R-CNN trained 4 iterations (one epoch of 8 images) without interruption."""
     run = tmp_path_factory.mktemp("straight") / "run"
-    train(FASTER_CFG, tiny_opts(shapes_root, "solver.max_iters=4"), output_dir=run)
+    train(FASTER_CFG, tiny_opts(tiny_shapes, "solver.max_iters=4"), output_dir=run)
     return run
 
 
@@ -190,9 +194,9 @@ def test_train_fasterrcnn_eval(faster_straight) -> None:
 
 
 @pytest.mark.slow
-def test_resume_matches_uninterrupted(tmp_path, shapes_root, faster_straight, monkeypatch) -> None:
+def test_resume_matches_uninterrupted(tmp_path, tiny_shapes, faster_straight, monkeypatch) -> None:
     run = tmp_path / "run"
-    opts = tiny_opts(shapes_root, "solver.max_iters=4", "train.checkpoint_every_iters=2")
+    opts = tiny_opts(tiny_shapes, "solver.max_iters=4", "train.checkpoint_every_iters=2")
     real_step = Trainer.step
 
     def crash_at_3(self, images, targets, iteration):
@@ -227,13 +231,13 @@ def test_resume_matches_uninterrupted(tmp_path, shapes_root, faster_straight, mo
 
 
 @pytest.mark.slow
-def test_resume_redoes_an_unfinished_evaluation(tmp_path, shapes_root, faster_straight) -> None:
+def test_resume_redoes_an_unfinished_evaluation(tmp_path, tiny_shapes, faster_straight) -> None:
     run = tmp_path / "run"
     shutil.copytree(faster_straight, run)
     (run / "eval.json").unlink()
     kept = [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-    opts = tiny_opts(shapes_root, "solver.max_iters=4")
+    opts = tiny_opts(tiny_shapes, "solver.max_iters=4")
     result = train(FASTER_CFG, opts, output_dir=run, resume="auto")  # killed while evaluating
     assert result.iteration == 4 and (run / "eval.json").is_file()
     records = read_metrics(run / "metrics.jsonl")
@@ -243,14 +247,14 @@ def test_resume_redoes_an_unfinished_evaluation(tmp_path, shapes_root, faster_st
 
 @pytest.mark.slow
 def test_resuming_a_finished_run_evaluates_nothing_again(
-    tmp_path, shapes_root, faster_straight, monkeypatch
+    tmp_path, tiny_shapes, faster_straight, monkeypatch
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(faster_straight, run)
     before = (run / "metrics.jsonl").read_text()
     monkeypatch.setattr(Trainer, "run_eval", lambda self, it: pytest.fail(f"evaluated {it}"))
     result = train(
-        FASTER_CFG, tiny_opts(shapes_root, "solver.max_iters=4"), output_dir=run, resume="auto"
+        FASTER_CFG, tiny_opts(tiny_shapes, "solver.max_iters=4"), output_dir=run, resume="auto"
     )
     assert result.iteration == 4
     assert (run / "metrics.jsonl").read_text() == before  # no second eval record
@@ -267,24 +271,49 @@ def test_used_output_dir_is_refused(tmp_path) -> None:
     (run / "checkpoints").mkdir(parents=True)
     (run / "metrics.jsonl").write_text("{}\n")
     (run / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="is not empty; pass --resume auto .* --overwrite"):
-        check_output_dir(run, resume=None, overwrite=False)
-    check_output_dir(run, resume="auto", overwrite=False)  # resuming is allowed
-    check_output_dir(run, resume=None, overwrite=True)
+    with pytest.raises(UsageError, match="is not empty; pass --resume auto .* --overwrite"):
+        RunDir(run).check(resume=None, overwrite=False)
+    RunDir(run).check(resume="auto", overwrite=False)  # resuming is allowed
+    RunDir(run).check(resume=None, overwrite=True)
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]  # only our files removed
-    check_output_dir(tmp_path / "new", resume=None, overwrite=False)
+    RunDir(tmp_path / "new").check(resume=None, overwrite=False)
 
 
-def test_train_refuses_used_output_dir(tmp_path, shapes_root) -> None:
+def test_train_refuses_used_output_dir(tmp_path, tiny_shapes) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="not empty"):
-        train(MASK_CFG, tiny_opts(shapes_root, "solver.max_iters=1"), output_dir=run)
+        train(MASK_CFG, tiny_opts(tiny_shapes, "solver.max_iters=1"), output_dir=run)
     assert (run / "metrics.jsonl").read_text() == "{}\n"
 
 
-def test_nonfinite_loss_stops_with_terms(tmp_path, shapes_root, monkeypatch) -> None:
+def test_a_bug_shows_its_traceback_and_log_txt_keeps_it(tmp_path, tiny_shapes, monkeypatch, capsys):
+    # Not a usage error: the console gets the traceback, the run folder stays, and its log.txt
+    # holds the whole traceback for whoever looks later.
+    def broken(self, start_iter=0, rng_state=None):
+        return {}["loss_mask"]
+
+    monkeypatch.setattr(Trainer, "train", broken)
+    run = tmp_path / "run"
+    args = ["--config", str(FASTER_CFG), "--output-dir", str(run)]
+    proc = call_tool("train.py", *args, "--opts", *tiny_opts(tiny_shapes), capsys=capsys)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and proc.stderr.rstrip().endswith("KeyError: 'loss_mask'")
+    log = (run / "log.txt").read_text()
+    assert "ERROR error: 'loss_mask'" in log and "Traceback" in log and ", in broken" in log
+
+
+def test_a_usage_error_is_one_line_with_nothing_left_behind(tmp_path, tiny_shapes, capsys):
+    run = tmp_path / "run"
+    opts = [*tiny_opts(tiny_shapes), "dropit.enabled=true", "dropit.exclude=[roi_heads.nothing]"]
+    args = ["--config", str(FASTER_CFG), "--output-dir", str(run), "--opts", *opts]
+    proc = call_tool("train.py", *args, capsys=capsys)
+    assert_one_line_error(proc, "exclude pattern 'roi_heads.nothing' matches no module")
+    assert not run.exists()
+
+
+def test_nonfinite_loss_stops_with_terms(tmp_path, tiny_shapes, monkeypatch) -> None:
     real_build = runner_module.build_model
 
     def build_nan_model(cfg):
@@ -302,13 +331,13 @@ def test_nonfinite_loss_stops_with_terms(tmp_path, shapes_root, monkeypatch) -> 
 
     monkeypatch.setattr(runner_module, "build_model", build_nan_model)
     with pytest.raises(FloatingPointError) as info:
-        train(FASTER_CFG, tiny_opts(shapes_root, "solver.max_iters=2"), output_dir=tmp_path / "r")
+        train(FASTER_CFG, tiny_opts(tiny_shapes, "solver.max_iters=2"), output_dir=tmp_path / "r")
     message = str(info.value)
     assert "iteration 1" in message and "loss_box_reg=nan" in message
     assert "loss_classifier=" in message and "solver.nonfinite=skip" in message
 
 
-def test_train_checks_the_data_set_once(tmp_path, shapes_root, monkeypatch) -> None:
+def test_train_checks_the_data_set_once(tmp_path, tiny_shapes, monkeypatch) -> None:
     from rcnn_dropit.data import loader as loader_module
 
     calls = []
@@ -318,7 +347,7 @@ def test_train_checks_the_data_set_once(tmp_path, shapes_root, monkeypatch) -> N
     # stop right after the loaders are built: the rest of a run does not touch the data set
     monkeypatch.setattr(runner_module, "total_iterations", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        train(FASTER_CFG, tiny_opts(shapes_root, "solver.max_iters=1"), output_dir=tmp_path / "r")
+        train(FASTER_CFG, tiny_opts(tiny_shapes, "solver.max_iters=1"), output_dir=tmp_path / "r")
     assert calls == [1]
     assert not (tmp_path / "r").exists()  # nothing written before the run starts
 
@@ -427,17 +456,6 @@ def test_peak_mem_mb_covers_only_its_logging_window() -> None:
     assert first - second > 300  # the second window no longer reports the first one's peak
 
 
-def test_cuda_peak_is_read_then_reset_on_the_run_device(monkeypatch) -> None:
-    calls = []
-    peaks = iter([3 * 2**20, 2**20])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: next(peaks))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: calls.append(d))
-    device = torch.device("cuda", 1)
-    assert peak_memory_mb(device, reset=True) == 3.0
-    assert peak_memory_mb(device) == 1.0
-    assert calls == [device]
-
-
 # ---- fp16 skipped steps ----------------------------------------------------------------------
 
 
@@ -475,3 +493,23 @@ def test_step_scheduler_silences_only_the_scheduler_order_warning() -> None:
     assert order_warnings == 1 and "before `optimizer.step()`" in str(caught[0].message)
     assert [str(w.message) for w in caught[1:]] == ["another warning"]
     assert scheduler.last_epoch == 1
+
+
+# ---- mixed precision -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("amp, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_autocast_runs_the_forward_in_the_solver_amp_dtype(amp: str, dtype: torch.dtype) -> None:
+    layer = nn.Linear(4, 3)
+    with autocast(amp, torch.device("cpu")):
+        assert layer(torch.ones(2, 4)).dtype == dtype
+    with autocast("none", torch.device("cpu")):
+        assert layer(torch.ones(2, 4)).dtype == torch.float32
+
+
+def test_amp_values_are_checked_and_fp16_needs_cuda() -> None:
+    with pytest.raises(UsageError, match="amp='fp8' is invalid: allowed fp16, bf16 or none"):
+        autocast("fp8", torch.device("cpu"))
+    with pytest.raises(UsageError, match="fp16 needs a CUDA device"):
+        make_scaler("fp16", torch.device("cpu"))
+    assert make_scaler("bf16", torch.device("cpu")) is None

@@ -9,7 +9,7 @@ from pycocotools import mask as mask_util
 
 from rcnn_dropit.engine.evaluator_loop import outputs_to_host
 from rcnn_dropit.evaluation import COCOEvaluator, format_metrics_table
-from tests.conftest import CAT_OF_LABEL, IMAGES, make_coco_gt, predictions, rect_mask
+from tests.helpers import CAT_OF_LABEL, IMAGES, evaluate_into, make_coco_gt, predictions, rect_mask
 
 
 def no_predictions(image_id: int) -> dict[str, torch.Tensor]:
@@ -26,7 +26,7 @@ def evaluate(outputs_by_image: dict[int, dict], output_dir=None) -> dict:
     evaluator = COCOEvaluator(make_coco_gt(), ("bbox", "segm"), CAT_OF_LABEL.__getitem__)
     for image_id, output in outputs_by_image.items():
         evaluator.update([output], [image_id])
-    return evaluator.evaluate(output_dir)
+    return evaluate_into(evaluator, output_dir)
 
 
 def test_perfect_predictions_score_one(tmp_path):
@@ -95,7 +95,7 @@ def test_bbox_only_and_input_errors():
     out = predictions(1)
     del out["masks"]
     evaluator.update([out], [torch.tensor(1)])
-    metrics = evaluator.evaluate()
+    metrics = evaluate_into(evaluator)
     assert set(metrics) == {"bbox", "num_images"}
     assert metrics["bbox"]["AP"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="iou_types"):
@@ -108,11 +108,11 @@ def test_bbox_only_and_input_errors():
     twice = COCOEvaluator(make_coco_gt(), ("bbox",), CAT_OF_LABEL.__getitem__)
     twice.update([out, out], [1, 1])
     with pytest.raises(RuntimeError, match=r"repeat images \(e\.g\. ids \[1\]\)"):
-        twice.evaluate()
+        twice.evaluate_with_results()
     unknown = COCOEvaluator(make_coco_gt(), ("bbox",), CAT_OF_LABEL.__getitem__)
     unknown.update([out], [99])
     with pytest.raises(ValueError, match=r"\[99\]"):
-        unknown.evaluate()
+        unknown.evaluate_with_results()
 
 
 def test_format_metrics_table():

@@ -25,8 +25,8 @@ from torch import nn
 
 from dropit_core import STRATEGIES, to_dropit
 from dropit_core.memory import cuda_allocated_mb
-from rcnn_dropit.logging_utils import read_metrics
-from tests.conftest import MASK_DROPIT_CFG, TRAIN_PY, job_env, single_node, tiny_opts, torchrun
+from rcnn_dropit.metrics_file import read_metrics
+from tests.helpers import MASK_DROPIT_CFG, TRAIN_PY, job_env, single_node, tiny_opts, torchrun
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from rcnn_dropit.grad_figure import gradient_study, plot, save_json
+from rcnn_dropit.measure.grad_figure import gradient_study, plot, save_json
 
 LAYERS = ("backbone.body.layer2.0.conv2", "roi_heads.box_head.fc6")
 
 
+@pytest.mark.slow
 def test_cosine_falls_with_gamma_and_figures_are_written(tmp_path: Path) -> None:
     result = gradient_study([0.0, 0.9], ["mink"], LAYERS, image_size=64, backbone="resnet18")
     exact, dropped = result["cosine"]["mink"]
@@ -30,6 +31,7 @@ def test_cosine_falls_with_gamma_and_figures_are_written(tmp_path: Path) -> None
     assert saved["gammas"] == [0.0, 0.9] and "_grads" not in saved
 
 
+@pytest.mark.slow
 def test_unknown_layer_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="have no weight gradient"):
         gradient_study([0.8], ["mink"], ["backbone.nope"], image_size=64, backbone="resnet18")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from rcnn_dropit.config import load_config
-from rcnn_dropit.grad_groups import group_fidelity, markdown_table, training_batches
-from tests.conftest import MASK_CFG, assert_one_line_error, call_tool, tiny_opts
+from rcnn_dropit.measure.grad_groups import group_fidelity, markdown_table, training_batches
+from tests.helpers import MASK_CFG, assert_one_line_error, call_tool, tiny_opts
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    cfg = load_config(MASK_CFG, tiny_opts(tmp_path_factory.mktemp("data") / "shapes"))
+def setup(tiny_shapes):
+    cfg = load_config(MASK_CFG, tiny_opts(tiny_shapes))
     return cfg, training_batches(cfg, 2)
 
 

@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 from pycocotools.coco import COCO
 
-from rcnn_dropit.checkpoint import save_checkpoint
-from rcnn_dropit.config import dump_config, load_config
+from rcnn_dropit.checkpoint.files import save_checkpoint
+from rcnn_dropit.config import config_yaml, load_config
 from rcnn_dropit.data import ensure_dataset
 from rcnn_dropit.inference import class_names_for
 from rcnn_dropit.models import build_model
@@ -26,8 +26,9 @@ from rcnn_dropit.visualize import (
     draw_ground_truth,
     draw_prediction,
     prediction_vs_truth,
+    shown_detections,
 )
-from tests.conftest import assert_one_line_error, call_tool, tiny_opts
+from tests.helpers import assert_one_line_error, call_tool, tiny_opts
 
 REPO = Path(__file__).resolve().parents[1]
 MASK_CFG = REPO / "configs/demo/maskrcnn_shapes_baseline.yaml"
@@ -69,6 +70,27 @@ def test_drawn_prediction_colours_box_edge_and_mask_interior() -> None:
     assert torch.allclose(big[:, 60, 40].float(), color.float() / 2, atol=1)
 
 
+def test_a_picture_shows_one_box_per_object() -> None:
+    # One object found three times (two classes, boxes of about its size), another once.
+    prediction = {
+        "boxes": torch.tensor(
+            [[10.0, 10.0, 50.0, 50.0], [12.0, 11.0, 50.0, 52.0], [8.0, 9.0, 49.0, 48.0],
+             [60.0, 60.0, 90.0, 90.0], [61.0, 60.0, 90.0, 91.0]]
+        ),
+        "scores": torch.tensor([0.9, 0.8, 0.7, 0.6, 0.4]),
+        "labels": torch.tensor([1, 2, 1, 2, 1]),
+    }  # fmt: skip
+    assert shown_detections(prediction, 0.5).tolist() == [0, 3]
+    assert shown_detections(prediction, 0.5, overlap=1.0).tolist() == [0, 1, 2, 3]
+    assert shown_detections(prediction, 0.3).tolist() == [0, 3]  # 4 hides behind 3
+    assert shown_detections(prediction, 0.95).tolist() == []
+    image = torch.zeros(3, 100, 100, dtype=torch.uint8)
+    one = draw_prediction(image, prediction, ["bg", "a", "b"], score_thresh=0.5)
+    every = draw_prediction(image, prediction, ["bg", "a", "b"], score_thresh=0.5, overlap=1.0)
+    assert torch.equal(one[:, 30, 12], torch.zeros(3, dtype=torch.uint8))  # box 1's edge: hidden
+    assert torch.equal(every[:, 30, 12], torch.tensor(class_color(2), dtype=torch.uint8))
+
+
 def test_ground_truth_panel_and_gallery_layout() -> None:
     image = torch.full((3, 30, 50), 255, dtype=torch.uint8)
     masks = torch.zeros(1, 30, 50, dtype=torch.uint8)
@@ -88,16 +110,17 @@ def test_ground_truth_panel_and_gallery_layout() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    """A run directory (config.yaml + checkpoint) of an untrained tiny Mask R-CNN, its shapes
-    data set beside it, and checkpoints of a 5-class and of a Faster R-CNN model."""
+def tiny_run(tmp_path_factory, tiny_shapes) -> Path:
+    """A run directory (config.yaml + checkpoint) of an untrained tiny Mask R-CNN on the tiny
+    shapes set, and checkpoints of a 5-class and of a Faster R-CNN model beside it."""
     base = tmp_path_factory.mktemp("infer")
     # score threshold 0: an untrained model's detections all reach the COCO results
-    opts = tiny_opts(base / "shapes", "test.score_thresh=0.0")
+    opts = tiny_opts(tiny_shapes, "test.score_thresh=0.0")
     cfg = load_config(MASK_CFG, opts)
     ensure_dataset(cfg)
     run = base / "run"
-    dump_config(cfg, run / "config.yaml")
+    run.mkdir()
+    (run / "config.yaml").write_text(config_yaml(cfg))
     for name, extra in (
         ("run/checkpoints", ()),
         ("five_classes", ("model.num_classes=5", "data.shapes.num_classes=4")),
@@ -112,7 +135,7 @@ def tiny_run(tmp_path_factory) -> Path:
 
 def _val_images(run: Path) -> tuple[Path, dict]:
     """The shapes val folder and its COCO annotations."""
-    shapes = run.parent / "shapes"
+    shapes = Path(load_config(run / "config.yaml").data.root)
     return shapes / "val", json.loads((shapes / "annotations/instances_val.json").read_text())
 
 
@@ -213,7 +236,7 @@ def test_bad_inputs_get_one_line_and_exit_2(tiny_run, tmp_path, capsys) -> None:
     (empty / "readme.md").write_text("no images here")
     ckpt = tiny_run.parent / "five_classes/model_0000003.pth"
     faster = tiny_run.parent / "faster/model_0000003.pth"
-    image = str(next((tiny_run.parent / "shapes/val").iterdir()))
+    image = str(next(_val_images(tiny_run)[0].iterdir()))
     cases = [
         ((*run, "--input", str(fake)), (str(fake), "not an image", ".png")),
         ((*run, "--input", str(empty)), (str(empty), "holds no images", ".jpg")),

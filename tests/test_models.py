@@ -15,8 +15,11 @@ from torchvision.models import resnet18, resnet34
 from torchvision.models.detection.faster_rcnn import TwoMLPHead
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from dropit_core import to_dropit
 from rcnn_dropit.config import config_from_dict
-from rcnn_dropit.models import MLPHead, build_backbone, build_model
+from rcnn_dropit.config_schema import PAPER_EXCLUDE
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.models import MLPHead, build_backbone, build_model, fitting_exclude, paper_exclude
 
 TINY = {
     "backbone": "resnet18",
@@ -52,6 +55,7 @@ def sample():
     return [torch.rand(3, 64, 64)], [target]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "expected"), [("maskrcnn", LOSSES | {"loss_mask"}), ("fasterrcnn", LOSSES)]
 )
@@ -138,7 +142,7 @@ def test_pretrained_download_failure_says_what_to_do(monkeypatch: pytest.MonkeyP
         raise URLError("no network")
 
     monkeypatch.setattr("torchvision.models._api.load_state_dict_from_url", offline)
-    with pytest.raises(RuntimeError, match=r"could not be downloaded.*model\.backbone_weights"):
+    with pytest.raises(UsageError, match=r"could not be downloaded.*model\.backbone_weights"):
         build_backbone("resnet18", pretrained=True)
 
 
@@ -169,10 +173,9 @@ def test_weights_with_other_num_classes_is_rejected(saved_faster: tuple[dict, Pa
         build_model(tiny_cfg(arch="fasterrcnn", num_classes=5, weights=weights))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["maskrcnn", "fasterrcnn"])
 def test_dropit_is_applied_per_config(arch: str):
-    if not hasattr(pytest.importorskip("dropit_core"), "to_dropit"):
-        pytest.skip("dropit_core does not export to_dropit yet")
     cfg = tiny_cfg(arch=arch, dropit={"enabled": True, "strategy": "mink", "gamma": 0.8})
     model, record = build_model(cfg)
     paths = [entry.path for entry in record]
@@ -182,6 +185,28 @@ def test_dropit_is_applied_per_config(arch: str):
     model.train()
     losses = model(*sample())
     assert all(math.isfinite(v.item()) for v in losses.values())
+
+
+def test_paper_exclusions_fit_the_model_they_are_given():
+    mask, _ = build_model(tiny_cfg(arch="maskrcnn"))
+    faster, _ = build_model(tiny_cfg(arch="fasterrcnn"))
+    assert paper_exclude(mask) == list(PAPER_EXCLUDE) == tiny_cfg().dropit.exclude
+    assert paper_exclude(faster) == ["backbone.body.conv1", "roi_heads.box_predictor.*"]
+    # the one call that fits both: no "matches no module" on the Faster R-CNN
+    _, record = to_dropit(faster, "mink", 0.8, exclude=paper_exclude(faster))
+    paths = {r.path for r in record}
+    assert "roi_heads.box_head.fc6" in paths and "backbone.body.conv1" not in paths
+    assert not any(p.startswith("roi_heads.box_predictor") for p in paths)
+    # a config's own patterns stay as given; only the paper's missing ones are left out
+    custom = ["backbone.body.layer1.*", "roi_heads.mask_predictor.mask_fcn_logits"]
+    assert fitting_exclude(faster, custom) == ("backbone.body.layer1.*",)
+    assert fitting_exclude(mask, custom) == tuple(custom)
+
+
+def test_a_dropit_pattern_of_the_config_that_matches_nothing_is_a_usage_error():
+    cfg = tiny_cfg(dropit={"enabled": True, "include": ["roi_heads.box_hed.*"]})
+    with pytest.raises(UsageError, match="include pattern 'roi_heads.box_hed.*' matches no module"):
+        build_model(cfg)
 
 
 def test_dropit_settings_reach_to_dropit(monkeypatch: pytest.MonkeyPatch):

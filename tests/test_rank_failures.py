@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rcnn_dropit.data import make_shapes
-from tests.conftest import (
+from tests.helpers import (
     FASTER_CFG,
     REPO,
     TRAIN_PY,
@@ -32,42 +31,35 @@ SPREAD_S = 60
 JOB_TIMEOUT_S = 240
 
 
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data") / "shapes"
-    make_shapes(root, num_train=8, num_val=4, image_size=64, num_classes=3, seed=0)
-    return root
-
-
-def _unwritable_output_dir(tmp: Path, shapes: Path) -> tuple[list[str], str, int]:
+def _unwritable_output_dir(tmp: Path, tiny_shapes: Path) -> tuple[list[str], str, int]:
     blocker = tmp / "a-file"
     blocker.write_text("not a folder")
     run = blocker / "run"
     message = f"error: output dir '{run}' cannot be written"
     return (
-        ["--output-dir", str(run), "--opts", *tiny_opts(shapes, "solver.max_iters=1")],
+        ["--output-dir", str(run), "--opts", *tiny_opts(tiny_shapes, "solver.max_iters=1")],
         message,
         2,
     )
 
 
-def _checkpoint_write_fails(tmp: Path, shapes: Path) -> tuple[list[str], str, int]:
+def _checkpoint_write_fails(tmp: Path, tiny_shapes: Path) -> tuple[list[str], str, int]:
     run = tmp / "run"
     run.mkdir()
     (run / "checkpoints").write_text("a file where the checkpoint folder belongs")
     args = ["--output-dir", str(run), "--resume", "auto"]
     message = f"error: could not write checkpoints into '{run / 'checkpoints'}': it exists"
-    return [*args, "--opts", *tiny_opts(shapes, "solver.max_iters=1")], message, 1
+    return [*args, "--opts", *tiny_opts(tiny_shapes, "solver.max_iters=1")], message, 1
 
 
-def _corrupt_annotations(tmp: Path, shapes: Path) -> tuple[list[str], str, int]:
+def _corrupt_annotations(tmp: Path, tiny_shapes: Path) -> tuple[list[str], str, int]:
     root = tmp / "coco"
     root.mkdir()
     for split in ("train", "val"):
-        (root / split).symlink_to(shapes / split)
+        (root / split).symlink_to(tiny_shapes / split)
     (root / "annotations").mkdir()
     train_ann = root / "annotations/instances_train.json"
-    train_ann.write_bytes((shapes / "annotations/instances_train.json").read_bytes())
+    train_ann.write_bytes((tiny_shapes / "annotations/instances_train.json").read_bytes())
     (root / "annotations/instances_val.json").write_text('{"images": [')  # cut off mid-write
     opts = coco_opts(root, "solver.max_iters=1")
     message = f"error: data.val_ann: '{root / 'annotations/instances_val.json'}' is not valid JSON"
@@ -79,8 +71,15 @@ RANK0_FAILS = """
 import os, runpy, sys
 sys.path.insert(0, {repo!r})
 if os.environ["RANK"] == "0":
-    if {where!r} == "metrics":
-        from rcnn_dropit.logging_utils import MetricsWriter
+    if {where!r} == "bug":
+        import rcnn_dropit.evaluation as evaluation
+
+        def cocoeval(*args):
+            return {{}}["AP"]  # a bug: KeyError
+
+        evaluation._run_cocoeval = cocoeval
+    elif {where!r} == "metrics":
+        from rcnn_dropit.metrics_file import MetricsWriter
 
         real_write = MetricsWriter.write
 
@@ -92,9 +91,10 @@ if os.environ["RANK"] == "0":
         MetricsWriter.write = write
     else:
         import rcnn_dropit.evaluation as evaluation
+        from rcnn_dropit.errors import UsageError
 
         def cocoeval(*args):
-            raise ValueError("COCOeval found the detections unusable")
+            raise UsageError("COCOeval found the detections unusable")
 
         evaluation._run_cocoeval = cocoeval
 sys.argv[0] = {train!r}
@@ -103,10 +103,10 @@ runpy.run_path({train!r}, run_name="__main__")
 
 
 def _planted(where: str, message: str, code: int):
-    def case(tmp: Path, shapes: Path) -> tuple[list[str], str, int, Path]:
+    def case(tmp: Path, tiny_shapes: Path) -> tuple[list[str], str, int, Path]:
         script = tmp / "train_rank0_fails.py"
         script.write_text(RANK0_FAILS.format(repo=str(REPO), where=where, train=str(TRAIN_PY)))
-        opts = tiny_opts(shapes, "solver.max_iters=3", "train.checkpoint_every=0")
+        opts = tiny_opts(tiny_shapes, "solver.max_iters=3", "train.checkpoint_every=0")
         return ["--output-dir", str(tmp / "run"), "--opts", *opts], message, code, script
 
     return case
@@ -121,9 +121,9 @@ CASES: dict[str, Callable[[Path, Path], tuple]] = {
 }
 
 
-def _case(name: str, tmp: Path, shapes: Path) -> tuple[list[str], str, int, Path]:
+def _case(name: str, tmp: Path, tiny_shapes: Path) -> tuple[list[str], str, int, Path]:
     """(train.py arguments, the expected error line's start, exit code, the script to run)."""
-    args, message, code, *script = CASES[name](tmp, shapes)
+    args, message, code, *script = CASES[name](tmp, tiny_shapes)
     return args, message, code, script[0] if script else TRAIN_PY
 
 
@@ -164,8 +164,8 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_rank0_failure_ends_plain_processes_with_one_message(case, tmp_path, shapes) -> None:
-    args, message, code, script = _case(case, tmp_path, shapes)
+def test_rank0_failure_ends_plain_processes_with_one_message(case, tmp_path, tiny_shapes) -> None:
+    args, message, code, script = _case(case, tmp_path, tiny_shapes)
     logs = tmp_path / "logs"
     logs.mkdir()
     (code0, err0, t0), (code1, err1, t1) = _plain_processes(script, args, logs)
@@ -178,9 +178,24 @@ def test_rank0_failure_ends_plain_processes_with_one_message(case, tmp_path, sha
     assert abs(t0 - t1) < SPREAD_S
 
 
+def test_a_bug_on_rank0_ends_every_rank_and_shows_its_traceback(tmp_path, tiny_shapes) -> None:
+    # Not a usage error: rank 0's console shows the traceback (log.txt keeps it too), and the
+    # other rank gets the same error instead of waiting for rank 0 in a collective.
+    args, _, _, script = _planted("bug", "", 1)(tmp_path, tiny_shapes)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (code0, err0, t0), (code1, err1, t1) = _plain_processes(script, args, logs)
+    assert (code0, code1) == (1, 1), err0[-2000:] + err1[-2000:]
+    for stderr in (err0, err1):
+        assert "Traceback" in stderr and "KeyError: 'AP'" in stderr, stderr[-3000:]
+    assert ", in cocoeval" in err0  # rank 0's own frames, down to the planted bug
+    assert "KeyError: 'AP'" in (tmp_path / "run" / "log.txt").read_text()
+    assert abs(t0 - t1) < SPREAD_S
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_rank0_failure_ends_a_torchrun_job_with_its_message(case, tmp_path, shapes) -> None:
-    args, message, code, script = _case(case, tmp_path, shapes)
+def test_rank0_failure_ends_a_torchrun_job_with_its_message(case, tmp_path, tiny_shapes) -> None:
+    args, message, code, script = _case(case, tmp_path, tiny_shapes)
     logs = tmp_path / "torchrun-logs"
     cmd = [
         sys.executable,
@@ -194,11 +209,12 @@ def test_rank0_failure_ends_a_torchrun_job_with_its_message(case, tmp_path, shap
         str(FASTER_CFG),
         *args,
     ]
-    start = time.monotonic()
-    proc = subprocess.run(
-        cmd, env=job_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S, check=False
-    )
-    assert time.monotonic() - start < JOB_TIMEOUT_S
+    try:
+        proc = subprocess.run(
+            cmd, env=job_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the torchrun job still ran after {JOB_TIMEOUT_S} s: a rank hangs")
     assert proc.returncode != 0
     rank_logs = sorted(logs.rglob("stderr.log"), key=lambda p: p.parent.name)
     assert [p.parent.name for p in rank_logs] == ["0", "1"], proc.stderr[-3000:]

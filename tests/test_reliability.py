@@ -21,11 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcnn_dropit.checkpoint import load_checkpoint
-from rcnn_dropit.data import make_shapes
-from rcnn_dropit.logging_utils import read_metrics
-from tests.conftest import FASTER_CFG, MASK_CFG, TEST_PY, TRAIN_PY, coco_opts
-from tests.conftest import tiny_opts as shared_tiny_opts
+from rcnn_dropit.checkpoint.files import load_checkpoint
+from rcnn_dropit.metrics_file import read_metrics
+from tests.helpers import FASTER_CFG, MASK_CFG, TEST_PY, TRAIN_PY, coco_opts
+from tests.helpers import tiny_opts as shared_tiny_opts
 
 TRAIN, TEST = TRAIN_PY, TEST_PY
 pytestmark = pytest.mark.slow  # every test runs the tools in child processes
@@ -117,22 +116,15 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def tiny_opts(root: Path, *extra: str) -> list[str]:
-    """A seconds-long CPU run (tests/conftest.py) with a frozen ResNet-18 body."""
+    """A seconds-long CPU run (tests/helpers.py) with a frozen ResNet-18 body."""
     return shared_tiny_opts(root, "model.trainable_layers=0", "model.norm=frozen_bn", *extra)
 
 
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data") / "shapes"
-    make_shapes(root, num_train=8, num_val=4, image_size=64, num_classes=3, seed=0)
-    return root
-
-
 @pytest.fixture
-def coco(tmp_path, shapes) -> tuple[Path, list[str]]:
+def coco(tmp_path, tiny_shapes) -> tuple[Path, list[str]]:
     """A private copy of the shapes set read as data.dataset=coco, and the options for it."""
     root = tmp_path / "coco"
-    shutil.copytree(shapes, root)
+    shutil.copytree(tiny_shapes, root)
     opts = coco_opts(root)
     return root, opts
 
@@ -146,8 +138,8 @@ def edit_json(path: Path, change: Callable[[dict], object]) -> None:
 def _save_training_checkpoint(cfg_path: Path, opts: list[str], path: Path) -> None:
     """A complete training checkpoint, written by the trainer's checkpointer, of an untrained
     model."""
+    from rcnn_dropit.checkpoint.checkpointer import Checkpointer
     from rcnn_dropit.config import load_config
-    from rcnn_dropit.engine.checkpointer import Checkpointer
     from rcnn_dropit.models import build_model
 
     cfg = load_config(cfg_path, opts)
@@ -159,13 +151,14 @@ def _save_training_checkpoint(cfg_path: Path, opts: list[str], path: Path) -> No
 
 
 @pytest.fixture(scope="module")
-def faster_checkpoint(tmp_path_factory, shapes) -> Path:
+def faster_checkpoint(tmp_path_factory, tiny_shapes) -> Path:
     """A Faster R-CNN training checkpoint (made in a child: no torch work in this process)."""
     path = tmp_path_factory.mktemp("ckpt") / "model_0000001.pth"
     ctx = multiprocessing.get_context("fork")
     log = str(path.parent / "log")
     proc = ctx.Process(
-        target=_child, args=(_save_training_checkpoint, (FASTER_CFG, tiny_opts(shapes), path), log)
+        target=_child,
+        args=(_save_training_checkpoint, (FASTER_CFG, tiny_opts(tiny_shapes), path), log),
     )
     proc.start()
     proc.join(120)
@@ -203,13 +196,13 @@ CONFIG_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))
-def test_bad_config_is_one_error_line_and_no_run_dir(case, tmp_path, shapes) -> None:
+def test_bad_config_is_one_error_line_and_no_run_dir(case, tmp_path, tiny_shapes) -> None:
     text, overrides, fragments = CONFIG_CASES[case]
     out = tmp_path / "run"
     cfg = _yaml(tmp_path, text)
     proc = run_tool(
         TRAIN, "--config", str(cfg), "--output-dir", str(out),
-        "--opts", *tiny_opts(shapes), *overrides, cwd=tmp_path,
+        "--opts", *tiny_opts(tiny_shapes), *overrides, cwd=tmp_path,
     )  # fmt: skip
     line = error_line(proc)
     for fragment in fragments:
@@ -305,15 +298,15 @@ def test_skipped_images_and_degenerate_boxes_are_counted(tmp_path, coco) -> None
     assert [r["iter"] for r in read_metrics(out / "metrics.jsonl") if r["type"] == "train"] == [1]
 
 
-def test_used_output_dir_is_never_overwritten(tmp_path, shapes, coco) -> None:
+def test_used_output_dir_is_never_overwritten(tmp_path, tiny_shapes, coco) -> None:
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints/model_0000004.pth").write_bytes(b"old weights")
     (out / "metrics.jsonl").write_text('{"type": "train", "iter": 4}\n')
     before = snapshot(out)
+    opts = tiny_opts(tiny_shapes)
     proc = run_tool(
-        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--opts", *tiny_opts(shapes),
-        cwd=tmp_path,
+        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--opts", *opts, cwd=tmp_path
     )  # fmt: skip
     line = error_line(proc)
     assert f"output dir '{out}' is not empty" in line and "--overwrite" in line
@@ -329,18 +322,20 @@ def test_used_output_dir_is_never_overwritten(tmp_path, shapes, coco) -> None:
     assert snapshot(out) == before
 
 
-def test_resume_from_missing_or_foreign_checkpoint(tmp_path, shapes, faster_checkpoint) -> None:
+def test_resume_from_missing_or_foreign_checkpoint(
+    tmp_path, tiny_shapes, faster_checkpoint
+) -> None:
     out = tmp_path / "run"
     missing = tmp_path / "none.pth"
     proc = run_tool(
         TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--resume", str(missing),
-        "--opts", *tiny_opts(shapes), cwd=tmp_path,
+        "--opts", *tiny_opts(tiny_shapes), cwd=tmp_path,
     )  # fmt: skip
     assert f"resume: checkpoint '{missing}' does not exist" in error_line(proc)
     assert not out.exists()
     proc = run_tool(
         TRAIN, "--config", str(MASK_CFG), "--output-dir", str(out),
-        "--resume", str(faster_checkpoint), "--opts", *tiny_opts(shapes), cwd=tmp_path,
+        "--resume", str(faster_checkpoint), "--opts", *tiny_opts(tiny_shapes), cwd=tmp_path,
     )  # fmt: skip
     line = error_line(proc)
     assert f"--resume: checkpoint '{faster_checkpoint}'" in line
@@ -348,11 +343,11 @@ def test_resume_from_missing_or_foreign_checkpoint(tmp_path, shapes, faster_chec
     assert not out.exists()
 
 
-def test_test_tool_rejects_a_checkpoint_of_another_model(tmp_path, shapes, faster_checkpoint):
+def test_test_tool_rejects_a_checkpoint_of_another_model(tmp_path, tiny_shapes, faster_checkpoint):
     out = tmp_path / "eval"
     proc = run_tool(
         TEST, "--config", str(MASK_CFG), "--checkpoint", str(faster_checkpoint),
-        "--output-dir", str(out), "--opts", *tiny_opts(shapes), cwd=tmp_path,
+        "--output-dir", str(out), "--opts", *tiny_opts(tiny_shapes), cwd=tmp_path,
     )  # fmt: skip
     line = error_line(proc)
     assert str(faster_checkpoint) in line and "checkpoint is from another model" in line
@@ -369,22 +364,22 @@ class _RunsCode:
         return (Path.touch, (self.marker,))
 
 
-def test_checkpoint_with_code_is_refused_without_running_it(tmp_path, shapes) -> None:
+def test_checkpoint_with_code_is_refused_without_running_it(tmp_path, tiny_shapes) -> None:
     marker, evil = tmp_path / "pickle-ran", tmp_path / "model_0000001.pth"
     torch.save({"model": {}, "iteration": 1, "payload": _RunsCode(marker)}, evil)
     out = tmp_path / "run"
     proc = run_tool(
         TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--resume", str(evil),
-        "--opts", *tiny_opts(shapes), cwd=tmp_path,
+        "--opts", *tiny_opts(tiny_shapes), cwd=tmp_path,
     )  # fmt: skip
     line = error_line(proc)
     assert f"checkpoint '{evil}' is unreadable or corrupt" in line and "weights_only" in line
     assert not marker.exists() and not out.exists()
 
 
-def test_nonfinite_loss_stops_or_skips(tmp_path, shapes) -> None:
+def test_nonfinite_loss_stops_or_skips(tmp_path, tiny_shapes) -> None:
     # lr 1e12 makes every loss NaN from iteration 2 on
-    opts = tiny_opts(shapes, "solver.lr=1e12", "solver.warmup_iters=0", "solver.max_iters=3")
+    opts = tiny_opts(tiny_shapes, "solver.lr=1e12", "solver.warmup_iters=0", "solver.max_iters=3")
     out = tmp_path / "stop"
     proc = run_tool(
         TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--opts", *opts,
@@ -409,9 +404,9 @@ def test_nonfinite_loss_stops_or_skips(tmp_path, shapes) -> None:
 # ---- a full disk -------------------------------------------------------------------------------
 
 
-def test_disk_full_stops_with_one_line_and_keeps_the_last_checkpoint(tmp_path, shapes) -> None:
+def test_disk_full_stops_with_one_line_and_keeps_the_last_checkpoint(tmp_path, tiny_shapes) -> None:
     out = tmp_path / "run"
-    opts = tiny_opts(shapes, "solver.max_iters=3", "train.checkpoint_every_iters=1")
+    opts = tiny_opts(tiny_shapes, "solver.max_iters=3", "train.checkpoint_every_iters=1")
     proc, log = start_tool(
         TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--opts", *opts,
         cwd=tmp_path,
@@ -445,19 +440,19 @@ def test_disk_full_stops_with_one_line_and_keeps_the_last_checkpoint(tmp_path, s
 KILL_ITERS = 8
 
 
-def _kill_opts(shapes: Path) -> list[str]:
+def _kill_opts(tiny_shapes: Path) -> list[str]:
     return tiny_opts(
-        shapes, f"solver.max_iters={KILL_ITERS}", "train.checkpoint_every_iters=1",
+        tiny_shapes, f"solver.max_iters={KILL_ITERS}", "train.checkpoint_every_iters=1",
         "train.keep_last=2",
     )  # fmt: skip
 
 
-def _popen_train(out: Path, shapes: Path, cwd: Path, *extra: str) -> subprocess.Popen:
+def _popen_train(out: Path, tiny_shapes: Path, cwd: Path, *extra: str) -> subprocess.Popen:
     """tools/train.py in a fresh interpreter (one thread, as the forked children use)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = ["--config", str(FASTER_CFG), "--output-dir", str(out), *extra]
     return subprocess.Popen(
-        [sys.executable, str(TRAIN), *args, "--opts", *_kill_opts(shapes)],
+        [sys.executable, str(TRAIN), *args, "--opts", *_kill_opts(tiny_shapes)],
         cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -499,12 +494,12 @@ def _check_checkpoints_load(ckpts: Path) -> list[int]:
     return iterations
 
 
-def test_sigkill_during_checkpoints_then_resume_equals_uninterrupted(tmp_path, shapes) -> None:
+def test_sigkill_during_checkpoints_then_resume_equals_uninterrupted(tmp_path, tiny_shapes) -> None:
     # The uninterrupted run goes alongside (both use one thread: two cores).
     straight = tmp_path / "straight"
     reference = start_tool(
         TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(straight),
-        "--opts", *_kill_opts(shapes), cwd=tmp_path,
+        "--opts", *_kill_opts(tiny_shapes), cwd=tmp_path,
     )  # fmt: skip
     run = tmp_path / "killed"
     ckpts = run / "checkpoints"
@@ -513,14 +508,14 @@ def test_sigkill_during_checkpoints_then_resume_equals_uninterrupted(tmp_path, s
     targets = [rng.choice(span) for span in ((1, 2), (3, 4), (5, 6))]
     kills = 0
     for target in targets:
-        proc = _popen_train(run, shapes, tmp_path, *(["--resume", "auto"] if kills else []))
+        proc = _popen_train(run, tiny_shapes, tmp_path, *(["--resume", "auto"] if kills else []))
         if not _kill_while_checkpointing(proc, ckpts, target, rng):
             break
         kills += 1
         assert proc.returncode == -signal.SIGKILL
         assert _check_checkpoints_load(ckpts), "a kill left no loadable checkpoint"
     assert kills == 3
-    proc = _popen_train(run, shapes, tmp_path, "--resume", "auto")
+    proc = _popen_train(run, tiny_shapes, tmp_path, "--resume", "auto")
     assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
     done = finish(*reference)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,11 +9,12 @@ import warnings
 
 import pytest
 
+from rcnn_dropit.atomic import write_atomic, write_json_atomic
 from rcnn_dropit.config import load_config
-from rcnn_dropit.logging_utils import read_metrics
-from rcnn_dropit.run_dir import LOGGER_NAME, RunDir, write_atomic, write_json_atomic
+from rcnn_dropit.metrics_file import read_metrics
+from rcnn_dropit.run_dir import LOGGER_NAME, RunDir
 from rcnn_dropit.tensorboard import scalars
-from tests.conftest import FASTER_CFG
+from tests.helpers import FASTER_CFG
 
 log = logging.getLogger(LOGGER_NAME)
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import rcnn_dropit.study as study
-from rcnn_dropit.config import dump_config, load_config
+import rcnn_dropit.measure.study as study
+from rcnn_dropit.config import config_yaml, load_config
+from rcnn_dropit.measure.study import run_study
+from rcnn_dropit.measure.study_plan import PlanError, StudyRun, load_plan, plan_runs
 from rcnn_dropit.report.paired import paired_diff, spread, t95
-from rcnn_dropit.study import PlanError, StudyRun, load_plan, plan_runs, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +87,7 @@ def test_bad_plans_name_the_problem(tmp_path: Path, groups: str, message: str) -
 def _fake_run(run: StudyRun, run_dir: Path, ap: float, evals: tuple[int, ...] = ()) -> None:
     """A finished run directory as training would leave it, without training."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(load_config(run.config, run.overrides), run_dir / "config.yaml")
+    (run_dir / "config.yaml").write_text(config_yaml(load_config(run.config, run.overrides)))
     metrics = {k: ap for k in ("AP", "AP50", "AP75", "APs", "APm", "APl")}
     (run_dir / "eval.json").write_text(json.dumps({"bbox": metrics, "segm": metrics, "iter": 8}))
     records = [{"type": "train", "iter": 4, "loss": 1.0, "images_per_sec": 2.0}]
@@ -262,8 +263,9 @@ def test_jobs_and_regimes_are_checked(tmp_path: Path) -> None:
         run_study(plan_file, regimes=["cifar"])
 
 
+@pytest.mark.slow
 def test_child_process_logs_error_and_exits_nonzero(tmp_path: Path) -> None:
-    from rcnn_dropit.study import _start_run
+    from rcnn_dropit.measure.study import _start_run
 
     log = tmp_path / "bad.log"
     run = StudyRun("scratch/bad", str(ROOT / "configs/study/scratch.yaml"), ("solver.lr=-1",))
@@ -318,7 +320,7 @@ def test_a_stopped_study_takes_its_running_children_down(tmp_path: Path, monkeyp
 
 
 def test_report_shows_the_gradient_fidelity_tables_when_measured(tmp_path: Path) -> None:
-    from rcnn_dropit.report.study_report import _grad_groups
+    from rcnn_dropit.measure.study_report import _grad_groups
 
     path = tmp_path / "shapes_grad_groups_finetune.json"
     assert _grad_groups(path) == []  # not measured: nothing to show
@@ -331,7 +333,7 @@ def test_report_shows_the_gradient_fidelity_tables_when_measured(tmp_path: Path)
 
 
 def test_time_account_counts_machine_hours_by_the_runs_sharing_it(tmp_path: Path) -> None:
-    from rcnn_dropit.report.study_report import _time_account
+    from rcnn_dropit.measure.study_report import _time_account
 
     records = [
         {"run": "a", "seconds": 3600.0, "ok": True, "jobs": 2},

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rcnn_dropit.checkpoint.checkpointer import Checkpointer
 from rcnn_dropit.config import load_config
-from rcnn_dropit.engine.checkpointer import Checkpointer
 from rcnn_dropit.models import build_model
-from tests.conftest import FASTER_CFG, REPO, assert_one_line_error, call_tool
-from tests.conftest import run_tool as run_fresh
-from tests.conftest import tiny_opts as shared_tiny_opts
+from tests.helpers import FASTER_CFG, REPO, assert_one_line_error, call_tool
+from tests.helpers import run_tool as run_fresh
+from tests.helpers import tiny_opts as shared_tiny_opts
 
 
 def run_tool(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -35,7 +35,7 @@ def test_train_bad_config_key_exits_2(tmp_path) -> None:
     assert not (tmp_path / "outputs").exists()  # nothing written for a rejected config
 
 
-def test_train_missing_config_and_used_dir_exit_2(tmp_path, capsys) -> None:
+def test_train_missing_config_and_used_dir_exit_2(tmp_path, tiny_shapes, capsys) -> None:
     proc = call_tool("train.py", "--config", str(tmp_path / "nope.yaml"), capsys=capsys)
     assert_one_line_error(proc, "nope.yaml")
     run = tmp_path / "run"
@@ -48,17 +48,17 @@ def test_train_missing_config_and_used_dir_exit_2(tmp_path, capsys) -> None:
         "--output-dir",
         str(run),
         "--opts",
-        *tiny_opts(tmp_path / "shapes"),
+        *tiny_opts(tiny_shapes),
         capsys=capsys,
     )
     assert_one_line_error(proc, str(run), "--resume auto", "--overwrite")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def checkpoint(tmp_path_factory, tiny_shapes) -> Path:
     """A checkpoint of an untrained tiny Faster R-CNN, as the trainer writes them."""
     base = tmp_path_factory.mktemp("tools")
-    cfg = load_config(FASTER_CFG, tiny_opts(base / "shapes"))
+    cfg = load_config(FASTER_CFG, tiny_opts(tiny_shapes))
     torch.manual_seed(0)
     model, _ = build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -68,9 +68,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_test_tool_evaluates_checkpoint(tmp_path, checkpoint) -> None:
+def test_test_tool_evaluates_checkpoint(tmp_path, checkpoint, tiny_shapes) -> None:
     out = tmp_path / "eval"
-    opts = tiny_opts(checkpoint.parents[1] / "shapes")
+    opts = tiny_opts(tiny_shapes)
     proc = run_tool(
         "test.py",
         "--config",
@@ -91,8 +91,10 @@ def test_test_tool_evaluates_checkpoint(tmp_path, checkpoint) -> None:
     assert (out / "coco_results_bbox.json").is_file()
 
 
-def test_test_tool_rejects_wrong_model_and_missing_file(tmp_path, checkpoint, capsys) -> None:
-    opts = tiny_opts(checkpoint.parents[1] / "shapes")
+def test_test_tool_rejects_wrong_model_and_missing_file(
+    tmp_path, checkpoint, tiny_shapes, capsys
+) -> None:
+    opts = tiny_opts(tiny_shapes)
     proc = call_tool(
         "test.py",
         "--config",

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcnn_dropit.checkpoint import load_checkpoint
+from rcnn_dropit.checkpoint.files import load_checkpoint
 from rcnn_dropit.config import load_config
-from rcnn_dropit.data import make_shapes
 from rcnn_dropit.engine import runner
-from rcnn_dropit.logging_utils import read_metrics
+from rcnn_dropit.metrics_file import read_metrics
 from rcnn_dropit.models import build_model
-from tests.conftest import (
+from rcnn_dropit.rng import seed_all
+from tests.helpers import (
     FASTER_CFG,
     MASK_DROPIT_CFG,
     REPO,
@@ -38,7 +38,7 @@ from tests.conftest import (
     torchrun,
     train_records,
 )
-from tests.conftest import tiny_opts as shared_tiny_opts
+from tests.helpers import tiny_opts as shared_tiny_opts
 
 JOB_TIMEOUT_S = 300
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -97,10 +97,9 @@ def twin_opts(root: Path, batch_size: int, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def shapes_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data") / "shapes"
-    make_shapes(root, num_train=8, num_val=3, image_size=64, num_classes=3, seed=0)
-    return root
+def shapes_root(shapes_set) -> Path:
+    """The tiny set with 3 validation images: two ranks evaluate an unequal share."""
+    return shapes_set(num_val=3)
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +292,7 @@ def test_one_ddp_step_matches_single_process(two_node_run, twin_root, tmp_path) 
     single = load_checkpoint(single_run / "checkpoints/model_0000001.pth")["model"]
     ddp = load_checkpoint(run / "checkpoints/model_0000001.pth")["model"]
     cfg = load_config(FASTER_CFG, opts)
-    runner.seed_all(cfg.train.seed)  # the initial weights, as the runner makes them
+    seed_all(cfg.train.seed)  # the initial weights, as the runner makes them
     start = build_model(cfg)[0].state_dict()
     step_sq = diff_sq = 0.0
     for name, value in single.items():

@@ -1,32 +1,11 @@
-"""Write the synthetic shapes dataset (COCO layout) to a folder."""
+"""`dropit-make-shapes` run from a checkout (the package installed: `make setup`).
 
-from __future__ import annotations
+The command is rcnn_dropit/commands/make_shapes.py.
+"""
 
-import argparse
 import sys
-from pathlib import Path
 
-# Run from a checkout without installing: make the repository root importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rcnn_dropit.data import make_shapes  # noqa: E402
-
-
-def main() -> None:
-    """Parse arguments and generate the dataset."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--root", required=True, help="output folder")
-    parser.add_argument("--num-train", type=int, default=200)
-    parser.add_argument("--num-val", type=int, default=50)
-    parser.add_argument("--image-size", type=int, default=128)
-    parser.add_argument("--num-classes", type=int, default=3, help="object classes, 1..6")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    make_shapes(
-        args.root, args.num_train, args.num_val, args.image_size, args.num_classes, args.seed
-    )
-    print(f"wrote shapes dataset to {args.root}")
-
+from rcnn_dropit.commands.make_shapes import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

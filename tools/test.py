@@ -1,36 +1,11 @@
-"""Evaluate a checkpoint on the validation set of a config (COCO box/mask AP)."""
+"""`dropit-test` run from a checkout (the package installed: `make setup`).
 
-from __future__ import annotations
+The command is rcnn_dropit/commands/test.py.
+"""
 
-import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from rcnn_dropit.engine import test  # noqa: E402
-from rcnn_dropit.engine.cli import add_opts_argument, exit_process, run_cli  # noqa: E402
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line arguments."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", required=True, help="config the model was trained with")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint file (.pth)")
-    parser.add_argument(
-        "--output-dir", help="where eval.json and COCO results go (default: outputs/<name>/test)"
-    )
-    add_opts_argument(parser)
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
-    args = parse_args(argv)
-    return run_cli(
-        lambda: test(args.config, args.checkpoint, output_dir=args.output_dir, overrides=args.opts)
-    )
-
+from rcnn_dropit.commands.test import main
 
 if __name__ == "__main__":
-    exit_process(main())
+    sys.exit(main())

@@ -1,47 +1,11 @@
-"""Train Faster/Mask R-CNN (optionally with DropIT) from a config; works under torchrun."""
+"""`dropit-train` run from a checkout (the package installed: `make setup`).
 
-from __future__ import annotations
+The command is rcnn_dropit/commands/train.py.
+"""
 
-import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-from rcnn_dropit.engine import train  # noqa: E402
-from rcnn_dropit.engine.cli import add_opts_argument, exit_process, run_cli  # noqa: E402
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line arguments."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", required=True, help="e.g. configs/maskrcnn_g0.8.yaml")
-    add_opts_argument(parser)
-    parser.add_argument(
-        "--resume",
-        metavar="auto|PATH",
-        help="continue a run: 'auto' = newest checkpoint in the output dir, or a checkpoint file",
-    )
-    parser.add_argument("--output-dir", help="run directory (default: outputs/<config name>)")
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace the run files of a used output dir"
-    )
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point."""
-    args = parse_args(argv)
-    return run_cli(
-        lambda: train(
-            args.config,
-            overrides=args.opts,
-            resume=args.resume,
-            output_dir=args.output_dir,
-            overwrite=args.overwrite,
-        )
-    )
-
+from rcnn_dropit.commands.train import main
 
 if __name__ == "__main__":
-    exit_process(main())
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Data: COCO-format datasets, transforms, aspect-ratio batching, synthetic shapes."""
 
-from .coco import CocoDetection, load_coco_json, segmentation_to_mask
+from .coco import CocoDetection, load_coco_json, mask_to_rle, segmentation_to_mask
 from .loader import (
     build_dataset,
     build_train_loader,
@@ -30,6 +30,7 @@ __all__ = [
     "images_to_device",
     "load_coco_json",
     "make_shapes",
+    "mask_to_rle",
     "segmentation_to_mask",
     "shard_indices",
 ]

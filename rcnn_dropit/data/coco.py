@@ -19,6 +19,8 @@ from PIL import Image, UnidentifiedImageError
 from pycocotools.coco import COCO
 from torchvision.transforms.functional import pil_to_tensor
 
+from rcnn_dropit.errors import MissingPathError, UsageError
+
 from .coco_check import check_coco
 
 Transform = Callable[[torch.Tensor, dict, random.Random], tuple[torch.Tensor, dict]]
@@ -28,11 +30,11 @@ def read_json_file(path: str | Path, key: str, noun: str = "file") -> Any:
     """A JSON file's content; a missing file or bad JSON is one message naming ``key``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{key}: {noun} '{path}' does not exist")
+        raise MissingPathError(f"{key}: {noun} '{path}' does not exist")
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{key}: '{path}' is not valid JSON ({err})") from None
+        raise UsageError(f"{key}: '{path}' is not valid JSON ({err})") from None
 
 
 def load_coco_json(ann_file: str | Path, key: str = "annotation file") -> dict:
@@ -69,6 +71,18 @@ def segmentation_to_mask(seg: Any, height: int, width: int) -> np.ndarray:
     else:
         raise ValueError(f"unknown segmentation format {type(seg).__name__}")
     return np.ascontiguousarray(mask_utils.decode(rle), dtype=np.uint8)
+
+
+def mask_to_rle(mask: np.ndarray) -> dict[str, Any]:
+    """COCO's uncompressed RLE of a binary HxW mask, exact: run lengths of 0s and 1s in turn,
+    column by column, starting with 0s. pycocotools' frPyObjects reads it for iscrowd=0 objects
+    (as torchvision's reference loader uses it), which compressed (string) counts are not."""
+    flat = np.asarray(mask, dtype=bool).ravel(order="F")
+    starts = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+    counts = np.diff(np.concatenate([[0], starts, [flat.size]])).tolist()
+    if flat.size and flat[0]:
+        counts.insert(0, 0)  # the first run counts 0s
+    return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": [int(c) for c in counts]}
 
 
 def _box_mask(box: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -126,7 +140,7 @@ class CocoDetection(torch.utils.data.Dataset):
         self.transforms = transforms
         self.seed = seed
         if not self.image_dir.is_dir():
-            raise FileNotFoundError(f"{image_key}: folder '{self.image_dir}' does not exist")
+            raise MissingPathError(f"{image_key}: folder '{self.image_dir}' does not exist")
         data = load_coco_json(self.ann_file, ann_key)
 
         cats = sorted(data["categories"], key=lambda c: c["id"])
@@ -158,7 +172,7 @@ class CocoDetection(torch.utils.data.Dataset):
         anns_by_image: dict[int, list[dict]] = {}
         for ann in data["annotations"]:
             if ann["category_id"] not in self._cat_to_label:
-                raise ValueError(
+                raise UsageError(
                     f"{self.ann_file}: annotation {ann['id']} has category_id "
                     f"{ann['category_id']}, which is not among the file's categories "
                     f"{self.cat_ids}"
@@ -182,7 +196,7 @@ class CocoDetection(torch.utils.data.Dataset):
             self.stats["annotations_used"] += len(rec["labels"])
             records.append(rec)
         if missing and not skip_missing:
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"image '{missing[0]}' does not exist ({len(missing)} of "
                 f"{len(data['images'])} images in '{self.ann_file}' are missing); "
                 "set data.skip_missing_images=true to skip them"
@@ -257,13 +271,13 @@ class CocoDetection(torch.utils.data.Dataset):
             with Image.open(path) as pil:
                 image = pil_to_tensor(pil.convert("RGB"))
         except FileNotFoundError as err:
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"image '{path}' does not exist; set data.skip_missing_images=true to skip it"
             ) from err
         except (UnidentifiedImageError, OSError) as err:
-            raise ValueError(f"image '{path}' cannot be read: {err}") from err
+            raise UsageError(f"image '{path}' cannot be read: {err}") from err
         if image.shape[1:] != (rec["height"], rec["width"]):
-            raise ValueError(
+            raise UsageError(
                 f"image '{path}' is {image.shape[2]}x{image.shape[1]} but '{self.ann_file}' "
                 f"says {rec['width']}x{rec['height']}"
             )
@@ -280,7 +294,7 @@ class CocoDetection(torch.utils.data.Dataset):
                 for box, seg in zip(rec["boxes"], rec["segs"], strict=True)
             ]
         except (ValueError, OverflowError) as err:  # pycocotools: e.g. invalid RLE counts
-            raise ValueError(
+            raise UsageError(
                 f"{self.ann_file}: a segmentation of image {rec['image_id']} cannot be "
                 f"decoded: {err}"
             ) from err

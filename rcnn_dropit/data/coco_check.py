@@ -6,6 +6,8 @@ import math
 from collections import Counter
 from typing import Any, NoReturn
 
+from rcnn_dropit.errors import UsageError
+
 REQUIRED_TOP = ("images", "annotations", "categories")
 REQUIRED_IMAGE = ("id", "file_name", "width", "height")
 REQUIRED_ANN = ("id", "image_id", "category_id", "bbox")
@@ -18,7 +20,7 @@ class _Bad:
         self.where = where
 
     def __call__(self, what: str) -> NoReturn:
-        raise ValueError(f"{self.where} is not a COCO file: {what}")
+        raise UsageError(f"{self.where} is not a COCO file: {what}")
 
 
 def _short(value: Any) -> str:
@@ -107,7 +109,7 @@ def _check_annotation(ann: dict, bad: _Bad) -> None:
 
 
 def check_coco(data: Any, where: str) -> None:
-    """Raise ValueError('<where> is not a COCO file: ...') for the first bad entry of data."""
+    """Raise UsageError('<where> is not a COCO file: ...') for the first bad entry of data."""
     bad = _Bad(where)
     if not isinstance(data, dict):
         bad("top level must be an object")

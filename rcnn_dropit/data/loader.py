@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from rcnn_dropit.errors import MissingPathError, UsageError
+
 from ..distributed import rank_and_world_size
 from .coco import CocoDetection
 from .samplers import GroupedBatchSampler, ShardSampler, aspect_ratio_groups
@@ -77,15 +79,15 @@ def ensure_dataset(cfg: Any) -> None:
     elif dataset == "coco":
         root = dataset_root(cfg)
         if not root.is_dir():
-            raise FileNotFoundError(f"data.root: folder '{root}' does not exist")
+            raise MissingPathError(f"data.root: folder '{root}' does not exist")
         for split in ("train", "val"):
             images, ann, images_key, ann_key = dataset_paths(cfg, split)
             if not images.is_dir():
-                raise FileNotFoundError(f"{images_key}: folder '{images}' does not exist")
+                raise MissingPathError(f"{images_key}: folder '{images}' does not exist")
             if not ann.is_file():
-                raise FileNotFoundError(f"{ann_key}: annotation file '{ann}' does not exist")
+                raise MissingPathError(f"{ann_key}: annotation file '{ann}' does not exist")
     else:
-        raise ValueError(f"data.dataset: '{dataset}' is not one of 'coco', 'shapes'")
+        raise UsageError(f"data.dataset: '{dataset}' is not one of 'coco', 'shapes'")
 
 
 def _ensure_shapes(root: Path, params: dict) -> None:
@@ -93,7 +95,7 @@ def _ensure_shapes(root: Path, params: dict) -> None:
     marker = root / "annotations" / "instances_val.json"
     if not marker.is_file():
         if root.exists() and any(root.iterdir()):
-            raise ValueError(
+            raise UsageError(
                 f"data.root: folder '{root}' exists but holds no shapes dataset "
                 "(annotations/instances_val.json); remove it or choose another data.root"
             )
@@ -113,7 +115,7 @@ def _ensure_shapes(root: Path, params: dict) -> None:
     found = json.loads(marker.read_text()).get("info", {}).get("shapes", {})
     wanted = shapes_info(**params)
     if found != wanted:
-        raise ValueError(
+        raise UsageError(
             f"data.root: shapes dataset in '{root}' was generated with {found}, but data.shapes "
             f"asks for {wanted}; delete the folder or choose another data.root"
         )

@@ -8,6 +8,8 @@ from collections.abc import Iterator, Sequence
 
 from torch.utils.data import Sampler
 
+from rcnn_dropit.errors import UsageError
+
 
 def aspect_ratio_groups(sizes: Sequence[tuple[int, int]], factor: int) -> list[int]:
     """Group id per image from its (width, height): log2(w/h) cut into bins of 1/factor octave.
@@ -20,7 +22,7 @@ def aspect_ratio_groups(sizes: Sequence[tuple[int, int]], factor: int) -> list[i
     groups = []
     for w, h in sizes:
         if w <= 0 or h <= 0:
-            raise ValueError(f"image size {w}x{h} is not positive")
+            raise UsageError(f"image size {w}x{h} is not positive")
         q = math.floor((math.log2(w / h) + 1.0) * factor)
         groups.append(min(max(q, -1), 2 * factor))
     return groups
@@ -49,7 +51,7 @@ class GroupedBatchSampler(Sampler[list]):
         emit_epoch: bool = False,
     ) -> None:
         if batch_size < 1:
-            raise ValueError(f"solver.batch_size: {batch_size} must be >= 1")
+            raise UsageError(f"solver.batch_size: {batch_size} must be >= 1")
         self.sampler = sampler
         self.group_ids = list(group_ids)
         self.batch_size = batch_size

@@ -10,6 +10,10 @@ import numpy as np
 import pycocotools.mask as mask_utils
 from PIL import Image
 
+from rcnn_dropit.errors import UsageError
+
+from .coco import mask_to_rle
+
 CLASS_NAMES = ("circle", "square", "triangle", "ellipse", "diamond", "hexagon")
 _ROUND_SHAPES = ("circle", "ellipse")  # stored as RLE; the others as polygons when fully visible
 _MIN_VISIBLE = 0.6  # an occluded object keeps at least this fraction of its pixels
@@ -31,18 +35,18 @@ def make_shapes(
     first_class (and seed) has other objects, e.g. to pretrain a backbone for the fine-tune study.
     """
     if not 0 <= first_class < len(CLASS_NAMES):
-        raise ValueError(
+        raise UsageError(
             f"data.shapes.first_class: {first_class} is not in 0..{len(CLASS_NAMES) - 1}"
         )
     if not 1 <= num_classes <= len(CLASS_NAMES) - first_class:
-        raise ValueError(
+        raise UsageError(
             f"data.shapes.num_classes: {num_classes} is not in 1..{len(CLASS_NAMES) - first_class}"
             f" (with first_class {first_class}, of {len(CLASS_NAMES)} shapes)"
         )
     if image_size < 32:
-        raise ValueError(f"data.shapes.image_size: {image_size} must be >= 32")
+        raise UsageError(f"data.shapes.image_size: {image_size} must be >= 32")
     if num_train < 1 or num_val < 1:
-        raise ValueError(
+        raise UsageError(
             f"data.shapes: num_train ({num_train}) and num_val ({num_val}) must be >= 1"
         )
     root = Path(root)
@@ -212,15 +216,16 @@ def _visible_masks(full: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def _annotation(shape: dict, visible: np.ndarray) -> dict:
-    """COCO annotation of the visible part: polygon if intact, else compressed RLE."""
+    """COCO annotation of the visible part: its polygon if intact (the polygon is what painted
+    it, so it decodes to exactly these pixels), else uncompressed RLE, exact too. Both are what
+    readers of iscrowd=0 objects accept, torchvision's reference loader included."""
     ys, xs = np.nonzero(visible)
     x0, y0 = int(xs.min()), int(ys.min())
     bbox = [x0, y0, int(xs.max()) - x0 + 1, int(ys.max()) - y0 + 1]
     if shape["polygon"] is not None and np.array_equal(visible, shape["full"]):
         segmentation = [shape["polygon"]]
     else:
-        rle = mask_utils.encode(np.asfortranarray(visible))
-        segmentation = {"size": list(rle["size"]), "counts": rle["counts"].decode("ascii")}
+        segmentation = mask_to_rle(visible)
     return {
         "category_id": shape["category_id"],
         "bbox": bbox,

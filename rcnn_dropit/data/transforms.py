@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rcnn_dropit.errors import UsageError
+
 
 class Compose:
     """Apply transforms in order, passing the same per-item random generator."""
@@ -27,7 +29,7 @@ class RandomHorizontalFlip:
 
     def __init__(self, prob: float) -> None:
         if not 0.0 <= prob <= 1.0:
-            raise ValueError(f"data.hflip_prob: {prob} is not in [0, 1]")
+            raise UsageError(f"data.hflip_prob: {prob} is not in [0, 1]")
         self.prob = prob
 
     def __call__(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-import torch
+from rcnn_dropit.rng import rng_preserved
 
 
 def epoch_batches(loader, epoch: int, skip: int = 0) -> Iterator:
@@ -24,7 +24,7 @@ def epoch_batches(loader, epoch: int, skip: int = 0) -> Iterator:
     native_skip = skip > 0 and hasattr(batch_sampler, "set_start_batch")
     if native_skip:
         batch_sampler.set_start_batch(skip)
-    with torch.random.fork_rng(devices=[]):
+    with rng_preserved():
         iterator = iter(loader)
         if skip > 0 and not native_skip:
             # Fallback for samplers that cannot skip: load and drop (slower, same order).

@@ -9,21 +9,23 @@ from torch import nn
 
 from dropit_core import from_dropit, memory
 from rcnn_dropit.data import images_to_device
+from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
-from rcnn_dropit.engine.trainer import autocast_context, move_targets
+from rcnn_dropit.engine.trainer import move_targets
+from rcnn_dropit.rng import rng_preserved
 
 
 def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: torch.device):
     """One forward+backward of the plain model: saved-tensor report and the step's peaks."""
     net.train()
-    if device.type == "cuda":  # a CPU run on a GPU node has no CUDA peak to reset
-        torch.cuda.reset_peak_memory_stats(device)
+    # both peaks: memory.json reports the allocator's (on CUDA) and the process's
+    memory.reset_cuda_peak(device)  # nothing to reset for a CPU run, on a GPU node too
     memory.reset_peak_rss()
-    with autocast_context(amp, device):
+    with autocast(amp, device):
         losses, report = memory.saved_activations(net, lambda: net(images, targets))
     sum(losses.values()).backward()
     net.zero_grad(set_to_none=True)  # the measurement must leave no gradients behind
-    cuda_peak = memory.cuda_peak_mb(device) if device.type == "cuda" else None
+    cuda_peak = memory.cuda_peak_mb(device)  # None for a CPU device
     return report.as_dict(), cuda_peak, memory.peak_rss_mb()
 
 
@@ -32,7 +34,7 @@ def measure_memory(
 ) -> dict:
     """The memory.json report: one step measured on the first training batch (on every rank:
     SyncBN needs all)."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with rng_preserved():  # the training streams go on as if nothing was measured
         images, targets = next(epoch_batches(train_loader, 0))
         images = images_to_device(images, device)
         targets = move_targets(targets, device)

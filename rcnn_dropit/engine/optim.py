@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from rcnn_dropit.errors import UsageError
+
 
 def scaled_lr(solver, world_size: int) -> float:
     """Base learning rate, linearly scaled to the global batch when solver.auto_scale_lr is set."""
@@ -22,7 +24,7 @@ def build_optimizer(solver, model: nn.Module, world_size: int = 1) -> torch.opti
     """SGD (momentum) or AdamW over the trainable parameters of `model`."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("model has no trainable parameters (check model.trainable_layers)")
+        raise UsageError("model has no trainable parameters (check model.trainable_layers)")
     lr = scaled_lr(solver, world_size)
     if solver.optimizer == "sgd":
         return torch.optim.SGD(
@@ -30,7 +32,7 @@ def build_optimizer(solver, model: nn.Module, world_size: int = 1) -> torch.opti
         )
     if solver.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=solver.weight_decay)
-    raise ValueError(f"solver.optimizer: '{solver.optimizer}' is not one of sgd, adamw")
+    raise UsageError(f"solver.optimizer: '{solver.optimizer}' is not one of sgd, adamw")
 
 
 def lr_factor_fn(
@@ -43,7 +45,7 @@ def lr_factor_fn(
 ) -> Callable[[int], float]:
     """Multiplier of the base lr after `it` finished iterations: warmup times multistep/cosine."""
     if scheduler not in ("multistep", "cosine"):
-        raise ValueError(f"solver.scheduler: '{scheduler}' is not one of multistep, cosine")
+        raise UsageError(f"solver.scheduler: '{scheduler}' is not one of multistep, cosine")
     steps = sorted(int(m) for m in milestones)
 
     def factor(it: int) -> float:

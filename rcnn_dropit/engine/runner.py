@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rcnn_dropit.checkpoint import check_model_compat, find_last_checkpoint, resolve_resume
-from rcnn_dropit.config import Config, load_config
+from rcnn_dropit.checkpoint.checkpointer import (
+    Checkpointer,
+    ResumePoint,
+    format_version,
+    load_on_every_rank,
+    model_weights,
+)
+from rcnn_dropit.checkpoint.files import find_last_checkpoint, resolve_resume
+from rcnn_dropit.config import Config, config_yaml, load_config
 from rcnn_dropit.data import build_train_loader, build_val_loader, ensure_dataset
 from rcnn_dropit.distributed import (
     DistInfo,
@@ -23,19 +28,16 @@ from rcnn_dropit.distributed import (
     main_only,
     run_on_main,
 )
-from rcnn_dropit.engine.checkpointer import (
-    Checkpointer,
-    ResumePoint,
-    format_version,
-    load_on_every_rank,
-    model_weights,
-)
+from rcnn_dropit.engine.amp import make_scaler
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
 from rcnn_dropit.engine.memory_report import dropit_summary, measure_memory
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterations
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
+from rcnn_dropit.errors import MissingPathError, UsageError, one_line
 from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.models import build_model
+from rcnn_dropit.models.weights import check_model_compat
+from rcnn_dropit.rng import seed_all
 from rcnn_dropit.run_dir import RunDir
 from rcnn_dropit.tensorboard import require_tensorboard
 
@@ -48,6 +50,12 @@ def say(message: str) -> None:
     log.info(message)
 
 
+def log_error(err: BaseException) -> None:
+    """A failure into log.txt (other ranks: their log files) with its traceback, once the run
+    folder exists; the console's line or traceback is the tool's (rcnn_dropit.cli.run_cli)."""
+    log.error(f"error: {one_line(err)}", exc_info=err, extra={"file_only": True})
+
+
 def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Path:
     """--output-dir, else train.output_dir, else outputs/<name> (name defaults to the stem)."""
     if output_dir:
@@ -55,24 +63,6 @@ def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Pat
     if cfg.train.output_dir:
         return Path(cfg.train.output_dir)
     return Path("outputs") / (cfg.name or "run")
-
-
-def check_output_dir(out: Path, resume: str | None, overwrite: bool, clear: bool = True) -> None:
-    """Refuse to mix a new run into a used folder; --overwrite clears our own files first
-    (unless clear=False: check only, so nothing is lost if a later check fails)."""
-    RunDir(out).check(resume, overwrite, clear)
-
-
-def seed_all(seed: int) -> None:
-    """Seed python, numpy (if present) and torch generators."""
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    torch.manual_seed(seed)
 
 
 def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
@@ -90,15 +80,6 @@ def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
         return net, net
     device_ids = [info.device.index] if info.device.type == "cuda" else None
     return DistributedDataParallel(net, device_ids=device_ids), net
-
-
-def make_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """GradScaler for fp16 on CUDA; bf16 and fp32 need none."""
-    if amp != "fp16":
-        return None
-    if device.type != "cuda":
-        raise ValueError("solver.amp: fp16 needs a CUDA device; use bf16 or none on CPU")
-    return torch.amp.GradScaler("cuda")
 
 
 def say_dropped(dataset: object, split: str) -> None:
@@ -153,9 +134,8 @@ def train(
     try:
         return _train(cfg, info, run_dir, resume, overwrite)
     except Exception as err:
-        # into log.txt (and other ranks' logs); the console line is run_cli's
-        log.error(f"error: {' '.join(str(err).split())}", extra={"file_only": True})
-        if isinstance(err, (ValueError, FileNotFoundError)) and created:
+        log_error(err)
+        if isinstance(err, UsageError) and created:
             main_only(lambda: discard_unfinished_run(run_dir))
         raise
     finally:
@@ -195,7 +175,7 @@ def _train(
     if start is not None:
         say(f"resumed from '{ckpt_path}' at iteration {start.iteration}")
     run_on_main(lambda: run_dir.check(resume, overwrite))  # --overwrite clears only now
-    run_dir.create(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False))
+    run_dir.create(config_yaml(cfg))
     return run(cfg, info, parts, run_dir, start, resumed=resume is not None)
 
 
@@ -210,7 +190,7 @@ def build(cfg: Config, info: DistInfo, scaler, run_dir: RunDir) -> Parts:
     say_dropped(val_loader.dataset, "val")
     ipe = len(train_loader.batch_sampler)
     if ipe == 0:
-        raise ValueError(f"data: the training set of '{cfg.data.root}' yields no batches")
+        raise UsageError(f"data: the training set of '{cfg.data.root}' yields no batches")
     total = total_iterations(cfg.solver.epochs, ipe, cfg.solver.max_iters)
     optimizer, scheduler = build_optimizer_and_scheduler(
         cfg.solver, model, ipe, total, world_size=info.world_size
@@ -329,7 +309,7 @@ def test(
 
         def check_checkpoint() -> None:
             if not ckpt.is_file():
-                raise FileNotFoundError(f"--checkpoint: file '{ckpt}' does not exist")
+                raise MissingPathError(f"--checkpoint: file '{ckpt}' does not exist")
 
         run_on_main(check_checkpoint)  # rank 0 decides, so no rank fails alone
         run_on_main(lambda: ensure_dataset(cfg))
@@ -350,6 +330,9 @@ def test(
         say(f"evaluation of '{ckpt}' ({metrics['num_images']} images):")
         say(format_metrics_table(metrics))
         return metrics
+    except Exception as err:
+        log_error(err)
+        raise
     finally:
         run_dir.stop_logging()
         cleanup()
@@ -360,5 +343,5 @@ def load_model_weights(net: nn.Module, weights: dict, path: Path) -> None:
     try:
         check_model_compat(net, weights)
     except ValueError as err:
-        raise ValueError(f"--checkpoint '{path}': {err}") from None
+        raise UsageError(f"--checkpoint '{path}': {err}") from None
     net.load_state_dict(weights)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -14,12 +13,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from rcnn_dropit.checkpoint import capture_rng_state, restore_rng_state
+from dropit_core import memory
+from rcnn_dropit.checkpoint.checkpointer import Checkpointer
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import get_world_size, reduce_dict
-from rcnn_dropit.engine.checkpointer import Checkpointer
+from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
-from rcnn_dropit.logging_utils import peak_memory_mb
+from rcnn_dropit.rng import restore_rng_state, rng_preserved
 
 log = logging.getLogger(__name__)
 LOSS_KEYS_ORDER = (
@@ -113,14 +113,6 @@ class LogWindow:
         if not state:
             return cls()
         return cls(state["count"], dict(state["losses"]), state["time"], state["data_time"])
-
-
-def autocast_context(amp: str, device: torch.device):
-    """Autocast for solver.amp (none | fp16 | bf16) on the device's type."""
-    if amp == "none":
-        return contextlib.nullcontext()
-    dtype = torch.float16 if amp == "fp16" else torch.bfloat16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def move_targets(targets: list[dict], device: torch.device) -> list[dict]:
@@ -231,7 +223,7 @@ class Trainer:
     def step(self, images: list[torch.Tensor], targets: list[dict], iteration: int) -> dict:
         """Forward, non-finite guard, backward, clip, optimizer and scheduler step."""
         solver = self.options
-        with autocast_context(solver.amp, self.device):
+        with autocast(solver.amp, self.device):
             loss_dict = self.model(images, targets)
         total = sum(loss_dict.values())
         # One small all-reduce per step: every rank must agree on skipping/stopping or DDP hangs.
@@ -282,7 +274,7 @@ class Trainer:
             "data_time": w.data_time / w.count,
             "images_per_sec": images / w.time if w.time > 0 else 0.0,
             # of this window only: an all-time peak would show the evaluation's after the first
-            "peak_mem_mb": peak_memory_mb(self.device, reset=True),
+            "peak_mem_mb": memory.peak_mb(self.device, reset=True),
             "skipped_steps": self.skipped_steps,
         }
         self.writer.write(record)
@@ -305,9 +297,8 @@ class Trainer:
 
     def run_eval(self, iteration: int) -> dict:
         """Evaluate without disturbing the training RNG streams, then record the metrics."""
-        rng = capture_rng_state()  # eval draws random numbers (loader seeds); keep resume exact
-        metrics = self.evaluate()
-        restore_rng_state(rng)
+        with rng_preserved():  # eval draws random numbers (loader seeds); keep resume exact
+            metrics = self.evaluate()
         self.writer.write(
             {
                 "type": "eval",

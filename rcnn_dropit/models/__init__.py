@@ -1,7 +1,14 @@
 """Torchvision Faster/Mask R-CNN builders with ResNet-FPN backbones and DropIT per config."""
 
 from rcnn_dropit.models.backbone import build_backbone
-from rcnn_dropit.models.build import apply_dropit, build_model
+from rcnn_dropit.models.build import apply_dropit, build_model, fitting_exclude, paper_exclude
 from rcnn_dropit.models.heads import MLPHead
 
-__all__ = ["MLPHead", "apply_dropit", "build_backbone", "build_model"]
+__all__ = [
+    "MLPHead",
+    "apply_dropit",
+    "build_backbone",
+    "build_model",
+    "fitting_exclude",
+    "paper_exclude",
+]

@@ -11,6 +11,7 @@ from torchvision.models.detection.backbone_utils import BackboneWithFPN, _resnet
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
 
 _RESNETS = {
@@ -32,11 +33,11 @@ def build_backbone(
 ) -> BackboneWithFPN:
     """ResNet body + FPN with the first stages frozen as torchvision does (trainable 0..5)."""
     if name not in _RESNETS:
-        raise ValueError(f"model.backbone: '{name}' is not one of {', '.join(_RESNETS)}")
+        raise UsageError(f"model.backbone: '{name}' is not one of {', '.join(_RESNETS)}")
     if norm not in _NORMS:
-        raise ValueError(f"model.norm: '{norm}' is not one of {', '.join(_NORMS)}")
+        raise UsageError(f"model.norm: '{norm}' is not one of {', '.join(_NORMS)}")
     if not 0 <= trainable_layers <= 5:
-        raise ValueError(f"model.trainable_layers: {trainable_layers} is not in 0..5")
+        raise UsageError(f"model.trainable_layers: {trainable_layers} is not in 0..5")
     factory, enum = _RESNETS[name]
     body = factory(weights=None, norm_layer=_NORMS[norm])
     if weights_path is not None:
@@ -63,7 +64,7 @@ def _download(enum: WeightsEnum, name: str) -> dict[str, torch.Tensor]:
     try:
         return enum.get_state_dict(progress=False, check_hash=True)
     except Exception as err:  # urllib/SSL/OS/hash errors all mean the same to the user
-        raise RuntimeError(
+        raise UsageError(
             f"model.pretrained_backbone: the ImageNet weights of {name} ({enum.url}) could not be "
             f"downloaded ({type(err).__name__}: {err}); download the file elsewhere and set "
             "model.backbone_weights to the local file"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -11,6 +13,8 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
 from rcnn_dropit.config import Config
+from rcnn_dropit.config_schema import PAPER_EXCLUDE
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models.backbone import build_backbone
 from rcnn_dropit.models.heads import MLPHead
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
@@ -35,7 +39,7 @@ def build_model(cfg: Config) -> tuple[nn.Module, Any]:
         fpn_channels=m.fpn_channels,
     )
     if m.arch not in ("maskrcnn", "fasterrcnn"):
-        raise ValueError(f"model.arch: '{m.arch}' is not one of maskrcnn, fasterrcnn")
+        raise UsageError(f"model.arch: '{m.arch}' is not one of maskrcnn, fasterrcnn")
     # the heads are built here because torchvision fixes their widths (1024 and 256)
     heads: dict[str, nn.Module] = {
         "box_head": MLPHead(backbone.out_channels * _ROI_SIZE**2, m.box_head_width),
@@ -68,6 +72,24 @@ def build_model(cfg: Config) -> tuple[nn.Module, Any]:
     return apply_dropit(model, cfg)
 
 
+def paper_exclude(model: nn.Module) -> list[str]:
+    """The DropIT paper's exclusions (config_schema.PAPER_EXCLUDE) that name modules of ``model``:
+    the stem conv, the box predictor and, on a Mask R-CNN, the mask logits.
+
+    For ``to_dropit(model, exclude=paper_exclude(model))`` on either detector: to_dropit rejects
+    a pattern that matches nothing, and a Faster R-CNN has no mask branch.
+    """
+    paths = [name for name, _ in model.named_modules() if name]
+    return [pattern for pattern in PAPER_EXCLUDE if fnmatch.filter(paths, pattern)]
+
+
+def fitting_exclude(model: nn.Module, exclude: Sequence[str]) -> tuple[str, ...]:
+    """``exclude`` without the paper's exclusions that ``model`` lacks (the shared default names
+    the mask logits, which a Faster R-CNN does not have); other patterns stay as given."""
+    lacking = set(PAPER_EXCLUDE) - set(paper_exclude(model))
+    return tuple(p for p in exclude if p not in lacking)
+
+
 def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, Any]:
     """Convert layers to DropIT per `cfg.dropit` (in place); ([] as record when disabled)."""
     d = cfg.dropit
@@ -75,16 +97,15 @@ def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, Any]:
         return model, []
     from dropit_core import to_dropit  # imported here: the toolkit works without DropIT
 
-    exclude = tuple(d.exclude)
-    if getattr(getattr(model, "roi_heads", None), "mask_predictor", None) is None:
-        # the shared default excludes name the mask branch; to_dropit rejects patterns that
-        # match nothing, and a Faster R-CNN has no mask branch to exclude
-        exclude = tuple(p for p in exclude if not p.startswith("roi_heads.mask_"))
-    return to_dropit(
-        model,
-        strategy=d.strategy,
-        gamma=d.gamma,
-        include=tuple(d.include),
-        exclude=exclude,
-        **d.options,
-    )
+    exclude = fitting_exclude(model, d.exclude)
+    try:
+        return to_dropit(
+            model,
+            strategy=d.strategy,
+            gamma=d.gamma,
+            include=tuple(d.include),
+            exclude=exclude,
+            **d.options,
+        )
+    except ValueError as err:  # dropit_core's: a pattern, strategy or option of cfg.dropit
+        raise UsageError(str(err)) from err

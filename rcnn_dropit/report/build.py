@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.report import figures, tables
 from rcnn_dropit.report.groups import Row, make_rows
 from rcnn_dropit.report.runs import Run, RunNotUsable, load_run
@@ -13,7 +14,7 @@ LOSS_PNG = "loss_curves.png"
 GAMMA_PNG = "ap_vs_gamma.png"
 
 
-class NoUsableRuns(ValueError):
+class NoUsableRuns(UsageError):
     """None of the given run directories can be reported."""
 
 

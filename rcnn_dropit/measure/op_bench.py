@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from dropit_core.memory import timed_rounds
 from dropit_core.packing import bit_positions, compact_bits, pack_bits, scatter_kept, zero_flagged
-from rcnn_dropit.allocator import training_allocator
+from dropit_core.timing import timed_rounds
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.measure.allocator import training_allocator
 
 SLICE = 1 << 22
 
@@ -27,7 +28,7 @@ def op_costs(
     """One row per stage: ``{"op", "stage", "ms", "per_copy"}`` (time over a plain copy's)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=gen).to(dev)
     relu_out = torch.relu(x)

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dropit_core import build_strategy, from_dropit
-from dropit_core.memory import cuda_allocated_mb
-from rcnn_dropit.benchmark import (
-    Meter,
+from dropit_core import from_dropit
+from dropit_core.memory import PeakMeter, cuda_allocated_mb
+from rcnn_dropit.engine.amp import check_amp
+from rcnn_dropit.measure.workload import (
     Variant,
     build_detector,
-    check_amp,
+    check_variants,
     convert,
     make_batch,
     train_step,
@@ -64,7 +64,7 @@ def largest_fitting(peak_of: Callable[[int], float | None], budget_mb: float, li
 
 
 def _step_peak_mb(
-    model: nn.Module, image_size: int, device: torch.device, amp: str | None, n: int, floor: float
+    model: nn.Module, image_size: int, device: torch.device, amp: str, n: int, floor: float
 ) -> float | None:
     """Peak memory (MB) of one SGD-with-momentum step on n images; None when out of memory.
 
@@ -76,7 +76,7 @@ def _step_peak_mb(
     if optimizer is None:  # momentum buffers are part of what must fit
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
         model._bench_optimizer = optimizer
-    meter = Meter(device)
+    meter = PeakMeter(device)
     gc.collect()
     meter.begin()
     try:
@@ -138,14 +138,13 @@ def largest_batches(
     device: str = "cpu",
     rois_per_image: int = 512,
     backbone: str = "resnet50",
-    amp: str | None = None,
+    amp: str = "none",
     peak_of: Callable[[nn.Module, int, float], float | None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """For the baseline and each variant alone on the device: the largest batch (up to
     ``limit`` images) whose training step (forward, backward, SGD momentum update) fits
     ``budget_mb``. ``peak_of(model, n, floor)`` replaces the measurement (tests)."""
-    for v in variants:
-        build_strategy(v.strategy, v.gamma, **v.options)
+    check_variants(variants)
     dev = torch.device(device)
     check_amp(amp)
     # Built on the CPU and moved to the device one setting at a time: each has it to itself.

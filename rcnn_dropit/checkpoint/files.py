@@ -1,9 +1,8 @@
-"""Atomic checkpoint files, the last-checkpoint pointer, resume lookup and RNG state."""
+"""Atomic checkpoint files, the last-checkpoint pointer, resume lookup."""
 
 from __future__ import annotations
 
 import os
-import random
 import re
 import warnings
 import zipfile
@@ -11,18 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from rcnn_dropit.models.weights import compare_state_dict  # the one key/shape comparison
-from rcnn_dropit.run_dir import write_atomic
+from rcnn_dropit.atomic import write_atomic
+from rcnn_dropit.errors import CheckpointWriteError, MissingPathError, UsageError
 
 POINTER_NAME = "last_checkpoint"
 _NUMBERED = re.compile(r"model_(\d+)\.pth")
 _TMP = re.compile(r"\..+\.tmp-(\d+)")
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
 
 
 def _write_atomic(path: Path, write: Any) -> None:
@@ -110,13 +104,13 @@ def load_checkpoint(path: Path | str, map_location: Any = "cpu") -> dict:
     """Load a checkpoint dict with torch.load(weights_only=True)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+        raise MissingPathError(f"checkpoint '{path}' does not exist")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises many types for truncated or foreign files
-        raise ValueError(f"checkpoint '{path}' is unreadable or corrupt: {err}") from err
+        raise UsageError(f"checkpoint '{path}' is unreadable or corrupt: {err}") from err
     if not isinstance(state, dict):
-        raise ValueError(f"checkpoint '{path}' holds a {type(state).__name__}, not a dict")
+        raise UsageError(f"checkpoint '{path}' holds a {type(state).__name__}, not a dict")
     return state
 
 
@@ -148,77 +142,5 @@ def resolve_resume(resume: str | Path | None, ckpt_dir: Path | str) -> Path | No
         return find_last_checkpoint(ckpt_dir)
     path = Path(resume)
     if not path.is_file():
-        raise FileNotFoundError(f"resume: checkpoint '{path}' does not exist")
+        raise MissingPathError(f"resume: checkpoint '{path}' does not exist")
     return path
-
-
-def _cuda_in_use() -> bool:
-    # Not initialised: this process never drew from a CUDA generator (a CPU run on a GPU node),
-    # and asking for its state would create a CUDA context on GPU 0 for nothing.
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
-def capture_rng_state() -> dict:
-    """RNG states of python, numpy (if installed), torch CPU and the current CUDA device, as
-    weights_only types.
-
-    Only the current device's CUDA state: a rank draws from its own GPU only, and which index
-    that GPU has depends on how many GPUs the job lets each process see.
-    """
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "python": [version, list(internal), gauss_next],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if _cuda_in_use() else None,
-    }
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]
-    return state
-
-
-def restore_rng_state(state: dict) -> None:
-    """Restore what capture_rng_state recorded, the CUDA state into the current device."""
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    torch.set_rng_state(state["torch"])
-    cuda_state = state.get("cuda")
-    if isinstance(cuda_state, list):
-        # Older checkpoints hold every visible device's state by index: the current device's
-        # entry is what those runs restored for it (and all that was ever drawn from).
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        cuda_state = cuda_state[index] if index < len(cuda_state) else None
-    if cuda_state is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(cuda_state, torch.cuda.current_device())
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
-def check_model_compat(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError if state_dict's keys or shapes do not fit model."""
-    missing, unexpected, mismatched = compare_state_dict(model.state_dict(), state_dict)
-    if not (missing or unexpected or mismatched):
-        return
-    parts = []
-    for label, keys in (
-        ("missing keys", missing),
-        ("unexpected keys", unexpected),
-        ("shape mismatches", mismatched),
-    ):
-        if keys:
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            parts.append(f"{len(keys)} {label}: {', '.join(keys[:3])}{more}")
-    hint = ""
-    if unexpected and all(k.startswith("module.") for k in unexpected):
-        hint = " (keys start with 'module.': saved from the DDP wrapper, save model.module)"
-    raise ValueError(
-        "checkpoint is from another model (checkpoint shape vs model shape): "
-        + "; ".join(parts)
-        + hint
-    )

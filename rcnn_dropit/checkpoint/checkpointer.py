@@ -8,13 +8,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rcnn_dropit.checkpoint import (
-    capture_rng_state,
-    check_model_compat,
+from rcnn_dropit.checkpoint.files import (
     load_checkpoint,
     save_checkpoint,
 )
 from rcnn_dropit.distributed import all_gather_object, get_rank, get_world_size, run_on_main
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.models.weights import check_model_compat
+from rcnn_dropit.rng import capture_rng_state
 
 # Version 1: the unversioned files written before this module (still read). Version 2 drops
 # the unread "epoch" and "sampler" fields and keeps the loop's bookkeeping under "loop".
@@ -36,7 +37,7 @@ def format_version(state: dict, path: Path | str) -> int:
     """The format version of a loaded checkpoint dict; unknown versions are a clear error."""
     version = state.get("version", 1)
     if version not in READABLE_VERSIONS:
-        raise ValueError(
+        raise UsageError(
             f"checkpoint '{path}' has format version {version!r}; this rcnn-dropit reads "
             f"versions {', '.join(map(str, READABLE_VERSIONS))} (a newer rcnn-dropit wrote it?)"
         )
@@ -109,7 +110,7 @@ class Checkpointer:
         version = format_version(state, path)
         lacking = [k for k in REQUIRED if k not in state]
         if lacking:
-            raise ValueError(
+            raise UsageError(
                 f"--resume: '{path}' is not a training checkpoint (it lacks "
                 f"{', '.join(lacking)}); to start from its weights use model.weights=PATH "
                 "without --resume"
@@ -117,14 +118,14 @@ class Checkpointer:
         try:
             check_model_compat(self.model, state["model"])
         except ValueError as err:
-            raise ValueError(f"--resume: checkpoint '{path}': {err}") from None
+            raise UsageError(f"--resume: checkpoint '{path}': {err}") from None
         if version == 1:
             done = state.get("sampler", {}).get("iters_per_epoch", self.iters_per_epoch)
             loop = {k: state[k] for k in ("log_window", "skipped_steps") if k in state}
         else:
             done, loop = state["iters_per_epoch"], state["loop"]
         if done != self.iters_per_epoch:
-            raise ValueError(
+            raise UsageError(
                 f"--resume: checkpoint '{path}' was written with {done} iterations per epoch, "
                 f"this run has {self.iters_per_epoch} (batch size, world size or dataset changed)"
             )
@@ -132,7 +133,7 @@ class Checkpointer:
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except ValueError as err:  # e.g. other trainable layers: parameter groups differ
-            raise ValueError(
+            raise UsageError(
                 f"--resume: checkpoint '{path}': its optimizer state does not fit this run ({err})"
             ) from None
         self.scheduler.load_state_dict(state["scheduler"])

@@ -12,7 +12,10 @@ from typing import Any
 import torch
 
 from dropit_core import to_dropit
-from rcnn_dropit.benchmark import EXCLUDE, _weight_grads, build_detector, make_batch
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.measure.grad_fidelity import cosine, norm_ratio, weight_grads
+from rcnn_dropit.measure.workload import Variant, build_detector, check_variants, make_batch
+from rcnn_dropit.models import paper_exclude
 
 DEFAULT_LAYERS = (
     "backbone.body.layer2.0.conv2",
@@ -21,17 +24,6 @@ DEFAULT_LAYERS = (
     "roi_heads.box_head.fc6",
     "roi_heads.mask_head.0.0",
 )
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(
-        a.flatten().double(), b.flatten().double(), dim=0
-    ).item()
-
-
-def _norm_ratio(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """||approx|| / ||exact||: cosine misses a gradient that keeps its direction but shrinks."""
-    return (approx.double().norm() / exact.double().norm().clamp_min(1e-30)).item()
 
 
 def gradient_study(
@@ -43,22 +35,24 @@ def gradient_study(
 ) -> dict[str, Any]:
     """Cosine similarity and norm ratio to the exact weight gradient for each (strategy, gamma),
     and the gradients of ``layers`` at each setting for the histograms."""
+    check_variants([Variant(s, g) for s in strategies for g in gammas])  # before the model
     batch = make_batch(image_size, torch.device("cpu"))
     base = build_detector(False, image_size, backbone=backbone).train()
-    exact = _weight_grads(base, batch)
+    exact = weight_grads(base, batch)
     missing = [name for name in layers if name not in exact]
     if missing:
-        raise ValueError(f"layers {missing} have no weight gradient; pick trainable conv/linear")
+        raise UsageError(f"layers {missing} have no weight gradient; pick trainable conv/linear")
+    exclude = paper_exclude(base)
     result: dict[str, Any] = {"gammas": list(gammas), "layers": list(layers), "cosine": {}}
     grads: dict[str, dict[str, torch.Tensor]] = {"exact": {n: exact[n] for n in layers}}
     for strategy in strategies:
         per_gamma = []
         for gamma in gammas:
-            model, record = to_dropit(copy.deepcopy(base), strategy, gamma, exclude=EXCLUDE)
-            approx = _weight_grads(model, batch)
+            model, record = to_dropit(copy.deepcopy(base), strategy, gamma, exclude=exclude)
+            approx = weight_grads(model, batch)
             converted = [r.path for r in record if r.kind != "ReLU" and r.path in approx]
-            per_layer = {n: _cosine(approx[n], exact[n]) for n in converted}
-            norms = {n: _norm_ratio(approx[n], exact[n]) for n in converted}
+            per_layer = {n: cosine(approx[n], exact[n]) for n in converted}
+            norms = {n: norm_ratio(approx[n], exact[n]) for n in converted}
             per_gamma.append(
                 {
                     "gamma": gamma,

@@ -7,13 +7,13 @@ widths the first shapes study used, measured in one process, alternating, on the
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rcnn_dropit.allocator import training_allocator
+from dropit_core.timing import timed_rounds
+from rcnn_dropit.measure.allocator import training_allocator
 
 # The first shapes study's model: torchvision's FPN and head widths, 32 sampled RoIs per image.
 TORCHVISION_WIDTHS = (
@@ -54,17 +54,19 @@ def compare_step_time(
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         models.append((label, list(overrides), model, torch.optim.SGD(params, lr=1e-4)))
-    times: dict[str, list[float]] = {label: [] for label, *_ in models}
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        loss = sum(model(images, targets).values())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
     with training_allocator(torch.device("cpu")) as allocator:
-        for i in range(warmup + repeats):
-            for label, _, model, opt in models:  # alternate: noise falls on every model alike
-                start = time.perf_counter()
-                loss = sum(model(images, targets).values())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                if i >= warmup:
-                    times[label].append(time.perf_counter() - start)
+        # in rounds, one step of each model per round: noise falls on every model alike
+        rounds = timed_rounds(
+            [lambda m=m, o=o: step(m, o) for *_, m, o in models], repeats, warmup=warmup
+        )
+    times = {label: t for (label, *_), t in zip(models, rounds, strict=True)}
     first = statistics.median(times[models[0][0]])
     return [
         {

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from dropit_core import to_dropit
-from rcnn_dropit.benchmark import _weight_grads
 from rcnn_dropit.config import Config
 from rcnn_dropit.data.loader import build_dataset, ensure_dataset
-from rcnn_dropit.grad_figure import _cosine, _norm_ratio
-from rcnn_dropit.models.build import build_model
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.measure.grad_fidelity import cosine, norm_ratio, weight_grads
+from rcnn_dropit.models import build_model, fitting_exclude
 
 # (label, module-path prefix); "all" is every trained conv/linear weight.
 GROUPS = (
@@ -39,7 +39,7 @@ def training_batches(cfg: Config, count: int) -> list[tuple[list[torch.Tensor], 
     dataset = build_dataset(cfg, "train", seed=0, as_float=True)
     size = int(cfg.solver.batch_size)
     if count * size > len(dataset):
-        raise ValueError(f"{count} batches of {size} need more than the {len(dataset)} images")
+        raise UsageError(f"{count} batches of {size} need more than the {len(dataset)} images")
     batches = []
     for b in range(count):
         items = [dataset[i] for i in range(b * size, (b + 1) * size)]
@@ -72,21 +72,21 @@ def group_fidelity(
     if weights is not None:
         base.load_state_dict(weights)
     base.train()
-    exact = [_weight_grads(base, batch) for batch in batches]
+    exact = [weight_grads(base, batch) for batch in batches]
     result: dict[str, dict[str, dict[str, float]]] = {}
     for name, options in settings.items():
-        options = {"exclude": tuple(cfg.dropit.exclude), **options}
+        options = {"exclude": fitting_exclude(base, cfg.dropit.exclude), **options}
         model, _ = to_dropit(copy.deepcopy(base), **options)
         sums: dict[str, list[float]] = {}
         for i, batch in enumerate(batches):
-            approx = _weight_grads(model, batch)
+            approx = weight_grads(model, batch)
             for label, prefix in GROUPS:
                 a, e = _group_vector(approx, prefix), _group_vector(exact[i], prefix)
                 if a is None or e is None:
                     continue
                 acc = sums.setdefault(label, [0.0, 0.0])
-                acc[0] += _cosine(a, e)
-                acc[1] += _norm_ratio(a, e)
+                acc[0] += cosine(a, e)
+                acc[1] += norm_ratio(a, e)
         result[name] = {
             label: {"cosine": c / len(batches), "norm_ratio": r / len(batches)}
             for label, (c, r) in sums.items()

@@ -7,8 +7,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dropit_core import memory
-
 
 def _plain(value: Any) -> Any:
     """Turn tensors/numpy scalars into JSON numbers; non-finite floats become strings."""
@@ -75,19 +73,3 @@ class NullWriter:
 
     def close(self) -> None:
         """Nothing to close."""
-
-
-def peak_memory_mb(device: Any = None, reset: bool = False) -> float | None:
-    """Peak memory in MB since the last reset: CUDA max allocated on a CUDA device, else the
-    process's VmHWM; ``reset=True`` starts a new window once it is read."""
-    import torch
-
-    if device is not None and torch.device(device).type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-        if reset:
-            torch.cuda.reset_peak_memory_stats(device)
-        return peak
-    peak = memory.peak_rss_mb()
-    if reset:
-        memory.reset_peak_rss()  # where /proc/self/clear_refs is not writable it stays all-time
-    return peak

@@ -7,15 +7,12 @@ import platform
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from rcnn_dropit.measure.study_plan import TIMES_FILE, Plan, plan_runs
 from rcnn_dropit.report import figures
 from rcnn_dropit.report.groups import Row
 from rcnn_dropit.report.paired import PairedDiff, paired_diff, spread
 from rcnn_dropit.report.runs import Run, RunNotUsable, load_run
-
-if TYPE_CHECKING:
-    from rcnn_dropit.study import Plan
 
 BASELINE = "baseline"
 # The paper's claim, checked per regime, and DropIT on the backbone only (where a plan has it).
@@ -201,7 +198,7 @@ def _grad_groups(path: Path) -> list[str]:
     """The per-group gradient fidelity tables of ``tools/grad_groups.py``, when it was run."""
     if not path.is_file():
         return []
-    from rcnn_dropit.grad_groups import markdown_table
+    from rcnn_dropit.measure.grad_groups import markdown_table
 
     data = json.loads(path.read_text())
     run = data.pop("run")
@@ -224,7 +221,7 @@ def _grad_groups(path: Path) -> list[str]:
 def _time_account(out: Path) -> tuple[float, float, int]:
     """(hours the runs took, summed over runs; hours of the machine, each run's time divided by
     the runs sharing the machine with it; how many finished)."""
-    file = out / "study_times.jsonl"
+    file = out / TIMES_FILE
     if not file.is_file():
         return 0.0, 0.0, 0
     records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
@@ -235,9 +232,7 @@ def _time_account(out: Path) -> tuple[float, float, int]:
 
 def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
     """Write plan.report (and its figures next to it); returns the Markdown."""
-    import torch
-
-    from rcnn_dropit.study import plan_runs
+    import torch  # here: for its version; the tables need no torch
 
     planned = [r for r in plan_runs(plan) if not r.exports]
     plan.report.parent.mkdir(parents=True, exist_ok=True)
@@ -251,7 +246,7 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
         f"(without checkpoints) under `{plan.out}`. {done} of {len(planned)} planned runs "
         f"finished; the finished and failed runs took {hours:.1f} h summed over runs, about "
         f"{machine_hours:.1f} h of the machine (each run's time divided by the runs it shared "
-        f"the machine with; `{plan.out}/study_times.jsonl`; interrupted attempts are not counted).",
+        f"the machine with; `{plan.out}/{TIMES_FILE}`; interrupted attempts are not counted).",
         "",
         "AP is COCO AP (IoU 0.50:0.95) x100 on the validation images of each regime's shapes set; "
         "± is the standard deviation over seeds. Δ is the mean over seeds of (setting - baseline) "

@@ -1,0 +1,159 @@
+"""Benchmark DropIT variants against the baseline on Mask R-CNN R50-FPN; prints JSON lines.
+
+python tools/bench.py                          # COCO recipe (FrozenBN, 3 trainable stages)
+python tools/bench.py --scratch                # BatchNorm2d, all stages trainable
+python tools/bench.py --variants mink:0.9:values=int8 threshold:0.8 --json bench.json
+python tools/bench.py --device cuda --amp fp16 # GPU: allocator peaks, synchronised step times
+python tools/bench.py --device cuda --amp fp16 --max-batch 16000   # largest batch in 16 GB
+python tools/bench.py --widths                 # the narrow CPU model vs torchvision's widths
+python tools/bench.py --ops                    # each pass of the pack and rebuild, one 4Mi slice
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from rcnn_dropit.cli import run_cli
+from rcnn_dropit.errors import UsageError
+
+DEFAULT_VARIANTS = [
+    "mink:0.8",
+    "parallel_mink:0.8",
+    "random:0.8",
+    "threshold:0.8",
+    "mink:0.9",
+    "mink:0.9:values=int8",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (``dropit-bench``).
+
+    Started from the command line (``argv`` None), the process first restarts itself with
+    ``MALLOC_MMAP_THRESHOLD_=65536``: large blocks are then mmapped from the OS and go back to it
+    when freed, so RSS tracks live tensors.
+    """
+    if argv is None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        # the same command again (script, console script or -m module), now measuring
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=DEFAULT_VARIANTS,
+        help="strategy:gamma[:key=value,...] (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--scratch", action="store_true", help="BatchNorm2d model trained from scratch"
+    )
+    parser.add_argument("--image-size", type=int, default=512)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed steps per side (median); 0: memory and gradient fidelity only, no timing",
+    )
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument(
+        "--amp",
+        choices=["none", "fp16", "bf16"],
+        default="none",
+        help="autocast dtype (default: none, fp32)",
+    )
+    parser.add_argument("--images", type=int, default=2, help="images per step (default: 2)")
+    parser.add_argument(
+        "--max-batch",
+        type=float,
+        metavar="BUDGET_MB",
+        help="instead: the largest batch each setting trains within this memory budget",
+    )
+    parser.add_argument("--batch-limit", type=int, default=64, help="largest batch tried")
+    parser.add_argument(
+        "--widths",
+        nargs="?",
+        const="configs/study/scratch.yaml",
+        metavar="CONFIG",
+        help="instead: train-step time of CONFIG's model (default: the study's narrow model) "
+        "against the same model with torchvision's FPN and head widths, on one shapes batch",
+    )
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="instead: milliseconds of each pass of an element-wise pack and rebuild on one 4Mi "
+        "slice (compare, bit packing, compaction, positions, gather, ReLU mask)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    if args.widths:
+        return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
+    if args.ops:
+        return run_cli(lambda: _ops(args.device, args.repeats, args.json))
+    return run_cli(lambda: _variants(args))
+
+
+def _variants(args: argparse.Namespace) -> None:
+    """Rows of the baseline and each variant (or their largest batches), then the table."""
+    from rcnn_dropit.measure.max_batch import largest_batches
+    from rcnn_dropit.measure.step_bench import markdown_table, parse_variant, run_benchmark
+
+    if args.device.startswith("cuda") and not _cuda():
+        raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+    variants = [parse_variant(v) for v in args.variants]
+    if args.max_batch is not None:
+        produced = largest_batches(
+            variants, args.max_batch, args.batch_limit, args.scratch, args.image_size,
+            args.device, amp=args.amp,
+        )  # fmt: skip
+    else:
+        produced = run_benchmark(
+            variants, args.scratch, args.image_size, args.repeats, args.device,
+            amp=args.amp, images=args.images,
+        )  # fmt: skip
+    rows = []
+    for row in produced:
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print()
+    print(markdown_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _widths(config: str, repeats: int, out: Path | None) -> None:
+    """Step time of a config's model vs torchvision's widths: JSON lines (ratio, first = 1x)."""
+    from rcnn_dropit.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
+
+    variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
+    rows = compare_step_time(config, variants, repeats=max(repeats, 5))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if out:
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _ops(device: str, repeats: int, out: Path | None) -> None:
+    """Per-pass costs of the element-wise ops on one slice: JSON lines."""
+    from rcnn_dropit.measure.op_bench import op_costs
+
+    rows = op_costs(repeats=max(repeats, 5), device=device)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if out:
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The accuracy study's plan: regimes x DropIT settings x seeds, read from a YAML file and
+checked, and the runs it makes, in the order they train.
+
+A plan (``configs/study/plan.yaml``) names the regimes (a config each), the settings (config
+overrides each) and groups of (regimes, settings, seeds). Every run is an ordinary run directory
+``<out>/<regime>/<setting>_s<seed>``. Groups run in plan order (the main comparison first),
+seed-major inside a group, so a study cut short has every setting of a group at seed 1 before
+any at seed 2. A regime may start from a backbone the study pretrains itself (``pretrain``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from rcnn_dropit.errors import UsageError
+
+PRETRAIN = "pretrain"  # folder and run name of the study's own backbone pretraining
+TIMES_FILE = "study_times.jsonl"  # one record per finished or failed run: the budget's account
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    """One run: its folder under the study root, config, overrides and backbone dependencies."""
+
+    name: str  # "<regime>/<setting>_s<seed>", or "pretrain/pretrain"
+    config: str
+    overrides: tuple[str, ...]
+    needs: str | None = None  # a file that must exist before the run starts
+    exports: str | None = None  # after the run: its backbone is written to this file
+
+
+@dataclass(frozen=True)
+class Group:
+    """Settings trained in some regimes with some seeds."""
+
+    regimes: tuple[str, ...]
+    settings: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the study trains and where it writes."""
+
+    out: Path
+    report: Path
+    regimes: dict[str, str]  # name -> config file
+    settings: dict[str, tuple[str, ...]]  # name -> overrides
+    groups: tuple[Group, ...]
+    pretrain_config: str | None = None
+    pretrain_for: tuple[str, ...] = field(default_factory=tuple)  # regimes using its backbone
+    notes: Path | None = None  # hand-written findings, copied into the report after the verdict
+
+
+class PlanError(UsageError):
+    """A study plan file that cannot be used; the message names the key and what is allowed."""
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and check a plan YAML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"study plan: file '{path}' does not exist")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise PlanError(f"study plan '{path}': must be a mapping")
+    known = {"out", "report", "notes", "regimes", "settings", "groups", "pretrain"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlanError(f"study plan '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
+    regimes = _mapping(data, "regimes", path)
+    settings = {k: tuple(map(str, v or ())) for k, v in _mapping(data, "settings", path).items()}
+    groups = []
+    for i, g in enumerate(data.get("groups") or []):
+        group = Group(
+            tuple(g.get("regimes", ())), tuple(g.get("settings", ())), tuple(g.get("seeds", ()))
+        )
+        for kind, names, allowed in (
+            ("regime", group.regimes, regimes),
+            ("setting", group.settings, settings),
+        ):
+            bad = [n for n in names if n not in allowed]
+            if bad or not names:
+                raise PlanError(
+                    f"study plan '{path}': groups[{i}] {kind}s {list(names)}: "
+                    f"each must be one of {sorted(allowed)}"
+                )
+        if not group.seeds or not all(isinstance(s, int) and s >= 0 for s in group.seeds):
+            raise PlanError(f"study plan '{path}': groups[{i}] seeds must be integers >= 0")
+        groups.append(group)
+    pre = data.get("pretrain") or {}
+    pretrain_for = tuple(pre.get("for", ()))
+    if any(r not in regimes for r in pretrain_for):
+        raise PlanError(f"study plan '{path}': pretrain.for {list(pretrain_for)}: unknown regime")
+    return Plan(
+        out=Path(data.get("out", "docs/results/shapes_runs")),
+        report=Path(data.get("report", "docs/results/shapes.md")),
+        regimes={k: str(v) for k, v in regimes.items()},
+        settings=settings,
+        groups=tuple(groups),
+        pretrain_config=pre.get("config"),
+        pretrain_for=pretrain_for,
+        notes=Path(data["notes"]) if data.get("notes") else None,
+    )
+
+
+def _mapping(data: dict, key: str, path: Path) -> dict:
+    value = data.get(key)
+    if not isinstance(value, dict) or not value:
+        raise PlanError(f"study plan '{path}': '{key}' must be a non-empty mapping")
+    return value
+
+
+def backbone_file(plan: Plan) -> str | None:
+    """The model.backbone_weights file the pretrained regimes load (None without pretraining)."""
+    if not plan.pretrain_for:
+        return None
+    from rcnn_dropit.config import load_config  # here: reading a plan needs no torch
+
+    files = {load_config(plan.regimes[r]).model.backbone_weights for r in plan.pretrain_for}
+    if len(files) != 1 or None in files:
+        raise PlanError(
+            f"study plan: the regimes {list(plan.pretrain_for)} must all name one "
+            f"model.backbone_weights file in their configs (found {sorted(map(str, files))})"
+        )
+    return files.pop()
+
+
+def plan_runs(plan: Plan) -> list[StudyRun]:
+    """Every run of the plan: the pretraining first, then group by group, seed-major in each."""
+    weights = backbone_file(plan)
+    runs = []
+    if weights is not None:
+        runs.append(
+            StudyRun(
+                f"{PRETRAIN}/{PRETRAIN}",
+                str(plan.pretrain_config),
+                (f"name={PRETRAIN}",),
+                exports=weights,
+            )
+        )
+    seen = set()
+    for group in plan.groups:
+        for seed in group.seeds:
+            for regime in group.regimes:
+                for setting in group.settings:
+                    name = f"{regime}/{setting}_s{seed}"
+                    if name in seen:
+                        continue
+                    seen.add(name)
+                    overrides = (
+                        *plan.settings[setting],
+                        f"train.seed={seed}",
+                        f"name={setting}_s{seed}",
+                    )
+                    needs = weights if regime in plan.pretrain_for else None
+                    runs.append(StudyRun(name, plan.regimes[regime], overrides, needs=needs))
+    return runs

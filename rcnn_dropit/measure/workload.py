@@ -1,0 +1,159 @@
+"""What the instruments measure: the COCO recipe's Mask R-CNN with random weights, a fixed
+batch, one training step, and the DropIT settings compared with it (variants).
+
+The recipe's model is built from the config schema (the defaults are torchvision's Mask R-CNN
+R50-FPN; 80 classes and background as configs/maskrcnn_baseline.yaml), so an installed package
+needs no config files; tests/test_bench.py checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dropit_core import build_strategy, to_dropit
+from rcnn_dropit.config import Config, config_from_dict
+from rcnn_dropit.engine.amp import autocast
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.models import build_model, paper_exclude
+
+RECIPE_CLASSES = 81  # configs/maskrcnn_baseline.yaml: COCO's 80 and the background
+
+
+@dataclass
+class Variant:
+    """One DropIT setting to compare with the baseline."""
+
+    strategy: str
+    gamma: float
+    options: dict[str, Any] = field(default_factory=dict)
+    include: tuple[str, ...] = ("*",)  # which layers are converted (to_dropit patterns)
+
+    @property
+    def label(self) -> str:
+        """Short name for tables, e.g. ``mink 0.9 values=int8``."""
+        opts = " ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        if self.include != ("*",):
+            opts = " ".join(filter(None, [opts, "include=" + "+".join(self.include)]))
+        return f"{self.strategy} {self.gamma:g}" + (f" {opts}" if opts else "")
+
+
+def parse_variant(text: str) -> Variant:
+    """Parse ``strategy:gamma[:key=value,...]``, e.g. ``mink:0.9:values=int8``;
+    ``include=backbone.*+rpn.*`` converts only the layers those patterns name."""
+    parts = text.split(":")
+    if len(parts) < 2:
+        raise UsageError(f"variant {text!r}: expected strategy:gamma[:key=value,...]")
+    try:
+        gamma = float(parts[1])
+    except ValueError:
+        raise UsageError(f"variant {text!r}: gamma {parts[1]!r} is not a number") from None
+    options: dict[str, Any] = {}
+    for item in ":".join(parts[2:]).split(",") if len(parts) > 2 else []:
+        key, _, value = item.partition("=")
+        options[key] = _option_value(value)
+    include = options.pop("include", "*")
+    return Variant(parts[0], gamma, options, tuple(str(include).split("+")))
+
+
+def _option_value(text: str) -> Any:
+    """``4096`` -> int, ``true``/``false`` -> bool, anything else stays text."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def check_variants(variants: Sequence[Variant]) -> None:
+    """Raise a UsageError for a variant whose strategy, gamma or options dropit_core refuses."""
+    for v in variants:
+        try:
+            build_strategy(v.strategy, v.gamma, **v.options)
+        except ValueError as err:  # dropit_core's own type: the variant is the user's
+            raise UsageError(str(err)) from err
+
+
+def recipe_config(
+    scratch: bool, image_size: int, rois_per_image: int = 512, backbone: str = "resnet50"
+) -> Config:
+    """The config of :func:`build_detector`'s model: the COCO recipe without downloaded
+    weights, at ``image_size``; ``scratch``: BatchNorm and every stage trainable."""
+    model: dict[str, Any] = {
+        "num_classes": RECIPE_CLASSES,
+        "backbone": backbone,
+        "pretrained_backbone": False,
+        "min_size": image_size,
+        "max_size": image_size,
+        "box_batch_size_per_image": rois_per_image,
+    }
+    if scratch:
+        model.update(norm="bn", trainable_layers=5)
+    return config_from_dict({"model": model})
+
+
+def build_detector(
+    scratch: bool, image_size: int, rois_per_image: int = 512, backbone: str = "resnet50"
+) -> nn.Module:
+    """Mask R-CNN R50-FPN with random weights: COCO recipe, or BatchNorm from scratch."""
+    torch.manual_seed(0)
+    model, _ = build_model(recipe_config(scratch, image_size, rois_per_image, backbone))
+    return model
+
+
+def make_batch(image_size: int, device: torch.device, n_images: int = 2):
+    """Images with a few boxes and box-shaped masks, deterministic."""
+    gen = torch.Generator().manual_seed(0)
+    images, targets = [], []
+    s = image_size
+    boxes = torch.tensor([[0.1, 0.12, 0.4, 0.43], [0.5, 0.2, 0.8, 0.75], [0.06, 0.6, 0.35, 0.94]])
+    for _ in range(n_images):
+        images.append(torch.rand(3, s, s, generator=gen).to(device))
+        b = (boxes * s).round()
+        masks = torch.zeros(len(b), s, s, dtype=torch.uint8)
+        for j, (x0, y0, x1, y1) in enumerate(b.int().tolist()):
+            masks[j, y0:y1, x0:x1] = 1
+        targets.append(
+            {"boxes": b.to(device), "labels": torch.tensor([1, 2, 3], device=device),
+             "masks": masks.to(device)}
+        )  # fmt: skip
+    return images, targets
+
+
+def step_loss(model: nn.Module, batch, amp: str = "none") -> torch.Tensor:
+    """The training loss of ``batch``, the graph kept for backward.
+
+    Proposal sampling draws from the global RNG: re-seeded here, every variant samples the same
+    proposals, so only the weight gradients of converted layers differ.
+    """
+    torch.manual_seed(1)
+    device = batch[0][0].device
+    with autocast(amp, device):
+        return sum(model(*batch).values())
+
+
+def train_step(model: nn.Module, batch, amp: str = "none") -> None:
+    """One forward and backward (gradients set to None first)."""
+    model.zero_grad(set_to_none=True)
+    # Under fp16 a real run scales the loss (GradScaler); the scale changes neither memory nor
+    # time of the backward, so the bench leaves it out.
+    step_loss(model, batch, amp).backward()
+
+
+def eval_step(model: nn.Module, batch, amp: str = "none") -> None:
+    """One inference pass over the batch's images (the model left in training mode)."""
+    model.eval()
+    with torch.no_grad(), autocast(amp, batch[0][0].device):
+        model(batch[0])
+    model.train()
+
+
+def convert(base: nn.Module, v: Variant) -> nn.Module:
+    """A DropIT copy of ``base`` for variant ``v`` (the paper's exclusions)."""
+    exclude = paper_exclude(base)
+    return to_dropit(
+        copy.deepcopy(base), v.strategy, v.gamma, include=v.include, exclude=exclude, **v.options
+    )[0]

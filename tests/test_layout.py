@@ -1,0 +1,158 @@
+"""The package's shape: no import cycles among rcnn_dropit and dropit_core modules, and no
+private name (a leading underscore: "only this module") used from another module."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("rcnn_dropit", "dropit_core")
+# Private names used across modules that other work is removing right now (dropit_core's own
+# consolidation): (importing module, imported module, name). Delete an entry when it lands; an
+# entry that no longer occurs fails the test, so the list cannot go stale.
+KNOWN_PRIVATE = {("dropit_core.strategies", "dropit_core.select", "_DIRECT")}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file of every module of the packages (a package is its __init__)."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` names."""
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _imports(module: str, path: Path, known: dict[str, Path]):
+    """(imported module, name or None, line) for every import of the file, wherever it stands
+    (module level, inside functions, under TYPE_CHECKING): each is a dependency of the design."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, is_package, node)
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                if sub in known:  # `from package import module`
+                    yield sub, None, node.lineno
+                else:
+                    yield source, alias.name, node.lineno
+
+
+def _module_aliases(module: str, path: Path, known: dict[str, Path]) -> dict[str, str]:
+    """Local names bound to one of our modules (``import a.b as c``, ``from a import b``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known and alias.asname:
+                    aliases[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, path.name == "__init__.py", node)
+            for alias in node.names:
+                if f"{source}.{alias.name}" in known:
+                    aliases[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return aliases
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_import_cycles() -> None:
+    known = _modules()
+    graph = {
+        m: sorted({target for target, _, _ in _imports(m, p, known) if target in known} - {m})
+        for m, p in known.items()
+    }
+    done: set[str] = set()
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            cycles.append(" -> ".join(stack[stack.index(node) :] + [node]))
+            return
+        if node in done:
+            return
+        for target in graph[node]:
+            visit(target, [*stack, node])
+        done.add(node)
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph)))
+    for node in graph:
+        visit(node, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_private_name_is_used_across_modules() -> None:
+    known = _modules()
+    found = set()
+    where = {}
+    for module, path in known.items():
+        for target, name, line in _imports(module, path, known):
+            if target in known and target != module and name is not None and _private(name):
+                found.add((module, target, name))
+                where[(module, target, name)] = f"{path.relative_to(REPO)}:{line}"
+        aliases = _module_aliases(module, path, known)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != module
+                and _private(node.attr)
+            ):
+                key = (module, aliases[node.value.id], node.attr)
+                found.add(key)
+                where[key] = f"{path.relative_to(REPO)}:{node.lineno}"
+    new = sorted(found - KNOWN_PRIVATE)
+    assert not new, "private names used across modules:\n" + "\n".join(
+        f"{where[k]}: {k[0]} uses {k[1]}.{k[2]}" for k in new
+    )
+    assert not KNOWN_PRIVATE - found, (
+        f"no longer used, remove from KNOWN_PRIVATE: {KNOWN_PRIVATE - found}"
+    )
+
+
+def test_the_tools_are_thin_and_import_nothing_private() -> None:
+    # tools/*.py run a command of the package from a checkout; the library never imports them
+    for path in sorted((REPO / "tools").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        froms = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert [n.module for n in froms] == [f"rcnn_dropit.commands.{path.stem}"], path
+        assert [a.name for n in froms for a in n.names] == ["main"], path
+        assert "sys.path" not in path.read_text(), path
+
+
+def test_the_measuring_instruments_are_not_imported_by_the_product() -> None:
+    known = _modules()
+    product = [
+        m
+        for m in known
+        if m.startswith("rcnn_dropit.")
+        and not m.startswith(("rcnn_dropit.measure", "rcnn_dropit.commands"))
+    ]
+    uses = [
+        f"{m} imports {target}"
+        for m in product
+        for target, _, _ in _imports(m, known[m], known)
+        if target.startswith("rcnn_dropit.measure") or target.startswith("rcnn_dropit.commands")
+    ]
+    assert not uses, uses
