@@ -5,7 +5,8 @@
 seeds the random strategies' draws per step and layer (resume stays bit-exact). See
 :mod:`dropit_core.strategies` for the strategies and their costs, :mod:`dropit_core.registry`
 for their typed options (``REGISTRY``), and :mod:`dropit_core.memory` for measuring what
-autograd keeps.
+autograd keeps. ``checkpoint_modules(model, patterns)`` recomputes chosen modules in backward
+instead (exact activation checkpointing); DropIT leaves the layers inside them plain.
 """
 
 from .base import Packed, Strategy
@@ -20,6 +21,7 @@ from .patch import (
     set_step,
     to_dropit,
 )
+from .recompute import checkpoint_modules, is_checkpointed, uncheckpoint_modules
 from .registry import Option, Registry
 from .rules import Rule, check_options, check_rules
 from .strategies import REGISTRY, STRATEGIES, build_strategy
@@ -39,9 +41,12 @@ __all__ = [
     "Strategy",
     "build_strategy",
     "check_options",
+    "checkpoint_modules",
     "check_rules",
     "from_dropit",
+    "is_checkpointed",
     "is_dropit",
     "set_step",
     "to_dropit",
+    "uncheckpoint_modules",
 ]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .patch import is_dropit
+from .recompute import is_checkpointed
 
 MB = 1024.0 * 1024.0
 
@@ -45,7 +46,7 @@ class SavedReport:
 
 def _kind(module: nn.Module) -> str:
     cls = type(module)
-    if is_dropit(module):
+    if is_dropit(module) or is_checkpointed(module):  # the plain class the user knows
         cls = cls.__mro__[1]
     return cls.__name__
 

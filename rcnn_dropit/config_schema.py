@@ -6,8 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dropit_core import REGISTRY
-from dropit_core.patch import check_options
+from dropit_core import REGISTRY, check_rules
 
 # dropit_core's strategy registry owns the list and each strategy's options; dropit.options
 # depends on dropit.strategy, so it is checked in cross_check, against the registry
@@ -54,6 +53,10 @@ class ModelConfig:
     box_head_width: int = _f(1024, ge=1)  # width of the box head's two fully-connected layers
     mask_head_channels: int = _f(256, ge=1)  # channels of the mask head's convs and deconv
     mask_head_convs: int = _f(4, ge=1)  # number of 3x3 convs in the mask head
+    # Module path patterns recomputed in backward instead of keeping their activations (exact
+    # activation checkpointing, e.g. [backbone.body.layer2, backbone.body.layer3,
+    # backbone.body.layer4]); DropIT leaves the layers inside them plain.
+    activation_checkpointing: list[str] = _f(factory=list)
 
 
 @dataclass
@@ -66,6 +69,10 @@ class DropITConfig:
     include: list[str] = _f(factory=lambda: ["*"])
     exclude: list[str] = _f(factory=lambda: list(PAPER_EXCLUDE))
     options: dict[str, Any] = _f(factory=dict)
+    # Per-group rules: each {include, exclude, strategy, gamma, options}, keys it leaves out taken
+    # from the keys above; `exclude` above applies to every rule. Empty: the keys above are the
+    # one rule. A layer claimed by two rules, or a pattern matching nothing, is an error.
+    rules: list[dict[str, Any]] = _f(factory=list)
 
 
 @dataclass
@@ -199,7 +206,7 @@ def _dropit_option_errors(d: DropITConfig) -> list[str]:
     if not d.enabled:
         return []
     try:
-        check_options(d.strategy, d.gamma, **d.options)
+        check_rules(d.rules or None, d.strategy, d.gamma, d.include, d.exclude, **d.options)
     except ValueError as err:
-        return [f"dropit.options: {err}"]
+        return [f"dropit.{'rules' if d.rules else 'options'}: {err}"]
     return []

@@ -232,9 +232,55 @@ def test_dropit_settings_reach_to_dropit(monkeypatch: pytest.MonkeyPatch):
             "gamma": 0.5,
             "include": ("roi_heads.*",),
             "exclude": ("backbone.body.conv1", "roi_heads.box_predictor.*"),  # no mask branch
+            "rules": None,  # no dropit.rules: the keys above are the one rule
             "chunk": 4,
         }
     ]
+
+
+def test_per_group_rules_of_the_config_give_each_group_its_setting():
+    rules = [
+        {"include": ["backbone.*"], "strategy": "mink", "gamma": 0.8},
+        {"include": ["rpn.*", "roi_heads.*"], "strategy": "quant", "options": {"bits": 4}},
+    ]
+    model, record = build_model(tiny_cfg(dropit={"enabled": True, "rules": rules}))
+    by_path = {r.path: r.strategy for r in record if r.kind != "ReLU"}
+    assert by_path["backbone.body.layer2.0.conv1"] == "mink(gamma=0.8)"
+    assert by_path["roi_heads.box_head.fc6"].startswith("quant(bits=4")
+    assert by_path["rpn.head.cls_logits"].startswith("quant(bits=4")
+    assert [s.strategy for s in record.settings] == ["mink", "quant"]
+    assert "backbone.body.conv1" not in by_path  # the paper's exclusions hold for every rule
+
+
+def test_a_rule_of_the_config_is_checked_on_load_and_against_the_model():
+    bad = [{"include": ["backbone.*"], "strategy": "mink", "gamma": 1.5}]
+    with pytest.raises(UsageError, match=r"dropit.rules: DropIT rules\[0\].*gamma"):
+        tiny_cfg(dropit={"enabled": True, "rules": bad})
+    overlap = [{"include": ["backbone.*"]}, {"include": ["backbone.fpn.*"], "strategy": "quant"}]
+    with pytest.raises(UsageError, match="backbone.fpn"):
+        build_model(tiny_cfg(dropit={"enabled": True, "rules": overlap}))
+
+
+def test_activation_checkpointing_of_the_config_recomputes_and_leaves_dropit_off_there():
+    from dropit_core import is_checkpointed
+
+    stages = ["backbone.body.layer3", "backbone.body.layer4"]
+    plain, _ = build_model(tiny_cfg())
+    model, record = build_model(
+        tiny_cfg(activation_checkpointing=stages, dropit={"enabled": True})
+    )
+    assert is_checkpointed(model.backbone.body.layer3) and is_checkpointed(model.backbone.body.layer4)
+    assert not is_checkpointed(model.backbone.body.layer2)
+    converted = {r.path for r in record}
+    assert "backbone.body.layer2.0.conv1" in converted
+    assert not any(p.startswith(tuple(stages)) for p in converted)
+    assert record.skipped and all(p.startswith(tuple(stages)) for p in record.skipped)
+    # the same weights: checkpoints move between checkpointed and plain runs
+    assert {k: v.shape for k, v in model.state_dict().items()} == {
+        k: v.shape for k, v in plain.state_dict().items()
+    }
+    with pytest.raises(UsageError, match="model.activation_checkpointing: .*layer5"):
+        build_model(tiny_cfg(activation_checkpointing=["backbone.body.layer5"]))
 
 
 def test_default_widths_match_torchvision_maskrcnn():

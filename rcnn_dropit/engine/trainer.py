@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from dropit_core import memory
+from dropit_core import memory, set_step
 from rcnn_dropit.checkpoint.checkpointer import Checkpointer
 from rcnn_dropit.data import images_to_device
-from rcnn_dropit.distributed import get_world_size, reduce_dict
+from rcnn_dropit.distributed import get_rank, get_world_size, reduce_dict
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.rng import restore_rng_state, rng_preserved
@@ -223,6 +223,9 @@ class Trainer:
     def step(self, images: list[torch.Tensor], targets: list[dict], iteration: int) -> dict:
         """Forward, non-finite guard, backward, clip, optimizer and scheduler step."""
         solver = self.options
+        # DropIT strategies that draw are seeded from (iteration, rank, layer): a resumed run
+        # draws exactly what the uninterrupted one did
+        set_step(self.model, iteration, get_rank())
         with autocast(solver.amp, self.device):
             loss_dict = self.model(images, targets)
         total = sum(loss_dict.values())

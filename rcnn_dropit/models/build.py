@@ -69,7 +69,21 @@ def build_model(cfg: Config) -> tuple[nn.Module, Any]:
     if m.weights is not None:
         state = load_state_dict_file(m.weights, "model.weights")
         load_strict(model, state, "model.weights", m.weights)
+    apply_checkpointing(model, cfg)
     return apply_dropit(model, cfg)
+
+
+def apply_checkpointing(model: nn.Module, cfg: Config) -> list[str]:
+    """Recompute the modules of `cfg.model.activation_checkpointing` in backward (in place)."""
+    patterns = cfg.model.activation_checkpointing
+    if not patterns:
+        return []
+    from dropit_core import checkpoint_modules
+
+    try:
+        return checkpoint_modules(model, patterns)
+    except ValueError as err:  # a pattern that matches no module of this model
+        raise UsageError(f"model.activation_checkpointing: {err}") from err
 
 
 def paper_exclude(model: nn.Module) -> list[str]:
@@ -105,6 +119,7 @@ def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, Any]:
             gamma=d.gamma,
             include=tuple(d.include),
             exclude=exclude,
+            rules=d.rules or None,
             **d.options,
         )
     except ValueError as err:  # dropit_core's: a pattern, strategy or option of cfg.dropit
