@@ -266,10 +266,9 @@ def test_activation_checkpointing_of_the_config_recomputes_and_leaves_dropit_off
 
     stages = ["backbone.body.layer3", "backbone.body.layer4"]
     plain, _ = build_model(tiny_cfg())
-    model, record = build_model(
-        tiny_cfg(activation_checkpointing=stages, dropit={"enabled": True})
-    )
-    assert is_checkpointed(model.backbone.body.layer3) and is_checkpointed(model.backbone.body.layer4)
+    model, record = build_model(tiny_cfg(activation_checkpointing=stages, dropit={"enabled": True}))
+    body = model.backbone.body
+    assert is_checkpointed(body.layer3) and is_checkpointed(body.layer4)
     assert not is_checkpointed(model.backbone.body.layer2)
     converted = {r.path for r in record}
     assert "backbone.body.layer2.0.conv1" in converted
