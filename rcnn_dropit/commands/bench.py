@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 def _variants(args: argparse.Namespace) -> None:
     """Rows of the baseline and each variant (or their largest batches), then the table."""
     from rcnn_dropit.measure.max_batch import largest_batches
-    from rcnn_dropit.measure.step_bench import markdown_table, parse_variant, run_benchmark
+    from rcnn_dropit.measure.step_bench import markdown_table, run_benchmark
+    from rcnn_dropit.measure.workload import parse_variant
 
     if args.device.startswith("cuda") and not _cuda():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
