@@ -32,6 +32,7 @@ from rcnn_dropit.data import (
     shard_indices,
 )
 from rcnn_dropit.engine.data_position import epoch_batches
+from rcnn_dropit.errors import UsageError
 
 SHAPES = {"num_train": 6, "num_val": 3, "image_size": 64, "num_classes": 3, "seed": 1}
 
@@ -569,3 +570,17 @@ def test_persistent_workers_give_the_same_epochs_and_resumed_epochs(shapes_root)
     fresh = passes(0)
     assert fresh[2] == fresh[1][1:]
     assert passes(1) == fresh
+
+
+def test_error_num_classes_below_the_categories(tmp_path):
+    # tiny_coco has 2 categories: a 2-class model (1 + background) would index past its logits
+    images, ann = tiny_coco(tmp_path)
+    paths = {"train_images": str(images), "train_ann": str(ann)}
+    cfg = make_cfg(tmp_path, dataset="coco", **paths)
+    cfg.model.num_classes = 2
+    with pytest.raises(
+        UsageError, match=r"model.num_classes: 2 is too small .*has 2 categories.*at least 3"
+    ):
+        build_dataset(cfg, "train")
+    cfg.model.num_classes = 3
+    assert build_dataset(cfg, "train").num_classes == 3

@@ -126,7 +126,7 @@ def build_dataset(cfg: Any, split: str, seed: int = 0, as_float: bool = True) ->
     float in [0, 1], or uint8 with ``as_float=False`` (what the loaders yield)."""
     images, ann, images_key, ann_key = dataset_paths(cfg, split)
     train = split == "train"
-    return CocoDetection(
+    dataset = CocoDetection(
         images,
         ann,
         train=train,
@@ -136,6 +136,19 @@ def build_dataset(cfg: Any, split: str, seed: int = 0, as_float: bool = True) ->
         image_key=images_key,
         ann_key=ann_key,
     )
+    check_num_classes(dataset, int(cfg.model.num_classes), f"{ann_key}: '{ann}'")
+    return dataset
+
+
+def check_num_classes(dataset: CocoDetection, num_classes: int, where: str) -> None:
+    """A model with fewer outputs than the data set's categories + background would fail deep
+    inside the loss with an IndexError; say which key to change instead."""
+    if dataset.num_classes > num_classes:
+        raise UsageError(
+            f"model.num_classes: {num_classes} is too small for {where}, which has "
+            f"{dataset.num_classes - 1} categories; "
+            f"it must be at least {dataset.num_classes} (the categories plus background)"
+        )
 
 
 def collate(batch: list) -> tuple[list[torch.Tensor], list[dict]]:
