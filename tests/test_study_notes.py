@@ -29,6 +29,7 @@ from rcnn_dropit.report.time_account import (
     read_times_file,
     regime_time,
     run_time,
+    segments_seconds,
     time_table,
     usual_jobs,
 )
@@ -356,9 +357,31 @@ LOG = """\
 
 def test_a_resumed_run_sums_its_segments_not_first_to_last() -> None:
     segments = log_segments(LOG)
-    assert len(segments) == 3
-    seconds = [(b - a).total_seconds() for a, b in segments]
-    assert seconds == pytest.approx([238.0, 147.0, 377.0])  # 762 s, not 21 min 49 s
+    assert [s.seconds for s in segments] == pytest.approx([238.0, 147.0, 377.0])
+    assert [(s.last_iter, s.resumed_at) for s in segments] == [(200, 200), (400, 400), (400, None)]
+    assert segments_seconds(segments, []) == pytest.approx(762.0)  # not 21 min 49 s
+
+
+# Killed during the evaluation at 600, after its checkpoint: the iterations 400-600 trained after
+# the last line of the first segment count, at metrics.jsonl's seconds per iteration.
+LOG_PAST_LAST_LINE = """\
+2026-11-23 22:17:36,240 INFO training maskrcnn for 800 iterations into 'x'
+2026-11-23 22:23:58,240 INFO evaluation at iteration 400:
+2026-11-23 22:35:43,501 INFO resumed from 'x/checkpoints/model_0000600.pth' at iteration 600
+2026-11-23 22:35:43,513 INFO training maskrcnn for 800 iterations into 'x'
+2026-11-23 22:35:53,501 INFO evaluation at iteration 600:
+2026-11-23 22:37:29,501 INFO final evaluation (100 images):
+"""
+
+
+def test_iterations_trained_past_a_segments_last_line_count() -> None:
+    segments = log_segments(LOG_PAST_LAST_LINE)
+    assert [(s.last_iter, s.resumed_at) for s in segments] == [(400, 600), (600, None)]
+    records = [{"type": "train", "iter": it, "time": 1.0} for it in range(100, 801, 100)]
+    records += [{"type": "train", "iter": 700, "time": 9.0}]  # logged again after the resume
+    records += [{"type": "eval", "iter": 400}, {"type": "train", "iter": 500, "time": "x"}]
+    # 382 s and 106 s of the two segments, and iterations 401-600 at 1 s each
+    assert segments_seconds(segments, records) == pytest.approx(382.0 + 106.0 + 200.0)
 
 
 def finished_dir(root: Path, name: str, log: str | None = None) -> Path:

@@ -227,8 +227,10 @@ def time_account(plan: Plan, jobs: int) -> list[str]:
     untimed = [u for row in rows for u in row.untimed]
     return [
         "Time, from each finished run's own `log.txt`: the sum of its segments (a resumed run "
-        "has one per start), each from its start line to its last timestamped line; a run "
-        f"without a log counts its records in `{TIMES_FILE}`. The machine's hours divide each "
+        "has one per start), each from its start line to its last timestamped line, plus the "
+        "iterations it trained past that line up to the checkpoint the next segment resumed "
+        "from (at the seconds per iteration of `metrics.jsonl`); a run without a log counts "
+        f"its records in `{TIMES_FILE}`. The machine's hours divide each "
         f"run's time by the runs side by side with it: the `jobs` of its `{TIMES_FILE}` record, "
         f"or {jobs} (what most records name) for a run not recorded there, assuming the runs "
         "shared the cores equally throughout.",

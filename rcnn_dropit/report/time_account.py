@@ -3,11 +3,12 @@
 A run's log has a timestamp on every line the trainer writes: the start of training, each
 evaluation, each resume, the final evaluation. A run interrupted and resumed has several
 segments, each from its start line to the last timestamped line before the next start; the
-run's time is the sum of its segments (the gap while it was stopped is not counted, nor the
-work lost after a segment's last line, nor the seconds before the first line: building the
-model and the data). ``metrics.jsonl`` holds no wall-clock timestamps (only seconds per
-iteration, without evaluation), so a run without a ``log.txt`` falls back to its records in
-the study's ``study_times.jsonl``.
+run's time is the sum of its segments (the gap while it was stopped is not counted). A segment
+that trained on past its last line, to the checkpoint the next segment resumes from, also counts
+those iterations, at the seconds per iteration its ``metrics.jsonl`` records (that file has no
+wall-clock timestamps). Not counted: work lost after the last checkpoint of an interrupted
+segment, and the seconds before a run's first line (building the model and the data). A run
+without a ``log.txt`` falls back to its records in the study's ``study_times.jsonl``.
 
 The machine's time divides each run's time by the runs that shared the machine with it: the
 ``jobs`` its ``study_times.jsonl`` record names, or for a run it does not list the ``jobs`` most
@@ -28,6 +29,23 @@ from pathlib import Path
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _RESUMED = " INFO resumed from "
 _TRAINING = " INFO training "
+_AT = re.compile(r"(?:evaluation|resumed from .*) at iteration (\d+)")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stretch of training in a log: from its start line to its last timestamped line, the
+    iteration that line stands at, and the iteration the next segment resumed from."""
+
+    start: datetime
+    end: datetime
+    last_iter: int
+    resumed_at: int | None = None
+
+    @property
+    def seconds(self) -> float:
+        """Wall-clock seconds between its first and last line."""
+        return (self.end - self.start).total_seconds()
 
 
 @dataclass(frozen=True)
@@ -60,22 +78,69 @@ class RegimeTime:
         return sum(r.seconds / r.jobs for r in self.runs) / 3600
 
 
-def log_segments(text: str) -> list[tuple[datetime, datetime]]:
-    """(start, last timestamp) of each training segment of a run's log."""
-    segments: list[list[datetime]] = []
+def log_segments(text: str) -> list[Segment]:
+    """The training segments of a run's log, in order."""
+    found: list[Segment] = []
     previous = ""
     for line in text.splitlines():
         m = _STAMP.match(line)
         if not m:
             continue
         stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f")
+        at = _AT.search(line)
         starts = _RESUMED in line or (_TRAINING in line and _RESUMED not in previous)
         if starts:
-            segments.append([stamp, stamp])
-        elif segments:
-            segments[-1][1] = stamp
+            resumed = int(at[1]) if _RESUMED in line and at else 0
+            if found and _RESUMED in line:
+                found[-1] = Segment(found[-1].start, found[-1].end, found[-1].last_iter, resumed)
+            found.append(Segment(stamp, stamp, resumed))
+        elif found:
+            last = int(at[1]) if at else found[-1].last_iter
+            found[-1] = Segment(found[-1].start, stamp, last)
         previous = line
-    return [(a, b) for a, b in segments]
+    return found
+
+
+def iteration_seconds(records: Sequence[dict]) -> dict[int, float]:
+    """Logged iteration -> seconds of the iterations since the one logged before it, from the
+    train records of metrics.jsonl (seconds per iteration x the iterations in the window); the
+    first record of an iteration wins (a resumed run logs some iterations twice)."""
+    per_iter: dict[int, float] = {}
+    for r in records:
+        it, t = r.get("iter"), r.get("time")
+        if r.get("type") == "train" and isinstance(it, int) and isinstance(t, (int, float)):
+            per_iter.setdefault(it, float(t))
+    out, before = {}, 0
+    for it in sorted(per_iter):
+        out[it] = per_iter[it] * (it - before)
+        before = it
+    return out
+
+
+def segments_seconds(segments: Sequence[Segment], records: Sequence[dict]) -> float:
+    """Seconds of all segments, each with the iterations it trained past its last line up to
+    the checkpoint the next segment resumed from."""
+    windows = iteration_seconds(records)
+    total = 0.0
+    for seg in segments:
+        total += seg.seconds
+        if seg.resumed_at is not None and seg.resumed_at > seg.last_iter:
+            total += sum(v for it, v in windows.items() if seg.last_iter < it <= seg.resumed_at)
+    return total
+
+
+def _metrics_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a stopped run
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def read_times_file(path: Path) -> dict[str, list[dict]]:
@@ -106,7 +171,7 @@ def run_time(run_dir: Path, name: str, records: Sequence[dict], jobs: int) -> Ru
     if log.is_file():
         segments = log_segments(log.read_text(errors="replace"))
         if segments:
-            seconds = sum((b - a).total_seconds() for a, b in segments)
+            seconds = segments_seconds(segments, _metrics_records(run_dir / "metrics.jsonl"))
             return RunTime(name, seconds, len(segments), "log.txt", shared)
     if records:
         seconds = sum(float(r.get("seconds", 0.0)) for r in records)
