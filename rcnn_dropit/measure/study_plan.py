@@ -52,7 +52,9 @@ class Plan:
     groups: tuple[Group, ...]
     pretrain_config: str | None = None
     pretrain_for: tuple[str, ...] = field(default_factory=tuple)  # regimes using its backbone
-    notes: Path | None = None  # hand-written findings, copied into the report after the verdict
+    notes: Path | None = (
+        None  # hand-written findings (placeholders read from the runs: report.notes)
+    )
 
 
 class PlanError(UsageError):

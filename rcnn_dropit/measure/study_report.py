@@ -1,4 +1,6 @@
-"""The accuracy study's report: per regime, AP over seeds, paired differences, figures, verdict."""
+"""The accuracy study's report: per regime, AP over seeds, paired differences, figures, the
+verdict by interval, issue 18's goal, the time account and the findings rendered from their
+template."""
 
 from __future__ import annotations
 
@@ -8,17 +10,31 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from rcnn_dropit.measure.study_plan import TIMES_FILE, Plan, plan_runs
+from rcnn_dropit.measure.study_plan import PRETRAIN, TIMES_FILE, Plan, plan_runs
 from rcnn_dropit.report import figures
+from rcnn_dropit.report.goal import BENCH_FILE, Goal, goal_section, read_bench
 from rcnn_dropit.report.groups import Row
-from rcnn_dropit.report.paired import PairedDiff, paired_diff, spread
+from rcnn_dropit.report.notes import Sources, render
+from rcnn_dropit.report.paired import PairedDiff, spread
 from rcnn_dropit.report.runs import Run, RunNotUsable, load_run
+from rcnn_dropit.report.seeded import (
+    BASELINE,
+    ap_values,
+    baseline_of,
+    is_reference,
+    paired,
+    saved_ratio,
+)
+from rcnn_dropit.report.time_account import (
+    read_times_file,
+    regime_time,
+    time_table,
+    usual_jobs,
+)
+from rcnn_dropit.report.verdict import FAMILIES, TOLERANCE, verdict_table
 
-BASELINE = "baseline"
-# The paper's claim, checked per regime, and DropIT on the backbone only (where a plan has it).
-VERDICT_SETTINGS = ("mink_0.8", "parallel_mink_0.8", "mink_0.8_backbone")
-TOLERANCE = 1.0  # AP points: "keeps AP" means within this of the baseline
-FAMILIES = (("bbox", "box"), ("segm", "mask"))
+GOAL = Goal()
+TEMPLATE_SUFFIX = ".template.md"
 PAPER = (
     "The paper (Chen et al., ICLR 2023) reports parity or better on COCO: Mask R-CNN R50-FPN "
     "37.9 / 34.5 box / mask AP, with DropIT mink at gamma 0.8 38.5 / 34.5; Faster R-CNN 37.0, "
@@ -45,22 +61,11 @@ def regime_runs(out: Path, regime: str) -> dict[str, dict[int, Run]]:
     return found
 
 
-def _ap(run: Run, family: str) -> float | None:
-    value = run.metric(family, "AP")
-    return None if value is None else value * 100
-
-
 def _mean_std(runs: dict[int, Run], family: str) -> str:
-    s = spread([v for r in runs.values() if (v := _ap(r, family)) is not None])
+    s = spread(list(ap_values(runs, family).values()))
     if s is None:
         return "-"
     return f"{s.mean:.1f}" + (f" ± {s.std:.1f}" if s.std is not None else "")
-
-
-def _diff(runs: dict[int, Run], base: dict[int, Run], family: str) -> PairedDiff | None:
-    values = {seed: v for seed, r in runs.items() if (v := _ap(r, family)) is not None}
-    ref = {seed: v for seed, r in base.items() if (v := _ap(r, family)) is not None}
-    return paired_diff(values, ref)
 
 
 def _diff_text(d: PairedDiff | None) -> str:
@@ -71,12 +76,9 @@ def _diff_text(d: PairedDiff | None) -> str:
     return f"{d.mean:+.1f} [{d.low:+.1f}, {d.high:+.1f}] (n={d.n})"
 
 
-def _saved_ratio(runs: dict[int, Run], base: dict[int, Run]) -> str:
-    mine = [r.saved_mb for r in runs.values() if r.saved_mb]
-    ref = [r.saved_mb for r in base.values() if r.saved_mb]
-    if not mine or not ref:
-        return "-"
-    return f"{(sum(mine) / len(mine)) / (sum(ref) / len(ref)):.2f}x"
+def _saved_text(runs: dict[int, Run], base: dict[int, Run]) -> str:
+    ratio = saved_ratio(runs, base)
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _order(settings: Sequence[str], plan: Plan) -> list[str]:
@@ -87,8 +89,8 @@ def _order(settings: Sequence[str], plan: Plan) -> list[str]:
 
 
 def ap_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
-    """Mean ± std over seeds and the paired difference to the baseline, box and mask."""
-    base = found.get(BASELINE, {})
+    """Mean ± std over seeds and the paired difference to the setting's baseline, box and mask;
+    saved activations as the mean over seeds of each seed's ratio to its baseline's."""
     lines = [
         "| setting | seeds | box AP | mask AP | Δ box (paired, 95% CI) | Δ mask (paired, 95% CI) "
         "| saved activations |",
@@ -97,12 +99,20 @@ def ap_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
     for setting in _order(list(found), plan):
         runs = found[setting]
         seeds = ",".join(str(s) for s in sorted(runs))
-        diffs = [
-            "" if setting == BASELINE else _diff_text(_diff(runs, base, fam)) for fam, _ in FAMILIES
-        ]
+        ref = baseline_of(setting, [*plan.settings, *found])
+        base = found.get(ref, {}) if ref else runs
+        if ref is None:
+            diffs, saved = ["", ""], _saved_text(runs, runs)
+        elif not set(runs) & set(base):
+            diffs = [f"- (no {ref} run of the same seed)"] * 2
+            saved = "-"
+        else:
+            diffs = [_diff_text(paired(runs, base, fam)) for fam, _ in FAMILIES]
+            diffs = [d if ref == BASELINE else f"{d} vs {ref}" for d in diffs]
+            saved = _saved_text(runs, base)
         lines.append(
             f"| {setting} | {seeds} | {_mean_std(runs, 'bbox')} | {_mean_std(runs, 'segm')} "
-            f"| {diffs[0]} | {diffs[1]} | {_saved_ratio(runs, base) if base else '-'} |"
+            f"| {diffs[0]} | {diffs[1]} | {saved} |"
         )
     return lines
 
@@ -137,36 +147,23 @@ def planned_seeds(plan: Plan, regime: str, setting: str) -> int:
     return len(seeds)
 
 
+def regime_settings(found: dict[str, dict[int, Run]], plan: Plan, regime: str) -> list[str]:
+    """The settings the plan trains in a regime or that have runs there, in report order."""
+    planned = [s for s in plan.settings if planned_seeds(plan, regime, s)]
+    return _order(list(dict.fromkeys([*planned, *found])), plan)
+
+
 def verdict(found: dict[str, dict[int, Run]], regime: str, plan: Plan) -> list[str]:
-    """One plain sentence per checked setting: within TOLERANCE of the baseline or not."""
-    base = found.get(BASELINE)
-    lines = []
-    for setting in VERDICT_SETTINGS:
-        runs = found.get(setting)
-        if setting not in VERDICT_SETTINGS[:2] and not planned_seeds(plan, regime, setting):
-            continue  # an extra setting this regime does not train
-        if not base or not runs:
-            lines.append(f"- {regime}, {setting}: not measured yet.")
-            continue
-        parts, keeps = [], True
-        for family, word in FAMILIES:
-            d = _diff(runs, base, family)
-            if d is None:
-                keeps = False
-                parts.append(f"{word} AP not paired")
-                continue
-            keeps &= abs(d.mean) <= TOLERANCE
-            parts.append(f"{word} AP {_diff_text(d)}")
-        n = len(set(runs) & set(base))
-        answer = "keeps AP" if keeps else "does NOT keep AP"
-        planned = planned_seeds(plan, regime, setting)
-        if n < planned:  # one seed's difference is within the spread between seeds
-            answer = f"provisional, {n} of {planned} seeds: {answer} so far"
-        lines.append(
-            f"- {regime}, {setting}: **{answer}** (mean paired difference within ±{TOLERANCE:g} "
-            f"is the goal; {'; '.join(parts)})."
-        )
-    return lines
+    """The regime's verdict table: every setting's box and mask state by its paired interval."""
+    settings = regime_settings(found, plan, regime)
+    if not any(not is_reference(s) for s in settings):
+        return []
+    return [
+        f"### {regime}",
+        "",
+        *verdict_table(regime, {regime: found}, settings, lambda s: planned_seeds(plan, regime, s)),
+        "",
+    ]
 
 
 def _rows(found: dict[str, dict[int, Run]], plan: Plan, keep: Sequence[str] = ()) -> list[Row]:
@@ -218,56 +215,134 @@ def _grad_groups(path: Path) -> list[str]:
     return lines
 
 
-def _time_account(out: Path) -> tuple[float, float, int]:
-    """(hours the runs took, summed over runs; hours of the machine, each run's time divided by
-    the runs sharing the machine with it; how many finished)."""
-    file = out / TIMES_FILE
-    if not file.is_file():
-        return 0.0, 0.0, 0
-    records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-    per_run = sum(r["seconds"] for r in records) / 3600
-    machine = sum(r["seconds"] / max(1, r.get("jobs", 1)) for r in records) / 3600
-    return per_run, machine, sum(1 for r in records if r.get("ok"))
+def time_account(plan: Plan, jobs: int) -> list[str]:
+    """The time the finished runs took, per regime, from their own logs (see time_account);
+    ``jobs`` counts for runs without a record when there are no records at all."""
+    times = read_times_file(plan.out / TIMES_FILE)
+    jobs = usual_jobs(times, jobs)
+    rows = [regime_time(plan.out, r, times, jobs) for r in [PRETRAIN, *plan.regimes]]
+    rows = [row for row in rows if row.runs or row.untimed]
+    if not rows:
+        return []
+    untimed = [u for row in rows for u in row.untimed]
+    return [
+        "Time, from each finished run's own `log.txt`: the sum of its segments (a resumed run "
+        "has one per start), each from its start line to its last timestamped line, plus the "
+        "iterations it trained past that line up to the checkpoint the next segment resumed "
+        "from (at the seconds per iteration of `metrics.jsonl`); a run without a log counts "
+        f"its records in `{TIMES_FILE}`. The machine's hours divide each "
+        f"run's time by the runs side by side with it: the `jobs` of its `{TIMES_FILE}` record, "
+        f"or {jobs} (what most records name) for a run not recorded there, assuming the runs "
+        "shared the cores equally throughout.",
+        "",
+        *time_table(rows),
+        "",
+        *([f"Not timed (no log.txt, no record): {', '.join(untimed)}.", ""] if untimed else []),
+    ]
+
+
+def found_runs(plan: Plan) -> dict[str, dict[str, dict[int, Run]]]:
+    """Every regime's finished runs, and the study's pretraining as regime and setting
+    ``pretrain`` (seed 0), for the notes' placeholders."""
+    found = {regime: regime_runs(plan.out, regime) for regime in plan.regimes}
+    try:
+        found[PRETRAIN] = {PRETRAIN: {0: load_run(plan.out / PRETRAIN / PRETRAIN)}}
+    except RunNotUsable:
+        pass
+    return found
+
+
+def goal_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL) -> list[str]:
+    """Issue 18's goal judged in its regime, with the Δ AP vs peak memory figure."""
+    bench_path = plan.report.parent / BENCH_FILE
+    bench = read_bench(bench_path)
+    if goal.regime not in plan.regimes:
+        return [f"The goal's regime `{goal.regime}` is not in this plan.", ""]
+    order = regime_settings(found, plan, goal.regime)
+    lines = [*goal_section(found, order, bench, bench_path, goal), ""]
+    points = []
+    for setting in order:
+        ref = baseline_of(setting, [*plan.settings, *found])
+        if bench is None or setting not in bench or ref is None or setting not in found:
+            continue
+        diffs = {
+            fam: d for fam, _ in FAMILIES if (d := paired(found[setting], found.get(ref, {}), fam))
+        }
+        if diffs:
+            points.append((setting, float(bench[setting]["peak_ratio"]), diffs))
+    png = plan.report.parent / f"shapes_{goal.regime}_peak_vs_ap.png"
+    if bench is None:
+        return lines
+    if not points:
+        return [*lines, "No Δ AP vs peak memory figure: no benched setting has paired runs.", ""]
+    if not figures.matplotlib_available():
+        return [*lines, "Δ AP vs peak memory not drawn: matplotlib is not installed.", ""]
+    figures.plot_peak_vs_ap(points, png, goal.tolerance, goal.peak)
+    return [*lines, f"![{goal.regime}: Δ AP vs peak memory]({png.name})", ""]
+
+
+def render_notes(plan: Plan, found: dict[str, dict[str, dict[int, Run]]], command: str) -> str:
+    """The findings, their placeholders filled from the runs; a template (``*.template.md``)
+    is also written rendered next to itself, without ``.template``."""
+    assert plan.notes is not None
+    text = render(
+        plan.notes.read_text(), Sources(found, grad_dir=plan.report.parent), str(plan.notes)
+    )
+    if plan.notes.name.endswith(TEMPLATE_SUFFIX):
+        target = plan.notes.with_name(plan.notes.name[: -len(TEMPLATE_SUFFIX)] + ".md")
+        target.write_text(
+            f"_Generated by `{command}` from `{plan.notes}` and the runs under `{plan.out}`: "
+            "edit the template, not this file._\n\n" + text.strip() + "\n"
+        )
+    return text.strip()
 
 
 def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
-    """Write plan.report (and its figures next to it); returns the Markdown."""
+    """Write plan.report (and its figures and rendered notes next to it); returns the Markdown."""
     import torch  # here: for its version; the tables need no torch
 
     planned = [r for r in plan_runs(plan) if not r.exports]
     plan.report.parent.mkdir(parents=True, exist_ok=True)
-    hours, machine_hours, finished = _time_account(plan.out)
     done = sum(1 for r in planned if (plan.out / r.name / "eval.json").is_file())
+    command = f"python tools/study.py --plan {plan_path} --jobs {jobs}"
+    found = found_runs(plan)
     lines = [
         "# Accuracy study on the synthetic shapes set",
         "",
-        f"Produced by `python tools/study.py --plan {plan_path} --jobs {jobs}` (`make study`) on "
+        f"Produced by `{command}` (`make study`; `--report-only` writes this report alone) on "
         f"{platform.machine()} {platform.system()}, torch {torch.__version__}; run directories "
         f"(without checkpoints) under `{plan.out}`. {done} of {len(planned)} planned runs "
-        f"finished; the finished and failed runs took {hours:.1f} h summed over runs, about "
-        f"{machine_hours:.1f} h of the machine (each run's time divided by the runs it shared "
-        f"the machine with; `{plan.out}/{TIMES_FILE}`; interrupted attempts are not counted).",
+        "finished.",
         "",
+        *time_account(plan, jobs),
         "AP is COCO AP (IoU 0.50:0.95) x100 on the validation images of each regime's shapes set; "
         "± is the standard deviation over seeds. Δ is the mean over seeds of (setting - baseline) "
         "for the same seed, with a 95% Student-t interval over those differences; a run and its "
-        "baseline share the seed, so data order and initialisation are paired.",
+        "baseline share the seed, so data order and initialisation are paired. A setting trained "
+        "on a longer schedule (`*_2x`) pairs with the baseline on that schedule (`baseline_2x`).",
         "",
         PAPER,
         "",
         "## Verdict",
         "",
+        f"Read from the paired 95% interval of Δ, for box and mask AP apart: **keeps** when it "
+        f"lies inside [-{TOLERANCE:g}, +{TOLERANCE:g}], **loses** when it lies entirely below "
+        f"-{TOLERANCE:g}, **gains** when entirely above +{TOLERANCE:g}, **inconclusive** when it "
+        f"crosses -{TOLERANCE:g} or +{TOLERANCE:g} ('below 0' / 'above 0' when it excludes 0 "
+        "all the same); one seed gives no interval and no verdict. A setting keeps AP when box "
+        "and mask both keep it, and loses AP when either loses it.",
+        "",
     ]
     body = []
     for regime, config in plan.regimes.items():
-        found = regime_runs(plan.out, regime)
-        lines += verdict(found, regime, plan)
+        runs = found[regime]
+        lines += verdict(runs, regime, plan)
         body += [f"## Regime: {regime} (`{config}`)", ""]
-        if not found:
+        if not runs:
             body += ["No finished run yet.", ""]
             continue
-        body += [*ap_table(found, plan), ""]
-        training = training_table(found, plan)
+        body += [*ap_table(runs, plan), ""]
+        training = training_table(runs, plan)
         if training:
             body += [
                 "AP during training (box / mask, mean over seeds), evaluated at fixed iterations "
@@ -276,10 +351,11 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
                 *training,
                 "",
             ]
-        body += _figures(found, plan, regime, plan.report)
+        body += _figures(runs, plan, regime, plan.report)
         body += _grad_groups(plan.report.parent / f"shapes_grad_groups_{regime}.json")
+    lines += ["## Goal (issue 18)", "", *goal_lines(found.get(GOAL.regime, {}), plan)]
     if plan.notes is not None and plan.notes.is_file():  # the analysis a person wrote
-        lines += ["", plan.notes.read_text().strip()]
+        lines += [render_notes(plan, found, f"{command} --report-only"), ""]
     markdown = "\n".join([*lines, "", *body]).rstrip("\n") + "\n"
     plan.report.write_text(markdown)
     return markdown

@@ -1,4 +1,5 @@
-"""PNG figures of a report: loss curves and AP vs gamma (matplotlib, Agg, imported lazily)."""
+"""PNG figures of a report: loss curves, AP vs gamma, Δ AP vs peak memory (matplotlib, Agg,
+imported lazily)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rcnn_dropit.report.groups import Row
+from rcnn_dropit.report.paired import PairedDiff
 
 FAMILY_TITLES = {"bbox": "box AP", "segm": "mask AP"}
 
@@ -123,5 +125,44 @@ def plot_ap_vs_gamma(rows: Sequence[Row], baseline: Row | None, path: Path) -> b
         ax.set_title(f"{FAMILY_TITLES[family]} vs gamma")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def plot_peak_vs_ap(
+    points: Sequence[tuple[str, float, dict[str, PairedDiff]]],
+    path: Path,
+    tolerance: float,
+    peak_goal: float,
+) -> bool:
+    """Paired Δ AP (95% interval as error bar) vs peak-memory ratio, one point per setting and
+    one panel per family; the goal's band and peak limit dashed. False when there is no point."""
+    families = [f for f in FAMILY_TITLES if any(f in diffs for _, _, diffs in points)]
+    if not families:
+        return False
+    fig, axes = _new_figure(5.5 * len(families), 4.5, ncols=len(families))
+    colors = [c["color"] for c in _color_cycle(len(points))]
+    for ax, family in zip(axes, families, strict=True):
+        for color, (label, peak, diffs) in zip(colors, points, strict=True):
+            d = diffs.get(family)
+            if d is None:
+                continue
+            err = None
+            if d.low is not None and d.high is not None:
+                err = [[d.mean - d.low], [d.high - d.mean]]
+            ax.errorbar([peak], [d.mean], yerr=err, fmt="o", color=color, capsize=4, label=label)
+        ax.axhspan(-tolerance, tolerance, color="tab:green", alpha=0.12, label=f"±{tolerance:g} AP")
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.axvline(
+            peak_goal, color="black", linestyle="--", linewidth=1, label=f"peak {peak_goal:g}x"
+        )
+        # up to past 1 (the baseline), so that the distance to it reads as memory saved
+        peaks = [peak for _, peak, _ in points]
+        ax.set_xlim(max(0.0, min(peaks) - 0.1), max(1.05, max(peaks) + 0.05))
+        ax.set_xlabel("peak memory of a training step / baseline's (R50-FPN bench)")
+        ax.set_ylabel(f"Δ {FAMILY_TITLES[family]} vs baseline (paired, 95% CI)")
+        ax.set_title(f"Δ {FAMILY_TITLES[family]} vs peak memory")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
     fig.savefig(path, dpi=100)
     return True

@@ -1,0 +1,184 @@
+"""Issue 18's goal, checked criterion by criterion: a DropIT setting on every layer the paper
+converts that keeps box and mask AP by the paired interval at 5 fine-tune seeds, at <= 0.30x
+saved activations and <= 0.65x peak of the step on the R50-FPN bench.
+
+The bench figures come from ``methods_bench.json`` (``tools/bench.py``): a list of objects with
+at least ``setting`` (a study plan setting name), ``saved_ratio`` and ``peak_ratio``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.report.seeded import Seeds, baseline_of, is_reference, paired, paired_text
+from rcnn_dropit.report.verdict import FAMILIES, KEEPS, family_state
+
+BENCH_FILE = "methods_bench.json"
+# The top-level modules of a torchvision detector: DropIT on all three covers every layer.
+TOP_MODULES = ("backbone.*", "rpn.*", "roi_heads.*")
+
+
+@dataclass(frozen=True)
+class Goal:
+    """The thresholds of the goal and the regime it is judged in."""
+
+    regime: str = "finetune2"
+    seeds: int = 5
+    tolerance: float = 1.0
+    saved: float = 0.30
+    peak: float = 0.65
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """One criterion of one setting: met (None when it cannot be judged) and the figures."""
+
+    met: bool | None
+    text: str
+
+
+class BenchFileError(UsageError):
+    """A methods_bench.json that cannot be read; the message names the file and the entry."""
+
+
+def read_bench(path: Path) -> dict[str, dict[str, float]] | None:
+    """setting -> its bench figures, None when the file does not exist."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise BenchFileError(f"{path}: not JSON ({err})") from None
+    if not isinstance(data, list):
+        raise BenchFileError(f"{path}: must be a list of objects, one per setting")
+    out = {}
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict) or not isinstance(entry.get("setting"), str):
+            raise BenchFileError(f"{path}: entry {i} has no 'setting' name")
+        for key in ("saved_ratio", "peak_ratio"):
+            value = entry.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise BenchFileError(
+                    f"{path}: entry {i} ({entry['setting']}): '{key}' must be a number"
+                )
+            if not math.isfinite(value) or value <= 0:
+                raise BenchFileError(
+                    f"{path}: entry {i} ({entry['setting']}): '{key}' {value} must be > 0"
+                )
+        out[entry["setting"]] = entry
+    return out
+
+
+def covers_every_layer(config: Mapping[str, Any]) -> bool:
+    """Whether a run's DropIT reaches every layer the paper converts (not backbone-only etc.)."""
+    from rcnn_dropit.config_schema import PAPER_EXCLUDE  # here: the report needs no torch
+
+    dropit = config.get("dropit") or {}
+    if not dropit.get("enabled"):
+        return False
+    rules = dropit.get("rules") or [{}]
+    top_include = list(dropit.get("include") or ["*"])
+    includes = {p for rule in rules for p in (rule.get("include") or top_include)}
+    excludes = {*(dropit.get("exclude") or []), *(p for r in rules for p in r.get("exclude") or [])}
+    reaches = "*" in includes or all(m in includes for m in TOP_MODULES)
+    return reaches and excludes <= set(PAPER_EXCLUDE)
+
+
+def criteria(
+    runs: Seeds, base: Seeds, bench: Mapping[str, Any] | None, setting: str, goal: Goal
+) -> list[Criterion]:
+    """Seeds, box, mask, saved and peak criteria of one candidate setting."""
+    n = len(set(runs) & set(base))
+    out = [Criterion(n >= goal.seeds, f"{n} seed{'' if n == 1 else 's'}")]
+    for family, word in FAMILIES:
+        d = paired(runs, base, family)
+        if d is None:
+            out.append(Criterion(False, f"no paired {word} AP"))
+            continue
+        state = family_state(d, goal.tolerance)
+        out.append(Criterion(state == KEEPS, f"{paired_text(d)} ({state})"))
+    for key, limit in (("saved_ratio", goal.saved), ("peak_ratio", goal.peak)):
+        if bench is None:
+            out.append(Criterion(None, "bench missing"))
+        elif setting not in bench:
+            out.append(Criterion(None, "not benched"))
+        else:
+            value = float(bench[setting][key])
+            out.append(Criterion(value <= limit, f"{value:.2f}x"))
+    return out
+
+
+def _cell(c: Criterion) -> str:
+    mark = {True: "yes", False: "**no**", None: "?"}[c.met]
+    return f"{mark}: {c.text}"
+
+
+def goal_section(
+    found: Mapping[str, Seeds],
+    order: Sequence[str],
+    bench: Mapping[str, Any] | None,
+    bench_path: Path,
+    goal: Goal,
+) -> list[str]:
+    """The goal's table for the candidate settings of ``goal.regime`` and a plain answer."""
+    lines = [
+        f"Goal: a setting that covers every layer the paper converts (not backbone-only; "
+        f"exact activation checkpointing is compared separately), whose paired 95% interval "
+        f"lies inside [-{goal.tolerance:g}, +{goal.tolerance:g}] for box and for mask AP in "
+        f"the `{goal.regime}` regime at {goal.seeds} seeds, at <= {goal.saved:.2f}x saved "
+        f"activations and <= {goal.peak:.2f}x peak of the step on the R50-FPN bench "
+        f"(`{bench_path}`).",
+        "",
+    ]
+    if bench is None:
+        lines += [
+            f"The bench figures are missing: `{bench_path}` does not exist, so the memory "
+            "criteria cannot be judged (`?`).",
+            "",
+        ]
+    candidates = [
+        s for s in order if s in found and found[s] and covers_every_layer(_config(found[s]))
+    ]
+    others = [s for s in order if s in found and not is_reference(s) and s not in candidates]
+    if not candidates:
+        return [*lines, f"No setting of `{goal.regime}` that covers every layer has finished."]
+    lines += [
+        f"| setting | seeds >= {goal.seeds} | box in ±{goal.tolerance:g} "
+        f"| mask in ±{goal.tolerance:g} | saved <= {goal.saved:.2f}x "
+        f"| peak <= {goal.peak:.2f}x | goal |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    met = []
+    for setting in candidates:
+        base = found.get(baseline_of(setting, found) or "", {})
+        crit = criteria(found[setting], base, bench, setting, goal)
+        verdict = all(c.met for c in crit)
+        if verdict:
+            met.append(setting)
+        unknown = any(c.met is None for c in crit) and not any(c.met is False for c in crit)
+        answer = "**met**" if verdict else ("open" if unknown else "not met")
+        lines.append(f"| {setting} | " + " | ".join(_cell(c) for c in crit) + f" | {answer} |")
+    lines.append("")
+    if met:
+        lines.append(f"**The goal is met by: {', '.join(met)}.**")
+    else:
+        lines.append(
+            f"**No setting meets the goal** in `{goal.regime}` with the runs and bench figures "
+            "so far."
+        )
+    if others:
+        lines += [
+            "",
+            "Not candidates (DropIT not on every layer, or none): " + ", ".join(others) + ".",
+        ]
+    return lines
+
+
+def _config(runs: Seeds) -> Mapping[str, Any]:
+    return next(iter(runs.values())).config

@@ -1,0 +1,320 @@
+"""The study's written findings as a template: every figure they cite is read from the runs.
+
+A notes template is Markdown with placeholders ``{{function argument ...}}``; the study report
+renders it, so a number in the prose comes from the same run directories as the tables and
+cannot drift from them. A target is ``regime/setting`` (all its seeds) or ``regime/setting_sN``
+(one run); a family is ``box`` or ``mask``. Δ pairs a setting with its baseline seed by seed
+(``rcnn_dropit.report.seeded.baseline_of``: ``baseline``, or ``baseline_2x`` for ``*_2x``).
+
+=========================  ==================================================  ===================
+placeholder                renders                                             example
+=========================  ==================================================  ===================
+ap TARGET FAMILY           AP mean ± std over seeds, or one run's AP           ``82.6 ± 0.3``
+mean TARGET FAMILY         AP mean over seeds                                  ``82.6``
+d TARGET FAMILY            paired Δ, with its 95% interval from 2 seeds on     ``-2.0 [-3.5, -0.4]``
+dmean TARGET FAMILY        paired Δ, the mean only                             ``-2.0``
+dseeds TARGET FAMILY       the per-seed Δ, in seed order                       ``-2.7, -1.7, -1.6``
+dsd TARGET FAMILY          standard deviation over seeds of the per-seed Δ     ``0.6``
+dmax TARGET FAMILY         the largest per-seed Δ in magnitude, unsigned       ``0.9``
+nbelow TARGET FAMILY       seeds whose Δ is below zero, of those paired        ``3 of 3``
+nabove TARGET FAMILY       seeds whose Δ is above zero, of those paired        ``0 of 3``
+dat TARGET FAMILY ITER     mean paired Δ at one evaluated iteration            ``-8.5``
+dtrain TARGET FAMILY       mean paired Δ at every iteration both evaluated     ``-8.5, -3.6, -2.2``
+vs TARGET OTHER FAMILY     paired Δ of TARGET against OTHER (any two)          ``-1.1``
+saved TARGET               saved activations / the baseline's, mean per seed   ``0.55x``
+n TARGET                   seeds paired with the baseline                      ``3``
+seeds TARGET               the seeds that finished                             ``1, 2, 3``
+grad NAME STATE SET GROUP  a cosine (``cos``) or norm ratio (``norm``) of       ``0.97``
+  MEASURE                  ``shapes_grad_groups_NAME.json``; spaces as ``_``
+=========================  ==================================================  ===================
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.report.paired import spread
+from rcnn_dropit.report.seeded import (
+    FAMILY_OF_WORD,
+    Found,
+    Seeds,
+    ap_values,
+    baseline_of,
+    paired,
+    paired_text,
+    saved_ratio,
+    seed_diffs,
+)
+
+PLACEHOLDER = re.compile(r"\{\{([^{}]*)\}\}")
+_SEEDED = re.compile(r"(?P<setting>.+)_s(?P<seed>\d+)")
+GRAD_MEASURES = {"cos": "cosine", "norm": "norm_ratio"}
+
+
+class NotesError(UsageError):
+    """A placeholder that names no function, regime, setting, seed, family or evaluation."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a placeholder points at: one setting of a regime, all its seeds or one."""
+
+    regime: str
+    setting: str
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where placeholders read from: the runs, and the folder of the gradient-group files."""
+
+    found: Found
+    grad_dir: Path | None = None
+
+
+class _Bad(Exception):
+    """Why one placeholder cannot be rendered; render() adds where it stands."""
+
+
+def render(text: str, sources: Sources, name: str = "notes") -> str:
+    """Replace every placeholder of ``text`` by the figure it names; NotesError names a bad one."""
+    out, last = [], 0
+    for match in PLACEHOLDER.finditer(text):
+        _check_plain(text, last, match.start(), name)
+        try:
+            out += [text[last : match.start()], _one(match.group(1).split(), sources)]
+        except _Bad as err:
+            line = text.count("\n", 0, match.start()) + 1
+            raise NotesError(f"{name}:{line}: '{match.group(0)}': {err}") from None
+        last = match.end()
+    _check_plain(text, last, len(text), name)
+    return "".join([*out, text[last:]])
+
+
+def _check_plain(text: str, start: int, end: int, name: str) -> None:
+    """Text between placeholders holds no stray '{{' or '}}' (a placeholder left unclosed)."""
+    for brace in ("{{", "}}"):
+        at = text.find(brace, start, end)
+        if at >= 0:
+            line = text.count("\n", 0, at) + 1
+            snippet = text[at : at + 40].split("\n")[0]
+            raise NotesError(f"{name}:{line}: unbalanced '{brace}' in '{snippet}'")
+
+
+def _one(words: list[str], sources: Sources) -> str:
+    if not words or words[0] not in FUNCTIONS:
+        raise _Bad(f"names no function; allowed: {', '.join(FUNCTIONS)}")
+    fn, params = FUNCTIONS[words[0]]
+    if len(words) != 1 + len(params):
+        raise _Bad(f"'{words[0]}' takes {len(params)} argument(s): {' '.join(params)}")
+    return fn(sources, *words[1:])
+
+
+def _target(text: str, found: Found) -> Target:
+    regime, sep, setting = text.partition("/")
+    if not sep or regime not in found:
+        raise _Bad(f"no regime '{regime}' (write regime/setting) among {sorted(found)}")
+    runs = found[regime]
+    if setting in runs:
+        return Target(regime, setting, None)
+    m = _SEEDED.fullmatch(setting)
+    if m and m["setting"] in runs and int(m["seed"]) in runs[m["setting"]]:
+        return Target(regime, m["setting"], int(m["seed"]))
+    raise _Bad(f"no finished run or setting '{setting}' in regime '{regime}'")
+
+
+def _runs(found: Found, t: Target) -> Seeds:
+    runs = found[t.regime][t.setting]
+    return runs if t.seed is None else {t.seed: runs[t.seed]}
+
+
+def _base(found: Found, t: Target) -> Seeds:
+    ref = baseline_of(t.setting, found[t.regime])
+    if ref is None:
+        raise _Bad(f"'{t.setting}' is a baseline: it has no Δ")
+    if ref not in found[t.regime]:
+        raise _Bad(f"no finished run of '{ref}', the baseline of '{t.setting}'")
+    return found[t.regime][ref]
+
+
+def _family(word: str) -> str:
+    if word not in FAMILY_OF_WORD:
+        raise _Bad(f"family '{word}' is not one of {', '.join(FAMILY_OF_WORD)}")
+    return FAMILY_OF_WORD[word]
+
+
+def _diffs(sources: Sources, target: str, word: str) -> dict[int, float]:
+    t = _target(target, sources.found)
+    diffs = seed_diffs(_runs(sources.found, t), _base(sources.found, t), _family(word))
+    if not diffs:
+        raise _Bad(f"no {word} AP of '{target}' paired with its baseline")
+    return diffs
+
+
+def _ap(sources: Sources, target: str, word: str, with_std: bool = True) -> str:
+    t = _target(target, sources.found)
+    values = ap_values(_runs(sources.found, t), _family(word))
+    s = spread(list(values.values()))
+    if s is None:
+        raise _Bad(f"'{target}' has no {word} AP")
+    std = f" ± {s.std:.1f}" if with_std and s.std is not None else ""
+    return f"{s.mean:.1f}{std}"
+
+
+def _mean(sources: Sources, target: str, word: str) -> str:
+    return _ap(sources, target, word, with_std=False)
+
+
+def _d(sources: Sources, target: str, word: str, mean_only: bool = False) -> str:
+    t = _target(target, sources.found)
+    d = paired(_runs(sources.found, t), _base(sources.found, t), _family(word))
+    if d is None:
+        raise _Bad(f"no {word} AP of '{target}' paired with its baseline")
+    return f"{d.mean:+.1f}" if mean_only else paired_text(d)
+
+
+def _dmean(sources: Sources, target: str, word: str) -> str:
+    return _d(sources, target, word, mean_only=True)
+
+
+def _dseeds(sources: Sources, target: str, word: str) -> str:
+    return ", ".join(f"{v:+.1f}" for v in _diffs(sources, target, word).values())
+
+
+def _dsd(sources: Sources, target: str, word: str) -> str:
+    diffs = _diffs(sources, target, word)
+    if len(diffs) < 2:
+        raise _Bad("a standard deviation needs 2 paired seeds or more")
+    return f"{statistics.stdev(diffs.values()):.1f}"
+
+
+def _dmax(sources: Sources, target: str, word: str) -> str:
+    return f"{max(abs(v) for v in _diffs(sources, target, word).values()):.1f}"
+
+
+def _nbelow(sources: Sources, target: str, word: str) -> str:
+    diffs = _diffs(sources, target, word)
+    return f"{sum(v < 0 for v in diffs.values())} of {len(diffs)}"
+
+
+def _nabove(sources: Sources, target: str, word: str) -> str:
+    diffs = _diffs(sources, target, word)
+    return f"{sum(v > 0 for v in diffs.values())} of {len(diffs)}"
+
+
+def _evals_at(runs: Seeds, family: str) -> dict[int, dict[int, float]]:
+    """iteration -> seed -> AP x100 of every evaluation during training."""
+    out: dict[int, dict[int, float]] = {}
+    for seed, run in runs.items():
+        for it, aps in run.evals:
+            if family in aps:
+                out.setdefault(it, {})[seed] = aps[family] * 100
+    return out
+
+
+def _train_diffs(sources: Sources, target: str, word: str) -> dict[int, float]:
+    """iteration -> mean over seeds of the paired Δ, where both evaluated."""
+    t = _target(target, sources.found)
+    family = _family(word)
+    mine = _evals_at(_runs(sources.found, t), family)
+    base = _evals_at(_base(sources.found, t), family)
+    out = {}
+    for it in sorted(set(mine) & set(base)):
+        diffs = [v - base[it][s] for s, v in mine[it].items() if s in base[it]]
+        if diffs:
+            out[it] = statistics.fmean(diffs)
+    return out
+
+
+def _dat(sources: Sources, target: str, word: str, iteration: str) -> str:
+    if not iteration.isdigit():
+        raise _Bad(f"iteration '{iteration}' is not a whole number")
+    diffs = _train_diffs(sources, target, word)
+    if int(iteration) not in diffs:
+        raise _Bad(f"no paired evaluation at iteration {iteration} (paired: {sorted(diffs)})")
+    return f"{diffs[int(iteration)]:+.1f}"
+
+
+def _dtrain(sources: Sources, target: str, word: str) -> str:
+    diffs = _train_diffs(sources, target, word)
+    if not diffs:
+        raise _Bad(f"no evaluation of '{target}' paired with its baseline's")
+    return ", ".join(f"{v:+.1f}" for v in diffs.values())
+
+
+def _vs(sources: Sources, target: str, other: str, word: str) -> str:
+    t, o = _target(target, sources.found), _target(other, sources.found)
+    d = paired(_runs(sources.found, t), _runs(sources.found, o), _family(word))
+    if d is None:
+        raise _Bad(f"'{target}' and '{other}' share no seed with {word} AP")
+    return paired_text(d)
+
+
+def _saved(sources: Sources, target: str) -> str:
+    t = _target(target, sources.found)
+    ratio = saved_ratio(_runs(sources.found, t), _base(sources.found, t))
+    if ratio is None:
+        raise _Bad(f"no saved-activation figure of '{target}' paired with its baseline's")
+    return f"{ratio:.2f}x"
+
+
+def _n(sources: Sources, target: str) -> str:
+    t = _target(target, sources.found)
+    return str(len(set(_runs(sources.found, t)) & set(_base(sources.found, t))))
+
+
+def _seeds(sources: Sources, target: str) -> str:
+    t = _target(target, sources.found)
+    return ", ".join(str(s) for s in sorted(_runs(sources.found, t)))
+
+
+def _grad(sources: Sources, name: str, state: str, setting: str, group: str, measure: str) -> str:
+    if sources.grad_dir is None:
+        raise _Bad("no folder of gradient-group files given")
+    path = sources.grad_dir / f"shapes_grad_groups_{name}.json"
+    if not path.is_file():
+        raise _Bad(f"no file {path}")
+    if measure not in GRAD_MEASURES:
+        raise _Bad(f"measure '{measure}' is not one of {', '.join(GRAD_MEASURES)}")
+    try:
+        node = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise _Bad(f"{path} is not JSON ({err})") from None
+    for key in (state, setting, group, GRAD_MEASURES[measure]):
+        if not isinstance(node, dict):
+            raise _Bad(f"{path.name}: no table under '{key}'")
+        spaced = key.replace("_", " ")
+        key = spaced if spaced in node else key
+        if key not in node or key == "run":
+            known = sorted(k for k in node if k != "run")
+            raise _Bad(f"{path.name} has no '{key}' there (spaces as '_'); it has {known}")
+        node = node[key]
+    if not isinstance(node, (int, float)):
+        raise _Bad(f"{path.name}: '{measure}' is not a number")
+    return f"{node:.2f}"
+
+
+FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
+    "ap": (_ap, ("TARGET", "FAMILY")),
+    "mean": (_mean, ("TARGET", "FAMILY")),
+    "d": (_d, ("TARGET", "FAMILY")),
+    "dmean": (_dmean, ("TARGET", "FAMILY")),
+    "dseeds": (_dseeds, ("TARGET", "FAMILY")),
+    "dsd": (_dsd, ("TARGET", "FAMILY")),
+    "dmax": (_dmax, ("TARGET", "FAMILY")),
+    "nbelow": (_nbelow, ("TARGET", "FAMILY")),
+    "nabove": (_nabove, ("TARGET", "FAMILY")),
+    "dat": (_dat, ("TARGET", "FAMILY", "ITER")),
+    "dtrain": (_dtrain, ("TARGET", "FAMILY")),
+    "vs": (_vs, ("TARGET", "OTHER", "FAMILY")),
+    "saved": (_saved, ("TARGET",)),
+    "n": (_n, ("TARGET",)),
+    "seeds": (_seeds, ("TARGET",)),
+    "grad": (_grad, ("NAME", "STATE", "SETTING", "GROUP", "MEASURE")),
+}

@@ -1,0 +1,221 @@
+"""What the study's runs cost in time, read from their own ``log.txt``.
+
+A run's log has a timestamp on every line the trainer writes: the start of training, each
+evaluation, each resume, the final evaluation. A run interrupted and resumed has several
+segments, each from its start line to the last timestamped line before the next start; the
+run's time is the sum of its segments (the gap while it was stopped is not counted). A segment
+that trained on past its last line, to the checkpoint the next segment resumes from, also counts
+those iterations, at the seconds per iteration its ``metrics.jsonl`` records (that file has no
+wall-clock timestamps). Not counted: work lost after the last checkpoint of an interrupted
+segment, and the seconds before a run's first line (building the model and the data). A run
+without a ``log.txt`` falls back to its records in the study's ``study_times.jsonl``.
+
+The machine's time divides each run's time by the runs that shared the machine with it: the
+``jobs`` its ``study_times.jsonl`` record names, or for a run it does not list the ``jobs`` most
+of its records name (how the study is run; the report's ``--jobs`` when there are none). That
+assumes the runs side by side shared the cores equally the whole time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_RESUMED = " INFO resumed from "
+_TRAINING = " INFO training "
+_AT = re.compile(r"(?:evaluation|resumed from .*) at iteration (\d+)")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stretch of training in a log: from its start line to its last timestamped line, the
+    iteration that line stands at, and the iteration the next segment resumed from."""
+
+    start: datetime
+    end: datetime
+    last_iter: int
+    resumed_at: int | None = None
+
+    @property
+    def seconds(self) -> float:
+        """Wall-clock seconds between its first and last line."""
+        return (self.end - self.start).total_seconds()
+
+
+@dataclass(frozen=True)
+class RunTime:
+    """One finished run's time: seconds, how many segments, where read, runs sharing."""
+
+    name: str
+    seconds: float
+    segments: int
+    source: str  # "log.txt" or "study_times.jsonl"
+    jobs: int
+
+
+@dataclass(frozen=True)
+class RegimeTime:
+    """The time of a regime's finished runs, summed over runs and as the machine's share."""
+
+    regime: str
+    runs: tuple[RunTime, ...]
+    untimed: tuple[str, ...]  # finished runs with neither a log.txt nor a study_times record
+
+    @property
+    def hours(self) -> float:
+        """Hours summed over runs."""
+        return sum(r.seconds for r in self.runs) / 3600
+
+    @property
+    def machine_hours(self) -> float:
+        """Hours of the machine: each run's time divided by the runs sharing it."""
+        return sum(r.seconds / r.jobs for r in self.runs) / 3600
+
+
+def log_segments(text: str) -> list[Segment]:
+    """The training segments of a run's log, in order."""
+    found: list[Segment] = []
+    previous = ""
+    for line in text.splitlines():
+        m = _STAMP.match(line)
+        if not m:
+            continue
+        stamp = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f")
+        at = _AT.search(line)
+        starts = _RESUMED in line or (_TRAINING in line and _RESUMED not in previous)
+        if starts:
+            resumed = int(at[1]) if _RESUMED in line and at else 0
+            if found and _RESUMED in line:
+                found[-1] = Segment(found[-1].start, found[-1].end, found[-1].last_iter, resumed)
+            found.append(Segment(stamp, stamp, resumed))
+        elif found:
+            last = int(at[1]) if at else found[-1].last_iter
+            found[-1] = Segment(found[-1].start, stamp, last)
+        previous = line
+    return found
+
+
+def iteration_seconds(records: Sequence[dict]) -> dict[int, float]:
+    """Logged iteration -> seconds of the iterations since the one logged before it, from the
+    train records of metrics.jsonl (seconds per iteration x the iterations in the window); the
+    first record of an iteration wins (a resumed run logs some iterations twice)."""
+    per_iter: dict[int, float] = {}
+    for r in records:
+        it, t = r.get("iter"), r.get("time")
+        if r.get("type") == "train" and isinstance(it, int) and isinstance(t, (int, float)):
+            per_iter.setdefault(it, float(t))
+    out, before = {}, 0
+    for it in sorted(per_iter):
+        out[it] = per_iter[it] * (it - before)
+        before = it
+    return out
+
+
+def segments_seconds(segments: Sequence[Segment], records: Sequence[dict]) -> float:
+    """Seconds of all segments, each with the iterations it trained past its last line up to
+    the checkpoint the next segment resumed from."""
+    windows = iteration_seconds(records)
+    total = 0.0
+    for seg in segments:
+        total += seg.seconds
+        if seg.resumed_at is not None and seg.resumed_at > seg.last_iter:
+            total += sum(v for it, v in windows.items() if seg.last_iter < it <= seg.resumed_at)
+    return total
+
+
+def _metrics_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a stopped run
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_times_file(path: Path) -> dict[str, list[dict]]:
+    """Run name -> its records in a study_times.jsonl (empty when there is none)."""
+    records: dict[str, list[dict]] = {}
+    if not path.is_file():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a stopped study
+        if isinstance(record, dict) and isinstance(record.get("run"), str):
+            records.setdefault(record["run"], []).append(record)
+    return records
+
+
+def usual_jobs(times: dict[str, list[dict]], default: int = 1) -> int:
+    """The ``jobs`` most records name (``default`` without records): the study's usual --jobs."""
+    counts = Counter(int(r["jobs"]) for rs in times.values() for r in rs if r.get("jobs"))
+    return counts.most_common(1)[0][0] if counts else default
+
+
+def run_time(run_dir: Path, name: str, records: Sequence[dict], jobs: int) -> RunTime | None:
+    """A finished run's time from its log (or its study_times records); None with neither."""
+    shared = next((int(r["jobs"]) for r in reversed(records) if r.get("jobs")), jobs)
+    log = run_dir / "log.txt"
+    if log.is_file():
+        segments = log_segments(log.read_text(errors="replace"))
+        if segments:
+            seconds = segments_seconds(segments, _metrics_records(run_dir / "metrics.jsonl"))
+            return RunTime(name, seconds, len(segments), "log.txt", shared)
+    if records:
+        seconds = sum(float(r.get("seconds", 0.0)) for r in records)
+        return RunTime(name, seconds, len(records), "study_times.jsonl", shared)
+    return None
+
+
+def regime_time(out: Path, regime: str, times: dict[str, list[dict]], jobs: int) -> RegimeTime:
+    """The time of every finished run (a folder with eval.json) of one regime folder."""
+    timed, untimed = [], []
+    folder = out / regime
+    dirs = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    for run_dir in dirs:
+        if not (run_dir / "eval.json").is_file():
+            continue
+        name = f"{regime}/{run_dir.name}"
+        found = run_time(run_dir, name, times.get(name, []), jobs)
+        if found is None:
+            untimed.append(name)
+        else:
+            timed.append(found)
+    return RegimeTime(regime, tuple(timed), tuple(untimed))
+
+
+def time_table(rows: Sequence[RegimeTime]) -> list[str]:
+    """Markdown: per regime, runs timed (from which file), hours summed and of the machine."""
+    lines = [
+        "| regime | finished runs | timed from log.txt | from study_times.jsonl "
+        "| hours, summed over runs | hours of the machine |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in [*rows, _total(rows)]:
+        n_log = sum(r.source == "log.txt" for r in row.runs)
+        label = f"**{row.regime}**" if row.regime == "all" else row.regime
+        lines.append(
+            f"| {label} | {len(row.runs) + len(row.untimed)} | {n_log} "
+            f"| {len(row.runs) - n_log} | {row.hours:.1f} | {row.machine_hours:.1f} |"
+        )
+    return lines
+
+
+def _total(rows: Sequence[RegimeTime]) -> RegimeTime:
+    return RegimeTime(
+        "all",
+        tuple(r for row in rows for r in row.runs),
+        tuple(u for row in rows for u in row.untimed),
+    )

@@ -1,0 +1,102 @@
+"""The study's verdict, read from paired 95% intervals, not from means.
+
+Per family (box, mask), a setting's paired difference to its baseline is in one state:
+
+- keeps: the interval lies inside [-TOL, +TOL];
+- loses: the interval lies entirely below -TOL;
+- gains: the interval lies entirely above +TOL;
+- inconclusive: the interval crosses -TOL or +TOL (noted "below 0" or "above 0" when it
+  excludes 0 all the same: a difference whose size the seeds cannot place against TOL);
+- 1 seed: no interval (the single difference is shown, nothing is concluded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from rcnn_dropit.report.paired import PairedDiff
+from rcnn_dropit.report.seeded import Found, baseline_of, paired, paired_text
+
+TOLERANCE = 1.0  # AP points: "keeps AP" means the interval lies within this of the baseline
+KEEPS, LOSES, GAINS, INCONCLUSIVE = "keeps", "loses", "gains", "inconclusive"
+ONE_SEED = "1 seed: no interval"
+FAMILIES = (("bbox", "box"), ("segm", "mask"))
+
+
+def family_state(d: PairedDiff, tolerance: float = TOLERANCE) -> str:
+    """The state of one paired difference (see the module docstring)."""
+    if d.low is None or d.high is None:
+        return ONE_SEED
+    if -tolerance <= d.low and d.high <= tolerance:
+        return KEEPS
+    if d.high < -tolerance:
+        return LOSES
+    if d.low > tolerance:
+        return GAINS
+    if d.high < 0:
+        return f"{INCONCLUSIVE}, below 0"
+    if d.low > 0:
+        return f"{INCONCLUSIVE}, above 0"
+    return INCONCLUSIVE
+
+
+def setting_verdict(states: Sequence[str]) -> str:
+    """One word for a setting from its box and mask states."""
+    if any(s == ONE_SEED for s in states):
+        return ONE_SEED
+    losing = [s for s in states if s == LOSES]
+    if losing:
+        return "loses AP"
+    if all(s == KEEPS for s in states):
+        return "keeps AP"
+    if all(s in (KEEPS, GAINS) for s in states):
+        return "keeps or gains AP"
+    return INCONCLUSIVE
+
+
+def verdict_table(
+    regime: str,
+    found: Found,
+    settings: Sequence[str],
+    planned: Callable[[str], int],
+    tolerance: float = TOLERANCE,
+) -> list[str]:
+    """A Markdown table: per setting, seeds, paired Δ and state for box and mask, verdict.
+
+    ``settings`` are the regime's settings in report order (baselines are left out);
+    ``planned(setting)`` is how many seeds the plan trains of it.
+    """
+    runs = found.get(regime, {})
+    lines = [
+        "| setting | seeds paired | Δ box [95% CI] | box | Δ mask [95% CI] | mask | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for setting in settings:
+        ref = baseline_of(setting, [*settings, *runs])
+        if ref is None:
+            continue
+        mine, base = runs.get(setting, {}), runs.get(ref, {})
+        n = len(set(mine) & set(base))
+        of = f"{n} of {planned(setting)}" if planned(setting) else str(n)
+        cells, states = [], []
+        for family, _ in FAMILIES:
+            d = paired(mine, base, family) if mine and base else None
+            if d is None:
+                cells += ["-", "-"]
+                continue
+            states.append(family_state(d, tolerance))
+            cells += [paired_text(d), f"**{states[-1]}**"]
+        if not mine:
+            answer = "not measured yet"
+        elif not base or not states:
+            answer = f"no {ref} run paired by seed"
+        else:
+            answer = setting_verdict(states)
+            if n < planned(setting):
+                answer += (
+                    f" ({planned(setting)} planned)"
+                    if answer == ONE_SEED
+                    else f" (provisional: {n} of {planned(setting)} seeds)"
+                )
+        lines.append(f"| {setting} | {of} | {' | '.join(cells)} | {answer} |")
+    return lines
