@@ -3,6 +3,7 @@ from paired intervals, issue 18's goal, the time account from the runs' logs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -522,3 +523,48 @@ def test_a_bad_placeholder_stops_the_report_with_its_name(tmp_path: Path) -> Non
     plan.notes.write_text("## Findings\n\n{{d finetune2/mink_0.9 box}}\n")
     with pytest.raises(NotesError, match=r"notes\.template\.md:3: '\{\{d finetune2/mink_0\.9 box"):
         write_study_report(plan, "plan.yaml", jobs=2)
+
+
+# ---- what users read: the choice table and the README block -------------------------------
+
+
+def test_choice_table_puts_the_interval_beside_the_bench() -> None:
+    from rcnn_dropit.report.choice import choice_table
+
+    bench = {"mink": {"saved_ratio": 0.27, "peak_ratio": 0.61, "step_ratio": 1.33}}
+    rows = choice_table(FOUND["ft"], ["baseline", "mink", "mink_2x"], bench, {"mink": "all"})
+    assert rows[2] == (
+        "| mink | all | 3 | -1.5 [-2.7, -0.3] | -0.3 [-2.2, +1.6] | inconclusive "
+        "| 0.27x | 0.61x | 1.33x |"
+    )
+    # the 2x row pairs with baseline_2x (one shared seed), is not benched, and has no label
+    assert rows[3] == "| mink_2x | ? | 1 | -1.0 | -1.0 | 1 seed: no interval | - | - | - |"
+    assert len(rows) == 4  # baselines are no rows
+
+
+def test_replace_block_keeps_the_rest_and_names_a_file_without_markers() -> None:
+    from rcnn_dropit.report.choice import BEGIN, END, replace_block
+
+    text = f"# Title\n\nbefore\n{BEGIN}\nold 1\nold 2\n{END}\nafter\n"
+    new = replace_block(text, ["new"], "README.md")
+    assert new == f"# Title\n\nbefore\n{BEGIN}\nnew\n{END}\nafter\n"
+    assert replace_block(new, ["new"], "README.md") == new
+    with pytest.raises(UsageError, match="README.md: no generated block to update"):
+        replace_block("# Title\n", ["new"], "README.md")
+
+
+def test_study_report_rewrites_the_readme_block(tmp_path: Path) -> None:
+    from rcnn_dropit.report.choice import BEGIN, END
+
+    plan = study_plan(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Tool\n\n{BEGIN}\nstale\n{END}\n\n## More\n")
+    plan = dataclasses.replace(plan, readme=readme)
+    write_study_report(plan, "plan.yaml", jobs=2)
+    text = readme.read_text()
+    assert text.startswith(f"# Tool\n\n{BEGIN}\nRegime `finetune2` of the accuracy study")
+    assert text.endswith(f"{END}\n\n## More\n") and "stale" not in text
+    assert "| mink_0.8 | all | 2 | -1.5 [-7.9, +4.9] | -0.5 [-6.9, +5.9] | inconclusive " in text
+    assert "| 0.25x | 0.62x | - |" in text  # no step_ratio in this bench file
+    assert "**No setting meets the goal yet**" in text
+    assert "[results/shapes.md](results/shapes.md)" in text  # relative to the README

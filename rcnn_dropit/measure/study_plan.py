@@ -55,6 +55,7 @@ class Plan:
     notes: Path | None = (
         None  # hand-written findings (placeholders read from the runs: report.notes)
     )
+    readme: Path | None = None  # a file whose study-choice block the report rewrites
 
 
 class PlanError(UsageError):
@@ -69,7 +70,7 @@ def load_plan(path: str | Path) -> Plan:
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise PlanError(f"study plan '{path}': must be a mapping")
-    known = {"out", "report", "notes", "regimes", "settings", "groups", "pretrain"}
+    known = {"out", "report", "notes", "readme", "regimes", "settings", "groups", "pretrain"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlanError(f"study plan '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
@@ -106,6 +107,7 @@ def load_plan(path: str | Path) -> Plan:
         pretrain_config=pre.get("config"),
         pretrain_for=pretrain_for,
         notes=Path(data["notes"]) if data.get("notes") else None,
+        readme=Path(data["readme"]) if data.get("readme") else None,
     )
 
 

@@ -5,14 +5,24 @@ template."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from rcnn_dropit.atomic import write_atomic
 from rcnn_dropit.measure.study_plan import PRETRAIN, TIMES_FILE, Plan, plan_runs
 from rcnn_dropit.report import figures
-from rcnn_dropit.report.goal import BENCH_FILE, Goal, goal_section, read_bench
+from rcnn_dropit.report.choice import choice_table, replace_block
+from rcnn_dropit.report.goal import (
+    BENCH_FILE,
+    Goal,
+    covers_every_layer,
+    criteria,
+    goal_section,
+    read_bench,
+)
 from rcnn_dropit.report.groups import Row
 from rcnn_dropit.report.notes import Sources, render
 from rcnn_dropit.report.paired import PairedDiff, spread
@@ -281,6 +291,76 @@ def goal_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL) 
     return [*lines, f"![{goal.regime}: Δ AP vs peak memory]({png.name})", ""]
 
 
+def _layers(config: dict) -> str:
+    """What a run's memory method reaches: every layer the paper converts, some, or the
+    checkpointed stages (recomputed exactly, no DropIT)."""
+    if covers_every_layer(config):
+        return "all"
+    recompute = (config.get("model") or {}).get("activation_checkpointing")
+    if recompute and not (config.get("dropit") or {}).get("enabled"):
+        return "recomputed"
+    return "some"
+
+
+def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL) -> list[str]:
+    """The goal regime's settings with their AP cost by interval and their bench memory and time,
+    ending with which setting (if any) meets the goal."""
+    bench_path = plan.report.parent / BENCH_FILE
+    bench = read_bench(bench_path)
+    order = regime_settings(found, plan, goal.regime)
+    layers = {s: _layers(next(iter(r.values())).config) for s, r in found.items() if r}
+    met = [
+        s
+        for s in order
+        if layers.get(s) == "all"
+        and all(
+            c.met
+            for c in criteria(found[s], found.get(baseline_of(s, found) or "", {}), bench, s, goal)
+        )
+    ]
+    seeds = max((len(r) for s, r in found.items() if not is_reference(s)), default=0)
+    answer = (
+        f"**Meets the goal** (every layer, box and mask intervals inside ±{goal.tolerance:g} AP "
+        f"at {goal.seeds} seeds, <= {goal.saved:.2f}x saved, <= {goal.peak:.2f}x peak): "
+        + ", ".join(met)
+        + "."
+        if met
+        else f"**No setting meets the goal yet** (every layer, box and mask intervals inside "
+        f"±{goal.tolerance:g} AP at {goal.seeds} seeds, <= {goal.saved:.2f}x saved, "
+        f"<= {goal.peak:.2f}x peak of the R50-FPN step)."
+    )
+    return [
+        f"Regime `{goal.regime}` of the accuracy study (Mask R-CNN fine-tuned on generated "
+        f"shapes, up to {seeds} seeds, each paired with the baseline of its seed); `layers`: "
+        "`all` when the method reaches every layer the paper converts, `recomputed` for "
+        "checkpointed ResNet stages. The verdict reads the 95% "
+        f"interval: **keeps** AP when it lies inside ±{goal.tolerance:g}. Saved, peak and step "
+        f"time are ratios to the baseline on the R50-FPN bench (`{bench_path}`"
+        + (", not measured yet" if bench is None else "")
+        + ").",
+        "",
+        *choice_table(found, order, bench, layers),
+        "",
+        answer,
+    ]
+
+
+def write_readme_choice(plan: Plan, lines: Sequence[str]) -> None:
+    """Rewrite the study-choice block of ``plan.readme`` (untouched when the plan names none)."""
+    if plan.readme is None:
+        return
+    report_link = Path(os.path.relpath(plan.report, plan.readme.parent)).as_posix()
+    text = plan.readme.read_text()
+    block = [
+        *lines,
+        "",
+        f"The full report, with every regime and figure: [{report_link}]({report_link}).",
+    ]
+    new = replace_block(text, block, str(plan.readme))
+    if new != text:
+        write_atomic(plan.readme, lambda f: f.write(new.encode()))
+
+
 def render_notes(plan: Plan, found: dict[str, dict[str, dict[int, Run]]], command: str) -> str:
     """The findings, their placeholders filled from the runs; a template (``*.template.md``)
     is also written rendered next to itself, without ``.template``."""
@@ -354,8 +434,11 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
         body += _figures(runs, plan, regime, plan.report)
         body += _grad_groups(plan.report.parent / f"shapes_grad_groups_{regime}.json")
     lines += ["## Goal (issue 18)", "", *goal_lines(found.get(GOAL.regime, {}), plan)]
+    choice = choice_lines(found.get(GOAL.regime, {}), plan)
+    lines += ["## Choosing a method", "", *choice, ""]
     if plan.notes is not None and plan.notes.is_file():  # the analysis a person wrote
         lines += [render_notes(plan, found, f"{command} --report-only"), ""]
     markdown = "\n".join([*lines, "", *body]).rstrip("\n") + "\n"
     plan.report.write_text(markdown)
+    write_readme_choice(plan, choice)
     return markdown
