@@ -70,6 +70,14 @@ METHODS = [
 ]
 
 
+def test_make_bench_methods_measures_every_method_by_its_plan_name() -> None:
+    text = (REPO / "Makefile").read_text()
+    start = text.index("METHODS :=") + len("METHODS :=")
+    names = text[start : text.index("\n", text.index("checkpoint_stages", start))]
+    assert names.replace("\\", " ").split() == METHODS
+    assert [s.name for s in plan_settings(PLAN, METHODS)] == METHODS
+
+
 def _tiny_recipe():
     return recipe_config(False, 64, 32, "resnet18")
 
@@ -345,8 +353,8 @@ def test_methods_markdown_rows_and_the_run_behind_them() -> None:
     )
     assert lines[5] == (
         "Measured 2026-11-24 by `python tools/bench.py --settings x` at commit `0123abcd`; "
-        "a CPU; 2 threads; machine quiet; 2 images of 512 px on cpu (amp none), baseline saved "
-        "436.6 MB, live 437 MB, peak 577 MB (rss), step 3.77 s."
+        "a CPU; torch threads: 2; machine quiet; 2 images of 512 px on cpu (amp none), "
+        "baseline saved 436.6 MB, live 437 MB, peak 577 MB (rss), step 3.77 s."
     )
 
 

@@ -193,7 +193,7 @@ def methods_markdown(records: Sequence[Mapping[str, Any]]) -> str:
             )
         lines.append(
             f"Measured {run['date']} by `{run['command']}` at commit `{run['commit']}`; "
-            f"{run['machine']}; {run['threads']} threads; machine "
+            f"{run['machine']}; torch threads: {run['threads']}; machine "
             f"{'quiet' if run['quiet'] else 'NOT quiet (other jobs ran beside it)'}{setup}."
         )
     return "\n".join(lines)
