@@ -42,7 +42,7 @@ bench: setup
 METHODS := baseline mink_0.8 threshold_0.8 random_0.8 random_scaled_0.8 importance_0.8 \
 	quant_2bit quant_4bit quant_8bit mink_0.8_backbone mink_0.8_backbone_quant_4bit_heads \
 	checkpoint_stages checkpoint_stages_quant_4bit
-DRAWS ?= 6
+DRAWS ?= 4
 REPEATS ?= 2
 bench-methods: setup
 	$(PY) tools/bench.py --settings $(METHODS) --draws $(DRAWS) --repeats $(REPEATS) \
