@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu bench bench-gpu lint format study
+.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-gpu lint format study
 
 setup: $(STAMP)
 
@@ -34,6 +34,21 @@ test-gpu: setup
 
 bench: setup
 	$(PY) tools/bench.py
+
+# Every method of the toolkit on the R50 recipe, each named as the study's setting
+# (configs/study/plan.yaml): memory, step and eval time, gradient cosine, norm ratio and bias over
+# DRAWS seeded draws. Writes docs/results/methods_bench.json and its table into
+# docs/results/memory.md. About 10 minutes on 2 quiet cores; QUIET=1 records that nothing else ran.
+METHODS := baseline mink_0.8 threshold_0.8 random_0.8 random_scaled_0.8 importance_0.8 \
+	quant_2bit quant_4bit quant_8bit mink_0.8_backbone mink_0.8_backbone_quant_4bit_heads \
+	checkpoint_stages checkpoint_stages_quant_4bit
+DRAWS ?= 4
+REPEATS ?= 2
+bench-methods: setup
+	$(PY) tools/bench.py --settings $(METHODS) --draws $(DRAWS) --repeats $(REPEATS) \
+		--json docs/results/bench_methods_cpu.json \
+		--methods-json docs/results/methods_bench.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py --markdown docs/results/methods_bench.json --into docs/results/memory.md
 
 # On a machine with a GPU: AMP fp16 step memory and time per variant, then the largest batch each
 # trains in BUDGET_MB of GPU memory (default 16000).

@@ -38,6 +38,7 @@ __all__ = [
     "config_from_dict",
     "config_yaml",
     "load_config",
+    "with_overrides",
 ]
 
 BASE_KEY = "_base_"
@@ -62,6 +63,15 @@ def config_from_dict(d: dict[str, Any]) -> Config:
     return _build(
         Config, _check_tree(d, Config, "", "config dict"), prefix="", source="config dict"
     )
+
+
+def with_overrides(cfg: Config, overrides: Sequence[str], source: str = "config") -> Config:
+    """``cfg`` with `a.b=value` overrides applied as :func:`load_config` applies them, validated;
+    ``source`` names where the overrides come from in error messages."""
+    merged = cfg.to_dict()
+    for item in overrides:
+        _merge(merged, _parse_override(item))
+    return _build(Config, merged, prefix="", source=f"{source} (with overrides)")
 
 
 def config_yaml(cfg: Config) -> str:

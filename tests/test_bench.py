@@ -14,9 +14,10 @@ from rcnn_dropit.measure.step_bench import markdown_table, run_benchmark
 from rcnn_dropit.measure.workload import (
     Variant,
     build_detector,
-    convert,
+    detector,
     parse_variant,
     recipe_config,
+    setting_config,
 )
 from tests.helpers import REPO
 
@@ -40,7 +41,8 @@ def test_the_bench_model_is_the_coco_recipe_without_its_config_file(scratch: boo
 
 def test_variants_keep_the_papers_exclusions_exact() -> None:
     base = build_detector(False, 64, 32, "resnet18")
-    model = convert(base, Variant("mink", 0.8))
+    recipe = recipe_config(False, 64, 32, "resnet18")
+    model = detector(setting_config(recipe, Variant("mink", 0.8).setting))
     converted = {n for n, m in model.named_modules() if is_dropit(m)}
     assert "backbone.body.layer1.0.conv1" in converted and "roi_heads.box_head.fc6" in converted
     for exact in (
@@ -50,7 +52,9 @@ def test_variants_keep_the_papers_exclusions_exact() -> None:
         "roi_heads.mask_predictor.mask_fcn_logits",
     ):
         assert exact not in converted
-    assert not any(is_dropit(m) for m in base.modules())  # a copy was converted
+    assert not any(is_dropit(m) for m in base.modules())
+    state, reference = model.state_dict(), base.state_dict()  # the same weights, converted
+    assert all(torch.equal(state[k], reference[k]) for k in reference)
 
 
 def test_gradient_fidelity_of_hand_made_gradients() -> None:
@@ -64,12 +68,12 @@ def test_gradient_fidelity_of_hand_made_gradients() -> None:
     assert row == {
         "grad_cosine": round((1.0 + 2**-0.5) / 2, 4),
         "grad_norm_ratio": round((0.5 + 2**0.5) / 2, 4),
-        "converted_layers": 2,
+        "compared_layers": 2,
     }
     assert mean_fidelity(grads, exact, set()) == {
         "grad_cosine": None,
         "grad_norm_ratio": None,
-        "converted_layers": 0,
+        "compared_layers": 0,
     }
 
 
@@ -268,7 +272,7 @@ def test_step_peak_is_measured_and_out_of_memory_is_none(monkeypatch) -> None:
 
 
 def test_unknown_strategy_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="unknown DropIT strategy 'mink2'"):
+    with pytest.raises(ValueError, match="bench setting 'mink2 0.8'.*dropit.strategy = 'mink2'"):
         list(run_benchmark([Variant("mink2", 0.8)], image_size=64, repeats=1))
 
 

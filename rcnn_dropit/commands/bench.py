@@ -3,6 +3,9 @@
 python tools/bench.py                          # COCO recipe (FrozenBN, 3 trainable stages)
 python tools/bench.py --scratch                # BatchNorm2d, all stages trainable
 python tools/bench.py --variants mink:0.9:values=int8 threshold:0.8 --json bench.json
+python tools/bench.py --settings baseline mink_0.8 quant_4bit checkpoint_stages \
+    --methods-json methods.json       # settings of the study's plan, by name (--plan)
+python tools/bench.py --markdown methods.json   # the Markdown table of such a file
 python tools/bench.py --device cuda --amp fp16 # GPU: allocator peaks, synchronised step times
 python tools/bench.py --device cuda --amp fp16 --max-batch 16000   # largest batch in 16 GB
 python tools/bench.py --widths                 # the narrow CPU model vs torchvision's widths
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -47,8 +51,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=DEFAULT_VARIANTS,
-        help="strategy:gamma[:key=value,...] (default: %(default)s)",
+        help=f"strategy:gamma[:key=value,...] (default, without --settings: {DEFAULT_VARIANTS})",
+    )
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        metavar="NAME",
+        help="settings of --plan by name (its config overrides, applied to the bench's recipe), "
+        "measured before any --variants",
+    )
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        default=Path("configs/study/plan.yaml"),
+        help="the study plan whose settings --settings names (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--draws",
+        type=int,
+        default=8,
+        help="weight gradients averaged for the bias of a setting that draws random numbers "
+        "(steps seeded 0..K-1; default: %(default)s)",
     )
     parser.add_argument(
         "--scratch", action="store_true", help="BatchNorm2d model trained from scratch"
@@ -90,7 +113,35 @@ def main(argv: list[str] | None = None) -> int:
         "slice (compare, bit packing, compaction, positions, gather, ReLU mask)",
     )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--methods-json",
+        type=Path,
+        metavar="FILE",
+        help="also write the methods table's records (setting, saved_mb, ratios, cosine, "
+        "norm_ratio, bias, ..., and the command, commit, machine, threads, quiet)",
+    )
+    parser.add_argument(
+        "--quiet-machine",
+        action="store_true",
+        help="record in --methods-json that nothing else ran on the machine (default: not quiet)",
+    )
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        metavar="FILE",
+        help="instead: print the Markdown table of a --methods-json file",
+    )
+    parser.add_argument(
+        "--into",
+        type=Path,
+        metavar="DOC",
+        help="with --markdown: write the table into DOC between its methods-bench markers",
+    )
     args = parser.parse_args(argv)
+    if args.markdown:
+        return run_cli(lambda: _markdown(args.markdown, args.into))
+    if args.into:
+        parser.error("--into goes with --markdown")
     if args.widths:
         return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
     if args.ops:
@@ -101,21 +152,27 @@ def main(argv: list[str] | None = None) -> int:
 def _variants(args: argparse.Namespace) -> None:
     """Rows of the baseline and each variant (or their largest batches), then the table."""
     from rcnn_dropit.measure.max_batch import largest_batches
+    from rcnn_dropit.measure.methods_table import method_records, provenance, write_methods_json
     from rcnn_dropit.measure.step_bench import markdown_table, run_benchmark
-    from rcnn_dropit.measure.workload import parse_variant
+    from rcnn_dropit.measure.workload import parse_variant, plan_settings
 
     if args.device.startswith("cuda") and not _cuda():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
-    variants = [parse_variant(v) for v in args.variants]
+    if args.methods_json and args.max_batch is not None:
+        raise UsageError("--methods-json: the methods table comes from step rows, not --max-batch")
+    settings = plan_settings(args.plan, args.settings) if args.settings else []
+    texts = args.variants if args.variants or args.settings else DEFAULT_VARIANTS
+    settings += [parse_variant(v).setting for v in texts or ()]
+    header = provenance(_command_line(), args.quiet_machine, args.device)  # before minutes of work
     if args.max_batch is not None:
         produced = largest_batches(
-            variants, args.max_batch, args.batch_limit, args.scratch, args.image_size,
+            settings, args.max_batch, args.batch_limit, args.scratch, args.image_size,
             args.device, amp=args.amp,
         )  # fmt: skip
     else:
         produced = run_benchmark(
-            variants, args.scratch, args.image_size, args.repeats, args.device,
-            amp=args.amp, images=args.images,
+            settings, args.scratch, args.image_size, args.repeats, args.device,
+            amp=args.amp, images=args.images, draws=args.draws,
         )  # fmt: skip
     rows = []
     for row in produced:
@@ -125,6 +182,30 @@ def _variants(args: argparse.Namespace) -> None:
     print(markdown_table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.methods_json:
+        write_methods_json(args.methods_json, method_records(rows, header))
+
+
+def _command_line() -> str:
+    """This command as typed from the checkout (``python tools/bench.py ...``)."""
+    script = sys.argv[0]
+    if os.path.isabs(script) and Path(script).is_relative_to(Path.cwd()):
+        script = os.path.relpath(script)
+    return shlex.join(["python", script, *sys.argv[1:]])
+
+
+def _markdown(path: Path, into: Path | None) -> None:
+    """Print the methods table of a JSON file, or write it into a document's marked block."""
+    from rcnn_dropit.measure.methods_table import methods_markdown, read_methods_json, splice
+
+    table = methods_markdown(read_methods_json(path))
+    if into is None:
+        print(table)
+        return
+    if not into.is_file():
+        raise UsageError(f"--into: file '{into}' does not exist")
+    into.write_text(splice(into.read_text(), table, str(into)))
+    print(f"table of {path} written into {into}")
 
 
 def _widths(config: str, repeats: int, out: Path | None) -> None:

@@ -15,15 +15,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from dropit_core import from_dropit
 from dropit_core.memory import PeakMeter, cuda_allocated_mb
+from rcnn_dropit.config import Config
 from rcnn_dropit.engine.amp import check_amp
 from rcnn_dropit.measure.workload import (
+    Setting,
     Variant,
-    build_detector,
-    check_variants,
-    convert,
+    as_setting,
+    describe,
+    detector,
     make_batch,
+    recipe_config,
+    setting_config,
+    split_reference,
     train_step,
 )
 
@@ -95,9 +99,26 @@ def _step_peak_mb(
     return peak
 
 
+def _search(
+    model: nn.Module,
+    budget_mb: float,
+    limit: int,
+    floor: float,
+    peak_of: Callable[[nn.Module, int, float], float | None],
+) -> tuple[int, dict[int, float | None]]:
+    """The largest fitting batch of ``model`` and the peak of every batch tried."""
+    peaks: dict[int, float | None] = {}
+
+    def peak_at(n: int) -> float | None:
+        peaks[n] = peak_of(model, n, floor)
+        return peaks[n]
+
+    return largest_fitting(peak_at, budget_mb, limit), peaks
+
+
 def _max_batch_row(
-    base: nn.Module,
-    v: Variant | None,
+    name: str,
+    cfg: Config,
     budget_mb: float,
     limit: int,
     dev: torch.device,
@@ -105,23 +126,15 @@ def _max_batch_row(
 ) -> dict[str, Any]:
     with _fresh_allocation(dev):
         floor = cuda_allocated_mb(dev) or 0.0
-        model = (base if v is None else convert(base, v)).to(dev)
-        peaks: dict[int, float | None] = {}
-
-        def peak_at(n: int) -> float | None:
-            peaks[n] = peak_of(model, n, floor)
-            return peaks[n]
-
-        best = largest_fitting(peak_at, budget_mb, limit)
-        model.__dict__.pop("_bench_optimizer", None)
-        model.to("cpu")
-        if v is not None:
-            from_dropit(model)
+        # the model lives only inside the search: it leaves the device before the cleanup
+        best, peaks = _search(detector(cfg).train().to(dev), budget_mb, limit, floor, peak_of)
+    info = describe(cfg)
     return {
-        "variant": "baseline" if v is None else v.label,
-        "strategy": None if v is None else v.strategy,
-        "gamma": None if v is None else v.gamma,
-        "options": {} if v is None else v.options,
+        "setting": name,
+        "variant": name,
+        "strategy": info["strategy"],
+        "gamma": info["gamma"],
+        "options": info["options"],
         "budget_mb": budget_mb,
         "max_batch": best,
         "peak_mb_at_max": peaks.get(best),
@@ -130,7 +143,7 @@ def _max_batch_row(
 
 
 def largest_batches(
-    variants: Sequence[Variant],
+    settings: Sequence[Setting | Variant],
     budget_mb: float,
     limit: int = 64,
     scratch: bool = False,
@@ -141,22 +154,23 @@ def largest_batches(
     amp: str = "none",
     peak_of: Callable[[nn.Module, int, float], float | None] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """For the baseline and each variant alone on the device: the largest batch (up to
+    """For the baseline and each setting alone on the device: the largest batch (up to
     ``limit`` images) whose training step (forward, backward, SGD momentum update) fits
     ``budget_mb``. ``peak_of(model, n, floor)`` replaces the measurement (tests)."""
-    check_variants(variants)
+    base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone)
+    resolved = [(s, setting_config(base_cfg, s)) for s in map(as_setting, settings)]
+    reference, resolved = split_reference(resolved, base_cfg)
     dev = torch.device(device)
     check_amp(amp)
-    # Built on the CPU and moved to the device one setting at a time: each has it to itself.
-    base = build_detector(scratch, image_size, rois_per_image, backbone).train()
     if peak_of is None:
 
         def peak_of(model: nn.Module, n: int, floor: float) -> float | None:
             return _step_peak_mb(model, image_size, dev, amp, n, floor)
 
     setting = {"device": dev.type, "amp": amp, "image_size": image_size}
-    for v in [None, *variants]:
-        yield {**_max_batch_row(base, v, budget_mb, limit, dev, peak_of), **setting}
+    # Each model is built on the CPU and moved to the device alone: each has it to itself.
+    for s, cfg in [(reference, base_cfg), *resolved]:
+        yield {**_max_batch_row(s.name, cfg, budget_mb, limit, dev, peak_of), **setting}
 
 
 @contextlib.contextmanager

@@ -1,16 +1,20 @@
 """DropIT benchmark on Mask R-CNN R50-FPN: saved-activation bytes, real memory, time, gradients.
 
-Each variant is compared with the baseline in one process. Memory comes first, measured above
-each model's own starting allocation (RSS on the CPU, the CUDA caching allocator's counters on a
-GPU), and the row says whether the step's peak falls in the forward or the backward pass. Timings
-come last, in rounds of one step per model (baseline and every variant in turn), with the ratio
-of medians reported, so a noisy shared machine cancels out. ``max_batch.largest_batches`` finds the
+Each setting (config overrides, as the accuracy study's plan writes them; a variant such as
+``mink:0.8`` is one) is compared with the baseline in one process. Memory comes first, measured
+above each model's own starting allocation (RSS on the CPU, the CUDA caching allocator's counters
+on a GPU), and the row says whether the step's peak falls in the forward or the backward pass.
+Then the weight gradients: cosine and norm ratio of one step against the exact ones, and the
+bias over several draws for a setting that draws random numbers (grad_fidelity). Timings come
+last, in rounds of one step per model (baseline and every setting in turn), with the ratio of
+medians reported, so a noisy shared machine cancels out. ``max_batch.largest_batches`` finds the
 largest batch each setting trains within a memory budget, which is what a GPU user wants to know.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import statistics
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,19 +25,34 @@ from torch import nn
 from dropit_core import from_dropit, is_dropit
 from dropit_core.memory import PeakMeter, saved_activations
 from dropit_core.timing import timed_rounds
+from rcnn_dropit.config import Config
 from rcnn_dropit.engine.amp import check_amp
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.measure.allocator import training_allocator
-from rcnn_dropit.measure.grad_fidelity import mean_fidelity, weight_grads
+from rcnn_dropit.measure.grad_fidelity import (
+    approximated_layers,
+    estimator_error,
+    grad_draws,
+    mean_fidelity,
+    weight_grads,
+)
 from rcnn_dropit.measure.workload import (
+    Setting,
     Variant,
-    build_detector,
-    check_variants,
-    convert,
+    as_setting,
+    describe,
+    detector,
+    draws_randomly,
     eval_step,
     make_batch,
+    recipe_config,
+    setting_config,
+    split_reference,
     step_loss,
     train_step,
 )
+
+WARMUP = 2  # training steps of a model before its memory is measured
 
 
 def _memory(model: nn.Module, batch, device: torch.device, amp: str = "none") -> dict:
@@ -72,7 +91,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run_benchmark(
-    variants: Sequence[Variant],
+    settings: Sequence[Setting | Variant],
     scratch: bool = False,
     image_size: int = 512,
     repeats: int = 5,
@@ -81,70 +100,80 @@ def run_benchmark(
     backbone: str = "resnet50",
     amp: str = "none",
     images: int = 2,
+    draws: int = 8,
 ) -> Iterator[dict[str, Any]]:
-    """Measure the baseline, then each variant; yields one result dict per row as it is done."""
-    check_variants(variants)  # fail on a bad variant before minutes of model building
+    """Measure the baseline, then each setting; yields one result dict per row as it is done.
+
+    Each setting is the recipe's config with its overrides (see workload), built by the
+    toolkit's own builder from the same random weights. A setting whose DropIT draws random
+    numbers has its weight gradient taken ``draws`` times (steps seeded 0 to draws - 1) for the
+    bias (grad_fidelity.estimator_error); a deterministic one once.
+    """
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise UsageError(f"draws={draws!r} is invalid: allowed integers >= 1")
+    base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone)
+    # Every setting resolved before minutes of model building: a bad override fails at once.
+    resolved = [(s, setting_config(base_cfg, s)) for s in map(as_setting, settings)]
+    reference, resolved = split_reference(resolved, base_cfg)
     dev = torch.device(device)
     check_amp(amp)  # fail on a bad amp value early too
     batch = make_batch(image_size, dev, images)
-    base = build_detector(scratch, image_size, rois_per_image, backbone).to(dev).train()
+    base = detector(base_cfg).to(dev).train()
 
     def step(m: nn.Module, b) -> None:
         train_step(m, b, amp)
 
+    def timed_step(m: nn.Module, b) -> None:
+        # A step frees the last one's gradients first; here they go at its end instead, so
+        # that a dozen models do not hold a dozen sets of gradients between their turns.
+        step(m, b)
+        m.zero_grad(set_to_none=True)
+
     def evaluate(m: nn.Module, b) -> None:
         eval_step(m, b, amp)
 
-    for _ in range(2):  # warm up: allocator, gradient buffers, lazy inits
+    # The exact gradients first: that step also warms the model up (allocator, gradient
+    # buffers, lazy inits), and WARMUP steps in all come before any memory is measured.
+    exact = weight_grads(base, batch, amp)
+    for _ in range(WARMUP - 1):
         step(base, batch)
     base_mem = _memory(base, batch, dev, amp)
-    exact = weight_grads(base, batch, amp)
-    setting = {"amp": amp, "device": dev.type, "images": images, "image_size": image_size}
-    yield {"variant": "baseline", "strategy": None, "gamma": None, "options": {}, **setting,
-           **base_mem}  # fmt: skip
-    rows, models = [], []
-    for v in variants:
-        model = convert(base, v)
-        for _ in range(2):
+    common = {"amp": amp, "device": dev.type, "images": images, "image_size": image_size}
+    base_row = _row(reference, base_cfg, common, base_mem, base_mem)
+    rows, models = [base_row], [base]
+    if repeats <= 0:
+        yield base_row
+    for setting, cfg in resolved:
+        model = detector(cfg).to(dev).train()
+        layers = approximated_layers(model)
+        count = draws if draws_randomly(cfg) else 1  # a deterministic step gives one gradient
+        grads = grad_draws(model, lambda m=model: step(m, batch), count)
+        first = next(grads)  # step 0's draw: the cosine and norm ratio of one training step
+        fidelity = mean_fidelity(first, exact, layers)
+        converted = sum(1 for n, m in model.named_modules() if is_dropit(m) and n in first)
+        fidelity.update(estimator_error(itertools.chain([first], grads), exact, layers))
+        del first, grads
+        for _ in range(WARMUP - count):  # the draws were training steps: warm-up enough
             step(model, batch)
         mem = _memory(model, batch, dev, amp)
-        grads = weight_grads(model, batch, amp)
-        converted = {n for n, m in model.named_modules() if is_dropit(m)}
-        fidelity = mean_fidelity(grads, exact, converted)
-        del grads
+        row = _row(setting, cfg, common, mem, base_mem)
+        row.update(fidelity, converted_layers=converted)
         model.zero_grad(set_to_none=True)
-        row = {
-            "variant": v.label,
-            "strategy": v.strategy,
-            "gamma": v.gamma,
-            "options": v.options,
-            **setting,
-            **mem,
-            "saved_ratio": _ratio(mem["saved_mb"], base_mem["saved_mb"]),
-            "live_ratio": _ratio(mem["live_mb"], base_mem["live_mb"]),
-            "peak_ratio": _ratio(mem["peak_mb"], base_mem["peak_mb"]),
-            "rss_live_ratio": _ratio(mem["rss_live_mb"], base_mem["rss_live_mb"]),
-            "rss_peak_ratio": _ratio(mem["rss_peak_mb"], base_mem["rss_peak_mb"]),
-            "cuda_peak_ratio": _ratio(mem["cuda_peak_mb"], base_mem["cuda_peak_mb"]),
-            "include": list(v.include),
-            **fidelity,
-        }
-        if repeats > 0:  # timed below, once every variant's memory is measured
+        if repeats > 0:  # timed below, once every setting's memory is measured
             rows.append(row)
             models.append(model)
             continue
         yield row  # repeats 0: memory and gradient fidelity only (exact on a busy machine)
         _release(model, dev)
-    if not models:
+    if repeats <= 0:
         return
     # Timing last: the allocator is switched for it (see rcnn_dropit.measure.allocator), which would
     # disturb memory figures taken after it.
     with training_allocator(dev) as allocator:
-        every = [base, *models]
-        steps = timed_rounds([lambda m=m: step(m, batch) for m in every], repeats, dev)
-        evals = timed_rounds([lambda m=m: evaluate(m, batch) for m in every], repeats, dev)
+        steps = timed_rounds([lambda m=m: timed_step(m, batch) for m in models], repeats, dev)
+        evals = timed_rounds([lambda m=m: evaluate(m, batch) for m in models], repeats, dev)
     med = statistics.median
-    for i, (row, model) in enumerate(zip(rows, models, strict=True), start=1):
+    for i, (row, model) in enumerate(zip(rows, models, strict=True)):
         row.update(
             step_time_ratio=round(med(steps[i]) / med(steps[0]), 4),
             eval_time_ratio=round(med(evals[i]) / med(evals[0]), 4),
@@ -153,11 +182,42 @@ def run_benchmark(
             timing_allocator=allocator,
         )
         yield row
-        _release(model, dev)
+        if i:
+            _release(model, dev)
+
+
+def _row(
+    setting: Setting,
+    cfg: Config,
+    common: dict[str, Any],
+    mem: dict[str, Any],
+    base_mem: dict[str, Any],
+) -> dict[str, Any]:
+    """A row's description and memory figures (the baseline's ratios are its own, 1)."""
+    ratios = {
+        f"{key}_ratio": _ratio(mem[f"{key}_mb"], base_mem[f"{key}_mb"])
+        for key in ("saved", "live", "peak", "rss_live", "rss_peak", "cuda_peak")
+    }
+    return {
+        "setting": setting.name,
+        "variant": setting.name,  # the rows' name before settings (older JSON files)
+        "overrides": list(setting.overrides),
+        **describe(cfg),
+        **common,
+        **mem,
+        **ratios,
+        # the gradient columns, for the baseline empty: nothing is approximated
+        **dict.fromkeys(
+            ("grad_cosine", "grad_norm_ratio", "grad_bias", "grad_bias_single", "grad_bias_draws")
+        ),
+        "compared_layers": 0,
+        "converted_layers": 0,
+    }
 
 
 def _release(model: nn.Module, dev: torch.device) -> None:
-    """Undo a variant's conversion and return cached device memory once it is measured."""
+    """Drop what a measured model holds beyond its weights, and return cached device memory."""
+    model.zero_grad(set_to_none=True)
     from_dropit(model)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -167,14 +227,14 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table (memory ratios are RSS on the CPU, allocator on CUDA)."""
     if rows and "max_batch" in rows[0]:
         cols = [
-            ("variant", "variant"),
+            ("variant", "setting"),
             ("budget_mb", "budget MB"),
             ("max_batch", "largest batch"),
             ("peak_mb_at_max", "peak MB at it"),
         ]
     else:
         cols = [
-            ("variant", "variant"),
+            ("variant", "setting"),
             ("saved_mb", "saved MB"),
             ("saved_ratio", "saved ratio"),
             ("live_ratio", "live ratio"),
@@ -184,6 +244,9 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             ("eval_time_ratio", "eval time ratio"),
             ("grad_cosine", "grad cosine"),
             ("grad_norm_ratio", "grad norm ratio"),
+            ("grad_bias", "grad bias"),
+            ("grad_bias_single", "one draw"),
+            ("grad_bias_draws", "draws"),
         ]
 
     def fmt(v: Any) -> str:

@@ -1,28 +1,46 @@
 """What the instruments measure: the COCO recipe's Mask R-CNN with random weights, a fixed
-batch, one training step, and the DropIT settings compared with it (variants).
+batch, one training step, and the settings compared with it.
 
 The recipe's model is built from the config schema (the defaults are torchvision's Mask R-CNN
 R50-FPN; 80 classes and background as configs/maskrcnn_baseline.yaml), so an installed package
-needs no config files; tests/test_bench.py checks that the two agree.
+needs no config files; tests/test_bench.py checks that the two agree. A setting is a name and
+config overrides, exactly as the accuracy study's plan writes them (configs/study/plan.yaml), and
+its model comes from the toolkit's own builder (``build_model``), so the bench and the study
+cannot disagree about what a setting is. A variant (``mink:0.9:values=int8``) is a short way to
+write the overrides of one DropIT setting.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import difflib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dropit_core import build_strategy, to_dropit
-from rcnn_dropit.config import Config, config_from_dict
+from dropit_core import REGISTRY, build_strategy
+from rcnn_dropit.config import Config, config_from_dict, with_overrides
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.errors import UsageError
-from rcnn_dropit.models import build_model, paper_exclude
+from rcnn_dropit.models import build_model
 
 RECIPE_CLASSES = 81  # configs/maskrcnn_baseline.yaml: COCO's 80 and the background
+# The model keys a setting may change: the others would make a different model, not another
+# way to train the same one.
+SETTING_MODEL_KEYS = ("activation_checkpointing",)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to train the bench's model: a name and the config overrides that make it."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
 
 
 @dataclass
@@ -41,6 +59,40 @@ class Variant:
         if self.include != ("*",):
             opts = " ".join(filter(None, [opts, "include=" + "+".join(self.include)]))
         return f"{self.strategy} {self.gamma:g}" + (f" {opts}" if opts else "")
+
+    @property
+    def setting(self) -> Setting:
+        """The variant as config overrides (``dropit.*``), named by its label."""
+        overrides = [
+            "dropit.enabled=true",
+            f"dropit.strategy={self.strategy}",
+            f"dropit.gamma={self.gamma!r}",
+        ]
+        if self.options:  # JSON is YAML's flow style, which the overrides parse
+            overrides.append("dropit.options=" + json.dumps(self.options))
+        if self.include != ("*",):
+            overrides.append("dropit.include=" + json.dumps(list(self.include)))
+        return Setting(self.label, tuple(overrides))
+
+
+def as_setting(item: Setting | Variant) -> Setting:
+    """A setting, whichever way it was written."""
+    return item.setting if isinstance(item, Variant) else item
+
+
+def plan_settings(plan: str | Path, names: Sequence[str]) -> list[Setting]:
+    """The settings ``names`` of a study plan (its ``settings:`` overrides), in the given order."""
+    from rcnn_dropit.measure.study_plan import load_plan
+
+    known = load_plan(plan).settings
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise UsageError(
+                f"setting '{name}' is not in {plan}{hint} (settings there: {', '.join(known)})"
+            )
+    return [Setting(name, known[name]) for name in names]
 
 
 def parse_variant(text: str) -> Variant:
@@ -95,13 +147,70 @@ def recipe_config(
     return config_from_dict({"model": model})
 
 
+def setting_config(base: Config, setting: Setting) -> Config:
+    """``base`` with the setting's overrides, checked to train the same model as ``base``."""
+    cfg = with_overrides(base, setting.overrides, source=f"bench setting '{setting.name}'")
+    for f in dataclasses.fields(cfg.model):
+        mine, theirs = getattr(cfg.model, f.name), getattr(base.model, f.name)
+        if f.name not in SETTING_MODEL_KEYS and mine != theirs:
+            raise UsageError(
+                f"bench setting '{setting.name}': model.{f.name} = {mine!r} differs from the "
+                f"bench's {theirs!r}; a setting may change dropit.* and "
+                f"model.{', model.'.join(SETTING_MODEL_KEYS)} only (the bench compares ways to "
+                "train one model)"
+            )
+    return cfg
+
+
+def split_reference(
+    resolved: Sequence[tuple[Setting, Config]], base: Config
+) -> tuple[Setting, list[tuple[Setting, Config]]]:
+    """The baseline's setting (the first given one whose config is ``base`` itself, e.g. the
+    plan's ``baseline``; else one named so) and the settings left to compare with it."""
+    for i, (setting, cfg) in enumerate(resolved):
+        if cfg == base:
+            return setting, [*resolved[:i], *resolved[i + 1 :]]
+    return Setting("baseline"), list(resolved)
+
+
+def draws_randomly(cfg: Config) -> bool:
+    """Whether a step of ``cfg``'s model draws random numbers in DropIT (so that two steps give
+    two different weight gradients)."""
+    d = cfg.dropit
+    if not d.enabled:
+        return False
+    strategies = [rule.get("strategy", d.strategy) for rule in d.rules] or [d.strategy]
+    return any(REGISTRY.get(name).draws for name in strategies)
+
+
+def describe(cfg: Config) -> dict[str, Any]:
+    """What a setting changes, for the rows: DropIT's strategy, gamma, options, layers and
+    rules (None without DropIT) and the checkpointed modules."""
+    d = cfg.dropit
+    one = d.enabled and not d.rules  # one strategy for every converted layer
+    return {
+        "strategy": d.strategy if one else None,
+        "gamma": d.gamma if one else None,
+        "options": dict(d.options) if one else {},
+        "include": list(d.include) if one else None,
+        "rules": [dict(r) for r in d.rules] if d.enabled and d.rules else None,
+        "activation_checkpointing": list(cfg.model.activation_checkpointing),
+    }
+
+
+def detector(cfg: Config) -> nn.Module:
+    """The model of ``cfg`` as training builds it, with the bench's random weights (seed 0):
+    every setting of one recipe starts from the same weights."""
+    torch.manual_seed(0)
+    model, _ = build_model(cfg)
+    return model
+
+
 def build_detector(
     scratch: bool, image_size: int, rois_per_image: int = 512, backbone: str = "resnet50"
 ) -> nn.Module:
     """Mask R-CNN R50-FPN with random weights: COCO recipe, or BatchNorm from scratch."""
-    torch.manual_seed(0)
-    model, _ = build_model(recipe_config(scratch, image_size, rois_per_image, backbone))
-    return model
+    return detector(recipe_config(scratch, image_size, rois_per_image, backbone))
 
 
 def make_batch(image_size: int, device: torch.device, n_images: int = 2):
@@ -149,11 +258,3 @@ def eval_step(model: nn.Module, batch, amp: str = "none") -> None:
     with torch.no_grad(), autocast(amp, batch[0][0].device):
         model(batch[0])
     model.train()
-
-
-def convert(base: nn.Module, v: Variant) -> nn.Module:
-    """A DropIT copy of ``base`` for variant ``v`` (the paper's exclusions)."""
-    exclude = paper_exclude(base)
-    return to_dropit(
-        copy.deepcopy(base), v.strategy, v.gamma, include=v.include, exclude=exclude, **v.options
-    )[0]
