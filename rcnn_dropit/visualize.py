@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
-from torchvision.ops import nms
+from torchvision.ops import box_area
 from torchvision.transforms.v2.functional import resize
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
@@ -30,7 +30,8 @@ BOX_WIDTH = 2
 GAP = 4  # pixels between panels of a grid
 BACKGROUND = 255  # grid background and caption strips: white
 CAPTION_HEIGHT = 16
-# A shown detection hides any other it overlaps by more than this IoU, whatever the classes.
+# A shown detection hides any other that covers it, or that it covers, by more than this fraction
+# of the smaller box's area, whatever the classes.
 DISPLAY_OVERLAP = 0.5
 
 
@@ -94,19 +95,30 @@ def shown_detections(
     prediction: dict[str, torch.Tensor], score_thresh: float = 0.5, overlap: float = DISPLAY_OVERLAP
 ) -> torch.Tensor:
     """Indices (best first) of the detections a picture shows: those scoring at least
-    score_thresh, less any that overlap a better-scoring shown one by more than ``overlap`` IoU,
-    whatever the classes (1 keeps them all).
+    score_thresh, less any whose intersection with a better-scoring shown one exceeds
+    ``overlap`` of the smaller box's area, whatever the classes (1 keeps them all).
 
-    The detector suppresses duplicates per class only, so one object often comes out as a stack
-    of boxes of several classes, or of one class at several sizes. A picture shows the best of
-    them; COCO results (and AP) keep every detection.
+    The detector suppresses duplicates per class and by IoU only, so one object often comes out
+    as a stack of boxes of several classes, or as a box with smaller boxes on its parts (a low
+    IoU, but one inside the other). A picture shows the best of them; COCO results (and AP) keep
+    every detection.
     """
     scores = prediction["scores"]
     candidates = torch.nonzero(scores >= score_thresh).flatten()
     if overlap >= 1.0 or len(candidates) < 2:
         return candidates
-    kept = nms(prediction["boxes"][candidates].float(), scores[candidates].float(), overlap)
-    return candidates[kept.sort().values]  # in the detector's order: best first
+    candidates = candidates[scores[candidates].argsort(descending=True, stable=True)]
+    boxes = prediction["boxes"][candidates].float()
+    lo = torch.maximum(boxes[:, None, :2], boxes[None, :, :2])
+    hi = torch.minimum(boxes[:, None, 2:], boxes[None, :, 2:])
+    inter = (hi - lo).clamp(min=0).prod(dim=2)
+    area = box_area(boxes)
+    cover = inter / torch.minimum(area[:, None], area[None, :]).clamp(min=1e-6)
+    kept: list[int] = []
+    for i in range(len(candidates)):  # greedy, best first: at most a few hundred detections
+        if all(cover[i, j] <= overlap for j in kept):
+            kept.append(i)
+    return candidates[torch.tensor(kept)].sort().values  # in the detector's order: best first
 
 
 def draw_prediction(

@@ -84,6 +84,17 @@ def test_a_picture_shows_one_box_per_object() -> None:
     assert shown_detections(prediction, 0.5, overlap=1.0).tolist() == [0, 1, 2, 3]
     assert shown_detections(prediction, 0.3).tolist() == [0, 3]  # 4 hides behind 3
     assert shown_detections(prediction, 0.95).tolist() == []
+    # a box on a part of a better one: IoU 0.16, but all of it lies inside: hidden; a box that
+    # only touches the better one (a third of the smaller box) stays
+    parts = {
+        "boxes": torch.tensor(
+            [[0.0, 0.0, 50.0, 50.0], [10.0, 10.0, 30.0, 30.0], [40.0, 0.0, 70.0, 30.0]]
+        ),
+        "scores": torch.tensor([0.9, 0.8, 0.7]),
+        "labels": torch.tensor([1, 2, 1]),
+    }
+    assert shown_detections(parts, 0.5).tolist() == [0, 2]
+    assert shown_detections(parts, 0.5, overlap=1.0).tolist() == [0, 1, 2]
     image = torch.zeros(3, 100, 100, dtype=torch.uint8)
     one = draw_prediction(image, prediction, ["bg", "a", "b"], score_thresh=0.5)
     every = draw_prediction(image, prediction, ["bg", "a", "b"], score_thresh=0.5, overlap=1.0)

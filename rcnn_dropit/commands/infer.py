@@ -60,9 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--overlap",
         type=float,
         default=DISPLAY_OVERLAP,
-        help="do not draw a detection that overlaps a better one by more than this IoU, whatever "
-        f"the classes: one box per object (default {DISPLAY_OVERLAP}; 1 draws all; --json "
-        "results keep every detection)",
+        help="do not draw a detection whose intersection with a better one exceeds this fraction "
+        "of the smaller box, whatever the classes: one box per object (default "
+        f"{DISPLAY_OVERLAP}; 1 draws all; --json results keep every detection)",
     )
     parser.add_argument(
         "--scale", type=float, default=1.0, help="resize pictures by this factor (default 1)"
