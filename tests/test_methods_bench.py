@@ -287,8 +287,13 @@ def test_tiny_bench_of_methods_exact_where_it_must_be(monkeypatch, tmp_path) -> 
     )  # fmt: skip
     base, mink, quant, ckpt = rows
     assert [r["setting"] for r in rows] == names
-    for key in ("saved_ratio", "live_ratio", "peak_ratio", "step_time_ratio", "eval_time_ratio"):
+    for key in ("saved_ratio", "step_time_ratio", "eval_time_ratio"):
         assert base[key] == 1.0, key
+    # RSS growth of a 64 px step can be 0 in a process whose heap earlier tests warmed (then no
+    # ratio is defined); when it is measured, the baseline's own ratio is 1
+    for key in ("live_ratio", "peak_ratio"):
+        assert base[key] in (1.0, None), key
+        assert (base[key] is None) == (not base[key.replace("_ratio", "_mb")]), key
     assert base["grad_cosine"] is None and base["overrides"] == ["dropit.enabled=false"]
     # recomputation is exact: the gradients of every recomputed layer, bit for bit
     assert ckpt["compared_layers"] > 10 and ckpt["converted_layers"] == 0
