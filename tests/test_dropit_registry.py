@@ -23,22 +23,31 @@ from dropit_core.base import (
 from dropit_core.registry import DOCS_BEGIN, DOCS_END
 from rcnn_dropit.config_schema import DropITConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS_DOC = ROOT / "docs" / "dropit.md"  # the generated strategy and option tables
 
 # Every declared option with a value of the wrong type, and where it has a range or choices,
 # one outside them: (strategy, option, option object).
 DECLARED = [(name, key, opt) for name in STRATEGIES for key, opt in REGISTRY.options(name).items()]
 
 
-def test_readme_holds_exactly_the_generated_tables() -> None:
-    text = README.read_text(encoding="utf-8")
+def test_the_docs_hold_exactly_the_generated_tables() -> None:
+    text = OPTIONS_DOC.read_text(encoding="utf-8")
     assert text.count(DOCS_BEGIN) == 1 and text.count(DOCS_END) == 1
     start = text.index(DOCS_BEGIN)
     end = text.index(DOCS_END) + len(DOCS_END)
     assert text[start:end] == REGISTRY.markdown(), (
-        "README.md's DropIT-options tables are out of date: replace them with the output of "
+        "docs/dropit.md's DropIT-options tables are out of date: replace them with the output of "
         "`python -m dropit_core`"
     )
+
+
+def test_the_readme_names_every_strategy() -> None:
+    # the README lists the names and links the tables; a new strategy must join the list
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split("## DropIT options")[1]
+    section = section.split("\n## ")[0]
+    for name in STRATEGIES:
+        assert f"`{name}`" in section, name
 
 
 def test_python_m_dropit_core_prints_the_tables() -> None:
@@ -47,7 +56,7 @@ def test_python_m_dropit_core_prints_the_tables() -> None:
         capture_output=True,
         text=True,
         check=True,
-        cwd=README.parent,
+        cwd=ROOT,
     ).stdout
     assert out == REGISTRY.markdown() + "\n"
 
