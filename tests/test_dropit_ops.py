@@ -13,6 +13,7 @@ from torch import nn
 
 from dropit_core import to_dropit
 from dropit_core.ops import MaskedReLUFunction
+from tests.helpers import contract_layers
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -225,19 +226,10 @@ def _forbid_packing(monkeypatch, layer: nn.Module) -> None:
     monkeypatch.setattr(strategy, "unpack", boom)
 
 
-def _layers():
-    torch.manual_seed(5)
-    return [
-        (nn.Conv2d(3, 4, 3, padding=1), (2, 3, 6, 6)),
-        (nn.ConvTranspose2d(3, 4, 2, stride=2), (2, 3, 4, 4)),
-        (nn.Linear(5, 4), (3, 2, 5)),
-    ]
-
-
 @pytest.mark.parametrize("index", [0, 1, 2])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_no_grad_runs_no_strategy_code(monkeypatch, index: int, mode: str) -> None:
-    plain, shape = _layers()[index]
+    plain, shape = contract_layers()[index]
     drop = _converted(plain)
     getattr(drop, mode)()
     _forbid_packing(monkeypatch, drop)
@@ -250,7 +242,7 @@ def test_no_grad_runs_no_strategy_code(monkeypatch, index: int, mode: str) -> No
 
 @pytest.mark.parametrize("index", [0, 2])
 def test_eval_mode_runs_no_strategy_code(monkeypatch, index: int) -> None:
-    plain, shape = _layers()[index]
+    plain, shape = contract_layers()[index]
     drop = _converted(plain)
     drop.eval()
     _forbid_packing(monkeypatch, drop)
@@ -263,7 +255,7 @@ def test_eval_mode_runs_no_strategy_code(monkeypatch, index: int) -> None:
 def test_frozen_weight_packs_nothing_and_input_grad_is_exact(
     monkeypatch, index: int, bias_trainable: bool
 ) -> None:
-    plain, shape = _layers()[index]
+    plain, shape = contract_layers()[index]
     plain.weight.requires_grad_(False)
     plain.bias.requires_grad_(bias_trainable)
     drop = _converted(plain)
@@ -331,7 +323,7 @@ def test_masked_relu_function_saves_one_bit_per_element() -> None:
 
 @pytest.mark.parametrize("index", [0, 2])
 def test_autocast_cpu_bf16(index: int) -> None:
-    plain, shape = _layers()[index]
+    plain, shape = contract_layers()[index]
     drop = _converted(plain)
     x = _input(shape, seed=13)
     xp = x.detach().clone().requires_grad_(True)

@@ -17,6 +17,7 @@ from torch import nn
 from dropit_core import REGISTRY, build_strategy, from_dropit, set_step, to_dropit
 from dropit_core import base as base_mod
 from dropit_core.unbiased import water_level
+from tests.helpers import contract_layers
 
 UNBIASED = [
     ("importance", {}),
@@ -293,21 +294,12 @@ def test_water_level_edge_cases() -> None:
 # ------------------------------------------------------------------------- layer contracts
 
 
-def _layers():
-    torch.manual_seed(5)
-    return [
-        (nn.Conv2d(3, 4, 3, padding=1), (2, 3, 6, 6)),
-        (nn.ConvTranspose2d(3, 4, 2, stride=2), (2, 3, 4, 4)),
-        (nn.Linear(5, 4), (3, 2, 5)),
-    ]
-
-
 @pytest.mark.parametrize("index", [0, 1, 2])
 @pytest.mark.parametrize("name,options", UNBIASED, ids=IDS)
 def test_forward_input_and_bias_gradients_exact_weight_gradient_from_the_rebuild(
     name: str, options, index: int
 ) -> None:
-    plain, shape = _layers()[index]
+    plain, shape = contract_layers()[index]
     holder = nn.Sequential(copy.deepcopy(plain))
     to_dropit(holder, strategy=name, gamma=0.8, **options)
     drop = holder[0]
@@ -339,7 +331,7 @@ def test_forward_input_and_bias_gradients_exact_weight_gradient_from_the_rebuild
 
 @pytest.mark.parametrize("name,options", UNBIASED, ids=IDS)
 def test_no_strategy_code_in_eval_or_no_grad_and_state_dict_unchanged(name, options) -> None:
-    plain, shape = _layers()[0]
+    plain, shape = contract_layers()[0]
     holder = nn.Sequential(copy.deepcopy(plain))
     before = {k: v.clone() for k, v in holder.state_dict().items()}
     to_dropit(holder, strategy=name, gamma=0.8, **options)
