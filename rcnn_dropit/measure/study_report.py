@@ -19,9 +19,9 @@ from rcnn_dropit.report.goal import (
     BENCH_FILE,
     Goal,
     covers_every_layer,
-    criteria,
     goal_section,
     read_bench,
+    settings_meeting_goal,
 )
 from rcnn_dropit.report.groups import Row
 from rcnn_dropit.report.notes import Sources, render
@@ -309,15 +309,7 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL
     bench = read_bench(bench_path)
     order = regime_settings(found, plan, goal.regime)
     layers = {s: _layers(next(iter(r.values())).config) for s, r in found.items() if r}
-    met = [
-        s
-        for s in order
-        if layers.get(s) == "all"
-        and all(
-            c.met
-            for c in criteria(found[s], found.get(baseline_of(s, found) or "", {}), bench, s, goal)
-        )
-    ]
+    met = settings_meeting_goal(found, order, bench, goal)
     seeds = max((len(r) for s, r in found.items() if not is_reference(s)), default=0)
     answer = (
         f"**Meets the goal** (every layer, box and mask intervals inside ±{goal.tolerance:g} AP "

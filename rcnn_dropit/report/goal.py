@@ -119,6 +119,33 @@ def _cell(c: Criterion) -> str:
     return f"{mark}: {c.text}"
 
 
+def goal_candidates(found: Mapping[str, Seeds], order: Sequence[str]) -> list[str]:
+    """The settings in ``order`` with runs whose DropIT covers every layer the paper converts."""
+    return [s for s in order if found.get(s) and covers_every_layer(_config(found[s]))]
+
+
+def setting_criteria(
+    found: Mapping[str, Seeds], setting: str, bench: Mapping[str, Any] | None, goal: Goal
+) -> list[Criterion]:
+    """:func:`criteria` of one setting against the baseline of its schedule."""
+    base = found.get(baseline_of(setting, found) or "", {})
+    return criteria(found[setting], base, bench, setting, goal)
+
+
+def settings_meeting_goal(
+    found: Mapping[str, Seeds],
+    order: Sequence[str],
+    bench: Mapping[str, Any] | None,
+    goal: Goal,
+) -> list[str]:
+    """The candidates that meet every criterion of the goal."""
+    return [
+        s
+        for s in goal_candidates(found, order)
+        if all(c.met for c in setting_criteria(found, s, bench, goal))
+    ]
+
+
 def goal_section(
     found: Mapping[str, Seeds],
     order: Sequence[str],
@@ -142,9 +169,7 @@ def goal_section(
             "criteria cannot be judged (`?`).",
             "",
         ]
-    candidates = [
-        s for s in order if s in found and found[s] and covers_every_layer(_config(found[s]))
-    ]
+    candidates = goal_candidates(found, order)
     others = [s for s in order if s in found and not is_reference(s) and s not in candidates]
     if not candidates:
         return [*lines, f"No setting of `{goal.regime}` that covers every layer has finished."]
@@ -156,8 +181,7 @@ def goal_section(
     ]
     met = []
     for setting in candidates:
-        base = found.get(baseline_of(setting, found) or "", {})
-        crit = criteria(found[setting], base, bench, setting, goal)
+        crit = setting_criteria(found, setting, bench, goal)
         verdict = all(c.met for c in crit)
         if verdict:
             met.append(setting)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from rcnn_dropit.report.paired import PairedDiff
-from rcnn_dropit.report.seeded import Found, baseline_of, paired, paired_text
+from rcnn_dropit.report.seeded import Found, Seeds, baseline_of, paired, paired_text
 
 TOLERANCE = 1.0  # AP points: "keeps AP" means the interval lies within this of the baseline
 KEEPS, LOSES, GAINS, INCONCLUSIVE = "keeps", "loses", "gains", "inconclusive"
@@ -54,6 +54,17 @@ def setting_verdict(states: Sequence[str]) -> str:
     return INCONCLUSIVE
 
 
+def family_diffs(
+    mine: Seeds, base: Seeds, tolerance: float = TOLERANCE
+) -> list[tuple[PairedDiff, str] | None]:
+    """Per family (box, then mask): the paired difference and its state, None without a pair."""
+    out: list[tuple[PairedDiff, str] | None] = []
+    for family, _ in FAMILIES:
+        d = paired(mine, base, family) if mine and base else None
+        out.append(None if d is None else (d, family_state(d, tolerance)))
+    return out
+
+
 def verdict_table(
     regime: str,
     found: Found,
@@ -79,13 +90,13 @@ def verdict_table(
         n = len(set(mine) & set(base))
         of = f"{n} of {planned(setting)}" if planned(setting) else str(n)
         cells, states = [], []
-        for family, _ in FAMILIES:
-            d = paired(mine, base, family) if mine and base else None
-            if d is None:
+        for found_diff in family_diffs(mine, base, tolerance):
+            if found_diff is None:
                 cells += ["-", "-"]
                 continue
-            states.append(family_state(d, tolerance))
-            cells += [paired_text(d), f"**{states[-1]}**"]
+            d, state = found_diff
+            states.append(state)
+            cells += [paired_text(d), f"**{state}**"]
         if not mine:
             answer = "not measured yet"
         elif not base or not states:
