@@ -91,6 +91,9 @@ def sources(tmp_path: Path) -> Sources:
     (tmp_path / "shapes_grad_groups_ft.json").write_text(
         json.dumps({"run": "x", "iter 800": {"mink_0.8": {"RPN head": cell}}})
     )
+    (tmp_path / "methods_bench.json").write_text(
+        json.dumps([{"setting": "mink_0.8", "saved_ratio": 0.2694, "peak_ratio": 0.6095}])
+    )
     return Sources(FOUND, grad_dir=tmp_path)
 
 
@@ -123,6 +126,7 @@ def sources(tmp_path: Path) -> Sources:
         ("seeds ft/mink_2x", "1, 2"),
         ("grad ft iter_800 mink_0.8 RPN_head cos", "0.97"),
         ("grad ft iter_800 mink_0.8 RPN_head norm", "0.76"),
+        ("bench mink_0.8 peak_ratio", "0.61x"),
     ],
 )
 def test_every_placeholder_renders_its_figure(
@@ -133,7 +137,7 @@ def test_every_placeholder_renders_its_figure(
 
 def test_every_function_is_tested() -> None:
     tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow", "nabove", "dat"}
-    tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad"}
+    tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench"}
     assert set(FUNCTIONS) == tested
 
 
@@ -161,6 +165,8 @@ def test_text_without_placeholders_is_unchanged(sources: Sources) -> None:
         ("{{grad nope init mink_0.8 all cos}}", "no file"),
         ("{{grad ft iter_800 mink_0.8 RPN_head angle}}", "measure 'angle'"),
         ("{{grad ft init mink_0.8 RPN_head cos}}", "no 'init' there"),
+        ("{{bench quant_4bit peak_ratio}}", "no setting 'quant_4bit'"),
+        ("{{bench mink_0.8 step_ratio}}", "'step_ratio' of 'mink_0.8' is not a number"),
         ("{{d ft/mink box", "unbalanced '{{'"),
         ("d ft/mink box}}", "unbalanced '}}'"),
     ],

@@ -26,6 +26,7 @@ n TARGET                   seeds paired with the baseline                      `
 seeds TARGET               the seeds that finished                             ``1, 2, 3``
 grad NAME STATE SET GROUP  a cosine (``cos``) or norm ratio (``norm``) of       ``0.97``
   MEASURE                  ``shapes_grad_groups_NAME.json``; spaces as ``_``
+bench SETTING KEY          a ratio of ``methods_bench.json`` (R50-FPN bench)   ``0.61x``
 =========================  ==================================================  ===================
 """
 
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcnn_dropit.errors import UsageError
+from rcnn_dropit.report.goal import BENCH_FILE, read_bench
 from rcnn_dropit.report.paired import spread
 from rcnn_dropit.report.seeded import (
     FAMILY_OF_WORD,
@@ -72,7 +74,8 @@ class Target:
 
 @dataclass(frozen=True)
 class Sources:
-    """Where placeholders read from: the runs, and the folder of the gradient-group files."""
+    """Where placeholders read from: the runs, and the results folder (the gradient-group files
+    and methods_bench.json)."""
 
     found: Found
     grad_dir: Path | None = None
@@ -300,6 +303,22 @@ def _grad(sources: Sources, name: str, state: str, setting: str, group: str, mea
     return f"{node:.2f}"
 
 
+def _bench(sources: Sources, setting: str, key: str) -> str:
+    """A ratio of the R50-FPN methods bench (``methods_bench.json`` beside the report)."""
+    if sources.grad_dir is None:
+        raise _Bad("no results folder given")
+    path = sources.grad_dir / BENCH_FILE
+    bench = read_bench(path)
+    if bench is None:
+        raise _Bad(f"no file {path}")
+    if setting not in bench:
+        raise _Bad(f"{path.name} has no setting '{setting}'; it has {sorted(bench)}")
+    value = bench[setting].get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Bad(f"{path.name}: '{key}' of '{setting}' is not a number")
+    return f"{value:.2f}x"
+
+
 FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "ap": (_ap, ("TARGET", "FAMILY")),
     "mean": (_mean, ("TARGET", "FAMILY")),
@@ -317,4 +336,5 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "n": (_n, ("TARGET",)),
     "seeds": (_seeds, ("TARGET",)),
     "grad": (_grad, ("NAME", "STATE", "SETTING", "GROUP", "MEASURE")),
+    "bench": (_bench, ("SETTING", "KEY")),
 }
