@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rcnn_dropit.config import Config, config_from_dict, config_yaml, load_config
+from rcnn_dropit.config import Config, config_from_dict, config_yaml, load_config, with_overrides
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -239,6 +239,19 @@ def test_published_recipes():
     demo = load_config(CONFIGS / "demo/maskrcnn_shapes_g0.8.yaml")
     assert demo.data.dataset == "shapes" and demo.model.backbone == "resnet18"
     assert not demo.model.pretrained_backbone and demo.dropit.enabled
+
+
+def test_each_config_the_study_plan_names_trains_its_setting():
+    # the config a user gets for a study setting is the COCO recipe with that setting's overrides
+    from rcnn_dropit.measure.study_plan import load_plan
+
+    plan = load_plan(CONFIGS / "study/plan.yaml")
+    assert {"mink_0.8", "quant_4bit"} <= set(plan.configs)
+    recipe = load_config(CONFIGS / "maskrcnn_baseline.yaml")
+    for setting, path in plan.configs.items():
+        shipped = load_config(path)
+        expected = with_overrides(recipe, plan.settings[setting], source=setting)
+        assert {**shipped.to_dict(), "name": None} == {**expected.to_dict(), "name": None}, setting
 
 
 def test_dump_and_reload_round_trip(tmp_path: Path):

@@ -77,6 +77,8 @@ def test_runs_start_with_pretraining_then_go_group_by_group_seed_major(tmp_path:
         ("groups:\n  - {regimes: [cifar], settings: [baseline], seeds: [1]}\n", "cifar"),
         ("groups:\n  - {regimes: [scratch], settings: [baseline], seeds: []}\n", "seeds"),
         ("groups: []\nbudget: 4\n", "unknown key"),
+        ("groups: []\nconfigs: {mink_0.9: configs/maskrcnn_g0.8.yaml}\n", "configs: 'mink_0.9'"),
+        ("groups: []\nconfigs: {mink_0.8: configs/nothing.yaml}\n", "'configs/nothing.yaml'"),
     ],
 )
 def test_bad_plans_name_the_problem(tmp_path: Path, groups: str, message: str) -> None:

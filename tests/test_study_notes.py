@@ -24,7 +24,7 @@ from rcnn_dropit.report.goal import (
 from rcnn_dropit.report.notes import FUNCTIONS, NotesError, Sources, render
 from rcnn_dropit.report.paired import PairedDiff
 from rcnn_dropit.report.runs import Run
-from rcnn_dropit.report.seeded import baseline_of, saved_ratio
+from rcnn_dropit.report.seeded import baseline_of, paired, saved_ratio
 from rcnn_dropit.report.time_account import (
     log_segments,
     read_times_file,
@@ -347,6 +347,34 @@ def test_goal_section_states_which_setting_meets_it(tmp_path: Path) -> None:
     assert "| good |" in absent and absent.count("| open |") == 1
 
 
+def test_recommend_prefers_the_goal_then_the_smallest_loss_left_open() -> None:
+    from rcnn_dropit.report.goal import recommend
+
+    good, base = five_seeds([-0.2, 0.1, -0.3, 0.0, 0.2], [-0.1, 0.2, -0.2, 0.1, 0.0])
+    also, _ = five_seeds([0.1, 0.0, -0.1, 0.2, 0.0], [0.0, 0.1, -0.1, 0.0, 0.1])
+    wide, _ = five_seeds([-1.0, 0.5, -0.8, 0.9, -0.4], [0.0, 1.0, -1.5, 0.5, 0.2])
+    wider, _ = five_seeds([-2.0, 1.5, -1.8, 1.9, -1.4], [0.0, 1.0, -1.5, 0.5, 0.2])
+    three = {s: r for s, r in also.items() if s <= 3}
+    order = ["baseline", "good", "also", "wide", "wider", "three"]
+    found = {"baseline": base, "good": good, "also": also, "wide": wide, "wider": wider}
+    bench = {s: {"saved_ratio": 0.2, "peak_ratio": 0.6} for s in order}
+    bench["also"] = {"saved_ratio": 0.2, "peak_ratio": 0.5}
+    # two meet the goal: the lower peak wins
+    rec = recommend(found, order, bench, Goal())
+    assert (rec.setting, rec.meets_goal) == ("also", True)
+    # none meets it: the highest lowest interval end wins, a 3-seed one does not count
+    found = {"baseline": base, "wide": wide, "wider": wider, "three": three}
+    rec = recommend(found, order, bench, Goal())
+    low = min(paired(wide, base, family).low for family in ("bbox", "segm"))
+    assert (rec.setting, rec.meets_goal) == ("wide", False) and rec.worst_low == pytest.approx(low)
+    assert low < -1  # so "wide" does not keep AP, yet loses least
+    # outside the memory bounds, or too few seeds: nothing to recommend
+    assert recommend(found, order, {**bench, "wide": {"saved_ratio": 0.4, "peak_ratio": 0.6},
+                                    "wider": {"saved_ratio": 0.2, "peak_ratio": 0.7}},
+                     Goal()) is None
+    assert recommend({"baseline": base, "three": three}, order, bench, Goal()) is None
+
+
 # ---- the time account ---------------------------------------------------------------------
 
 LOG = """\
@@ -548,6 +576,25 @@ def test_choice_table_puts_the_interval_beside_the_bench() -> None:
     assert len(rows) == 4  # baselines are no rows
 
 
+def test_choice_names_the_recommended_setting_and_its_config(tmp_path: Path) -> None:
+    from rcnn_dropit.measure.study_report import choice_lines
+
+    plan = study_plan(tmp_path)
+    mink, base = five_seeds([-2.0, -1.0, -1.5, -0.5, -1.0], [0.0] * 5)
+    config = tmp_path / "maskrcnn_g0.8.yaml"
+    plan = dataclasses.replace(plan, configs={"mink_0.8": config})
+    text = "\n".join(choice_lines({"baseline": base, "mink_0.8": mink}, plan))
+    assert text.startswith(
+        f"**The study recommends `mink_0.8`**: `{config.as_posix()}` trains it on COCO. Why: no "
+        "setting meets the goal; of those that cover every layer with 5 seeds within the memory "
+        "bounds, its intervals leave open the smallest AP loss (box -1.2 [-1.9, -0.5], "
+        "mask +0.0 [+0.0, +0.0]: at worst -1.9)."
+    )
+    plan = dataclasses.replace(plan, configs={})
+    text = "\n".join(choice_lines({"baseline": base, "mink_0.8": mink}, plan))
+    assert "no config trains it yet (name one under `configs:` in the study plan)" in text
+
+
 def test_replace_block_keeps_the_rest_and_names_a_file_without_markers() -> None:
     from rcnn_dropit.report.choice import BEGIN, END, replace_block
 
@@ -568,9 +615,11 @@ def test_study_report_rewrites_the_readme_block(tmp_path: Path) -> None:
     plan = dataclasses.replace(plan, readme=readme)
     write_study_report(plan, "plan.yaml", jobs=2)
     text = readme.read_text()
-    assert text.startswith(f"# Tool\n\n{BEGIN}\nRegime `finetune2` of the accuracy study")
+    assert text.startswith(f"# Tool\n\n{BEGIN}\n**No recommendation yet:** no setting that")
+    assert "\n\nRegime `finetune2` of the accuracy study" in text
     assert text.endswith(f"{END}\n\n## More\n") and "stale" not in text
     assert "| mink_0.8 | all | 2 | -1.5 [-7.9, +4.9] | -0.5 [-6.9, +5.9] | inconclusive " in text
     assert "| 0.25x | 0.62x | - |" in text  # no step_ratio in this bench file
     assert "**No setting meets the goal yet**" in text
+    assert "**No recommendation yet:** no setting that covers every layer has 5 seeds" in text
     assert "[results/shapes.md](results/shapes.md)" in text  # relative to the README

@@ -56,6 +56,8 @@ class Plan:
         None  # hand-written findings (placeholders read from the runs: report.notes)
     )
     readme: Path | None = None  # a file whose study-choice block the report rewrites
+    # setting -> the COCO config that trains it on R50-FPN (what the report recommends points here)
+    configs: dict[str, Path] = field(default_factory=dict)
 
 
 class PlanError(UsageError):
@@ -70,7 +72,9 @@ def load_plan(path: str | Path) -> Plan:
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise PlanError(f"study plan '{path}': must be a mapping")
-    known = {"out", "report", "notes", "readme", "regimes", "settings", "groups", "pretrain"}
+    known = {
+        "out", "report", "notes", "readme", "regimes", "settings", "groups", "pretrain", "configs"
+    }
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlanError(f"study plan '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
@@ -98,6 +102,15 @@ def load_plan(path: str | Path) -> Plan:
     pretrain_for = tuple(pre.get("for", ()))
     if any(r not in regimes for r in pretrain_for):
         raise PlanError(f"study plan '{path}': pretrain.for {list(pretrain_for)}: unknown regime")
+    configs = {str(k): Path(str(v)) for k, v in (data.get("configs") or {}).items()}
+    for setting, config in configs.items():
+        if setting not in settings:
+            raise PlanError(
+                f"study plan '{path}': configs: '{setting}' is not a setting; "
+                f"allowed: {sorted(settings)}"
+            )
+        if not config.is_file():
+            raise PlanError(f"study plan '{path}': configs.{setting}: file '{config}' does not exist")
     return Plan(
         out=Path(data.get("out", "docs/results/shapes_runs")),
         report=Path(data.get("report", "docs/results/shapes.md")),
@@ -108,6 +121,7 @@ def load_plan(path: str | Path) -> Plan:
         pretrain_for=pretrain_for,
         notes=Path(data["notes"]) if data.get("notes") else None,
         readme=Path(data["readme"]) if data.get("readme") else None,
+        configs=configs,
     )
 
 

@@ -21,6 +21,7 @@ from rcnn_dropit.report.goal import (
     covers_every_layer,
     goal_section,
     read_bench,
+    recommend,
     settings_meeting_goal,
 )
 from rcnn_dropit.report.groups import Row
@@ -33,6 +34,7 @@ from rcnn_dropit.report.seeded import (
     baseline_of,
     is_reference,
     paired,
+    paired_text,
     saved_ratio,
 )
 from rcnn_dropit.report.time_account import (
@@ -322,6 +324,7 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL
         f"<= {goal.peak:.2f}x peak of the R50-FPN step)."
     )
     return [
+        *_recommendation_lines(found, order, bench, plan, goal),
         f"Regime `{goal.regime}` of the accuracy study (Mask R-CNN fine-tuned on generated "
         f"shapes, up to {seeds} seeds, each paired with the baseline of its seed); `layers`: "
         "`all` when the method reaches every layer the paper converts, `recomputed` for "
@@ -335,6 +338,43 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL
         "",
         answer,
     ]
+
+
+def _recommendation_lines(
+    found: dict[str, dict[int, Run]],
+    order: Sequence[str],
+    bench: dict[str, dict[str, float]] | None,
+    plan: Plan,
+    goal: Goal,
+) -> list[str]:
+    """What the study recommends (``goal.recommend``'s rule) and the config that trains it."""
+    rec = recommend(found, order, bench, goal)
+    if rec is None:
+        return [
+            f"**No recommendation yet:** no setting that covers every layer has {goal.seeds} "
+            f"seeds at <= {goal.saved:.2f}x saved and <= {goal.peak:.2f}x peak.",
+            "",
+        ]
+    config = plan.configs.get(rec.setting)
+    where = (
+        f"`{config.as_posix()}` trains it on COCO"
+        if config
+        else "no config trains it yet (name one under `configs:` in the study plan)"
+    )
+    base = found.get(baseline_of(rec.setting, found) or "", {})
+    cells = ", ".join(
+        f"{word} {paired_text(d)}"
+        for family, word in FAMILIES
+        if (d := paired(found[rec.setting], base, family)) is not None
+    )
+    why = (
+        "it meets the goal, and of the settings that do, it has the lowest peak"
+        if rec.meets_goal
+        else f"no setting meets the goal; of those that cover every layer with {goal.seeds} "
+        f"seeds within the memory bounds, its intervals leave open the smallest AP loss "
+        f"({cells}: at worst {rec.worst_low:+.1f})"
+    )
+    return [f"**The study recommends `{rec.setting}`**: {where}. Why: {why}.", ""]
 
 
 def write_readme_choice(plan: Plan, lines: Sequence[str]) -> None:

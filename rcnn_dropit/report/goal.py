@@ -146,6 +146,52 @@ def settings_meeting_goal(
     ]
 
 
+@dataclass(frozen=True)
+class Recommendation:
+    """The setting the study recommends, whether it meets the goal, and the largest AP loss
+    its intervals leave open (the lowest lower end of its box and mask intervals)."""
+
+    setting: str
+    meets_goal: bool
+    worst_low: float
+
+
+def _worst_low(runs: Seeds, base: Seeds) -> float | None:
+    lows = [d.low if d is not None else None for d in (paired(runs, base, f) for f, _ in FAMILIES)]
+    return None if any(low is None for low in lows) else min(lows)  # type: ignore[type-var]
+
+
+def recommend(
+    found: Mapping[str, Seeds],
+    order: Sequence[str],
+    bench: Mapping[str, Any] | None,
+    goal: Goal,
+) -> Recommendation | None:
+    """The setting users get, by a rule fixed before the data: among the settings that meet
+    the goal, the one with the lowest bench peak. When none does, among the candidates with
+    ``goal.seeds`` seeds that meet both memory criteria, the one whose intervals leave open the
+    smallest AP loss (the highest lowest lower end over box and mask). None when no candidate
+    has that many seeds within the memory bounds."""
+    met = settings_meeting_goal(found, order, bench, goal)
+    if met:
+        assert bench is not None  # meeting the goal needs the bench figures
+        best = min(met, key=lambda s: (bench[s]["peak_ratio"], bench[s]["saved_ratio"]))
+        base = found.get(baseline_of(best, found) or "", {})
+        return Recommendation(best, True, _worst_low(found[best], base) or 0.0)
+    pool: list[tuple[float, str]] = []
+    for setting in goal_candidates(found, order):
+        crit = setting_criteria(found, setting, bench, goal)
+        seeds, memory = crit[0], crit[-2:]
+        base = found.get(baseline_of(setting, found) or "", {})
+        worst = _worst_low(found[setting], base)
+        if seeds.met and all(c.met for c in memory) and worst is not None:
+            pool.append((worst, setting))
+    if not pool:
+        return None
+    worst, best = max(pool)
+    return Recommendation(best, False, worst)
+
+
 def goal_section(
     found: Mapping[str, Seeds],
     order: Sequence[str],
