@@ -45,6 +45,7 @@ def run(
     saved: float | None = None,
     evals: dict[int, tuple[float, float]] | None = None,
     dropit: dict | None = None,
+    losses: tuple[tuple[int, float], ...] = (),
 ) -> Run:
     """A finished run as the report reads it (AP given x100)."""
     return Run(
@@ -54,7 +55,7 @@ def run(
         metrics={"bbox": {"AP": box / 100}, "segm": {"AP": mask / 100}},
         num_images=4,
         iterations=8,
-        losses=(),
+        losses=losses,
         images_per_sec=None,
         saved_mb=saved,
         peak_mb=None,
@@ -65,17 +66,18 @@ def run(
     )
 
 
+LOSSES = ((4, 1.0), (8, 0.5))
 # Three seeds: box Δ -2, -1, -1.5; mask Δ -0.5, -1.0, +0.5; saved 0.5, 0.3, 0.4 of the same seed's
 # baseline (a ratio of the means would be 0.375). At iteration 100 box Δ -10, -5, -10; at 200, 0.
 FOUND = {
     "ft": {
         "baseline": {
-            1: run(80.0, 70.0, 10.0, {100: (40.0, 40.0), 200: (70.0, 60.0)}),
+            1: run(80.0, 70.0, 10.0, {100: (40.0, 40.0), 200: (70.0, 60.0)}, losses=LOSSES),
             2: run(81.0, 71.0, 20.0, {100: (50.0, 50.0), 200: (70.0, 60.0)}),
             3: run(82.0, 72.0, 10.0, {100: (60.0, 60.0), 200: (70.0, 60.0)}),
         },
         "mink": {
-            1: run(78.0, 69.5, 5.0, {100: (30.0, 30.0), 200: (69.0, 60.0)}, ALL_LAYERS),
+            1: run(78.0, 69.5, 5.0, {100: (30.0, 30.0), 200: (69.0, 60.0)}, ALL_LAYERS, LOSSES),
             2: run(80.0, 70.0, 6.0, {100: (45.0, 45.0), 200: (70.0, 60.0)}, ALL_LAYERS),
             3: run(80.5, 72.5, 4.0, {100: (50.0, 50.0), 200: (71.0, 60.0)}, ALL_LAYERS),
         },
@@ -127,6 +129,16 @@ def sources(tmp_path: Path) -> Sources:
         ("grad ft iter_800 mink_0.8 RPN_head cos", "0.97"),
         ("grad ft iter_800 mink_0.8 RPN_head norm", "0.76"),
         ("bench mink_0.8 peak_ratio", "0.61x"),
+        (
+            "same ft/baseline_s1 ft/baseline_s1",
+            "identical: all 2 logged losses, 2 evaluations during training and every final AP "
+            "equal to the last bit",
+        ),
+        (  # the same losses, yet both evaluations and both final APs differ
+            "same ft/mink_s1 ft/baseline_s1",
+            "not identical: 0 of 2 logged losses, 2 evaluations and 2 final AP figures differ",
+        ),
+        ("same ft/mink_s1 ft/baseline_s2", "not comparable: 2 and 0 logged losses"),
     ],
 )
 def test_every_placeholder_renders_its_figure(
@@ -137,7 +149,7 @@ def test_every_placeholder_renders_its_figure(
 
 def test_every_function_is_tested() -> None:
     tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow", "nabove", "dat"}
-    tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench"}
+    tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench", "same"}
     assert set(FUNCTIONS) == tested
 
 
@@ -167,6 +179,7 @@ def test_text_without_placeholders_is_unchanged(sources: Sources) -> None:
         ("{{grad ft init mink_0.8 RPN_head cos}}", "no 'init' there"),
         ("{{bench quant_4bit peak_ratio}}", "no setting 'quant_4bit'"),
         ("{{bench mink_0.8 step_ratio}}", "'step_ratio' of 'mink_0.8' is not a number"),
+        ("{{same ft/mink ft/baseline_s1}}", "names a setting; name one run, e.g. 'ft/mink_s1'"),
         ("{{d ft/mink box", "unbalanced '{{'"),
         ("d ft/mink box}}", "unbalanced '}}'"),
     ],

@@ -27,6 +27,8 @@ seeds TARGET               the seeds that finished                             `
 grad NAME STATE SET GROUP  a cosine (``cos``) or norm ratio (``norm``) of       ``0.97``
   MEASURE                  ``shapes_grad_groups_NAME.json``; spaces as ``_``
 bench SETTING KEY          a ratio of ``methods_bench.json`` (R50-FPN bench)   ``0.61x``
+same RUN OTHER             whether two runs (``regime/setting_sN``) logged     ``identical: ...``
+                           the same losses and AP to the last bit
 =========================  ==================================================  ===================
 """
 
@@ -42,6 +44,7 @@ from pathlib import Path
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.report.goal import BENCH_FILE, read_bench
 from rcnn_dropit.report.paired import spread
+from rcnn_dropit.report.runs import Run
 from rcnn_dropit.report.seeded import (
     FAMILY_OF_WORD,
     Found,
@@ -259,6 +262,39 @@ def _vs(sources: Sources, target: str, other: str, word: str) -> str:
     return paired_text(d)
 
 
+def _one_run(sources: Sources, target: str) -> Run:
+    t = _target(target, sources.found)
+    if t.seed is None:
+        raise _Bad(f"'{target}' names a setting; name one run, e.g. '{target}_s1'")
+    return sources.found[t.regime][t.setting][t.seed]
+
+
+def _same(sources: Sources, target: str, other: str) -> str:
+    """Whether two runs trained alike to the last bit: every logged loss, every evaluation
+    and the final AP equal (e.g. exact recomputation against its baseline)."""
+    a, b = _one_run(sources, target), _one_run(sources, other)
+    if not a.losses or len(a.losses) != len(b.losses):
+        return f"not comparable: {len(a.losses)} and {len(b.losses)} logged losses"
+    losses = sum(x != y for x, y in zip(a.losses, b.losses, strict=True))
+    aps = sum(
+        a.metrics.get(f, {}).get(k) != b.metrics.get(f, {}).get(k)
+        for f in ("bbox", "segm")
+        for k in {*a.metrics.get(f, {}), *b.metrics.get(f, {})}
+    )
+    evals = sum(x != y for x, y in zip(a.evals, b.evals, strict=False)) + abs(
+        len(a.evals) - len(b.evals)
+    )
+    if losses == aps == evals == 0:
+        return (
+            f"identical: all {len(a.losses)} logged losses, {len(a.evals)} evaluations during "
+            "training and every final AP equal to the last bit"
+        )
+    return (
+        f"not identical: {losses} of {len(a.losses)} logged losses, {evals} evaluations and "
+        f"{aps} final AP figures differ"
+    )
+
+
 def _saved(sources: Sources, target: str) -> str:
     t = _target(target, sources.found)
     ratio = saved_ratio(_runs(sources.found, t), _base(sources.found, t))
@@ -337,4 +373,5 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "seeds": (_seeds, ("TARGET",)),
     "grad": (_grad, ("NAME", "STATE", "SETTING", "GROUP", "MEASURE")),
     "bench": (_bench, ("SETTING", "KEY")),
+    "same": (_same, ("RUN", "OTHER")),
 }
