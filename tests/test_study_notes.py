@@ -224,6 +224,9 @@ def test_a_longer_schedule_pairs_with_its_own_baseline() -> None:
         (-3.5, -0.4, "inconclusive, below 0"),
         (0.3, 1.4, "inconclusive, above 0"),
         (-1.7, 1.0, "inconclusive"),
+        (-0.5, 1.5, "inconclusive, no loss beyond 1"),  # only a gain > 1 is left open
+        (-1.0, 1.01, "inconclusive, no loss beyond 1"),
+        (-1.01, 1.5, "inconclusive"),
         (None, None, "1 seed: no interval"),
     ],
 )
@@ -243,6 +246,9 @@ def test_a_mean_inside_tolerance_with_a_wide_interval_is_not_kept() -> None:
         (["keeps", "loses"], "loses AP"),
         (["keeps", "gains"], "keeps or gains AP"),
         (["keeps", "inconclusive, below 0"], "inconclusive"),
+        (["keeps", "inconclusive, no loss beyond 1"], "no loss beyond 1 AP"),
+        (["inconclusive, above 0", "inconclusive, no loss beyond 1"], "no loss beyond 1 AP"),
+        (["inconclusive", "inconclusive, no loss beyond 1"], "inconclusive"),
         (["1 seed: no interval", "1 seed: no interval"], "1 seed: no interval"),
     ],
 )

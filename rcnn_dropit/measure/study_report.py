@@ -329,7 +329,9 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL
         f"shapes, up to {seeds} seeds, each paired with the baseline of its seed); `layers`: "
         "`all` when the method reaches every layer the paper converts, `recomputed` for "
         "checkpointed ResNet stages. The verdict reads the 95% "
-        f"interval: **keeps** AP when it lies inside ±{goal.tolerance:g}. Saved, peak and step "
+        f"interval: **keeps** AP when it lies inside ±{goal.tolerance:g}; **no loss beyond "
+        f"{goal.tolerance:g} AP** when every lower end is above -{goal.tolerance:g} but an upper "
+        f"end passes +{goal.tolerance:g}. Saved, peak and step "
         f"time are ratios to the baseline on the R50-FPN bench (`{bench_path}`"
         + (", not measured yet" if bench is None else "")
         + ").",

@@ -6,7 +6,9 @@ Per family (box, mask), a setting's paired difference to its baseline is in one 
 - loses: the interval lies entirely below -TOL;
 - gains: the interval lies entirely above +TOL;
 - inconclusive: the interval crosses -TOL or +TOL (noted "below 0" or "above 0" when it
-  excludes 0 all the same: a difference whose size the seeds cannot place against TOL);
+  excludes 0 all the same: a difference whose size the seeds cannot place against TOL; noted
+  "no loss beyond TOL" when only its upper end passes +TOL: a loss larger than TOL is ruled
+  out, a gain larger than TOL is not);
 - 1 seed: no interval (the single difference is shown, nothing is concluded).
 """
 
@@ -20,6 +22,7 @@ from rcnn_dropit.report.seeded import Found, Seeds, baseline_of, paired, paired_
 TOLERANCE = 1.0  # AP points: "keeps AP" means the interval lies within this of the baseline
 KEEPS, LOSES, GAINS, INCONCLUSIVE = "keeps", "loses", "gains", "inconclusive"
 ONE_SEED = "1 seed: no interval"
+NO_LOSS = f"{INCONCLUSIVE}, no loss beyond"  # + the tolerance
 FAMILIES = (("bbox", "box"), ("segm", "mask"))
 
 
@@ -37,10 +40,18 @@ def family_state(d: PairedDiff, tolerance: float = TOLERANCE) -> str:
         return f"{INCONCLUSIVE}, below 0"
     if d.low > 0:
         return f"{INCONCLUSIVE}, above 0"
+    if d.low >= -tolerance:
+        return f"{NO_LOSS} {tolerance:g}"
     return INCONCLUSIVE
 
 
-def setting_verdict(states: Sequence[str]) -> str:
+def rules_out_loss(state: str) -> bool:
+    """Whether a state excludes a loss larger than the tolerance: keeps, gains, or an
+    inconclusive interval whose lower end is above 0 or above -TOL."""
+    return state in (KEEPS, GAINS, f"{INCONCLUSIVE}, above 0") or state.startswith(NO_LOSS)
+
+
+def setting_verdict(states: Sequence[str], tolerance: float = TOLERANCE) -> str:
     """One word for a setting from its box and mask states."""
     if any(s == ONE_SEED for s in states):
         return ONE_SEED
@@ -51,6 +62,8 @@ def setting_verdict(states: Sequence[str]) -> str:
         return "keeps AP"
     if all(s in (KEEPS, GAINS) for s in states):
         return "keeps or gains AP"
+    if all(rules_out_loss(s) for s in states):
+        return f"no loss beyond {tolerance:g} AP"
     return INCONCLUSIVE
 
 
