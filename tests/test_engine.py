@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from dropit_core import memory
 from rcnn_dropit.checkpoint.files import load_checkpoint
+from rcnn_dropit.config import load_config
 from rcnn_dropit.engine import runner as runner_module
 from rcnn_dropit.engine.amp import autocast, make_scaler
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
@@ -168,11 +169,33 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, tiny_shapes) -> None:
     assert "INFO training maskrcnn for 2 iterations (4 per epoch, 1 process(es) on cpu)" in log
     assert "INFO final evaluation (4 images)" in log
     summary = (
-        f"DropIT mink gamma 0.8; activations kept for backward in one step: "
+        f"DropIT mink(gamma=0.8); activations kept for backward in one step: "
         f"{memory['saved_mb']:.1f} MB, {memory['saved_mb_without_dropit']:.1f} MB without DropIT "
         f"({memory['saved_ratio']:.2f}x)"
     )
     assert summary in log
+
+
+@pytest.mark.parametrize(
+    ("opts", "line"),
+    [
+        (["dropit.enabled=false"], "DropIT off"),
+        (["dropit.enabled=true", "dropit.gamma=0.9"], "DropIT mink(gamma=0.9)"),
+        # quant does not use gamma, so the line does not show it
+        (["dropit.strategy=quant", "dropit.options={bits: 2}"], "DropIT quant(bits=2, group=256)"),
+        (
+            [
+                "dropit.rules=[{include: [backbone.*], strategy: mink},"
+                " {include: [rpn.*, roi_heads.*], strategy: quant, options: {bits: 4}}]"
+            ],
+            "DropIT mink(gamma=0.8) on backbone.*; quant(bits=4, group=256) on rpn.*, roi_heads.*",
+        ),
+    ],
+)
+def test_the_run_names_its_dropit_setting(opts: list[str], line: str) -> None:
+    from rcnn_dropit.engine.memory_report import dropit_setting
+
+    assert dropit_setting(load_config(MASK_DROPIT_CFG, opts).dropit) == line
 
 
 @pytest.fixture(scope="module")

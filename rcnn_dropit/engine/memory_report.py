@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from dropit_core import from_dropit, memory
+from dropit_core import check_rules, from_dropit, memory
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
@@ -64,10 +64,22 @@ def measure_memory(
     return report
 
 
+def dropit_setting(d) -> str:
+    """The DropIT section in a few words: each rule's strategy as it describes itself (gamma only
+    where the strategy uses it) and, for a rule that is not on every layer, where it applies."""
+    if not d.enabled:
+        return "DropIT off"
+    rules = check_rules(d.rules or None, d.strategy, d.gamma, d.include, d.exclude, **d.options)
+    parts = [
+        r.strategy.describe() + ("" if r.include == ("*",) else f" on {', '.join(r.include)}")
+        for r in rules
+    ]
+    return "DropIT " + "; ".join(parts)
+
+
 def dropit_summary(cfg, report: dict | None) -> str:
     """One line for the end of a run: the DropIT setting and what it saved in the measured step."""
-    d = cfg.dropit
-    setting = f"DropIT {d.strategy} gamma {d.gamma:g}" if d.enabled else "DropIT off"
+    setting = dropit_setting(cfg.dropit)
     if report is None:
         return f"{setting} (train.measure_memory is off: nothing measured)"
     saved = f"activations kept for backward in one step: {report['saved_mb']:.1f} MB"
