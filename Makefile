@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 # Trains the shapes Mask R-CNN with DropIT (data generated on first use) and prints the AP table,
 # then draws 4 validation images, prediction next to ground truth, into the run's predictions.png.
 demo: setup
-	$(PY) tools/train.py --config configs/demo/maskrcnn_shapes_g0.8.yaml --overwrite
-	$(PY) tools/infer.py --run outputs/maskrcnn_shapes_g0.8 --val 4
+	$(PY) tools/train.py --config configs/demo/maskrcnn_shapes_quant4.yaml --overwrite
+	$(PY) tools/infer.py --run outputs/maskrcnn_shapes_quant4 --val 4
 
 # Every tier (CI). test-fast: the inner loop, without the tests marked slow (training runs,
 # fresh interpreters, multi-process jobs); about a minute.

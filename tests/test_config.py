@@ -239,6 +239,14 @@ def test_published_recipes():
     demo = load_config(CONFIGS / "demo/maskrcnn_shapes_g0.8.yaml")
     assert demo.data.dataset == "shapes" and demo.model.backbone == "resnet18"
     assert not demo.model.pretrained_backbone and demo.dropit.enabled
+    # make demo trains the study's recommended setting: the COCO config's DropIT section
+    quant = load_config(CONFIGS / "demo/maskrcnn_shapes_quant4.yaml")
+    assert quant.dropit == load_config(CONFIGS / "maskrcnn_quant4.yaml").dropit
+    assert (quant.dropit.strategy, quant.dropit.options) == ("quant", {"bits": 4})
+    assert {**quant.to_dict(), "name": None, "dropit": None} == {
+        **demo.to_dict(), "name": None, "dropit": None
+    }
+    assert "configs/demo/maskrcnn_shapes_quant4.yaml" in (CONFIGS.parent / "Makefile").read_text()
 
 
 def test_each_config_the_study_plan_names_trains_its_setting():
