@@ -114,6 +114,8 @@ def sources(tmp_path: Path) -> Sources:
         ("dseeds ft/mink box", "-2.0, -1.0, -1.5"),
         ("dsd ft/mink box", "0.5"),
         ("dmax ft/mink mask", "1.0"),
+        ("dhalf ft/mink box 5", "0.6"),  # t(4) 2.776 x sd 0.5 / sqrt(5) = 0.62
+        ("dhalf ft/mink box 3", "1.2"),  # the interval's own half-width at its 3 seeds
         ("nbelow ft/mink box", "3 of 3"),
         ("nbelow ft/mink mask", "2 of 3"),
         ("nabove ft/mink mask", "1 of 3"),
@@ -149,7 +151,7 @@ def test_every_placeholder_renders_its_figure(
 
 def test_every_function_is_tested() -> None:
     tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow", "nabove", "dat"}
-    tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench", "same"}
+    tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench", "same", "dhalf"}
     assert set(FUNCTIONS) == tested
 
 
@@ -173,6 +175,8 @@ def test_text_without_placeholders_is_unchanged(sources: Sources) -> None:
         ("{{dat ft/mink box late}}", "iteration 'late' is not a whole number"),
         ("{{dat ft/mink box 300}}", "no paired evaluation at iteration 300"),
         ("{{dsd ft/mink_s1 box}}", "needs 2 paired seeds"),
+        ("{{dhalf ft/mink box 1}}", "seed count '1' must be a whole number >= 2"),
+        ("{{dhalf ft/mink_s1 box 5}}", "needs 2 paired seeds"),
         ("{{vs ft/mink_2x_s2 ft/mink_s1 box}}", "share no seed"),
         ("{{grad nope init mink_0.8 all cos}}", "no file"),
         ("{{grad ft iter_800 mink_0.8 RPN_head angle}}", "measure 'angle'"),

@@ -16,6 +16,8 @@ dmean TARGET FAMILY        paired Δ, the mean only                             
 dseeds TARGET FAMILY       the per-seed Δ, in seed order                       ``-2.7, -1.7, -1.6``
 dsd TARGET FAMILY          standard deviation over seeds of the per-seed Δ     ``0.6``
 dmax TARGET FAMILY         the largest per-seed Δ in magnitude, unsigned       ``0.9``
+dhalf TARGET FAMILY N      half-width of a 95% interval at N seeds with the    ``0.9``
+                           spread of TARGET's per-seed Δ
 nbelow TARGET FAMILY       seeds whose Δ is below zero, of those paired        ``3 of 3``
 nabove TARGET FAMILY       seeds whose Δ is above zero, of those paired        ``0 of 3``
 dat TARGET FAMILY ITER     mean paired Δ at one evaluated iteration            ``-8.5``
@@ -35,6 +37,7 @@ same RUN OTHER             whether two runs (``regime/setting_sN``) logged     `
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from collections.abc import Callable
@@ -43,7 +46,7 @@ from pathlib import Path
 
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.report.goal import BENCH_FILE, read_bench
-from rcnn_dropit.report.paired import spread
+from rcnn_dropit.report.paired import spread, t95
 from rcnn_dropit.report.runs import Run
 from rcnn_dropit.report.seeded import (
     FAMILY_OF_WORD,
@@ -198,6 +201,18 @@ def _dsd(sources: Sources, target: str, word: str) -> str:
     if len(diffs) < 2:
         raise _Bad("a standard deviation needs 2 paired seeds or more")
     return f"{statistics.stdev(diffs.values()):.1f}"
+
+
+def _dhalf(sources: Sources, target: str, word: str, seeds: str) -> str:
+    """The half-width a paired 95% interval would have at ``seeds`` seeds with the spread of
+    TARGET's per-seed Δ: what that many seeds can resolve."""
+    if not seeds.isdigit() or int(seeds) < 2:
+        raise _Bad(f"seed count '{seeds}' must be a whole number >= 2")
+    diffs = _diffs(sources, target, word)
+    if len(diffs) < 2:
+        raise _Bad("a standard deviation needs 2 paired seeds or more")
+    n = int(seeds)
+    return f"{t95(n - 1) * statistics.stdev(diffs.values()) / math.sqrt(n):.1f}"
 
 
 def _dmax(sources: Sources, target: str, word: str) -> str:
@@ -363,6 +378,7 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "dseeds": (_dseeds, ("TARGET", "FAMILY")),
     "dsd": (_dsd, ("TARGET", "FAMILY")),
     "dmax": (_dmax, ("TARGET", "FAMILY")),
+    "dhalf": (_dhalf, ("TARGET", "FAMILY", "N")),
     "nbelow": (_nbelow, ("TARGET", "FAMILY")),
     "nabove": (_nabove, ("TARGET", "FAMILY")),
     "dat": (_dat, ("TARGET", "FAMILY", "ITER")),
