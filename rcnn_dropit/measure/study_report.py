@@ -359,7 +359,8 @@ def _recommendation_lines(
         ]
     config = plan.configs.get(rec.setting)
     where = (
-        f"`{config.as_posix()}` trains it on COCO"
+        f"its COCO config is `{config.as_posix()}` (the study ran on generated shapes, so the "
+        "COCO figures are still to be measured)"
         if config
         else "no config trains it yet (name one under `configs:` in the study plan)"
     )
