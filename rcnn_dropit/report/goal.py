@@ -181,7 +181,7 @@ def recommend(
     pool: list[tuple[float, str]] = []
     for setting in goal_candidates(found, order):
         crit = setting_criteria(found, setting, bench, goal)
-        seeds, memory = crit[0], crit[-2:]
+        seeds, memory = crit[0], crit[-2:]  # criteria: seeds, box, mask, saved, peak
         base = found.get(baseline_of(setting, found) or "", {})
         worst = _worst_low(found[setting], base)
         if seeds.met and all(c.met for c in memory) and worst is not None:
