@@ -167,7 +167,7 @@ def recommend(
     bench: Mapping[str, Any] | None,
     goal: Goal,
 ) -> Recommendation | None:
-    """The setting users get, by a rule fixed before the data: among the settings that meet
+    """The setting users get, by a rule written before the 5-seed data: among the settings that meet
     the goal, the one with the lowest bench peak. When none does, among the candidates with
     ``goal.seeds`` seeds that meet both memory criteria, the one whose intervals leave open the
     smallest AP loss (the highest lowest lower end over box and mask). None when no candidate
