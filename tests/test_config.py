@@ -244,7 +244,9 @@ def test_published_recipes():
     assert quant.dropit == load_config(CONFIGS / "maskrcnn_quant4.yaml").dropit
     assert (quant.dropit.strategy, quant.dropit.options) == ("quant", {"bits": 4})
     assert {**quant.to_dict(), "name": None, "dropit": None} == {
-        **demo.to_dict(), "name": None, "dropit": None
+        **demo.to_dict(),
+        "name": None,
+        "dropit": None,
     }
     assert "configs/demo/maskrcnn_shapes_quant4.yaml" in (CONFIGS.parent / "Makefile").read_text()
 

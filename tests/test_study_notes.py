@@ -392,9 +392,19 @@ def test_recommend_prefers_the_goal_then_the_smallest_loss_left_open() -> None:
     assert (rec.setting, rec.meets_goal) == ("wide", False) and rec.worst_low == pytest.approx(low)
     assert low < -1  # so "wide" does not keep AP, yet loses least
     # outside the memory bounds, or too few seeds: nothing to recommend
-    assert recommend(found, order, {**bench, "wide": {"saved_ratio": 0.4, "peak_ratio": 0.6},
-                                    "wider": {"saved_ratio": 0.2, "peak_ratio": 0.7}},
-                     Goal()) is None
+    assert (
+        recommend(
+            found,
+            order,
+            {
+                **bench,
+                "wide": {"saved_ratio": 0.4, "peak_ratio": 0.6},
+                "wider": {"saved_ratio": 0.2, "peak_ratio": 0.7},
+            },
+            Goal(),
+        )
+        is None
+    )
     assert recommend({"baseline": base, "three": three}, order, bench, Goal()) is None
 
 

@@ -73,7 +73,15 @@ def load_plan(path: str | Path) -> Plan:
     if not isinstance(data, dict):
         raise PlanError(f"study plan '{path}': must be a mapping")
     known = {
-        "out", "report", "notes", "readme", "regimes", "settings", "groups", "pretrain", "configs"
+        "out",
+        "report",
+        "notes",
+        "readme",
+        "regimes",
+        "settings",
+        "groups",
+        "pretrain",
+        "configs",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -110,7 +118,9 @@ def load_plan(path: str | Path) -> Plan:
                 f"allowed: {sorted(settings)}"
             )
         if not config.is_file():
-            raise PlanError(f"study plan '{path}': configs.{setting}: file '{config}' does not exist")
+            raise PlanError(
+                f"study plan '{path}': configs.{setting}: file '{config}' does not exist"
+            )
     return Plan(
         out=Path(data.get("out", "docs/results/shapes_runs")),
         report=Path(data.get("report", "docs/results/shapes.md")),
