@@ -337,6 +337,18 @@ def test_covers_every_layer_the_paper_converts(dropit: dict, covers: bool) -> No
     assert covers_every_layer({"dropit": dropit}) is covers
 
 
+def test_a_longer_schedule_takes_the_bench_figures_of_its_one_step() -> None:
+    from rcnn_dropit.report.goal import with_schedules
+
+    bench = {"mink_0.8": {"saved_ratio": 0.27, "peak_ratio": 0.61}}
+    order = ["baseline", "mink_0.8", "baseline_2x", "mink_0.8_2x", "quant_4bit_2x"]
+    out = with_schedules(bench, order)
+    assert out["mink_0.8_2x"] == bench["mink_0.8"]
+    assert "quant_4bit_2x" not in out and "baseline_2x" not in out  # nothing to take from
+    assert with_schedules(bench, ["baseline", "mink_0.8", "mink_0.8_x"]) == bench
+    assert with_schedules(None, order) is None
+
+
 def test_criteria_name_each_figure() -> None:
     mine, base = five_seeds([-0.2, 0.1, -0.3, 0.0, 0.2], [-0.1, 0.2, -0.2, 0.1, 0.0])
     bench = {"q": {"saved_ratio": 0.25, "peak_ratio": 0.7}}

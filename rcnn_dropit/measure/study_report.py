@@ -23,6 +23,7 @@ from rcnn_dropit.report.goal import (
     read_bench,
     recommend,
     settings_meeting_goal,
+    with_schedules,
 )
 from rcnn_dropit.report.groups import Row
 from rcnn_dropit.report.notes import Sources, render
@@ -271,6 +272,7 @@ def goal_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL) 
     if goal.regime not in plan.regimes:
         return [f"The goal's regime `{goal.regime}` is not in this plan.", ""]
     order = regime_settings(found, plan, goal.regime)
+    bench = with_schedules(bench, order)
     lines = [*goal_section(found, order, bench, bench_path, goal), ""]
     points = []
     for setting in order:
@@ -310,6 +312,7 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL
     bench_path = plan.report.parent / BENCH_FILE
     bench = read_bench(bench_path)
     order = regime_settings(found, plan, goal.regime)
+    bench = with_schedules(bench, order)
     layers = {s: _layers(next(iter(r.values())).config) for s, r in found.items() if r}
     met = settings_meeting_goal(found, order, bench, goal)
     seeds = max((len(r) for s, r in found.items() if not is_reference(s)), default=0)

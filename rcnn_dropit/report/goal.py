@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from rcnn_dropit.errors import UsageError
-from rcnn_dropit.report.seeded import Seeds, baseline_of, is_reference, paired, paired_text
+from rcnn_dropit.report.seeded import (
+    BASELINE,
+    Seeds,
+    baseline_of,
+    is_reference,
+    paired,
+    paired_text,
+)
 from rcnn_dropit.report.verdict import FAMILIES, KEEPS, family_state
 
 BENCH_FILE = "methods_bench.json"
@@ -72,6 +79,25 @@ def read_bench(path: Path) -> dict[str, dict[str, float]] | None:
                     f"{path}: entry {i} ({entry['setting']}): '{key}' {value} must be > 0"
                 )
         out[entry["setting"]] = entry
+    return out
+
+
+def with_schedules(
+    bench: Mapping[str, Mapping[str, Any]] | None, settings: Sequence[str]
+) -> dict[str, Mapping[str, Any]] | None:
+    """``bench`` with an entry for each longer-schedule setting (``mink_0.8_2x``, paired with
+    ``baseline_2x``) not benched itself: its 1x setting's figures, since the bench measures one
+    step and the schedule does not change it."""
+    if bench is None:
+        return None
+    out = dict(bench)
+    for setting in settings:
+        ref = baseline_of(setting, settings)
+        suffix = (ref or BASELINE)[len(BASELINE) :]
+        if setting not in out and suffix and setting.endswith(suffix):
+            one_x = setting[: -len(suffix)]
+            if one_x in bench:
+                out[setting] = bench[one_x]
     return out
 
 
