@@ -322,7 +322,7 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL
         + ", ".join(met)
         + "."
         if met
-        else f"**No setting meets the goal yet** (every layer, box and mask intervals inside "
+        else f"**No setting meets the goal** (every layer, box and mask intervals inside "
         f"±{goal.tolerance:g} AP at {goal.seeds} seeds, <= {goal.saved:.2f}x saved, "
         f"<= {goal.peak:.2f}x peak of the R50-FPN step)."
     )
