@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dropit_core import REGISTRY, check_rules
+from dropit_core import REGISTRY, Rule, check_rules
 
 # dropit_core's strategy registry owns the list and each strategy's options; dropit.options
 # depends on dropit.strategy, so it is checked in cross_check, against the registry
@@ -200,13 +200,20 @@ def cross_check(cfg: Config) -> list[str]:
     return errors
 
 
+def dropit_rules(d: DropITConfig) -> list[Rule]:
+    """The DropIT section as dropit_core's checked rules, strategies built: ``rules`` with the
+    section's keys as their fallbacks, or the section itself as the one rule. ValueError names
+    a bad one."""
+    return check_rules(d.rules or None, d.strategy, d.gamma, d.include, d.exclude, **d.options)
+
+
 def _dropit_option_errors(d: DropITConfig) -> list[str]:
     """dropit.options checked by dropit_core against the chosen strategy's declaration, at load
     time (before anything is written)."""
     if not d.enabled:
         return []
     try:
-        check_rules(d.rules or None, d.strategy, d.gamma, d.include, d.exclude, **d.options)
+        dropit_rules(d)
     except ValueError as err:
         return [f"dropit.{'rules' if d.rules else 'options'}: {err}"]
     return []

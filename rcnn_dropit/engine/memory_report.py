@@ -7,7 +7,8 @@ import copy
 import torch
 from torch import nn
 
-from dropit_core import check_rules, from_dropit, memory
+from dropit_core import from_dropit, memory
+from rcnn_dropit.config_schema import dropit_rules
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
@@ -69,10 +70,9 @@ def dropit_setting(d) -> str:
     where the strategy uses it) and, for a rule that is not on every layer, where it applies."""
     if not d.enabled:
         return "DropIT off"
-    rules = check_rules(d.rules or None, d.strategy, d.gamma, d.include, d.exclude, **d.options)
     parts = [
         r.strategy.describe() + ("" if r.include == ("*",) else f" on {', '.join(r.include)}")
-        for r in rules
+        for r in dropit_rules(d)
     ]
     return "DropIT " + "; ".join(parts)
 

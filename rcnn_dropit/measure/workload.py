@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dropit_core import REGISTRY, build_strategy
+from dropit_core import build_strategy
 from rcnn_dropit.config import Config, config_from_dict, with_overrides
+from rcnn_dropit.config_schema import dropit_rules
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models import build_model
@@ -176,11 +177,7 @@ def split_reference(
 def draws_randomly(cfg: Config) -> bool:
     """Whether a step of ``cfg``'s model draws random numbers in DropIT (so that two steps give
     two different weight gradients)."""
-    d = cfg.dropit
-    if not d.enabled:
-        return False
-    strategies = [rule.get("strategy", d.strategy) for rule in d.rules] or [d.strategy]
-    return any(REGISTRY.get(name).draws for name in strategies)
+    return cfg.dropit.enabled and any(r.strategy.draws for r in dropit_rules(cfg.dropit))
 
 
 def describe(cfg: Config) -> dict[str, Any]:
