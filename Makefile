@@ -38,7 +38,7 @@ bench: setup
 # Every method of the toolkit on the R50 recipe, each named as the study's setting
 # (configs/study/plan.yaml): memory, step and eval time, gradient cosine, norm ratio and bias over
 # DRAWS seeded draws. Writes docs/results/methods_bench.json and its table into
-# docs/results/memory.md. About 10 minutes on 2 quiet cores; QUIET=1 records that nothing else ran.
+# docs/results/memory.md. A quarter hour on 2 quiet cores; QUIET=1 records that nothing else ran.
 METHODS := baseline mink_0.8 threshold_0.8 random_0.8 random_scaled_0.8 importance_0.8 \
 	quant_2bit quant_4bit quant_8bit mink_0.8_backbone mink_0.8_backbone_quant_4bit_heads \
 	checkpoint_stages checkpoint_stages_quant_4bit

@@ -115,17 +115,11 @@ def test_what_each_method_changes() -> None:
     for name in ("checkpoint_stages", "checkpoint_stages_quant_4bit"):
         assert describe(cfg[name])["activation_checkpointing"] == stages
     assert describe(cfg["checkpoint_stages"])["strategy"] is None
-    random = {n for n, c in cfg.items() if draws_randomly(c)}
-    assert random == {
-        "random_0.8",
-        "random_scaled_0.8",
-        "importance_0.8",
-        "quant_2bit",
-        "quant_4bit",
-        "quant_8bit",
-        "mink_0.8_backbone_quant_4bit_heads",
-        "checkpoint_stages_quant_4bit",
-    }
+    # every method draws random numbers but the exact ones and the largest-magnitude ones; a
+    # rule with one random group (the 4-bit heads) draws
+    deterministic = {"baseline", "mink_0.8", "threshold_0.8", "mink_0.8_backbone"}
+    deterministic.add("checkpoint_stages")
+    assert {n for n, c in cfg.items() if draws_randomly(c)} == set(METHODS) - deterministic
 
 
 def test_a_variant_is_the_overrides_of_one_dropit_setting() -> None:
