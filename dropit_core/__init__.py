@@ -7,9 +7,13 @@ seeds the random strategies' draws per step and layer (resume stays bit-exact). 
 for their typed options (``REGISTRY``), and :mod:`dropit_core.memory` for measuring what
 autograd keeps. ``checkpoint_modules(model, patterns)`` recomputes chosen modules in backward
 instead (exact activation checkpointing); DropIT leaves the layers inside them plain.
+``lean_frozen_batchnorm(model)`` swaps torchvision's FrozenBatchNorm2d for one that keeps its
+input's dtype under autocast (bit-equal in fp32; half the activation memory of a pretrained
+ResNet under AMP).
 """
 
 from .base import Packed, Strategy
+from .frozen_norm import FrozenBatchNorm2d, is_frozen_batchnorm, lean_frozen_batchnorm
 from .packing import VALUE_FORMATS
 from .patch import (
     CHECKPOINTED_ATTRIBUTE,
@@ -34,6 +38,7 @@ __all__ = [
     "AppliedSetting",
     "ConvertedLayer",
     "DropITRecord",
+    "FrozenBatchNorm2d",
     "Option",
     "Packed",
     "Registry",
@@ -46,6 +51,8 @@ __all__ = [
     "from_dropit",
     "is_checkpointed",
     "is_dropit",
+    "is_frozen_batchnorm",
+    "lean_frozen_batchnorm",
     "set_step",
     "to_dropit",
     "uncheckpoint_modules",

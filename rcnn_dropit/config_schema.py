@@ -39,6 +39,11 @@ class ModelConfig:
     weights: str | None = None
     trainable_layers: int = _f(3, ge=0, le=5)
     norm: str = _f("frozen_bn", choices=("frozen_bn", "bn"))
+    # How a frozen_bn norm computes under autocast: "lean" keeps the input's dtype (detectron2's
+    # form; bit-equal to torchvision's in fp32); "torchvision" is torchvision's FrozenBatchNorm2d,
+    # whose fp32 scale promotes every activation to fp32 (about twice the activation memory
+    # under AMP): kept only to measure against.
+    frozen_bn: str = _f("lean", choices=("lean", "torchvision"))
     num_classes: int = _f(91, ge=2)
     min_size: int = _f(800, ge=1)
     max_size: int = _f(1333, ge=1)
@@ -112,7 +117,11 @@ class SolverConfig:
     lr: float = _f(0.02, gt=0.0)
     momentum: float = _f(0.9, ge=0.0, lt=1.0)
     weight_decay: float = _f(0.0001, ge=0.0)
-    batch_size: int = _f(2, ge=1)
+    batch_size: int = _f(2, ge=1)  # images per process and optimizer step
+    # Gradient accumulation: each batch goes through forward and backward in this many
+    # micro-batches, one optimizer step for all of them; activation memory of a micro-batch,
+    # the same schedule, lr and steps. Exact for frozen norms; BatchNorm sees smaller batches.
+    accumulate: int = _f(1, ge=1)
     epochs: int = _f(26, ge=1)
     max_iters: int | None = _f(None, ge=1)
     scheduler: str = _f("multistep", choices=("multistep", "cosine"))
@@ -194,6 +203,11 @@ def cross_check(cfg: Config) -> list[str]:
             f"({shapes.num_classes + 1}: the shape classes plus background)"
         )
     errors += _dropit_option_errors(cfg.dropit)
+    if s.accumulate > s.batch_size:
+        errors.append(
+            f"solver.accumulate ({s.accumulate}) must be <= solver.batch_size ({s.batch_size}): "
+            "a micro-batch holds at least one image"
+        )
     steps = s.lr_steps
     if any(b <= a for a, b in zip(steps[:-1], steps[1:], strict=True)) or any(x < 1 for x in steps):
         errors.append(f"solver.lr_steps {steps}: must be positive and strictly increasing")

@@ -15,6 +15,7 @@ from torchvision.models import resnet18, resnet34
 from torchvision.models.detection.faster_rcnn import TwoMLPHead
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from dropit_core import FrozenBatchNorm2d as LeanFrozenBatchNorm2d
 from dropit_core import to_dropit
 from rcnn_dropit.config import config_from_dict
 from rcnn_dropit.config_schema import PAPER_EXCLUDE
@@ -90,11 +91,18 @@ def test_head_matches_torchvision_two_mlp_head():
     assert sum(p.numel() for m in (ours.relu6, ours.relu7) for p in m.parameters()) == 0
 
 
-@pytest.mark.parametrize("norm", ["frozen_bn", "bn"])
-def test_norm_layer_types(norm: str):
-    body = build_backbone("resnet18", norm=norm, trainable_layers=5).body
-    kinds = {type(m) for m in body.modules() if isinstance(m, (nn.BatchNorm2d, FrozenBatchNorm2d))}
-    assert kinds == {FrozenBatchNorm2d if norm == "frozen_bn" else nn.BatchNorm2d}
+@pytest.mark.parametrize(
+    ("norm", "frozen_bn", "kind"),
+    [
+        ("frozen_bn", "lean", LeanFrozenBatchNorm2d),
+        ("frozen_bn", "torchvision", FrozenBatchNorm2d),
+        ("bn", "lean", nn.BatchNorm2d),
+    ],
+)
+def test_norm_layer_types(norm: str, frozen_bn: str, kind: type):
+    body = build_backbone("resnet18", norm=norm, trainable_layers=5, frozen_bn=frozen_bn).body
+    norms = (nn.BatchNorm2d, FrozenBatchNorm2d, LeanFrozenBatchNorm2d)
+    assert {type(m) for m in body.modules() if isinstance(m, norms)} == {kind}
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from torchvision.models.detection.backbone_utils import BackboneWithFPN, _resnet
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from dropit_core.frozen_norm import FrozenBatchNorm2d as LeanFrozenBatchNorm2d
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
 
@@ -20,7 +21,9 @@ _RESNETS = {
     "resnet50": (resnet.resnet50, resnet.ResNet50_Weights.IMAGENET1K_V1),
     "resnet101": (resnet.resnet101, resnet.ResNet101_Weights.IMAGENET1K_V1),
 }
-_NORMS = {"frozen_bn": FrozenBatchNorm2d, "bn": nn.BatchNorm2d}
+_NORMS = {"frozen_bn": LeanFrozenBatchNorm2d, "bn": nn.BatchNorm2d}
+# model.frozen_bn: which FrozenBatchNorm2d a frozen_bn backbone gets
+_FROZEN = {"lean": LeanFrozenBatchNorm2d, "torchvision": FrozenBatchNorm2d}
 
 
 def build_backbone(
@@ -30,16 +33,24 @@ def build_backbone(
     pretrained: bool = False,
     weights_path: str | Path | None = None,
     fpn_channels: int = 256,
+    frozen_bn: str = "lean",
 ) -> BackboneWithFPN:
-    """ResNet body + FPN with the first stages frozen as torchvision does (trainable 0..5)."""
+    """ResNet body + FPN with the first stages frozen as torchvision does (trainable 0..5).
+
+    ``frozen_bn`` picks the frozen norm's form: "lean" keeps the input's dtype under autocast
+    (dropit_core.FrozenBatchNorm2d), "torchvision" promotes to fp32 (only to measure against).
+    """
     if name not in _RESNETS:
         raise UsageError(f"model.backbone: '{name}' is not one of {', '.join(_RESNETS)}")
     if norm not in _NORMS:
         raise UsageError(f"model.norm: '{norm}' is not one of {', '.join(_NORMS)}")
     if not 0 <= trainable_layers <= 5:
         raise UsageError(f"model.trainable_layers: {trainable_layers} is not in 0..5")
+    if frozen_bn not in _FROZEN:
+        raise UsageError(f"model.frozen_bn: '{frozen_bn}' is not one of {', '.join(_FROZEN)}")
     factory, enum = _RESNETS[name]
-    body = factory(weights=None, norm_layer=_NORMS[norm])
+    norm_layer = _FROZEN[frozen_bn] if norm == "frozen_bn" else _NORMS[norm]
+    body = factory(weights=None, norm_layer=norm_layer)
     if weights_path is not None:
         state = load_state_dict_file(weights_path, "model.backbone_weights")
         # the classifier is dropped by the FPN extractor, so a body-only file is fine too

@@ -37,6 +37,7 @@ def build_model(cfg: Config) -> tuple[nn.Module, Any]:
         pretrained=m.pretrained_backbone and m.weights is None,
         weights_path=m.backbone_weights if m.weights is None else None,
         fpn_channels=m.fpn_channels,
+        frozen_bn=m.frozen_bn,
     )
     if m.arch not in ("maskrcnn", "fasterrcnn"):
         raise UsageError(f"model.arch: '{m.arch}' is not one of maskrcnn, fasterrcnn")

