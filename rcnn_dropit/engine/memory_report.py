@@ -12,7 +12,7 @@ from rcnn_dropit.config_schema import dropit_rules
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
-from rcnn_dropit.engine.trainer import move_targets
+from rcnn_dropit.engine.trainer import micro_batches, move_targets
 from rcnn_dropit.rng import rng_preserved
 
 
@@ -34,9 +34,11 @@ def measure_memory(
     cfg, net: nn.Module, train_loader, device: torch.device, images_per_sec: float
 ) -> dict:
     """The memory.json report: one step measured on the first training batch (on every rank:
-    SyncBN needs all)."""
+    SyncBN needs all); with gradient accumulation, on its first micro-batch, which is what one
+    forward and backward holds."""
     with rng_preserved():  # the training streams go on as if nothing was measured
         images, targets = next(epoch_batches(train_loader, 0))
+        images, targets = micro_batches(images, targets, cfg.solver.accumulate)[0]
         images = images_to_device(images, device)
         targets = move_targets(targets, device)
         saved, cuda_peak, rss_peak = measure_step(net, images, targets, cfg.solver.amp, device)
@@ -55,7 +57,8 @@ def measure_memory(
         "cuda_peak_mb": cuda_peak,
         "step_peak_rss_mb": rss_peak,
         "images_per_sec": images_per_sec,
-        "batch_size": len(images),
+        "batch_size": len(images),  # the measured forward's images (one micro-batch)
+        "accumulate": cfg.solver.accumulate,
         "dropit": {
             "enabled": cfg.dropit.enabled,
             "strategy": cfg.dropit.strategy,

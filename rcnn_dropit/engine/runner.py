@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from rcnn_dropit.checkpoint.checkpointer import (
@@ -75,6 +76,13 @@ def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
             say("note: train.sync_bn ignored: SyncBatchNorm needs CUDA devices")
         else:
             net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    if cfg.solver.accumulate > 1 and any(isinstance(m, _BatchNorm) for m in net.modules()):
+        micro = cfg.solver.batch_size / cfg.solver.accumulate
+        say(
+            f"note: solver.accumulate={cfg.solver.accumulate} with trainable BatchNorm: each "
+            f"micro-batch of ~{micro:g} image(s) is normalised with its own statistics, so "
+            "training differs from one batch of solver.batch_size (exact with model.norm=frozen_bn)"
+        )
     net.to(info.device)
     if not info.distributed:
         return net, net
@@ -264,9 +272,12 @@ def run(
     )
     if start is not None:
         trainer.load_loop_state(start.loop)
+    k = cfg.solver.accumulate
+    accumulating = f", each in {k} micro-batches" if k > 1 else ""
     say(
         f"training {cfg.model.arch} for {total} iterations "
-        f"({parts.schedule.iters_per_epoch} per epoch, "
+        f"({parts.schedule.iters_per_epoch} per epoch"
+        f"{accumulating}, "
         f"{info.world_size} process(es) on {info.device.type}) into '{run_dir.root}'"
     )
     try:

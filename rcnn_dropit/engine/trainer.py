@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -123,6 +124,13 @@ def move_targets(targets: list[dict], device: torch.device) -> list[dict]:
     ]
 
 
+def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
+    """DDP's ``no_sync`` (gradients kept local until the next synced backward); nothing for a
+    plain model."""
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+
 def _ordered(keys) -> list[str]:
     known = [k for k in LOSS_KEYS_ORDER if k in keys]
     return known + sorted(k for k in keys if k not in LOSS_KEYS_ORDER)
@@ -163,15 +171,28 @@ def nonfinite_message(iteration: int, losses: dict[str, float]) -> str:
 class StepOptions:
     """What one training step needs to know of the solver config."""
 
-    batch_size: int  # images per rank and step
+    batch_size: int  # images per rank and optimizer step
     amp: str = "none"  # none | fp16 | bf16
     nonfinite: str = "stop"  # stop | skip
     clip_grad_norm: float | None = None
+    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
 
     @classmethod
     def from_solver(cls, solver) -> StepOptions:
         """The options of a SolverConfig."""
-        return cls(solver.batch_size, solver.amp, solver.nonfinite, solver.clip_grad_norm)
+        return cls(
+            solver.batch_size, solver.amp, solver.nonfinite, solver.clip_grad_norm,
+            solver.accumulate,
+        )  # fmt: skip
+
+
+def micro_batches(images: list, targets: list, k: int) -> list[tuple[list, list]]:
+    """``images`` and ``targets`` in ``k`` consecutive parts as equal as possible (fewer when the
+    batch has fewer than ``k`` images, as an epoch's last batch may)."""
+    n = len(images)
+    parts = max(1, min(k, n))
+    bounds = [n * j // parts for j in range(parts + 1)]
+    return [(images[a:b], targets[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 class Trainer:
@@ -221,8 +242,11 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self, images: list[torch.Tensor], targets: list[dict], iteration: int) -> dict:
-        """Forward, non-finite guard, backward, clip, optimizer and scheduler step."""
+        """Forward, non-finite guard, backward, clip, optimizer and scheduler step; with
+        ``accumulate`` > 1 the batch goes through in micro-batches first (see _accumulated_step)."""
         solver = self.options
+        if solver.accumulate > 1:
+            return self._accumulated_step(images, targets, iteration)
         # DropIT strategies that draw are seeded from (iteration, rank, layer): a resumed run
         # draws exactly what the uninterrupted one did
         set_step(self.model, iteration, get_rank())
@@ -234,32 +258,87 @@ class Trainer:
         logged = {"loss": sum(logged.values()), **logged}
         self.optimizer.zero_grad(set_to_none=True)
         self.last_lr = self.optimizer.param_groups[0]["lr"]  # the lr this iteration uses
-        if not all(math.isfinite(v) for v in logged.values()):
-            if solver.nonfinite == "stop":
-                raise FloatingPointError(nonfinite_message(iteration, logged))
-            self.skipped_steps += 1
-            # rank 0's console and log.txt; other ranks' log files
-            log.warning(
-                f"warning: {nonfinite_message(iteration, logged).split(' (')[0]}; "
-                f"step skipped ({self.skipped_steps} so far)"
-            )
-            step_scheduler(self.scheduler)  # the lr schedule follows iterations, skipped or not
+        if not self._finite_or_skip(logged, iteration):
             return logged
+        self._backward(total)
+        self._optimizer_step()
+        return logged
+
+    def _accumulated_step(self, images: list, targets: list, iteration: int) -> dict:
+        """One optimizer step from ``accumulate`` micro-batches, each forward and backward in
+        turn, so that only one micro-batch's activations are alive at a time.
+
+        Each micro-batch's loss is weighted by its share of the batch's images: the gradients
+        add up to those of the whole batch when the losses are means over images (exact for a
+        frozen-norm model up to float summation; trainable BatchNorm sees smaller batches).
+        DDP all-reduces gradients only in the last micro-batch's backward (``no_sync`` before),
+        and the losses are all-reduced once, after the last backward, so every rank makes the
+        same number of collective calls even when an epoch's last batch is short.
+        """
+        solver = self.options
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_lr = self.optimizer.param_groups[0]["lr"]
+        parts = micro_batches(images, targets, solver.accumulate)
+        sums: dict[str, torch.Tensor] = {}
+        for j, (imgs, tgts) in enumerate(parts):
+            # each forward its own DropIT draws, and the same ones on resume
+            set_step(self.model, (iteration - 1) * solver.accumulate + j + 1, get_rank())
+            last = j == len(parts) - 1
+            sync = contextlib.nullcontext() if last else _no_sync(self.model)
+            share = len(imgs) / len(images)
+            with sync:
+                with autocast(solver.amp, self.device):
+                    loss_dict = self.model(imgs, tgts)
+                for key, value in loss_dict.items():
+                    weighted = value.detach().float() * share
+                    sums[key] = sums[key] + weighted if key in sums else weighted
+                self._backward(sum(loss_dict.values()) * share)
+            del loss_dict
+        logged = reduce_losses(sums)
+        logged = {"loss": sum(logged.values()), **logged}
+        if not self._finite_or_skip(logged, iteration):
+            self.optimizer.zero_grad(set_to_none=True)  # the gradients of the NaN micro-batch
+            return logged
+        self._optimizer_step()
+        return logged
+
+    def _finite_or_skip(self, logged: dict[str, float], iteration: int) -> bool:
+        """True for finite losses; else stop (FloatingPointError) or count a skipped step."""
+        if all(math.isfinite(v) for v in logged.values()):
+            return True
+        if self.options.nonfinite == "stop":
+            raise FloatingPointError(nonfinite_message(iteration, logged))
+        self.skipped_steps += 1
+        # rank 0's console and log.txt; other ranks' log files
+        log.warning(
+            f"warning: {nonfinite_message(iteration, logged).split(' (')[0]}; "
+            f"step skipped ({self.skipped_steps} so far)"
+        )
+        step_scheduler(self.scheduler)  # the lr schedule follows iterations, skipped or not
+        return False
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss``, scaled when training in fp16."""
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def _optimizer_step(self) -> None:
+        """Clip (the true gradients), step the optimizer and the schedule."""
+        solver = self.options
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
-            self.scaler.scale(total).backward()
             if solver.clip_grad_norm:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
                 torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            total.backward()
             if solver.clip_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
             self.optimizer.step()
         step_scheduler(self.scheduler)
-        return logged
 
     # ---- side effects ---------------------------------------------------------------------
     def _log(self, iteration: int, bar: tqdm) -> None:
