@@ -1,5 +1,5 @@
 """The study report's figures by construction: notes rendered from the runs, the verdict read
-from paired intervals, issue 18's goal, the time account from the runs' logs."""
+from paired intervals, the goal, the time account from the runs' logs."""
 
 from __future__ import annotations
 

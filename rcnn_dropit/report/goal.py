@@ -1,4 +1,4 @@
-"""Issue 18's goal, checked criterion by criterion: a DropIT setting on every layer the paper
+"""The study's goal, checked criterion by criterion: a DropIT setting on every layer the paper
 converts that keeps box and mask AP by the paired interval at 5 fine-tune seeds, at <= 0.30x
 saved activations and <= 0.65x peak of the step on the R50-FPN bench.
 
