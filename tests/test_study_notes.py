@@ -1,5 +1,5 @@
 """The study report's figures by construction: notes rendered from the runs, the verdict read
-from paired intervals, issue 18's goal, the time account from the runs' logs."""
+from paired intervals, the goal, the time account from the runs' logs."""
 
 from __future__ import annotations
 
@@ -111,6 +111,14 @@ def sources(tmp_path: Path) -> Sources:
         # mask Δ -0.5, -1.0, +0.5: mean -1/3, sd 0.764, half-width 1.897
         ("d ft/mink mask", "-0.3 [-2.2, +1.6]"),
         ("dmean ft/mink box", "-1.5"),
+        ("dlow ft/mink box", "-2.7"),
+        ("dhigh ft/mink mask", "+1.6"),
+        # seeds 1-2 only, as the notes read a setting before more seeds came: box Δ -2, -1,
+        # mean -1.5, sd 0.707, half-width t(1) 12.706 x 0.707 / sqrt(2) = 6.35
+        ("d ft/mink_s1-2 box", "-1.5 [-7.9, +4.9]"),
+        ("dseeds ft/mink_s2-3 box", "-1.0, -1.5"),
+        ("n ft/mink_s1-2", "2"),
+        ("d ft/mink_s1-1 box", "-2.0"),  # a range of one seed is that run
         ("dseeds ft/mink box", "-2.0, -1.0, -1.5"),
         ("dsd ft/mink box", "0.5"),
         ("dmax ft/mink mask", "1.0"),
@@ -128,6 +136,8 @@ def sources(tmp_path: Path) -> Sources:
         ("saved ft/mink", "0.40x"),  # mean of per-seed ratios, not 0.38x
         ("n ft/mink", "3"),
         ("seeds ft/mink_2x", "1, 2"),
+        # every setting, sorted, so a list in the notes cannot leave one out
+        ("seedlist ft", "baseline 1, 2, 3; baseline_2x 1; mink 1, 2, 3; mink_2x 1, 2"),
         ("grad ft iter_800 mink_0.8 RPN_head cos", "0.97"),
         ("grad ft iter_800 mink_0.8 RPN_head norm", "0.76"),
         ("bench mink_0.8 peak_ratio", "0.61x"),
@@ -152,6 +162,7 @@ def test_every_placeholder_renders_its_figure(
 def test_every_function_is_tested() -> None:
     tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow", "nabove", "dat"}
     tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench", "same", "dhalf"}
+    tested |= {"dlow", "dhigh", "seedlist"}
     assert set(FUNCTIONS) == tested
 
 
@@ -170,6 +181,12 @@ def test_text_without_placeholders_is_unchanged(sources: Sources) -> None:
         ("{{d ft_mink box}}", "write regime/setting"),
         ("{{d ft/nope box}}", "no finished run or setting 'nope'"),
         ("{{d ft/mink_s9 box}}", "no finished run or setting 'mink_s9'"),
+        ("{{d ft/mink_s2-4 box}}", "no finished run or setting 'mink_s2-4'"),  # no seed 4
+        ("{{d ft/mink_s3-1 box}}", "seed range '3-1' runs backwards"),
+        ("{{dlow ft/mink_s1 box}}", "an interval needs 2 paired seeds"),
+        ("{{dhigh ft/mink_2x mask}}", "an interval needs 2 paired seeds"),  # 1 paired of 2
+        ("{{seedlist xx}}", "no regime 'xx'"),
+        ("{{same ft/mink_s1-2 ft/baseline_s1}}", "names 2 runs; name one"),
         ("{{d ft/mink bx}}", "family 'bx' is not one of box, mask"),
         ("{{d ft/baseline box}}", "'baseline' is a baseline"),
         ("{{dat ft/mink box late}}", "iteration 'late' is not a whole number"),

@@ -1,6 +1,6 @@
 """The accuracy study's report: per regime, AP over seeds, paired differences, figures, the
-verdict by interval, issue 18's goal, the time account and the findings rendered from their
-template."""
+verdict by interval, the goal (a DropIT setting on every layer that keeps AP), the time account
+and the findings rendered from their template."""
 
 from __future__ import annotations
 
@@ -266,7 +266,7 @@ def found_runs(plan: Plan) -> dict[str, dict[str, dict[int, Run]]]:
 
 
 def goal_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL) -> list[str]:
-    """Issue 18's goal judged in its regime, with the Δ AP vs peak memory figure."""
+    """The goal judged in its regime, with the Δ AP vs peak memory figure."""
     bench_path = plan.report.parent / BENCH_FILE
     bench = read_bench(bench_path)
     if goal.regime not in plan.regimes:
@@ -471,7 +471,11 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
             ]
         body += _figures(runs, plan, regime, plan.report)
         body += _grad_groups(plan.report.parent / f"shapes_grad_groups_{regime}.json")
-    lines += ["## Goal (issue 18)", "", *goal_lines(found.get(GOAL.regime, {}), plan)]
+    lines += [
+        "## Goal: a DropIT setting on every layer that keeps AP",
+        "",
+        *goal_lines(found.get(GOAL.regime, {}), plan),
+    ]
     choice = choice_lines(found.get(GOAL.regime, {}), plan)
     lines += ["## Choosing a method", "", *choice, ""]
     if plan.notes is not None and plan.notes.is_file():  # the analysis a person wrote

@@ -2,9 +2,11 @@
 
 A notes template is Markdown with placeholders ``{{function argument ...}}``; the study report
 renders it, so a number in the prose comes from the same run directories as the tables and
-cannot drift from them. A target is ``regime/setting`` (all its seeds) or ``regime/setting_sN``
-(one run); a family is ``box`` or ``mask``. Δ pairs a setting with its baseline seed by seed
-(``rcnn_dropit.report.seeded.baseline_of``: ``baseline``, or ``baseline_2x`` for ``*_2x``).
+cannot drift from them. A target is ``regime/setting`` (all its seeds), ``regime/setting_sN``
+(one run) or ``regime/setting_sA-B`` (seeds A to B, each finished: what a setting showed before
+more seeds were added); a family is ``box`` or ``mask``. Δ pairs a setting with its baseline
+seed by seed (``rcnn_dropit.report.seeded.baseline_of``: ``baseline``, or ``baseline_2x`` for
+``*_2x``).
 
 =========================  ==================================================  ===================
 placeholder                renders                                             example
@@ -13,6 +15,8 @@ ap TARGET FAMILY           AP mean ± std over seeds, or one run's AP           
 mean TARGET FAMILY         AP mean over seeds                                  ``82.6``
 d TARGET FAMILY            paired Δ, with its 95% interval from 2 seeds on     ``-2.0 [-3.5, -0.4]``
 dmean TARGET FAMILY        paired Δ, the mean only                             ``-2.0``
+dlow TARGET FAMILY         the lower end of the paired Δ's 95% interval        ``-3.5``
+dhigh TARGET FAMILY        the upper end of the paired Δ's 95% interval        ``-0.4``
 dseeds TARGET FAMILY       the per-seed Δ, in seed order                       ``-2.7, -1.7, -1.6``
 dsd TARGET FAMILY          standard deviation over seeds of the per-seed Δ     ``0.6``
 dmax TARGET FAMILY         the largest per-seed Δ in magnitude, unsigned       ``0.9``
@@ -26,6 +30,8 @@ vs TARGET OTHER FAMILY     paired Δ of TARGET against OTHER (any two)          
 saved TARGET               saved activations / the baseline's, mean per seed   ``0.55x``
 n TARGET                   seeds paired with the baseline                      ``3``
 seeds TARGET               the seeds that finished                             ``1, 2, 3``
+seedlist REGIME            every setting of a regime with its finished seeds   ``baseline 1, 2;
+                                                                               mink_0.8 1``
 grad NAME STATE SET GROUP  a cosine (``cos``) or norm ratio (``norm``) of       ``0.97``
   MEASURE                  ``shapes_grad_groups_NAME.json``; spaces as ``_``
 bench SETTING KEY          a ratio of ``methods_bench.json`` (R50-FPN bench)   ``0.61x``
@@ -46,7 +52,7 @@ from pathlib import Path
 
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.report.goal import BENCH_FILE, read_bench
-from rcnn_dropit.report.paired import spread, t95
+from rcnn_dropit.report.paired import PairedDiff, spread, t95
 from rcnn_dropit.report.runs import Run
 from rcnn_dropit.report.seeded import (
     FAMILY_OF_WORD,
@@ -61,7 +67,7 @@ from rcnn_dropit.report.seeded import (
 )
 
 PLACEHOLDER = re.compile(r"\{\{([^{}]*)\}\}")
-_SEEDED = re.compile(r"(?P<setting>.+)_s(?P<seed>\d+)")
+_SEEDED = re.compile(r"(?P<setting>.+)_s(?P<first>\d+)(?:-(?P<last>\d+))?")
 GRAD_MEASURES = {"cos": "cosine", "norm": "norm_ratio"}
 
 
@@ -71,11 +77,12 @@ class NotesError(UsageError):
 
 @dataclass(frozen=True)
 class Target:
-    """What a placeholder points at: one setting of a regime, all its seeds or one."""
+    """What a placeholder points at: one setting of a regime, all its seeds (``seeds`` None)
+    or the seeds named."""
 
     regime: str
     setting: str
-    seed: int | None
+    seeds: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -133,14 +140,21 @@ def _target(text: str, found: Found) -> Target:
     if setting in runs:
         return Target(regime, setting, None)
     m = _SEEDED.fullmatch(setting)
-    if m and m["setting"] in runs and int(m["seed"]) in runs[m["setting"]]:
-        return Target(regime, m["setting"], int(m["seed"]))
+    if m and m["setting"] in runs:
+        first = int(m["first"])
+        last = first if m["last"] is None else int(m["last"])
+        if last < first:
+            raise _Bad(f"seed range '{first}-{last}' runs backwards")
+        seeds = tuple(range(first, last + 1))
+        # a range with a seed missing would silently report fewer seeds than it names
+        if all(s in runs[m["setting"]] for s in seeds):
+            return Target(regime, m["setting"], seeds)
     raise _Bad(f"no finished run or setting '{setting}' in regime '{regime}'")
 
 
 def _runs(found: Found, t: Target) -> Seeds:
     runs = found[t.regime][t.setting]
-    return runs if t.seed is None else {t.seed: runs[t.seed]}
+    return runs if t.seeds is None else {s: runs[s] for s in t.seeds}
 
 
 def _base(found: Found, t: Target) -> Seeds:
@@ -180,16 +194,36 @@ def _mean(sources: Sources, target: str, word: str) -> str:
     return _ap(sources, target, word, with_std=False)
 
 
-def _d(sources: Sources, target: str, word: str, mean_only: bool = False) -> str:
+def _paired(sources: Sources, target: str, word: str) -> PairedDiff:
     t = _target(target, sources.found)
     d = paired(_runs(sources.found, t), _base(sources.found, t), _family(word))
     if d is None:
         raise _Bad(f"no {word} AP of '{target}' paired with its baseline")
-    return f"{d.mean:+.1f}" if mean_only else paired_text(d)
+    return d
+
+
+def _d(sources: Sources, target: str, word: str) -> str:
+    return paired_text(_paired(sources, target, word))
 
 
 def _dmean(sources: Sources, target: str, word: str) -> str:
-    return _d(sources, target, word, mean_only=True)
+    return f"{_paired(sources, target, word).mean:+.1f}"
+
+
+def _dend(sources: Sources, target: str, word: str, end: str) -> str:
+    """One end of the paired interval, so prose can say how far a loss or gain is left open."""
+    value = getattr(_paired(sources, target, word), end)
+    if value is None:
+        raise _Bad("an interval needs 2 paired seeds or more")
+    return f"{value:+.1f}"
+
+
+def _dlow(sources: Sources, target: str, word: str) -> str:
+    return _dend(sources, target, word, "low")
+
+
+def _dhigh(sources: Sources, target: str, word: str) -> str:
+    return _dend(sources, target, word, "high")
 
 
 def _dseeds(sources: Sources, target: str, word: str) -> str:
@@ -279,9 +313,11 @@ def _vs(sources: Sources, target: str, other: str, word: str) -> str:
 
 def _one_run(sources: Sources, target: str) -> Run:
     t = _target(target, sources.found)
-    if t.seed is None:
+    if t.seeds is None:
         raise _Bad(f"'{target}' names a setting; name one run, e.g. '{target}_s1'")
-    return sources.found[t.regime][t.setting][t.seed]
+    if len(t.seeds) != 1:
+        raise _Bad(f"'{target}' names {len(t.seeds)} runs; name one")
+    return sources.found[t.regime][t.setting][t.seeds[0]]
 
 
 def _same(sources: Sources, target: str, other: str) -> str:
@@ -326,6 +362,17 @@ def _n(sources: Sources, target: str) -> str:
 def _seeds(sources: Sources, target: str) -> str:
     t = _target(target, sources.found)
     return ", ".join(str(s) for s in sorted(_runs(sources.found, t)))
+
+
+def _seedlist(sources: Sources, regime: str) -> str:
+    """Every setting of a regime with the seeds that finished: a list typed by hand leaves
+    settings out as the study grows."""
+    if regime not in sources.found:
+        raise _Bad(f"no regime '{regime}' among {sorted(sources.found)}")
+    runs = sources.found[regime]
+    if not runs:
+        raise _Bad(f"regime '{regime}' has no finished run")
+    return "; ".join(f"{s} {', '.join(str(n) for n in sorted(runs[s]))}" for s in sorted(runs))
 
 
 def _grad(sources: Sources, name: str, state: str, setting: str, group: str, measure: str) -> str:
@@ -375,6 +422,8 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "mean": (_mean, ("TARGET", "FAMILY")),
     "d": (_d, ("TARGET", "FAMILY")),
     "dmean": (_dmean, ("TARGET", "FAMILY")),
+    "dlow": (_dlow, ("TARGET", "FAMILY")),
+    "dhigh": (_dhigh, ("TARGET", "FAMILY")),
     "dseeds": (_dseeds, ("TARGET", "FAMILY")),
     "dsd": (_dsd, ("TARGET", "FAMILY")),
     "dmax": (_dmax, ("TARGET", "FAMILY")),
@@ -387,6 +436,7 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "saved": (_saved, ("TARGET",)),
     "n": (_n, ("TARGET",)),
     "seeds": (_seeds, ("TARGET",)),
+    "seedlist": (_seedlist, ("REGIME",)),
     "grad": (_grad, ("NAME", "STATE", "SETTING", "GROUP", "MEASURE")),
     "bench": (_bench, ("SETTING", "KEY")),
     "same": (_same, ("RUN", "OTHER")),
