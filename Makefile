@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-gpu lint format study
+.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-bf16 bench-gpu lint format study
 
 setup: $(STAMP)
 
@@ -41,7 +41,7 @@ bench: setup
 # docs/results/memory.md. A quarter hour on 2 quiet cores; QUIET=1 records that nothing else ran.
 METHODS := baseline mink_0.8 threshold_0.8 random_0.8 random_scaled_0.8 importance_0.8 \
 	quant_2bit quant_4bit quant_8bit mink_0.8_backbone mink_0.8_backbone_quant_4bit_heads \
-	checkpoint_stages checkpoint_stages_quant_4bit
+	checkpoint_stages checkpoint_stages_quant_4bit baseline_torchvision_bn accumulate_2
 DRAWS ?= 4
 REPEATS ?= 2
 bench-methods: setup
@@ -50,13 +50,25 @@ bench-methods: setup
 		--methods-json docs/results/methods_bench.json $(if $(QUIET),--quiet-machine)
 	$(PY) tools/bench.py --markdown docs/results/methods_bench.json --into docs/results/memory.md
 
-# On a machine with a GPU: AMP fp16 step memory and time per variant, then the largest batch each
-# trains in BUDGET_MB of GPU memory (default 16000).
+# What autocast does to the baselines without a GPU: bf16 on the CPU, R50-FPN at 2 images of
+# 384 px, torchvision's FrozenBatchNorm2d (fp32 activations) against the lean one; a few minutes.
+BF16_METHODS := baseline baseline_torchvision_bn accumulate_2 quant_4bit checkpoint_stages
+bench-bf16: setup
+	$(PY) tools/bench.py --amp bf16 --image-size 384 --settings $(BF16_METHODS) --draws 2 \
+		--repeats 2 --json docs/results/bench_bf16_cpu.json \
+		--methods-json docs/results/methods_bench_bf16.json $(if $(QUIET),--quiet-machine)
+
+# On a machine with a GPU: AMP fp16 step memory and time of every method against the lean
+# baseline (torchvision's norm and gradient accumulation as rows) at 2 and 8 images of 800 px,
+# then the largest batch each trains in BUDGET_MB of GPU memory (default 16000).
 BUDGET_MB ?= 16000
+GPU_METHODS := baseline baseline_torchvision_bn accumulate_2 accumulate_4 quant_4bit quant_2bit \
+	mink_0.8 threshold_0.8 checkpoint_stages checkpoint_stages_quant_4bit
+GPU_BENCH := $(PY) tools/bench.py --device cuda --amp fp16 --image-size 800 --settings $(GPU_METHODS)
 bench-gpu: setup
-	$(PY) tools/bench.py --device cuda --amp fp16 --image-size 800 --json bench_gpu.json
-	$(PY) tools/bench.py --device cuda --amp fp16 --image-size 800 --max-batch $(BUDGET_MB) \
-		--json bench_gpu_batch.json
+	$(GPU_BENCH) --images 2 --repeats 8 --json docs/results/bench_gpu_2img.json
+	$(GPU_BENCH) --images 8 --repeats 8 --json docs/results/bench_gpu_8img.json
+	$(GPU_BENCH) --max-batch $(BUDGET_MB) --batch-limit 160 --json docs/results/bench_gpu_batch.json
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -121,6 +121,7 @@ class SolverConfig:
     # Gradient accumulation: each batch goes through forward and backward in this many
     # micro-batches, one optimizer step for all of them; activation memory of a micro-batch,
     # the same schedule, lr and steps. Exact for frozen norms; BatchNorm sees smaller batches.
+    # A batch of fewer images than this (an epoch's last) goes one image per micro-batch.
     accumulate: int = _f(1, ge=1)
     epochs: int = _f(26, ge=1)
     max_iters: int | None = _f(None, ge=1)
@@ -203,11 +204,6 @@ def cross_check(cfg: Config) -> list[str]:
             f"({shapes.num_classes + 1}: the shape classes plus background)"
         )
     errors += _dropit_option_errors(cfg.dropit)
-    if s.accumulate > s.batch_size:
-        errors.append(
-            f"solver.accumulate ({s.accumulate}) must be <= solver.batch_size ({s.batch_size}): "
-            "a micro-batch holds at least one image"
-        )
     steps = s.lr_steps
     if any(b <= a for a, b in zip(steps[:-1], steps[1:], strict=True)) or any(x < 1 for x in steps):
         errors.append(f"solver.lr_steps {steps}: must be positive and strictly increasing")

@@ -15,7 +15,7 @@ from torch import nn
 
 from dropit_core import FrozenBatchNorm2d
 from rcnn_dropit.checkpoint.files import load_checkpoint
-from rcnn_dropit.config import config_from_dict, load_config
+from rcnn_dropit.config import load_config
 from rcnn_dropit.distributed import DistInfo
 from rcnn_dropit.engine.runner import prepare_model, train
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, micro_batches
@@ -171,11 +171,6 @@ def test_mask_rcnn_with_frozen_norms_steps_the_same_in_two_micro_batches() -> No
         assert step.abs().max() > 0, name
         bound = 2e-4 * step.abs().max() + 1e-6 * p0.abs().max()
         assert (other - step).abs().max() <= bound, name
-
-
-def test_accumulate_is_checked_against_the_batch_size() -> None:
-    with pytest.raises(ValueError, match=r"solver\.accumulate \(4\) must be <= solver\.batch_size"):
-        config_from_dict({"solver": {"batch_size": 2, "accumulate": 4}})
 
 
 def test_trainable_batchnorm_with_accumulation_says_the_statistics_change(caplog) -> None:

@@ -67,13 +67,15 @@ METHODS = [
     "mink_0.8_backbone_quant_4bit_heads",
     "checkpoint_stages",
     "checkpoint_stages_quant_4bit",
+    "baseline_torchvision_bn",
+    "accumulate_2",
 ]
 
 
 def test_make_bench_methods_measures_every_method_by_its_plan_name() -> None:
     text = (REPO / "Makefile").read_text()
     start = text.index("METHODS :=") + len("METHODS :=")
-    names = text[start : text.index("\n", text.index("checkpoint_stages", start))]
+    names = text[start : text.index("\n", text.index("accumulate_2", start))]
     assert names.replace("\\", " ").split() == METHODS
     assert [s.name for s in plan_settings(PLAN, METHODS)] == METHODS
 
@@ -118,7 +120,9 @@ def test_what_each_method_changes() -> None:
     # every method draws random numbers but the exact ones and the largest-magnitude ones; a
     # rule with one random group (the 4-bit heads) draws
     deterministic = {"baseline", "mink_0.8", "threshold_0.8", "mink_0.8_backbone"}
-    deterministic.add("checkpoint_stages")
+    deterministic |= {"checkpoint_stages", "baseline_torchvision_bn", "accumulate_2"}
+    assert describe(cfg["baseline_torchvision_bn"])["frozen_bn"] == "torchvision"
+    assert describe(cfg["accumulate_2"])["accumulate"] == 2
     assert {n for n, c in cfg.items() if draws_randomly(c)} == set(METHODS) - deterministic
 
 
@@ -412,3 +416,19 @@ def test_cli_unknown_setting_is_one_line(capsys) -> None:
     assert bench_main(["--settings", "quant_3bit", "--plan", str(PLAN)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: setting 'quant_3bit' is not in") and "did you mean" in err
+
+
+def test_tiny_bench_of_the_baselines_a_gpu_user_compares_with(monkeypatch) -> None:
+    monkeypatch.setattr(timing, "timed", lambda fn, device=None: (None, 1.0))
+    names = ["baseline", "baseline_torchvision_bn", "accumulate_2"]
+    base, torchvision_bn, accumulate = run_benchmark(
+        plan_settings(PLAN, names), image_size=64, repeats=1, rois_per_image=32,
+        backbone="resnet18",
+    )  # fmt: skip
+    assert (base["frozen_bn"], torchvision_bn["frozen_bn"]) == ("lean", "torchvision")
+    # in fp32 torchvision's norm is the baseline, bit for bit (test_frozen_norm.py): same bytes
+    assert torchvision_bn["saved_mb"] == base["saved_mb"]
+    # two micro-batches of one image: one image's activations at a time (plus the weights')
+    assert accumulate["accumulate"] == 2 and 0.4 < accumulate["saved_ratio"] < 0.65
+    # nothing is approximated in either: no gradient columns
+    assert torchvision_bn["grad_cosine"] is None and accumulate["grad_cosine"] is None

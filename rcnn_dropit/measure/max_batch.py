@@ -68,7 +68,13 @@ def largest_fitting(peak_of: Callable[[int], float | None], budget_mb: float, li
 
 
 def _step_peak_mb(
-    model: nn.Module, image_size: int, device: torch.device, amp: str, n: int, floor: float
+    model: nn.Module,
+    image_size: int,
+    device: torch.device,
+    amp: str,
+    n: int,
+    floor: float,
+    accumulate: int = 1,
 ) -> float | None:
     """Peak memory (MB) of one SGD-with-momentum step on n images; None when out of memory.
 
@@ -84,7 +90,7 @@ def _step_peak_mb(
     gc.collect()
     meter.begin()
     try:
-        train_step(model, make_batch(image_size, device, n), amp)
+        train_step(model, make_batch(image_size, device, n), amp, accumulate)
         optimizer.step()
         peak = meter.peak()
         if peak is not None and meter.cuda:
@@ -162,15 +168,18 @@ def largest_batches(
     reference, resolved = split_reference(resolved, base_cfg)
     dev = torch.device(device)
     check_amp(amp)
-    if peak_of is None:
 
-        def peak_of(model: nn.Module, n: int, floor: float) -> float | None:
-            return _step_peak_mb(model, image_size, dev, amp, n, floor)
+    def measured(accumulate: int) -> Callable[[nn.Module, int, float], float | None]:
+        def peak(model: nn.Module, n: int, floor: float) -> float | None:
+            return _step_peak_mb(model, image_size, dev, amp, n, floor, accumulate)
+
+        return peak
 
     setting = {"device": dev.type, "amp": amp, "image_size": image_size}
     # Each model is built on the CPU and moved to the device alone: each has it to itself.
     for s, cfg in [(reference, base_cfg), *resolved]:
-        yield {**_max_batch_row(s.name, cfg, budget_mb, limit, dev, peak_of), **setting}
+        measure = peak_of or measured(cfg.solver.accumulate)
+        yield {**_max_batch_row(s.name, cfg, budget_mb, limit, dev, measure), **setting}
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ from rcnn_dropit.measure.workload import (
     draws_randomly,
     eval_step,
     make_batch,
+    micro_batch_parts,
     recipe_config,
     setting_config,
     split_reference,
@@ -55,21 +56,31 @@ from rcnn_dropit.measure.workload import (
 WARMUP = 2  # training steps of a model before its memory is measured
 
 
-def _memory(model: nn.Module, batch, device: torch.device, amp: str = "none") -> dict:
+def _memory(
+    model: nn.Module, batch, device: torch.device, amp: str = "none", accumulate: int = 1
+) -> dict:
     """Saved bytes, live memory after the forward, and the peak of the step and where it falls.
 
     Every figure is taken above this model's own starting allocation (its gradients freed), so
-    whatever else the process holds (the baseline, earlier variants) does not count.
+    whatever else the process holds (the baseline, earlier variants) does not count. With
+    gradient accumulation the saved bytes and live memory are the first micro-batch's, the
+    peaks those of the whole step (every micro-batch's forward and backward).
     """
     model.zero_grad(set_to_none=True)
     gc.collect()
+    parts = micro_batch_parts(batch, accumulate) if accumulate > 1 else [batch]
+    share = [len(p[0]) / len(batch[0]) for p in parts]
     meter = PeakMeter(device)
     meter.begin()
-    loss, report = saved_activations(model, lambda: step_loss(model, batch, amp))
+    loss, report = saved_activations(model, lambda: step_loss(model, parts[0], amp))
     live, peak_forward = meter.now(), meter.peak()
-    loss.backward()
-    peak = meter.peak()
+    (loss * share[0] if accumulate > 1 else loss).backward()
     del loss
+    for part, weight in zip(parts[1:], share[1:], strict=True):
+        (step_loss(model, part, amp) * weight).backward()
+    peak = meter.peak()
+    if len(parts) > 1:  # the forward's peak over every micro-batch: a later one may top it
+        peak_forward = None
     out = report.as_dict()
     out["memory_source"] = "cuda" if meter.cuda else "rss"
     out["live_mb"], out["peak_mb"], out["peak_forward_mb"] = live, peak, peak_forward
@@ -120,8 +131,10 @@ def run_benchmark(
     batch = make_batch(image_size, dev, images)
     base = detector(base_cfg).to(dev).train()
 
+    accumulate: dict[int, int] = {}  # id(model) -> its setting's micro-batches per step
+
     def step(m: nn.Module, b) -> None:
-        train_step(m, b, amp)
+        train_step(m, b, amp, accumulate.get(id(m), 1))
 
     def timed_step(m: nn.Module, b) -> None:
         # A step frees the last one's gradients first; here they go at its end instead, so
@@ -137,7 +150,7 @@ def run_benchmark(
     exact = weight_grads(base, batch, amp)
     for _ in range(WARMUP - 1):
         step(base, batch)
-    base_mem = _memory(base, batch, dev, amp)
+    base_mem = _memory(base, batch, dev, amp, base_cfg.solver.accumulate)
     common = {"amp": amp, "device": dev.type, "images": images, "image_size": image_size}
     base_row = _row(reference, base_cfg, common, base_mem, base_mem)
     rows, models = [base_row], [base]
@@ -145,6 +158,7 @@ def run_benchmark(
         yield base_row
     for setting, cfg in resolved:
         model = detector(cfg).to(dev).train()
+        accumulate[id(model)] = cfg.solver.accumulate
         layers = approximated_layers(model)
         count = draws if draws_randomly(cfg) else 1  # a deterministic step gives one gradient
         grads = grad_draws(model, lambda m=model: step(m, batch), count)
@@ -155,7 +169,7 @@ def run_benchmark(
         del first, grads
         for _ in range(WARMUP - count):  # the draws were training steps: warm-up enough
             step(model, batch)
-        mem = _memory(model, batch, dev, amp)
+        mem = _memory(model, batch, dev, amp, cfg.solver.accumulate)
         row = _row(setting, cfg, common, mem, base_mem)
         row.update(fidelity, converted_layers=converted)
         model.zero_grad(set_to_none=True)

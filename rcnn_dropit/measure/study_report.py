@@ -336,13 +336,27 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL
         f"{goal.tolerance:g} AP** when every lower end is above -{goal.tolerance:g} but an upper "
         f"end passes +{goal.tolerance:g}. Saved, peak and step "
         f"time are ratios to the baseline on the R50-FPN bench (`{bench_path}`"
-        + (", not measured yet" if bench is None else "")
+        + (", not measured yet" if bench is None else _baseline_words(bench))
         + ").",
         "",
         *choice_table(found, order, bench, layers),
         "",
         answer,
     ]
+
+
+def _baseline_words(bench: dict[str, dict]) -> str:
+    """Which baseline the bench's ratios are against, from the bench's own records."""
+    amp = (bench.get("baseline") or {}).get("amp", "none")
+    if amp in (None, "none"):
+        return (
+            "; fp32, where the toolkit's FrozenBatchNorm2d and torchvision's give the same bits, "
+            "so the ratios hold against either"
+        )
+    return (
+        f"; autocast {amp}, against the toolkit's lean FrozenBatchNorm2d, which keeps "
+        "activations in that dtype where torchvision's promotes them to fp32"
+    )
 
 
 def _recommendation_lines(

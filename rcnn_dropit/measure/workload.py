@@ -33,7 +33,7 @@ from rcnn_dropit.models import build_model
 RECIPE_CLASSES = 81  # configs/maskrcnn_baseline.yaml: COCO's 80 and the background
 # The model keys a setting may change: the others would make a different model, not another
 # way to train the same one.
-SETTING_MODEL_KEYS = ("activation_checkpointing",)
+SETTING_MODEL_KEYS = ("activation_checkpointing", "frozen_bn")
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,8 @@ def describe(cfg: Config) -> dict[str, Any]:
         "include": list(d.include) if one else None,
         "rules": [dict(r) for r in d.rules] if d.enabled and d.rules else None,
         "activation_checkpointing": list(cfg.model.activation_checkpointing),
+        "frozen_bn": cfg.model.frozen_bn,
+        "accumulate": cfg.solver.accumulate,
     }
 
 
@@ -241,12 +243,24 @@ def step_loss(model: nn.Module, batch, amp: str = "none") -> torch.Tensor:
         return sum(model(*batch).values())
 
 
-def train_step(model: nn.Module, batch, amp: str = "none") -> None:
-    """One forward and backward (gradients set to None first)."""
+def train_step(model: nn.Module, batch, amp: str = "none", accumulate: int = 1) -> None:
+    """One forward and backward (gradients set to None first); with ``accumulate`` > 1, the
+    batch in that many micro-batches, each forward and backward in turn, as training does."""
     model.zero_grad(set_to_none=True)
     # Under fp16 a real run scales the loss (GradScaler); the scale changes neither memory nor
     # time of the backward, so the bench leaves it out.
-    step_loss(model, batch, amp).backward()
+    if accumulate == 1:
+        step_loss(model, batch, amp).backward()
+        return
+    for part in micro_batch_parts(batch, accumulate):
+        (step_loss(model, part, amp) * (len(part[0]) / len(batch[0]))).backward()
+
+
+def micro_batch_parts(batch, accumulate: int) -> list[tuple[list, list]]:
+    """The bench batch (images, targets) as the trainer splits it (engine.trainer.micro_batches)."""
+    from rcnn_dropit.engine.trainer import micro_batches
+
+    return micro_batches(batch[0], batch[1], accumulate)
 
 
 def eval_step(model: nn.Module, batch, amp: str = "none") -> None:
