@@ -57,6 +57,8 @@ bench-bf16: setup
 	$(PY) tools/bench.py --amp bf16 --image-size 384 --settings $(BF16_METHODS) --draws 2 \
 		--repeats 2 --json docs/results/bench_bf16_cpu.json \
 		--methods-json docs/results/methods_bench_bf16.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py --markdown docs/results/methods_bench_bf16.json \
+		--into docs/results/memory.md --block methods-bench-bf16
 
 # On a machine with a GPU: AMP fp16 step memory and time of every method against the lean
 # baseline (torchvision's norm and gradient accumulation as rows) at 2 and 8 images of 800 px,

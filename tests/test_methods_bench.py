@@ -28,6 +28,7 @@ from rcnn_dropit.measure.methods_table import (
     END,
     METHOD_KEYS,
     PROVENANCE_KEYS,
+    markers,
     method_records,
     methods_markdown,
     read_methods_json,
@@ -368,6 +369,14 @@ def test_the_table_goes_between_the_markers_only() -> None:
     assert splice(out, "| new |") == out  # writing it again changes nothing
     with pytest.raises(UsageError, match="no .* block"):
         splice("no markers here", "| new |", "memory.md")
+
+
+def test_a_named_block_leaves_the_other_blocks_alone() -> None:
+    bf16_begin, bf16_end = markers("methods-bench-bf16")
+    doc = f"{BEGIN}\nfp32\n{END}\n{bf16_begin}\nold\n{bf16_end}\n"
+    out = splice(doc, "| bf16 |", block="methods-bench-bf16")
+    assert out == f"{BEGIN}\nfp32\n{END}\n{bf16_begin}\n\n| bf16 |\n\n{bf16_end}\n"
+    assert (BEGIN, END) == markers()  # the default block is the methods table's
 
 
 def test_reading_a_methods_file_checks_its_keys(tmp_path) -> None:

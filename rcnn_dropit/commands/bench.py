@@ -137,9 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DOC",
         help="with --markdown: write the table into DOC between its methods-bench markers",
     )
+    parser.add_argument(
+        "--block",
+        default="methods-bench",
+        metavar="NAME",
+        help="with --into: the name of DOC's generated block (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.markdown:
-        return run_cli(lambda: _markdown(args.markdown, args.into))
+        return run_cli(lambda: _markdown(args.markdown, args.into, args.block))
     if args.into:
         parser.error("--into goes with --markdown")
     if args.widths:
@@ -194,7 +200,7 @@ def _command_line() -> str:
     return shlex.join(["python", script, *sys.argv[1:]])
 
 
-def _markdown(path: Path, into: Path | None) -> None:
+def _markdown(path: Path, into: Path | None, block: str = "methods-bench") -> None:
     """Print the methods table of a JSON file, or write it into a document's marked block."""
     from rcnn_dropit.measure.methods_table import methods_markdown, read_methods_json, splice
 
@@ -204,7 +210,7 @@ def _markdown(path: Path, into: Path | None) -> None:
         return
     if not into.is_file():
         raise UsageError(f"--into: file '{into}' does not exist")
-    into.write_text(splice(into.read_text(), table, str(into)))
+    into.write_text(splice(into.read_text(), table, str(into), block))
     print(f"table of {path} written into {into}")
 
 
