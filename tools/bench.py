@@ -5,7 +5,7 @@ The command is rcnn_dropit/commands/bench.py.
 
 import sys
 
-from rcnn_dropit.commands.bench import main
+from rcnn_dropit.commands.bench import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

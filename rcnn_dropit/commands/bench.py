@@ -34,17 +34,41 @@ DEFAULT_VARIANTS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point (``dropit-bench``).
+def restart_measuring() -> None:
+    """Start this command again with ``MALLOC_MMAP_THRESHOLD_=65536`` unless it is set: large
+    blocks are then mmapped from the OS and go back to it when freed, so RSS tracks live
+    tensors. The same command line (script, console script or ``-m`` module) runs again."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
-    Started from the command line (``argv`` None), the process first restarts itself with
-    ``MALLOC_MMAP_THRESHOLD_=65536``: large blocks are then mmapped from the OS and go back to it
-    when freed, so RSS tracks live tensors.
-    """
-    if argv is None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        # the same command again (script, console script or -m module), now measuring
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+def cli() -> int:
+    """Entry point of ``dropit-bench`` and ``tools/bench.py``: restart measuring, then main()."""
+    restart_measuring()
+    return main()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments and run the mode they pick (markdown, widths, ops, max-batch, steps)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.into and not args.markdown:
+        parser.error("--into goes with --markdown")
+    if args.markdown:
+        return run_cli(lambda: _markdown(args.markdown, args.into, args.block))
+    if args.widths:
+        return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
+    if args.ops:
+        return run_cli(lambda: _ops(args.device, args.repeats, args.json))
+    if args.max_batch is not None:
+        return run_cli(lambda: _max_batch(args))
+    return run_cli(lambda: _steps(args))
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's arguments."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -143,53 +167,63 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="with --into: the name of DOC's generated block (default: %(default)s)",
     )
-    args = parser.parse_args(argv)
-    if args.markdown:
-        return run_cli(lambda: _markdown(args.markdown, args.into, args.block))
-    if args.into:
-        parser.error("--into goes with --markdown")
-    if args.widths:
-        return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
-    if args.ops:
-        return run_cli(lambda: _ops(args.device, args.repeats, args.json))
-    return run_cli(lambda: _variants(args))
+    return parser
 
 
-def _variants(args: argparse.Namespace) -> None:
-    """Rows of the baseline and each variant (or their largest batches), then the table."""
-    from rcnn_dropit.measure.max_batch import largest_batches
-    from rcnn_dropit.measure.methods_table import method_records, provenance, write_methods_json
-    from rcnn_dropit.measure.step_bench import markdown_table, run_benchmark
+def _settings(args: argparse.Namespace) -> list:
+    """The settings the arguments name: --settings of the plan first, then --variants (the
+    default variants when neither is given); a missing CUDA device is refused here."""
     from rcnn_dropit.measure.workload import parse_variant, plan_settings
 
     if args.device.startswith("cuda") and not _cuda():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
-    if args.methods_json and args.max_batch is not None:
-        raise UsageError("--methods-json: the methods table comes from step rows, not --max-batch")
     settings = plan_settings(args.plan, args.settings) if args.settings else []
     texts = args.variants if args.variants or args.settings else DEFAULT_VARIANTS
-    settings += [parse_variant(v).setting for v in texts or ()]
+    return settings + [parse_variant(v).setting for v in texts or ()]
+
+
+def _max_batch(args: argparse.Namespace) -> None:
+    """The largest batch of the baseline and each setting within --max-batch MB."""
+    from rcnn_dropit.measure.max_batch import largest_batches
+
+    if args.methods_json:
+        raise UsageError("--methods-json: the methods table comes from step rows, not --max-batch")
+    produced = largest_batches(
+        _settings(args), args.max_batch, args.batch_limit, args.scratch, args.image_size,
+        args.device, amp=args.amp,
+    )  # fmt: skip
+    _emit(produced, args.json)
+
+
+def _steps(args: argparse.Namespace) -> None:
+    """Memory, gradient fidelity and step time of the baseline and each setting."""
+    from rcnn_dropit.measure.methods_table import method_records, provenance, write_methods_json
+    from rcnn_dropit.measure.step_bench import run_benchmark
+
+    settings = _settings(args)
     header = provenance(_command_line(), args.quiet_machine, args.device)  # before minutes of work
-    if args.max_batch is not None:
-        produced = largest_batches(
-            settings, args.max_batch, args.batch_limit, args.scratch, args.image_size,
-            args.device, amp=args.amp,
-        )  # fmt: skip
-    else:
-        produced = run_benchmark(
-            settings, args.scratch, args.image_size, args.repeats, args.device,
-            amp=args.amp, images=args.images, draws=args.draws,
-        )  # fmt: skip
+    produced = run_benchmark(
+        settings, args.scratch, args.image_size, args.repeats, args.device,
+        amp=args.amp, images=args.images, draws=args.draws,
+    )  # fmt: skip
+    rows = _emit(produced, args.json)
+    if args.methods_json:
+        write_methods_json(args.methods_json, method_records(rows, header))
+
+
+def _emit(produced, json_path: Path | None) -> list[dict]:
+    """Print each row as a JSON line as it comes, then their table; write them to json_path."""
+    from rcnn_dropit.measure.step_bench import markdown_table
+
     rows = []
     for row in produced:
         print(json.dumps(row), flush=True)
         rows.append(row)
     print()
     print(markdown_table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    if args.methods_json:
-        write_methods_json(args.methods_json, method_records(rows, header))
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
 
 
 def _command_line() -> str:
@@ -244,4 +278,4 @@ def _cuda() -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())
