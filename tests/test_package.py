@@ -61,3 +61,13 @@ def test_bench_restarts_itself_measuring_as_it_was_started(monkeypatch) -> None:
         bench.cli()
     assert calls == [(sys.executable, [sys.executable, *started[1:]])]
     assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "65536"
+
+
+def test_the_citation_file_names_this_version_and_license() -> None:
+    import yaml
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    cff = yaml.safe_load((REPO / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "software"
+    assert (str(cff["version"]), cff["license"]) == (project["version"], "Apache-2.0")
+    assert "arXiv:2202.13808" in str(cff["preferred-citation"]["identifiers"])
