@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from rcnn_dropit.measure.allocator import training_allocator
+from instruments.measure.allocator import training_allocator
 from tests.helpers import REPO
 
 # In a fresh process started for measuring: RSS kept after freeing a 16 MB tensor, inside the
@@ -18,7 +18,7 @@ from tests.helpers import REPO
 PROBE = """
 import json, torch
 from dropit_core.memory import rss_mb
-from rcnn_dropit.measure.allocator import training_allocator
+from instruments.measure.allocator import training_allocator
 
 def kept_after_free():
     before = rss_mb()

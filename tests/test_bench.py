@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from dropit_core import is_dropit, timing
-from rcnn_dropit.config import load_config
-from rcnn_dropit.measure import max_batch, step_bench
-from rcnn_dropit.measure.grad_fidelity import cosine, mean_fidelity, norm_ratio
-from rcnn_dropit.measure.max_batch import largest_batches, largest_fitting
-from rcnn_dropit.measure.step_bench import markdown_table, run_benchmark
-from rcnn_dropit.measure.workload import (
+from instruments.measure import max_batch, step_bench
+from instruments.measure.grad_fidelity import cosine, mean_fidelity, norm_ratio
+from instruments.measure.max_batch import largest_batches, largest_fitting
+from instruments.measure.step_bench import markdown_table, run_benchmark
+from instruments.measure.workload import (
     Variant,
     build_detector,
     detector,
@@ -19,6 +18,7 @@ from rcnn_dropit.measure.workload import (
     recipe_config,
     setting_config,
 )
+from rcnn_dropit.config import load_config
 from tests.helpers import REPO
 
 
@@ -279,7 +279,7 @@ def test_unknown_strategy_is_a_clear_error() -> None:
 def test_step_time_comparison_of_widths(tiny_shapes, monkeypatch):
     """Both models train on the same batch, in rounds; the first is the 1x reference; narrow
     has fewer parameters."""
-    from rcnn_dropit.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
+    from instruments.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
     from tests.helpers import tiny_opts
 
     seconds = iter([2.0, 0.5, 3.0, 0.25])  # rounds of (torchvision widths, narrow)
@@ -317,7 +317,7 @@ def test_bench_tool_says_when_cuda_is_missing() -> None:
 
 
 def test_op_costs_rows_name_every_pass_in_order(monkeypatch) -> None:
-    from rcnn_dropit.measure.op_bench import op_costs
+    from instruments.measure.op_bench import op_costs
 
     # pass i takes (i + 1) ms in the timed round; the untimed first round says 50 ms each
     seconds = iter([0.05] * 11 + [(i + 1) / 1000 for i in range(11)])
@@ -332,7 +332,7 @@ def test_op_costs_rows_name_every_pass_in_order(monkeypatch) -> None:
 
 
 def test_op_costs_on_a_missing_gpu_is_a_clear_error() -> None:
-    from rcnn_dropit.measure.op_bench import op_costs
+    from instruments.measure.op_bench import op_costs
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -201,7 +201,7 @@ def test_base_cycle_is_detected(tmp_path: Path):
 )
 def test_every_shipped_config_loads(path: Path):
     if path.name == "plan.yaml":  # a study plan, not a training config: its runs' configs load
-        from rcnn_dropit.measure.study_plan import load_plan, plan_runs
+        from instruments.measure.study_plan import load_plan, plan_runs
 
         for run in plan_runs(load_plan(path)):
             cfg = load_config(run.config, run.overrides)  # each run's name and seed applied
@@ -253,7 +253,7 @@ def test_published_recipes():
 
 def test_each_config_the_study_plan_names_trains_its_setting():
     # the config a user gets for a study setting is the COCO recipe with that setting's overrides
-    from rcnn_dropit.measure.study_plan import load_plan
+    from instruments.measure.study_plan import load_plan
 
     plan = load_plan(CONFIGS / "study/plan.yaml")
     assert {"mink_0.8", "quant_4bit"} <= set(plan.configs)

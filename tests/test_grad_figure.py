@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rcnn_dropit.measure.grad_figure import gradient_study, plot, save_json
+from instruments.measure.grad_figure import gradient_study, plot, save_json
 
 LAYERS = ("backbone.body.layer2.0.conv2", "roi_heads.box_head.fc6")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from instruments.measure.grad_groups import group_fidelity, markdown_table, training_batches
 from rcnn_dropit.config import load_config
-from rcnn_dropit.measure.grad_groups import group_fidelity, markdown_table, training_batches
 from tests.helpers import MASK_CFG, assert_one_line_error, call_tool, tiny_opts
 
 

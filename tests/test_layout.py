@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles among rcnn_dropit and dropit_core modules, and no
-private name (a leading underscore: "only this module") used from another module."""
+"""The package's shape: no import cycles among the modules of rcnn_dropit, dropit_core and the
+instruments, no private name (a leading underscore: "only this module") used from another
+module, and the instruments apart from the product."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("rcnn_dropit", "dropit_core")
+PACKAGES = ("rcnn_dropit", "dropit_core", "instruments")
 # Private names used across modules that other work is removing right now (dropit_core's own
 # consolidation): (importing module, imported module, name). Delete an entry when it lands; an
 # entry that no longer occurs fails the test, so the list cannot go stale.
@@ -131,28 +132,37 @@ def test_no_private_name_is_used_across_modules() -> None:
     )
 
 
+INSTRUMENTS = ("bench", "study", "grad_figure", "grad_groups")  # tools/ that run instruments
+
+
 def test_the_tools_are_thin_and_import_nothing_private() -> None:
-    # tools/*.py run a command of the package from a checkout; the library never imports them
+    # tools/*.py run a command from a checkout; nothing imports them. The product's tools import
+    # the installed package; the instruments' tools put the checkout on the path first.
     for path in sorted((REPO / "tools").glob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
-        froms = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-        assert [n.module for n in froms] == [f"rcnn_dropit.commands.{path.stem}"], path
-        assert [a.name for n in froms for a in n.names] == ["main"], path
-        assert "sys.path" not in path.read_text(), path
+        froms = [
+            n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module != "pathlib"
+        ]
+        instrument = path.stem in INSTRUMENTS
+        package = "instruments" if instrument else "rcnn_dropit"
+        assert [n.module for n in froms] == [f"{package}.commands.{path.stem}"], path
+        entry = "cli" if path.stem == "bench" else "main"
+        assert [a.name for n in froms for a in n.names] == [entry], path
+        assert ("sys.path" in path.read_text()) is instrument, path
 
 
-def test_the_measuring_instruments_are_not_imported_by_the_product() -> None:
+def test_the_instruments_are_not_imported_by_the_product() -> None:
     known = _modules()
-    product = [
-        m
-        for m in known
-        if m.startswith("rcnn_dropit.")
-        and not m.startswith(("rcnn_dropit.measure", "rcnn_dropit.commands"))
-    ]
+    product = [m for m in known if m.startswith(("rcnn_dropit", "dropit_core"))]
     uses = [
         f"{m} imports {target}"
         for m in product
         for target, _, _ in _imports(m, known[m], known)
-        if target.startswith("rcnn_dropit.measure") or target.startswith("rcnn_dropit.commands")
+        if target.split(".")[0] == "instruments"
     ]
     assert not uses, uses
+    # the instruments left the installed package: neither the measure package nor the study's
+    # report modules nor their commands are in it any more
+    gone = ["rcnn_dropit/measure", *(f"rcnn_dropit/commands/{t}.py" for t in INSTRUMENTS)]
+    gone += [f"rcnn_dropit/report/{m}.py" for m in ("choice", "goal", "notes", "seeded", "verdict")]
+    assert not [g for g in gone if (REPO / g).exists()]

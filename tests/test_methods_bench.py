@@ -13,17 +13,16 @@ from torch import nn
 
 from dropit_core import checkpoint_modules, is_dropit, timing, to_dropit
 from dropit_core.memory import saved_activations
-from rcnn_dropit.commands.bench import main as bench_main
-from rcnn_dropit.errors import UsageError
-from rcnn_dropit.measure import methods_table
-from rcnn_dropit.measure.grad_fidelity import (
+from instruments.commands.bench import main as bench_main
+from instruments.measure import methods_table
+from instruments.measure.grad_fidelity import (
     approximated_layers,
     estimator_error,
     grad_draws,
     layer_grads,
     relative_error,
 )
-from rcnn_dropit.measure.methods_table import (
+from instruments.measure.methods_table import (
     BEGIN,
     END,
     METHOD_KEYS,
@@ -35,9 +34,9 @@ from rcnn_dropit.measure.methods_table import (
     splice,
     write_methods_json,
 )
-from rcnn_dropit.measure.step_bench import run_benchmark
-from rcnn_dropit.measure.study_plan import load_plan
-from rcnn_dropit.measure.workload import (
+from instruments.measure.step_bench import run_benchmark
+from instruments.measure.study_plan import load_plan
+from instruments.measure.workload import (
     Setting,
     Variant,
     describe,
@@ -50,6 +49,7 @@ from rcnn_dropit.measure.workload import (
     setting_config,
     step_loss,
 )
+from rcnn_dropit.errors import UsageError
 from tests.helpers import REPO
 
 PLAN = REPO / "configs/study/plan.yaml"

@@ -1,11 +1,15 @@
-"""The package as installed: every console script of pyproject.toml resolves to a command's
-main(), each has its tools/ wrapper, and dropit-bench restarts itself for measuring."""
+"""The package as installed: its console scripts (read from its metadata) are what a training
+run needs, each resolves to a command's main(), has its tools/ wrapper and runs from any folder;
+the bench restarts itself for measuring."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import tomllib
@@ -14,26 +18,38 @@ from tests.helpers import REPO
 
 
 def _scripts() -> dict[str, str]:
-    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    """The console scripts the installed package declares (its metadata, not a list here)."""
+    eps = importlib.metadata.distribution("rcnn-dropit").entry_points
+    return {ep.name: ep.value for ep in eps if ep.group == "console_scripts"}
 
 
-def test_every_console_script_resolves_to_its_commands_entry() -> None:
+def test_the_installed_scripts_are_pyprojects_and_only_what_training_needs() -> None:
     scripts = _scripts()
-    assert sorted(scripts) == sorted(
-        f"dropit-{n}"
-        for n in (
-            "train", "test", "infer", "bench", "report", "study", "make-shapes", "grad-figure",
-            "grad-groups",
-        )
-    )  # fmt: skip
+    assert scripts == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     for name, target in scripts.items():
         module_name, _, attr = target.partition(":")
         command = name.removeprefix("dropit-").replace("-", "_")
-        # the bench enters through cli(): it restarts itself measuring RSS, then calls main()
-        entry = "cli" if command == "bench" else "main"
-        assert (module_name, attr) == (f"rcnn_dropit.commands.{command}", entry), name
+        assert (module_name, attr) == (f"rcnn_dropit.commands.{command}", "main"), name
         assert callable(getattr(importlib.import_module(module_name), attr)), name
         assert (REPO / "tools" / f"{command}.py").is_file(), name  # the same from a checkout
+    # the instruments are not installed: they need the checkout's configs and docs
+    assert not any(t.startswith("instruments") for t in scripts.values())
+
+
+@pytest.mark.slow
+def test_every_installed_script_runs_from_any_folder(tmp_path) -> None:
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the checkout
+    for name in _scripts():
+        script = bin_dir / name
+        if not script.is_file():
+            pytest.skip(f"{name} is not installed beside {sys.executable} (pip install first)")
+        done = subprocess.run(
+            [str(script), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (name, done.stderr[-2000:])
+        assert "usage:" in done.stdout, name
 
 
 def test_the_license_file_is_the_one_pyproject_names() -> None:
@@ -45,9 +61,9 @@ def test_the_license_file_is_the_one_pyproject_names() -> None:
 
 
 def test_bench_restarts_itself_measuring_as_it_was_started(monkeypatch) -> None:
-    from rcnn_dropit.commands import bench
+    from instruments.commands import bench
 
-    started = ["/usr/bin/python3", "-m", "rcnn_dropit.commands.bench", "--ops"]
+    started = ["/usr/bin/python3", "-m", "instruments.commands.bench", "--ops"]
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.setattr(sys, "orig_argv", started)
     calls = []

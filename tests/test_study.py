@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import rcnn_dropit.measure.study as study
+import instruments.measure.study as study
+from instruments.measure.study import run_study
+from instruments.measure.study_plan import PlanError, StudyRun, load_plan, plan_runs
 from rcnn_dropit.config import config_yaml, load_config
-from rcnn_dropit.measure.study import run_study
-from rcnn_dropit.measure.study_plan import PlanError, StudyRun, load_plan, plan_runs
 from rcnn_dropit.report.paired import paired_diff, spread, t95
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,7 +269,7 @@ def test_jobs_and_regimes_are_checked(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_child_process_logs_error_and_exits_nonzero(tmp_path: Path) -> None:
-    from rcnn_dropit.measure.study import _start_run
+    from instruments.measure.study import _start_run
 
     log = tmp_path / "bad.log"
     run = StudyRun("scratch/bad", str(ROOT / "configs/study/scratch.yaml"), ("solver.lr=-1",))
@@ -324,7 +324,7 @@ def test_a_stopped_study_takes_its_running_children_down(tmp_path: Path, monkeyp
 
 
 def test_report_shows_the_gradient_fidelity_tables_when_measured(tmp_path: Path) -> None:
-    from rcnn_dropit.measure.study_report import _grad_groups
+    from instruments.measure.study_report import _grad_groups
 
     path = tmp_path / "shapes_grad_groups_finetune.json"
     assert _grad_groups(path) == []  # not measured: nothing to show

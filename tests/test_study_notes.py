@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rcnn_dropit.errors import UsageError
-from rcnn_dropit.measure.study_plan import Group, Plan
-from rcnn_dropit.measure.study_report import ap_table, write_study_report
-from rcnn_dropit.report.goal import (
+from instruments.measure.study_plan import Group, Plan
+from instruments.measure.study_report import ap_table, write_study_report
+from instruments.report.goal import (
     BenchFileError,
     Goal,
     covers_every_layer,
@@ -21,11 +20,9 @@ from rcnn_dropit.report.goal import (
     goal_section,
     read_bench,
 )
-from rcnn_dropit.report.notes import FUNCTIONS, NotesError, Sources, render
-from rcnn_dropit.report.paired import PairedDiff
-from rcnn_dropit.report.runs import Run
-from rcnn_dropit.report.seeded import baseline_of, paired, saved_ratio
-from rcnn_dropit.report.time_account import (
+from instruments.report.notes import FUNCTIONS, NotesError, Sources, render
+from instruments.report.seeded import baseline_of, paired, saved_ratio
+from instruments.report.time_account import (
     log_segments,
     read_times_file,
     regime_time,
@@ -34,7 +31,10 @@ from rcnn_dropit.report.time_account import (
     time_table,
     usual_jobs,
 )
-from rcnn_dropit.report.verdict import family_state, setting_verdict, verdict_table
+from instruments.report.verdict import family_state, setting_verdict, verdict_table
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.report.paired import PairedDiff
+from rcnn_dropit.report.runs import Run
 
 ALL_LAYERS = {"enabled": True, "strategy": "mink", "gamma": 0.8, "include": ["*"]}
 
@@ -355,7 +355,7 @@ def test_covers_every_layer_the_paper_converts(dropit: dict, covers: bool) -> No
 
 
 def test_a_longer_schedule_takes_the_bench_figures_of_its_one_step() -> None:
-    from rcnn_dropit.report.goal import with_schedules
+    from instruments.report.goal import with_schedules
 
     bench = {"mink_0.8": {"saved_ratio": 0.27, "peak_ratio": 0.61}}
     order = ["baseline", "mink_0.8", "baseline_2x", "mink_0.8_2x", "quant_4bit_2x"]
@@ -400,7 +400,7 @@ def test_goal_section_states_which_setting_meets_it(tmp_path: Path) -> None:
 
 
 def test_recommend_prefers_the_goal_then_the_smallest_loss_left_open() -> None:
-    from rcnn_dropit.report.goal import recommend
+    from instruments.report.goal import recommend
 
     good, base = five_seeds([-0.2, 0.1, -0.3, 0.0, 0.2], [-0.1, 0.2, -0.2, 0.1, 0.0])
     also, _ = five_seeds([0.1, 0.0, -0.1, 0.2, 0.0], [0.0, 0.1, -0.1, 0.0, 0.1])
@@ -580,7 +580,7 @@ def study_plan(tmp_path: Path) -> Plan:
 
 
 def test_ap_table_pairs_2x_rows_with_their_baseline_and_saved_by_seed(tmp_path: Path) -> None:
-    from rcnn_dropit.measure.study_report import regime_runs
+    from instruments.measure.study_report import regime_runs
 
     plan = study_plan(tmp_path)
     rows = ap_table(regime_runs(plan.out, "finetune2"), plan)
@@ -625,7 +625,7 @@ def test_a_bad_placeholder_stops_the_report_with_its_name(tmp_path: Path) -> Non
 
 
 def test_choice_table_puts_the_interval_beside_the_bench() -> None:
-    from rcnn_dropit.report.choice import choice_table
+    from instruments.report.choice import choice_table
 
     bench = {"mink": {"saved_ratio": 0.27, "peak_ratio": 0.61, "step_ratio": 1.33}}
     rows = choice_table(FOUND["ft"], ["baseline", "mink", "mink_2x"], bench, {"mink": "all"})
@@ -639,7 +639,7 @@ def test_choice_table_puts_the_interval_beside_the_bench() -> None:
 
 
 def test_choice_names_the_recommended_setting_and_its_config(tmp_path: Path) -> None:
-    from rcnn_dropit.measure.study_report import choice_lines
+    from instruments.measure.study_report import choice_lines
 
     plan = study_plan(tmp_path)
     mink, base = five_seeds([-2.0, -1.0, -1.5, -0.5, -1.0], [0.0] * 5)
@@ -659,7 +659,7 @@ def test_choice_names_the_recommended_setting_and_its_config(tmp_path: Path) -> 
 
 
 def test_replace_block_keeps_the_rest_and_names_a_file_without_markers() -> None:
-    from rcnn_dropit.report.choice import BEGIN, END, replace_block
+    from instruments.report.choice import BEGIN, END, replace_block
 
     text = f"# Title\n\nbefore\n{BEGIN}\nold 1\nold 2\n{END}\nafter\n"
     new = replace_block(text, ["new"], "README.md")
@@ -670,7 +670,7 @@ def test_replace_block_keeps_the_rest_and_names_a_file_without_markers() -> None
 
 
 def test_study_report_rewrites_the_readme_block(tmp_path: Path) -> None:
-    from rcnn_dropit.report.choice import BEGIN, END
+    from instruments.report.choice import BEGIN, END
 
     plan = study_plan(tmp_path)
     readme = tmp_path / "README.md"

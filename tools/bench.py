@@ -1,11 +1,14 @@
-"""`dropit-bench` run from a checkout (the package installed: `make setup`).
+"""The instrument instruments/commands/bench.py, run from a checkout (`make setup` first).
 
-The command is rcnn_dropit/commands/bench.py.
+The instruments are not installed with the package: this script puts the checkout on the path.
 """
 
 import sys
+from pathlib import Path
 
-from rcnn_dropit.commands.bench import cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from instruments.commands.bench import cli  # noqa: E402  (after the path is set)
 
 if __name__ == "__main__":
     sys.exit(cli())

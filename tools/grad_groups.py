@@ -1,11 +1,14 @@
-"""`dropit-grad-groups` run from a checkout (the package installed: `make setup`).
+"""The instrument instruments/commands/grad_groups.py, run from a checkout (`make setup` first).
 
-The command is rcnn_dropit/commands/grad_groups.py.
+The instruments are not installed with the package: this script puts the checkout on the path.
 """
 
 import sys
+from pathlib import Path
 
-from rcnn_dropit.commands.grad_groups import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from instruments.commands.grad_groups import main  # noqa: E402  (after the path is set)
 
 if __name__ == "__main__":
     sys.exit(main())

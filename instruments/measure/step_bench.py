@@ -25,18 +25,15 @@ from torch import nn
 from dropit_core import from_dropit, is_dropit
 from dropit_core.memory import PeakMeter, saved_activations
 from dropit_core.timing import timed_rounds
-from rcnn_dropit.config import Config
-from rcnn_dropit.engine.amp import check_amp
-from rcnn_dropit.errors import UsageError
-from rcnn_dropit.measure.allocator import training_allocator
-from rcnn_dropit.measure.grad_fidelity import (
+from instruments.measure.allocator import training_allocator
+from instruments.measure.grad_fidelity import (
     approximated_layers,
     estimator_error,
     grad_draws,
     mean_fidelity,
     weight_grads,
 )
-from rcnn_dropit.measure.workload import (
+from instruments.measure.workload import (
     Setting,
     Variant,
     as_setting,
@@ -52,6 +49,9 @@ from rcnn_dropit.measure.workload import (
     step_loss,
     train_step,
 )
+from rcnn_dropit.config import Config
+from rcnn_dropit.engine.amp import check_amp
+from rcnn_dropit.errors import UsageError
 
 WARMUP = 2  # training steps of a model before its memory is measured
 
@@ -181,7 +181,7 @@ def run_benchmark(
         _release(model, dev)
     if repeats <= 0:
         return
-    # Timing last: the allocator is switched for it (see rcnn_dropit.measure.allocator), which would
+    # Timing last: the allocator is switched for it (see instruments.measure.allocator), which would
     # disturb memory figures taken after it.
     with training_allocator(dev) as allocator:
         steps = timed_rounds([lambda m=m: timed_step(m, batch) for m in models], repeats, dev)

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rcnn_dropit.errors import UsageError
-from rcnn_dropit.report.seeded import (
+from instruments.report.seeded import (
     BASELINE,
     Seeds,
     baseline_of,
@@ -24,7 +23,8 @@ from rcnn_dropit.report.seeded import (
     paired,
     paired_text,
 )
-from rcnn_dropit.report.verdict import FAMILIES, KEEPS, family_state
+from instruments.report.verdict import FAMILIES, KEEPS, family_state
+from rcnn_dropit.errors import UsageError
 
 BENCH_FILE = "methods_bench.json"
 # The top-level modules of a torchvision detector: DropIT on all three covers every layer.

@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def go() -> None:
+        from instruments.measure.grad_groups import group_fidelity, markdown_table, training_batches
         from rcnn_dropit.checkpoint.files import load_checkpoint
         from rcnn_dropit.config import load_config
         from rcnn_dropit.inference import resolve_model_files
-        from rcnn_dropit.measure.grad_groups import group_fidelity, markdown_table, training_batches
 
         config, checkpoint = resolve_model_files(args.run, None, None)
         cfg = load_config(config)

@@ -83,7 +83,7 @@ def as_setting(item: Setting | Variant) -> Setting:
 
 def plan_settings(plan: str | Path, names: Sequence[str]) -> list[Setting]:
     """The settings ``names`` of a study plan (its ``settings:`` overrides), in the given order."""
-    from rcnn_dropit.measure.study_plan import load_plan
+    from instruments.measure.study_plan import load_plan
 
     known = load_plan(plan).settings
     for name in names:

@@ -10,9 +10,9 @@ import argparse
 import signal
 import sys
 
+from instruments.measure.study import run_study
+from instruments.measure.study_plan import load_plan, plan_runs
 from rcnn_dropit.cli import run_cli
-from rcnn_dropit.measure.study import run_study
-from rcnn_dropit.measure.study_plan import load_plan, plan_runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'done ' if done else 'todo '} {run.name}  {' '.join(run.overrides)}")
             return
         if args.report_only:
-            from rcnn_dropit.measure.study_report import write_study_report
+            from instruments.measure.study_report import write_study_report
 
             print(write_study_report(load_plan(args.plan), args.plan, args.jobs))
             return

@@ -16,9 +16,7 @@ import torch
 from torch import nn
 
 from dropit_core.memory import PeakMeter, cuda_allocated_mb
-from rcnn_dropit.config import Config
-from rcnn_dropit.engine.amp import check_amp
-from rcnn_dropit.measure.workload import (
+from instruments.measure.workload import (
     Setting,
     Variant,
     as_setting,
@@ -30,6 +28,8 @@ from rcnn_dropit.measure.workload import (
     split_reference,
     train_step,
 )
+from rcnn_dropit.config import Config
+from rcnn_dropit.engine.amp import check_amp
 
 
 def _is_oom(err: BaseException) -> bool:

@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from instruments.measure.grad_figure import gradient_study, plot, save_json
 from rcnn_dropit.cli import run_cli
-from rcnn_dropit.measure.grad_figure import gradient_study, plot, save_json
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dropit_core import is_checkpointed, is_dropit, set_step
-from rcnn_dropit.measure.workload import train_step
+from instruments.measure.workload import train_step
 
 
 def layer_grads(model: nn.Module) -> dict[str, torch.Tensor]:

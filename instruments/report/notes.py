@@ -5,7 +5,7 @@ renders it, so a number in the prose comes from the same run directories as the 
 cannot drift from them. A target is ``regime/setting`` (all its seeds), ``regime/setting_sN``
 (one run) or ``regime/setting_sA-B`` (seeds A to B, each finished: what a setting showed before
 more seeds were added); a family is ``box`` or ``mask``. Δ pairs a setting with its baseline
-seed by seed (``rcnn_dropit.report.seeded.baseline_of``: ``baseline``, or ``baseline_2x`` for
+seed by seed (``instruments.report.seeded.baseline_of``: ``baseline``, or ``baseline_2x`` for
 ``*_2x``).
 
 =========================  ==================================================  ===================
@@ -50,11 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rcnn_dropit.errors import UsageError
-from rcnn_dropit.report.goal import BENCH_FILE, read_bench
-from rcnn_dropit.report.paired import PairedDiff, spread, t95
-from rcnn_dropit.report.runs import Run
-from rcnn_dropit.report.seeded import (
+from instruments.report.goal import BENCH_FILE, read_bench
+from instruments.report.seeded import (
     FAMILY_OF_WORD,
     Found,
     Seeds,
@@ -65,6 +62,9 @@ from rcnn_dropit.report.seeded import (
     saved_ratio,
     seed_diffs,
 )
+from rcnn_dropit.errors import UsageError
+from rcnn_dropit.report.paired import PairedDiff, spread, t95
+from rcnn_dropit.report.runs import Run
 
 PLACEHOLDER = re.compile(r"\{\{([^{}]*)\}\}")
 _SEEDED = re.compile(r"(?P<setting>.+)_s(?P<first>\d+)(?:-(?P<last>\d+))?")

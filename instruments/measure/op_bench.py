@@ -16,8 +16,8 @@ import torch
 
 from dropit_core.packing import bit_positions, compact_bits, pack_bits, scatter_kept, zero_flagged
 from dropit_core.timing import timed_rounds
+from instruments.measure.allocator import training_allocator
 from rcnn_dropit.errors import UsageError
-from rcnn_dropit.measure.allocator import training_allocator
 
 SLICE = 1 << 22
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from instruments.report.seeded import Found, Seeds, baseline_of, paired, paired_text
 from rcnn_dropit.report.paired import PairedDiff
-from rcnn_dropit.report.seeded import Found, Seeds, baseline_of, paired, paired_text
 
 TOLERANCE = 1.0  # AP points: "keeps AP" means the interval lies within this of the baseline
 KEEPS, LOSES, GAINS, INCONCLUSIVE = "keeps", "loses", "gains", "inconclusive"

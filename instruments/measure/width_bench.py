@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dropit_core.timing import timed_rounds
-from rcnn_dropit.measure.allocator import training_allocator
+from instruments.measure.allocator import training_allocator
 
 # The first shapes study's model: torchvision's FPN and head widths, 32 sampled RoIs per image.
 TORCHVISION_WIDTHS = (

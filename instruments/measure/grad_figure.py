@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from dropit_core import to_dropit
+from instruments.measure.grad_fidelity import cosine, norm_ratio, weight_grads
+from instruments.measure.workload import Variant, build_detector, check_variants, make_batch
 from rcnn_dropit.errors import UsageError
-from rcnn_dropit.measure.grad_fidelity import cosine, norm_ratio, weight_grads
-from rcnn_dropit.measure.workload import Variant, build_detector, check_variants, make_batch
 from rcnn_dropit.models import paper_exclude
 
 DEFAULT_LAYERS = (

@@ -173,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> list:
     """The settings the arguments name: --settings of the plan first, then --variants (the
     default variants when neither is given); a missing CUDA device is refused here."""
-    from rcnn_dropit.measure.workload import parse_variant, plan_settings
+    from instruments.measure.workload import parse_variant, plan_settings
 
     if args.device.startswith("cuda") and not _cuda():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
@@ -184,7 +184,7 @@ def _settings(args: argparse.Namespace) -> list:
 
 def _max_batch(args: argparse.Namespace) -> None:
     """The largest batch of the baseline and each setting within --max-batch MB."""
-    from rcnn_dropit.measure.max_batch import largest_batches
+    from instruments.measure.max_batch import largest_batches
 
     if args.methods_json:
         raise UsageError("--methods-json: the methods table comes from step rows, not --max-batch")
@@ -197,8 +197,8 @@ def _max_batch(args: argparse.Namespace) -> None:
 
 def _steps(args: argparse.Namespace) -> None:
     """Memory, gradient fidelity and step time of the baseline and each setting."""
-    from rcnn_dropit.measure.methods_table import method_records, provenance, write_methods_json
-    from rcnn_dropit.measure.step_bench import run_benchmark
+    from instruments.measure.methods_table import method_records, provenance, write_methods_json
+    from instruments.measure.step_bench import run_benchmark
 
     settings = _settings(args)
     header = provenance(_command_line(), args.quiet_machine, args.device)  # before minutes of work
@@ -213,7 +213,7 @@ def _steps(args: argparse.Namespace) -> None:
 
 def _emit(produced, json_path: Path | None) -> list[dict]:
     """Print each row as a JSON line as it comes, then their table; write them to json_path."""
-    from rcnn_dropit.measure.step_bench import markdown_table
+    from instruments.measure.step_bench import markdown_table
 
     rows = []
     for row in produced:
@@ -236,7 +236,7 @@ def _command_line() -> str:
 
 def _markdown(path: Path, into: Path | None, block: str = "methods-bench") -> None:
     """Print the methods table of a JSON file, or write it into a document's marked block."""
-    from rcnn_dropit.measure.methods_table import methods_markdown, read_methods_json, splice
+    from instruments.measure.methods_table import methods_markdown, read_methods_json, splice
 
     table = methods_markdown(read_methods_json(path))
     if into is None:
@@ -250,7 +250,7 @@ def _markdown(path: Path, into: Path | None, block: str = "methods-bench") -> No
 
 def _widths(config: str, repeats: int, out: Path | None) -> None:
     """Step time of a config's model vs torchvision's widths: JSON lines (ratio, first = 1x)."""
-    from rcnn_dropit.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
+    from instruments.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
 
     variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
     rows = compare_step_time(config, variants, repeats=max(repeats, 5))
@@ -262,7 +262,7 @@ def _widths(config: str, repeats: int, out: Path | None) -> None:
 
 def _ops(device: str, repeats: int, out: Path | None) -> None:
     """Per-pass costs of the element-wise ops on one slice: JSON lines."""
-    from rcnn_dropit.measure.op_bench import op_costs
+    from instruments.measure.op_bench import op_costs
 
     rows = op_costs(repeats=max(repeats, 5), device=device)
     for row in rows:

@@ -1,5 +1,5 @@
-"""The accuracy study: the runs of a plan (rcnn_dropit.measure.study_plan) trained resumably,
-then its report (rcnn_dropit.measure.study_report).
+"""The accuracy study: the runs of a plan (instruments.measure.study_plan) trained resumably,
+then its report (instruments.measure.study_report).
 
 A run with an ``eval.json`` is finished and skipped (after checking it was trained with today's
 config), one with checkpoints is resumed.
@@ -27,8 +27,7 @@ from typing import Any
 import torch
 import yaml
 
-from rcnn_dropit.errors import UsageError
-from rcnn_dropit.measure.study_plan import (
+from instruments.measure.study_plan import (
     PRETRAIN,
     TIMES_FILE,
     Plan,
@@ -37,7 +36,8 @@ from rcnn_dropit.measure.study_plan import (
     load_plan,
     plan_runs,
 )
-from rcnn_dropit.measure.study_report import write_study_report
+from instruments.measure.study_report import write_study_report
+from rcnn_dropit.errors import UsageError
 
 
 def run_study(

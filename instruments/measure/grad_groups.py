@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from dropit_core import to_dropit
+from instruments.measure.grad_fidelity import cosine, norm_ratio, weight_grads
 from rcnn_dropit.config import Config
 from rcnn_dropit.data.loader import build_dataset, ensure_dataset
 from rcnn_dropit.errors import UsageError
-from rcnn_dropit.measure.grad_fidelity import cosine, norm_ratio, weight_grads
 from rcnn_dropit.models import build_model, fitting_exclude
 
 # (label, module-path prefix); "all" is every trained conv/linear weight.

@@ -11,11 +11,9 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from rcnn_dropit.atomic import write_atomic
-from rcnn_dropit.measure.study_plan import PRETRAIN, TIMES_FILE, Plan, plan_runs
-from rcnn_dropit.report import figures
-from rcnn_dropit.report.choice import choice_table, replace_block
-from rcnn_dropit.report.goal import (
+from instruments.measure.study_plan import PRETRAIN, TIMES_FILE, Plan, plan_runs
+from instruments.report.choice import choice_table, replace_block
+from instruments.report.goal import (
     BENCH_FILE,
     Goal,
     covers_every_layer,
@@ -25,11 +23,8 @@ from rcnn_dropit.report.goal import (
     settings_meeting_goal,
     with_schedules,
 )
-from rcnn_dropit.report.groups import Row
-from rcnn_dropit.report.notes import Sources, render
-from rcnn_dropit.report.paired import PairedDiff, spread
-from rcnn_dropit.report.runs import Run, RunNotUsable, load_run
-from rcnn_dropit.report.seeded import (
+from instruments.report.notes import Sources, render
+from instruments.report.seeded import (
     BASELINE,
     ap_values,
     baseline_of,
@@ -38,13 +33,18 @@ from rcnn_dropit.report.seeded import (
     paired_text,
     saved_ratio,
 )
-from rcnn_dropit.report.time_account import (
+from instruments.report.time_account import (
     read_times_file,
     regime_time,
     time_table,
     usual_jobs,
 )
-from rcnn_dropit.report.verdict import FAMILIES, TOLERANCE, verdict_table
+from instruments.report.verdict import FAMILIES, TOLERANCE, verdict_table
+from rcnn_dropit.atomic import write_atomic
+from rcnn_dropit.report import figures
+from rcnn_dropit.report.groups import Row
+from rcnn_dropit.report.paired import PairedDiff, spread
+from rcnn_dropit.report.runs import Run, RunNotUsable, load_run
 
 GOAL = Goal()
 TEMPLATE_SUFFIX = ".template.md"
@@ -208,7 +208,7 @@ def _grad_groups(path: Path) -> list[str]:
     """The per-group gradient fidelity tables of ``tools/grad_groups.py``, when it was run."""
     if not path.is_file():
         return []
-    from rcnn_dropit.measure.grad_groups import markdown_table
+    from instruments.measure.grad_groups import markdown_table
 
     data = json.loads(path.read_text())
     run = data.pop("run")
