@@ -20,14 +20,13 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from . import base
+from . import base, dispatch
 from .base import SEED, Packed, QuantMeta, Strategy
 from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise
 from .packing import ValueCodec, pack_codes, unpack_codes
 from .registry import Option
-from .seeds import mix_seed, uniform
+from .seeds import hash_uniform, mix_seed, uniform
 from .select import sample_stride, tiny
 
 
@@ -148,66 +147,130 @@ class Quant(Strategy):
         self.group = group
         self.seed = seed
         self._levels = (1 << bits) - 1
+        self._inv_levels = float(torch.tensor(1.0 / self._levels, dtype=torch.float32))
 
     def slice_len(self) -> int:
         """Elements per slice: whole groups and whole code bytes."""
         return self.group * 8 * max(1, base.SLICE // (self.group * 8))
 
-    def _groups(self, piece: torch.Tensor) -> torch.Tensor:
-        """The slice as fp32 rows of ``group`` values; a last partial group repeats its last
-        value (the group's range stays its own)."""
-        pad = (-piece.numel()) % self.group
-        if pad:
-            piece = torch.cat([piece, piece[-1:].expand(pad)])
-        return piece.float().view(-1, self.group)
-
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         flat = x.reshape(-1)
         seed = mix_seed(self.seed, key)
+        if dispatch.use_kernels(flat) and quant_kernels_take(self.bits, self.group):
+            from .kernels.quant import quant_pack
+
+            codes, mins, scales = quant_pack(flat, self.bits, self.group, seed)
+        else:
+            codes, mins, scales = self._pack_eager(flat, seed)
+        return Packed(QuantMeta(tuple(x.shape), x.dtype), values=codes, scales=scales, mins=mins)
+
+    def _pack_eager(
+        self, flat: torch.Tensor, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, mins, scales), written slice by slice into their final buffers."""
+        n, group = flat.numel(), self.group
+        codes, mins, scales = quant_buffers(n, self.bits, group, flat.device)
         step = self.slice_len()
-        codes, mins, scales = [], [], []
-        for start in range(0, flat.numel(), step):
+        for start in range(0, n, step):
             piece = flat[start : start + step]
-            g = self._groups(piece)
-            lo = g.amin(dim=1)
-            scale = ((g.amax(dim=1) - lo) / self._levels).clamp_min(tiny(torch.float32))
-            y = (g - lo[:, None]).div_(scale[:, None])  # in [0, levels]: the exact code
-            y += uniform(seed, start, y.numel(), y.device).view_as(y)
-            # floor(y + u): y rounded up with probability equal to its remainder.
-            code = y.floor_().clamp_(0, self._levels).view(-1)[: piece.numel()].to(torch.uint8)
-            codes.append(pack_codes(code, self.bits))
-            mins.append(lo)
-            scales.append(scale)
-        if not codes:  # an empty input
-            empty = flat.new_zeros(0, dtype=torch.float32)
-            codes, mins, scales = [flat.new_zeros(0, dtype=torch.uint8)], [empty], [empty]
-        return Packed(
-            QuantMeta(tuple(x.shape), x.dtype),
-            values=_joined(codes),
-            scales=_joined(scales),
-            mins=_joined(mins),
-        )
+            length = piece.numel()
+            whole = length // group * group
+            g0 = start // group
+            code = torch.empty(length, dtype=torch.uint8, device=flat.device)
+            u = hash_uniform(seed, start, length, flat.device)
+            # The whole groups as rows, then a last partial group (its range is its own).
+            for lo_el, hi_el in ((0, whole), (whole, length)):
+                if hi_el > lo_el:
+                    rows = piece[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
+                    r0 = g0 + lo_el // group
+                    self._quantize(
+                        rows,
+                        u[lo_el:hi_el],
+                        code[lo_el:hi_el],
+                        mins[r0 : r0 + rows.shape[0]],
+                        scales[r0 : r0 + rows.shape[0]],
+                    )
+            first, last = start * self.bits // 8, _bytes(start + length, self.bits)
+            pack_codes(code, self.bits, codes[first:last])
+        return codes, mins, scales
+
+    def _quantize(
+        self,
+        rows: torch.Tensor,
+        u: torch.Tensor,
+        code: torch.Tensor,
+        mins: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> None:
+        """Codes of ``rows`` (one group each) into ``code``, their minimum and step into ``mins``
+        and ``scales``: the same fp32 operations, in the same order, as the Triton kernel."""
+        g = rows.float()
+        torch.aminmax(g, dim=1, out=(mins, scales))
+        # Times the fp32 1/levels, not divided by levels: CUDA's torch turns a division by a
+        # scalar into that product anyway, and the kernels compute it alike everywhere.
+        scales.sub_(mins).mul_(self._inv_levels).clamp_min_(tiny(torch.float32))
+        y = torch.sub(g, mins[:, None]).div_(scales[:, None])  # in [0, levels]: the exact code
+        # floor(y + u): y rounded up with probability equal to its remainder.
+        y.add_(u.view_as(y)).floor_().clamp_(0, self._levels)
+        code.copy_(y.view(-1))
 
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype = packed.meta
         n = math.prod(shape)
+        if dispatch.use_kernels(packed.values) and quant_kernels_take(self.bits, self.group):
+            from .kernels.quant import quant_rebuild
+
+            rebuilt = quant_rebuild(
+                packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype
+            )
+            return rebuilt.view(shape)
         dense = torch.empty(n, dtype=dtype, device=packed.values.device)
-        step = self.slice_len()
+        step, group = self.slice_len(), self.group
         for start in range(0, n, step):
             length = min(step, n - start)
-            first_byte = start * self.bits // 8
-            last_byte = ((start + length) * self.bits + 7) // 8
-            code = unpack_codes(packed.values[first_byte:last_byte], self.bits, length)
-            rows = math.ceil(length / self.group)
-            g0 = start // self.group
-            values = F.pad(code, (0, rows * self.group - length)).float().view(rows, -1)
-            values.mul_(packed.scales[g0 : g0 + rows, None]).add_(packed.mins[g0 : g0 + rows, None])
-            dense[start : start + length] = values.view(-1)[:length]
+            code = unpack_codes(
+                packed.values[start * self.bits // 8 : _bytes(start + length, self.bits)],
+                self.bits,
+                length,
+            )
+            values = torch.empty(length, dtype=torch.float32, device=dense.device).copy_(code)
+            whole = length // group * group
+            g0 = start // group
+            for lo_el, hi_el in ((0, whole), (whole, length)):
+                if hi_el > lo_el:
+                    rows = values[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
+                    r0 = g0 + lo_el // group
+                    r1 = r0 + rows.shape[0]
+                    rows.mul_(packed.scales[r0:r1, None]).add_(packed.mins[r0:r1, None])
+            dense[start : start + length] = values
         return dense.view(shape)
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"bits={self.bits}", f"group={self.group}")
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _bytes(elements: int, bits: int) -> int:
+    """Bytes that the codes of the first ``elements`` elements take."""
+    return (elements * bits + 7) // 8
+
+
+def quant_buffers(
+    n: int, bits: int, group: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final (codes, mins, scales) buffers of a quant pack of n values: every path writes
+    its pack into these, once (no concatenation, no second copy)."""
+    groups = -(-n // group)
+    return (
+        torch.empty(_bytes(n, bits), dtype=torch.uint8, device=device),
+        torch.empty(groups, dtype=torch.float32, device=device),
+        torch.empty(groups, dtype=torch.float32, device=device),
+    )
+
+
+def quant_kernels_take(bits: int, group: int) -> bool:
+    """Whether the Triton kernels pack this setting: each group's codes whole bytes, and a group
+    small enough for one program's registers; other settings run eager (same format)."""
+    return group % (8 // bits) == 0 and group <= MAX_KERNEL_GROUP
+
+
+MAX_KERNEL_GROUP = 8192
