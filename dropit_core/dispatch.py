@@ -46,7 +46,14 @@ def triton_available() -> bool:
     return _has_triton
 
 
-_has_triton = importlib.util.find_spec("triton") is not None
+def _find_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken install, or sys.modules["triton"] = None
+        return False
+
+
+_has_triton = _find_triton()
 
 
 def use_kernels(t: torch.Tensor) -> bool:

@@ -119,7 +119,9 @@ def test_forward_and_input_gradient_are_the_plain_layers_on_cuda(strategy: str, 
         pytest.skip(f"{strategy} stores codes of its own: no values option")
     plain = _net().to(CUDA)
     dropit = copy.deepcopy(plain)
-    to_dropit(dropit, strategy=strategy, gamma=0.8, values=values)
+    # Only strategies that store kept values take `values` (quant stores codes of its own).
+    options = {"values": values} if "values" in REGISTRY.options(strategy) else {}
+    to_dropit(dropit, strategy=strategy, gamma=0.8, **options)
     out_p, gx_p, g_p = _grads(plain, _input(CUDA))
     out_d, gx_d, g_d = _grads(dropit, _input(CUDA))
     assert torch.equal(out_d, out_p)
@@ -131,6 +133,29 @@ def test_forward_and_input_gradient_are_the_plain_layers_on_cuda(strategy: str, 
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
         if strategy in DETERMINISTIC:  # random keeps of a 64-value fc input are too noisy
             assert cos > 0.3, (name, float(cos))
+
+
+@pytest.mark.parametrize("amp", [None, torch.float16])
+def test_quant_and_relu_mask_add_no_host_sync(amp: torch.dtype | None) -> None:
+    # The Triton pack, rebuild and ReLU mask kernels: no .item(), nonzero or size read of a
+    # device value anywhere in a converted conv + ReLU stack's forward and backward.
+    model = nn.Sequential(*_net().convs).to(CUDA)
+    to_dropit(model, strategy="quant", bits=4)
+    x = _input(CUDA).requires_grad_(True)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=amp or torch.float16, enabled=amp is not None):
+            out = model(x)
+        out.backward(torch.ones_like(out))
+
+    step()  # the first step compiles the kernels for these dtypes (and may sync doing so)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16])
