@@ -45,6 +45,7 @@ MIX_MUL2 = 0x735A2D97
 MASK32 = 0xFFFFFFFF
 KEY_SALT = 0x9E3779B9  # keeps the key of index word 0 away from mix32(0) == 0
 UNIFORM_BITS = 24  # a 24-bit integer times 2**-24: exact in fp32, in [0, 1)
+TABLE_BITS = 12  # the draw XORs a hash of the index's low 12 bits with one of the rest
 
 
 def mix32(x: int) -> int:
@@ -72,22 +73,35 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _table(key: int, first: int, count: int, device: torch.device) -> torch.Tensor:
+    """``mix32((first + j + key) mod 2**32) >> 8`` for j < count, as int32."""
+    x = torch.arange(first + key, first + key + count, dtype=torch.int64, device=device)
+    return (_mix32_(x.bitwise_and_(MASK32)) >> (32 - UNIFORM_BITS)).to(torch.int32)
+
+
+def hash_bits(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
+    """The 24-bit integers (int32) behind :func:`hash_uniform`: element i of a pack seeded
+    ``seed`` draws ``(mix32(i mod 4096 + k0) ^ mix32(i >> 12 + k1)) >> 8`` (sums modulo 2**32;
+    k0, k1 = hash_key(seed, 0 and 1)), for i below 2**44.
+
+    A pure function of (seed, i), which the Triton kernels compute per element. Here it is two
+    small tables (4096 entries, and one per 4096 elements) and one broadcast XOR: a single pass
+    over the output, where hashing every index would take a dozen int64 passes.
+    """
+    if start + length > 1 << 44:
+        raise ValueError("hash_bits draws for element indices below 2**44")
+    first_row = start >> TABLE_BITS
+    rows = ((start + length - 1) >> TABLE_BITS) + 1 - first_row if length else 0
+    low = _table(hash_key(seed, 0), 0, 1 << TABLE_BITS, device)
+    high = _table(hash_key(seed, 1), first_row, rows, device)
+    offset = start - (first_row << TABLE_BITS)
+    return (high[:, None] ^ low[None, :]).view(-1)[offset : offset + length]
+
+
 def hash_uniform(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
     """``length`` fp32 numbers uniform in [0, 1) for flat elements ``start`` onward of a pack
-    seeded ``seed``: element i draws ``mix32((i mod 2**32 + hash_key(seed, i >> 32)) mod 2**32)
-    >> 8`` times 2**-24, a pure function of (seed, i) that the Triton kernels compute alike."""
-    out = torch.empty(length, dtype=torch.float32, device=device)
-    end = start + length
-    while start < end:  # one run per 2**32 block of indices (one run in practice)
-        hi = start >> 32
-        stop = min(end, (hi + 1) << 32)
-        base = (start & MASK32) + hash_key(seed, hi)
-        x = torch.arange(base, base + stop - start, dtype=torch.int64, device=device)
-        x = _mix32_(x.bitwise_and_(MASK32))
-        x >>= 32 - UNIFORM_BITS
-        out[length - (end - start) : length - (end - stop)] = x
-        start = stop
-    return out.mul_(2.0**-UNIFORM_BITS)
+    seeded ``seed``: :func:`hash_bits` times 2**-24 (exact in fp32)."""
+    return hash_bits(seed, start, length, device).float().mul_(2.0**-UNIFORM_BITS)
 
 
 def uniform(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:

@@ -21,12 +21,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import base, dispatch
+from . import base, compiled, dispatch
 from .base import SEED, Packed, QuantMeta, Strategy
 from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise
 from .packing import ValueCodec, pack_codes, unpack_codes
 from .registry import Option
-from .seeds import hash_uniform, mix_seed, uniform
+from .seeds import UNIFORM_BITS, hash_bits, hash_key, mix_seed, uniform
 from .select import sample_stride, tiny
 
 
@@ -176,28 +176,67 @@ class Quant(Strategy):
             length = piece.numel()
             whole = length // group * group
             g0 = start // group
-            code = torch.empty(length, dtype=torch.uint8, device=flat.device)
-            u = hash_uniform(seed, start, length, flat.device)
+            done = 0  # elements of the slice packed by the compiled loop (whole groups)
+            if self._compiled_rows(flat, whole):
+                done = self._pack_compiled(piece[:whole], start, seed, codes, mins, scales)
+            code = torch.empty(length - done, dtype=torch.uint8, device=flat.device)
+            noise = hash_bits(seed, start + done, length - done, flat.device)
             # The whole groups as rows, then a last partial group (its range is its own).
-            for lo_el, hi_el in ((0, whole), (whole, length)):
+            for lo_el, hi_el in ((done, whole), (whole, length)):
                 if hi_el > lo_el:
                     rows = piece[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
                     r0 = g0 + lo_el // group
+                    at = slice(lo_el - done, hi_el - done)
                     self._quantize(
                         rows,
-                        u[lo_el:hi_el],
-                        code[lo_el:hi_el],
+                        noise[at],
+                        code[at],
                         mins[r0 : r0 + rows.shape[0]],
                         scales[r0 : r0 + rows.shape[0]],
                     )
-            first, last = start * self.bits // 8, _bytes(start + length, self.bits)
+            # A compiled part ends on a whole byte (whole groups of whole bytes).
+            first, last = (start + done) * self.bits // 8, _bytes(start + length, self.bits)
             pack_codes(code, self.bits, codes[first:last])
         return codes, mins, scales
+
+    def _compiled_rows(self, flat: torch.Tensor, whole: int) -> bool:
+        """Whether a slice's ``whole`` values of whole groups are packed by the compiled loop:
+        on the CPU, large enough, whole bytes of codes per group."""
+        return (
+            flat.device.type == "cpu"
+            and whole >= compiled.COMPILE_MIN
+            and self.group % (8 // self.bits) == 0
+            and compiled.compile_available()
+        )
+
+    def _pack_compiled(
+        self,
+        piece: torch.Tensor,
+        start: int,
+        seed: int,
+        codes: torch.Tensor,
+        mins: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> int:
+        """Pack whole groups with the compiled loop; the values packed (0 if it failed)."""
+        params = torch.tensor([start, hash_key(seed, 0), hash_key(seed, 1)], dtype=torch.int64)
+        rows = piece.view(-1, self.group)
+        try:
+            quant_rows = compiled.compiled_quant_rows()
+            b, lo, scale = quant_rows(rows, params, self.bits, self._inv_levels)
+        except Exception as err:  # no compiler, an unsupported torch: pack eagerly from now on
+            compiled.compile_failed(err)
+            return 0
+        g0, first = start // self.group, start * self.bits // 8
+        codes[first : first + b.numel()].copy_(b)
+        mins[g0 : g0 + lo.numel()].copy_(lo)
+        scales[g0 : g0 + lo.numel()].copy_(scale)
+        return piece.numel()
 
     def _quantize(
         self,
         rows: torch.Tensor,
-        u: torch.Tensor,
+        noise: torch.Tensor,
         code: torch.Tensor,
         mins: torch.Tensor,
         scales: torch.Tensor,
@@ -210,8 +249,10 @@ class Quant(Strategy):
         # scalar into that product anyway, and the kernels compute it alike everywhere.
         scales.sub_(mins).mul_(self._inv_levels).clamp_min_(tiny(torch.float32))
         y = torch.sub(g, mins[:, None]).div_(scales[:, None])  # in [0, levels]: the exact code
-        # floor(y + u): y rounded up with probability equal to its remainder.
-        y.add_(u.view_as(y)).floor_().clamp_(0, self._levels)
+        # floor(y + u), u = noise * 2**-24 (exact): y rounded up with probability equal to its
+        # remainder. y + u >= 0, so the uint8 cast's truncation is the floor; clamping first
+        # gives what the kernel's floor-then-clamp gives.
+        y.add_(noise.view_as(y), alpha=2.0**-UNIFORM_BITS).clamp_max_(self._levels)
         code.copy_(y.view(-1))
 
     def _unpack(self, packed: Packed) -> torch.Tensor:
@@ -228,22 +269,34 @@ class Quant(Strategy):
         step, group = self.slice_len(), self.group
         for start in range(0, n, step):
             length = min(step, n - start)
-            code = unpack_codes(
-                packed.values[start * self.bits // 8 : _bytes(start + length, self.bits)],
-                self.bits,
-                length,
-            )
-            values = torch.empty(length, dtype=torch.float32, device=dense.device).copy_(code)
-            whole = length // group * group
-            g0 = start // group
-            for lo_el, hi_el in ((0, whole), (whole, length)):
-                if hi_el > lo_el:
-                    rows = values[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
-                    r0 = g0 + lo_el // group
-                    r1 = r0 + rows.shape[0]
-                    rows.mul_(packed.scales[r0:r1, None]).add_(packed.mins[r0:r1, None])
-            dense[start : start + length] = values
+            # Eager: a few passes, faster than a compiled loop here (its codes unpack slowly).
+            self._rebuild_eager(packed, start, length, length // group * group, dense)
         return dense.view(shape)
+
+    def _rebuild_eager(
+        self, packed: Packed, start: int, length: int, whole: int, dense: torch.Tensor
+    ) -> None:
+        """Rebuild ``length`` values from element ``start`` (on a whole byte) into ``dense``;
+        the first ``whole`` of them are whole groups."""
+        group = self.group
+        code = unpack_codes(
+            packed.values[start * self.bits // 8 : _bytes(start + length, self.bits)],
+            self.bits,
+            length,
+        )
+        # fp32 output: rebuilt in place in its final buffer; narrower: via an fp32 slice.
+        out = dense[start : start + length]
+        values = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
+        values.copy_(code)
+        g0 = start // group
+        for lo_el, hi_el in ((0, whole), (whole, length)):
+            if hi_el > lo_el:
+                rows = values[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
+                r0 = g0 + lo_el // group
+                r1 = r0 + rows.shape[0]
+                rows.mul_(packed.scales[r0:r1, None]).add_(packed.mins[r0:r1, None])
+        if values is not out:
+            out.copy_(values)
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"bits={self.bits}", f"group={self.group}")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import build_strategy, dispatch, seeds, set_step, to_dropit
+from dropit_core import build_strategy, compiled, dispatch, seeds, set_step, to_dropit
 from dropit_core.ops import MaskedReLUFunction
 from dropit_core.packing import unpack_codes
 from dropit_core.unbiased import quant_kernels_take
@@ -81,21 +81,21 @@ def test_the_interpreter_is_in_force_for_triton_itself() -> None:
 
 
 @triton.jit
-def _uniform_kernel(index_ptr, out_ptr, n, seed_lo, seed_hi, BLOCK: tl.constexpr):
+def _uniform_kernel(index_ptr, out_ptr, n, key_low, key_high, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     index = tl.load(index_ptr + i, mask=i < n, other=0)
-    tl.store(out_ptr + i, noise.uniform(seed_lo, seed_hi, index), mask=i < n)
+    tl.store(out_ptr + i, noise.uniform(key_low, key_high, index), mask=i < n)
 
 
 @pytest.mark.parametrize("seed", [0, 12345, (1 << 62) - 1])
-@pytest.mark.parametrize("start", [0, (1 << 32) - 300, (5 << 32) + 7])
+@pytest.mark.parametrize("start", [0, 4000, (1 << 32) - 300, (1 << 44) - 600])
 def test_kernel_noise_is_the_eager_hash(seed: int, start: int) -> None:
-    # Across a 2**32 boundary too (the key changes there).
+    # Across 2**32 too: the index words wrap there.
     assert (noise.MIX_MUL1.value, noise.MIX_MUL2.value) == (seeds.MIX_MUL1, seeds.MIX_MUL2)
     eager = seeds.hash_uniform(seed, start, 600, DEVICE)
     index = torch.arange(start, start + 600, dtype=torch.int64, device=DEVICE)
     out = torch.empty(600, dtype=torch.float32, device=DEVICE)
-    _uniform_kernel[(3,)](index, out, 600, *noise.seed_words(seed), BLOCK=256)
+    _uniform_kernel[(3,)](index, out, 600, *noise.hash_keys(seed), BLOCK=256)
     assert torch.equal(out, eager)
     assert 0.0 <= float(eager.min()) and float(eager.max()) < 1.0
     assert torch.equal(eager * 2**24, (eager * 2**24).floor())  # 24-bit: exact in fp32
@@ -281,3 +281,55 @@ def test_only_the_kernels_package_imports_triton() -> None:
     for path in package.rglob("*.py"):
         if "kernels" not in path.parts:
             assert "import triton" not in path.read_text(), path
+
+
+# ------------------------------------------------------------------- the compiled CPU pack
+
+
+def _large(dtype: torch.dtype) -> torch.Tensor:
+    """Above compiled.COMPILE_MIN, with a last partial group; on the CPU (the compiled path's)."""
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(compiled.COMPILE_MIN + 300, generator=gen).relu().to(dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,group", [(4, 256), (2, 100), (8, 256)])
+def test_compiled_cpu_pack_is_the_eager_one_bit_for_bit(dtype, bits: int, group: int) -> None:
+    # Compiles (10-30 s the first time, then from inductor's disk cache).
+    x = _large(dtype)
+    strategy = build_strategy("quant", 0.8, bits=bits, group=group)
+    try:
+        compiled.set_compile(False)
+        eager = strategy.pack(x, "linear", 8)
+        compiled.set_compile(True)
+        if not compiled.compile_available():
+            pytest.skip("torch.compile failed here earlier")
+        packed = strategy.pack(x, "linear", 8)
+    finally:
+        compiled.set_compile(None)
+    if not compiled.compile_available():
+        pytest.skip("torch.compile is not available here")
+    assert all(torch.equal(a, b) for a, b in zip(packed.stored(), eager.stored(), strict=True))
+
+
+def test_a_failed_compile_warns_once_and_packs_eagerly(monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setitem(compiled._COMPILED, "quant_rows", broken)
+    x = _large(torch.float32)
+    strategy = build_strategy("quant", 0.8, bits=4)
+    compiled.set_compile(True)
+    try:
+        with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+            packed = strategy.pack(x, "linear", 8)
+        assert not compiled.compile_available()
+        again = strategy.pack(x, "linear", 8)  # no second warning, no second try
+        compiled.set_compile(False)
+        eager = strategy.pack(x, "linear", 8)
+    finally:
+        compiled.set_compile(None)
+    for pack in (packed, again):
+        assert all(torch.equal(a, b) for a, b in zip(pack.stored(), eager.stored(), strict=True))

@@ -10,7 +10,8 @@ from .. import seeds
 # Module constants a kernel may read must be constexpr; tests check they equal seeds'.
 MIX_MUL1: tl.constexpr = tl.constexpr(seeds.MIX_MUL1)
 MIX_MUL2: tl.constexpr = tl.constexpr(seeds.MIX_MUL2)
-KEY_SALT: tl.constexpr = tl.constexpr(seeds.KEY_SALT)
+TABLE_BITS: tl.constexpr = tl.constexpr(seeds.TABLE_BITS)
+TABLE_MASK: tl.constexpr = tl.constexpr((1 << seeds.TABLE_BITS) - 1)
 UNIFORM_SHIFT: tl.constexpr = tl.constexpr(32 - seeds.UNIFORM_BITS)
 UNIFORM_SCALE: tl.constexpr = tl.constexpr(2.0**-seeds.UNIFORM_BITS)
 
@@ -27,18 +28,16 @@ def mix32(x):
 
 
 @triton.jit
-def uniform(seed_lo, seed_hi, index):
-    """fp32 in [0, 1) for int64 element indices ``index`` of a pack seeded (seed_hi << 32) |
-    seed_lo: seeds.hash_uniform's draw for each."""
-    # Every sum is cast back to uint32: a constant above 2**31 would widen it to int64.
-    lo = (index & 0xFFFFFFFF).to(tl.uint32)
-    hi = (index >> 32).to(tl.uint32)
-    salted = (hi + KEY_SALT).to(tl.uint32)
-    key = mix32(mix32(seed_hi.to(tl.uint32) ^ mix32(salted)) ^ seed_lo.to(tl.uint32))
-    h = mix32((lo + key).to(tl.uint32))
-    return (h >> UNIFORM_SHIFT).to(tl.float32) * UNIFORM_SCALE
+def uniform(key_low, key_high, index):
+    """fp32 in [0, 1) for int64 element indices ``index`` (below 2**44) of a pack whose
+    :func:`hash_keys` are (key_low, key_high): seeds.hash_uniform's draw for each."""
+    # Every sum is cast back to uint32 (wrapping, as the eager path's masked sums).
+    low = ((index & TABLE_MASK).to(tl.uint32) + key_low.to(tl.uint32)).to(tl.uint32)
+    high = ((index >> TABLE_BITS).to(tl.uint32) + key_high.to(tl.uint32)).to(tl.uint32)
+    h = (mix32(low) >> UNIFORM_SHIFT) ^ (mix32(high) >> UNIFORM_SHIFT)
+    return h.to(tl.float32) * UNIFORM_SCALE
 
 
-def seed_words(seed: int) -> tuple[int, int]:
-    """A pack seed (< 2**64) as the two 32-bit words the kernels take."""
-    return seed & seeds.MASK32, (seed >> 32) & seeds.MASK32
+def hash_keys(seed: int) -> tuple[int, int]:
+    """The two 32-bit keys of a pack seed's draws (seeds.hash_bits' k0 and k1)."""
+    return seeds.hash_key(seed, 0), seeds.hash_key(seed, 1)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..seeds import UNIFORM_BITS
 from ..unbiased import quant_buffers
-from .noise import seed_words, uniform
+from .noise import hash_keys, uniform
 
 PACK_BLOCK = 2048  # elements per program (whole groups: at least one group)
 REBUILD_BLOCK = 2048
@@ -33,7 +33,7 @@ def _tile(group: int, block: int) -> tuple[int, int]:
 
 @triton.jit
 def _quant_codes_kernel(
-    x_ptr, codes_ptr, mins_ptr, scales_ptr, n, n_groups, n_bytes, seed_lo, seed_hi,
+    x_ptr, codes_ptr, mins_ptr, scales_ptr, n, n_groups, n_bytes, key_low, key_high,
     GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
     INV_LEVELS: tl.constexpr, TINY_F32: tl.constexpr,
 ):  # fmt: skip
@@ -52,7 +52,7 @@ def _quant_codes_kernel(
     tl.store(mins_ptr + row, lo, mask=row_ok)
     tl.store(scales_ptr + row, scale, mask=row_ok)
     y = tl.math.div_rn(x - lo[:, None], scale[:, None])  # IEEE division, as torch's
-    y = tl.math.floor(y + uniform(seed_lo, seed_hi, idx))
+    y = tl.math.floor(y + uniform(key_low, key_high, idx))
     code = tl.where(ok, tl.minimum(tl.maximum(y, 0.0), levels).to(tl.int32), 0)
     bytes_per_group: tl.constexpr = GROUP // per_byte
     byte_cols: tl.constexpr = WIDTH // per_byte
@@ -89,10 +89,12 @@ def quant_pack(
     if n == 0:
         return codes, mins, scales
     width, rows = _tile(group, block)
-    lo, hi = seed_words(seed)
+    if n > 1 << 44:
+        raise ValueError("quant_pack draws for element indices below 2**44")
+    keys = hash_keys(seed)
     grid = (triton.cdiv(mins.numel(), rows),)
     _quant_codes_kernel[grid](
-        flat, codes, mins, scales, n, mins.numel(), codes.numel(), lo, hi,
+        flat, codes, mins, scales, n, mins.numel(), codes.numel(), *keys,
         GROUP=group, WIDTH=width, ROWS=rows, BITS=bits,
         INV_LEVELS=_inv_levels(bits), TINY_F32=TINY, enable_fp_fusion=False,
     )  # fmt: skip
