@@ -206,7 +206,8 @@ def test_quant_layers_train_the_same_on_either_path(mode) -> None:
         to_dropit(model, strategy="quant", bits=4, group=64)
         mode(path)
         set_step(model, 5)
-        model(x.requires_grad_(False)).square().sum().backward()
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+            model(x).square().sum().backward()  # the same packs give the same gradients
         grads[path] = [p.grad for p in model.parameters()]
     for a, b in zip(grads["eager"], grads["triton"], strict=True):
         assert torch.equal(a, b)
