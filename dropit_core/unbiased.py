@@ -10,8 +10,13 @@ rebuild gives an unbiased weight gradient; min-k is biased (it always drops the 
   as a ``bits``-bit code of its place between the group's minimum and maximum, rounded up with
   probability equal to the remainder (stochastic rounding); rebuilt as minimum + code * step.
 
-Both draw their random numbers from the pack's seed (:mod:`dropit_core.seeds`), slice by slice on
-the input's device; neither needs a host sync (importance's tau stays a device tensor).
+Both draw their random numbers from the pack's seed (:mod:`dropit_core.seeds`) on the input's
+device; neither needs a host sync (importance's tau stays a device tensor). importance draws from a
+generator, slice by slice. quant's noise is a hash of (seed, element index),
+:func:`dropit_core.seeds.hash_bits`, that the Triton kernels (:mod:`dropit_core.kernels`, used
+for CUDA tensors) and the compiled CPU loop (:mod:`dropit_core.compiled`) compute alike: every
+path writes the same bytes. (Before 2026-11-24 quant drew from a generator per slice: a quant run
+made since draws other numbers than the same config did then, e.g. in the study's runs.)
 """
 
 from __future__ import annotations
@@ -177,7 +182,7 @@ class Quant(Strategy):
             whole = length // group * group
             g0 = start // group
             done = 0  # elements of the slice packed by the compiled loop (whole groups)
-            if self._compiled_rows(flat, whole):
+            if self._use_compiled(flat, whole):
                 done = self._pack_compiled(piece[:whole], start, seed, codes, mins, scales)
             code = torch.empty(length - done, dtype=torch.uint8, device=flat.device)
             noise = hash_bits(seed, start + done, length - done, flat.device)
@@ -199,7 +204,7 @@ class Quant(Strategy):
             pack_codes(code, self.bits, codes[first:last])
         return codes, mins, scales
 
-    def _compiled_rows(self, flat: torch.Tensor, whole: int) -> bool:
+    def _use_compiled(self, flat: torch.Tensor, whole: int) -> bool:
         """Whether a slice's ``whole`` values of whole groups are packed by the compiled loop:
         on the CPU, large enough, whole bytes of codes per group."""
         return (

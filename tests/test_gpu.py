@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import REGISTRY, STRATEGIES, to_dropit
+from dropit_core import REGISTRY, STRATEGIES, build_strategy, to_dropit
 from dropit_core.memory import cuda_allocated_mb
 from rcnn_dropit.metrics_file import read_metrics
 from tests.helpers import MASK_DROPIT_CFG, TRAIN_PY, job_env, single_node, tiny_opts, torchrun
@@ -133,6 +133,18 @@ def test_forward_and_input_gradient_are_the_plain_layers_on_cuda(strategy: str, 
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
         if strategy in DETERMINISTIC:  # random keeps of a 64-value fc input are too noisy
             assert cos > 0.3, (name, float(cos))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quant_packs_the_same_bytes_on_cpu_and_cuda(dtype: torch.dtype) -> None:
+    # The rounding noise is a hash of (seed, element index): the CPU pack (eager or compiled)
+    # and the CUDA one (the Triton kernel where triton imports) agree bit for bit.
+    x = _input(torch.device("cpu"), (2, 16, 48, 48)).relu().to(dtype)
+    strategy = build_strategy("quant", 0.8, bits=4, seed=3)
+    cpu, cuda = strategy.pack(x, "conv", 7), strategy.pack(x.to(CUDA), "conv", 7)
+    for a, b in zip(cpu.stored(), cuda.stored(), strict=True):
+        assert torch.equal(a, b.cpu())
+    assert torch.equal(strategy.unpack(cuda).cpu(), strategy.unpack(cpu))
 
 
 @pytest.mark.parametrize("amp", [None, torch.float16])
