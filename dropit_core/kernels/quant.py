@@ -31,7 +31,8 @@ def _tile(group: int, block: int) -> tuple[int, int]:
     return width, max(1, block // width)
 
 
-@triton.jit
+# Keys are random 32-bit words: one that happens to be 1 must not become a constant.
+@triton.jit(do_not_specialize=["key_low", "key_high"])
 def _quant_codes_kernel(
     x_ptr, codes_ptr, mins_ptr, scales_ptr, n, n_groups, n_bytes, key_low, key_high,
     GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
