@@ -225,7 +225,7 @@ class Quant(Strategy):
     ) -> int:
         """Pack whole groups with the compiled loop; the values packed (0 if it failed)."""
         params = torch.tensor([start, hash_key(seed, 0), hash_key(seed, 1)], dtype=torch.int64)
-        rows = piece.view(-1, self.group)
+        rows = piece.detach().view(-1, self.group)  # no autograd in the compiled graph
         try:
             quant_rows = compiled.compiled_quant_rows()
             b, lo, scale = quant_rows(rows, params, self.bits, self._inv_levels)
