@@ -1,4 +1,5 @@
-"""The Triton kernels against their eager references: quant pack and rebuild, the masked ReLU.
+"""The Triton kernels against their eager references: quant pack and rebuild, the masked ReLU;
+and the compiled CPU quant pack against the eager one.
 
 Without a GPU they run under Triton's interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1 before any kernel is defined); with one, compiled on it. Tensors stay near
