@@ -219,6 +219,24 @@ def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) 
     return out
 
 
+def code_bytes(elements: int, bits: int) -> int:
+    """Bytes that :func:`pack_codes` makes of ``elements`` codes of ``bits`` bits."""
+    return (elements * bits + 7) // 8
+
+
+def quant_buffers(
+    n: int, bits: int, group: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final (codes, mins, scales) buffers of a quant pack of n values: every path writes
+    its pack into these, once (no concatenation, no second copy)."""
+    groups = -(-n // group)
+    return (
+        torch.empty(code_bytes(n, bits), dtype=torch.uint8, device=device),
+        torch.empty(groups, dtype=torch.float32, device=device),
+        torch.empty(groups, dtype=torch.float32, device=device),
+    )
+
+
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: the first ``n`` codes as a flat uint8 tensor."""
     if bits == 8:

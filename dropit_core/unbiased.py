@@ -29,7 +29,7 @@ import torch
 from . import base, compiled, dispatch
 from .base import SEED, Packed, QuantMeta, Strategy
 from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise
-from .packing import ValueCodec, pack_codes, unpack_codes
+from .packing import ValueCodec, code_bytes, pack_codes, quant_buffers, unpack_codes
 from .registry import Option
 from .seeds import UNIFORM_BITS, hash_bits, hash_key, mix_seed, uniform
 from .select import sample_stride, tiny
@@ -200,7 +200,7 @@ class Quant(Strategy):
                         scales[r0 : r0 + rows.shape[0]],
                     )
             # A compiled part ends on a whole byte (whole groups of whole bytes).
-            first, last = (start + done) * self.bits // 8, _bytes(start + length, self.bits)
+            first, last = (start + done) * self.bits // 8, code_bytes(start + length, self.bits)
             pack_codes(code, self.bits, codes[first:last])
         return codes, mins, scales
 
@@ -285,7 +285,7 @@ class Quant(Strategy):
         the first ``whole`` of them are whole groups."""
         group = self.group
         code = unpack_codes(
-            packed.values[start * self.bits // 8 : _bytes(start + length, self.bits)],
+            packed.values[start * self.bits // 8 : code_bytes(start + length, self.bits)],
             self.bits,
             length,
         )
@@ -305,24 +305,6 @@ class Quant(Strategy):
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"bits={self.bits}", f"group={self.group}")
-
-
-def _bytes(elements: int, bits: int) -> int:
-    """Bytes that the codes of the first ``elements`` elements take."""
-    return (elements * bits + 7) // 8
-
-
-def quant_buffers(
-    n: int, bits: int, group: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The final (codes, mins, scales) buffers of a quant pack of n values: every path writes
-    its pack into these, once (no concatenation, no second copy)."""
-    groups = -(-n // group)
-    return (
-        torch.empty(_bytes(n, bits), dtype=torch.uint8, device=device),
-        torch.empty(groups, dtype=torch.float32, device=device),
-        torch.empty(groups, dtype=torch.float32, device=device),
-    )
 
 
 def quant_kernels_take(bits: int, group: int) -> bool:

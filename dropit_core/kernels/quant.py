@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..packing import quant_buffers
 from ..seeds import UNIFORM_BITS
-from ..unbiased import quant_buffers
 from .noise import hash_keys, uniform
 
 PACK_BLOCK = 2048  # elements per program (whole groups: at least one group)
