@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from . import dispatch
 from .base import Packed, Strategy
 from .packing import pack_bits, zero_flagged
 from .seeds import mix_seed
@@ -212,6 +213,14 @@ class MaskedReLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, inplace: bool):
+        if _relu_kernels(x, inplace):
+            from .kernels.relu import relu_mask
+
+            out, bits = relu_mask(x, inplace)
+            if inplace:
+                ctx.mark_dirty(x)
+            ctx.save_for_backward(bits)
+            return out
         if inplace:
             out = x.relu_()
             ctx.mark_dirty(x)
@@ -223,7 +232,17 @@ class MaskedReLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (bits,) = ctx.saved_tensors
+        if dispatch.use_kernels(grad):
+            from .kernels.relu import relu_mask_grad
+
+            return relu_mask_grad(grad, bits), None
         return zero_flagged(grad, bits), None
+
+
+def _relu_kernels(x: torch.Tensor, inplace: bool) -> bool:
+    """Whether the ReLU's forward runs the kernel: a float tensor, contiguous when in place
+    (the kernel writes the output in x's memory order)."""
+    return dispatch.use_kernels(x) and x.is_floating_point() and (x.is_contiguous() or not inplace)
 
 
 def autocast_inputs(

@@ -203,20 +203,38 @@ def compact_bits(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return values.index_select(0, kept_indices(bits))
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack a flat uint8 tensor of ``bits``-bit codes (2, 4 or 8) into bytes, the first code in
-    the low bits; a last partial byte is padded with zero codes."""
+    the low bits; a last partial byte is padded with zero codes. ``out``: the bytes' buffer."""
     per_byte = 8 // bits
     if per_byte == 1:
-        return codes
+        return codes if out is None else out.copy_(codes)
     pad = (-codes.numel()) % per_byte
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
     c = codes.view(-1, per_byte)
-    out = c[:, 0] | (c[:, 1] << bits)
+    out = torch.bitwise_or(c[:, 0], c[:, 1] << bits, out=out)
     for j in range(2, per_byte):
         out |= c[:, j] << (bits * j)
     return out
+
+
+def code_bytes(elements: int, bits: int) -> int:
+    """Bytes that :func:`pack_codes` makes of ``elements`` codes of ``bits`` bits."""
+    return (elements * bits + 7) // 8
+
+
+def quant_buffers(
+    n: int, bits: int, group: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final (codes, mins, scales) buffers of a quant pack of n values: every path writes
+    its pack into these, once (no concatenation, no second copy)."""
+    groups = -(-n // group)
+    return (
+        torch.empty(code_bytes(n, bits), dtype=torch.uint8, device=device),
+        torch.empty(groups, dtype=torch.float32, device=device),
+        torch.empty(groups, dtype=torch.float32, device=device),
+    )
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:

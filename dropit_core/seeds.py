@@ -4,6 +4,10 @@ A strategy that draws (random keeps, importance sampling, stochastic rounding) s
 from its ``seed`` option and a key that :class:`dropit_core.ops.InputCache` derives from the
 training step and the pack's position in that step's forward. Plain Python integers: no
 generator state to save in a checkpoint, nothing read from a device.
+
+:func:`hash_uniform` is the counter-based draw: a pure function of (seed, element index), the
+same numbers in eager torch (int64 arithmetic here) and in Triton (uint32, in
+:mod:`dropit_core.kernels`), whatever the slice or block an element falls in.
 """
 
 from __future__ import annotations
@@ -31,6 +35,73 @@ def mix_seed(*parts: int) -> int:
     for part in parts:
         h = _splitmix64(h ^ (part & _MASK64))
     return h >> 2
+
+
+# The 32-bit mixer: two xorshift-multiply rounds (hash-prospector's best two-round constants).
+# Both multipliers are below 2**31, so a 32-bit value times one stays below 2**63: torch's int64
+# arithmetic never overflows, and masking to 32 bits gives the uint32 product Triton computes.
+MIX_MUL1 = 0x21F0AAAD
+MIX_MUL2 = 0x735A2D97
+MASK32 = 0xFFFFFFFF
+KEY_SALT = 0x9E3779B9  # keeps the key of index word 0 away from mix32(0) == 0
+UNIFORM_BITS = 24  # a 24-bit integer times 2**-24: exact in fp32, in [0, 1)
+TABLE_BITS = 12  # the draw XORs a hash of the index's low 12 bits with one of the rest
+
+
+def mix32(x: int) -> int:
+    """The 32-bit mixer on a Python int (a bijection of [0, 2**32))."""
+    x ^= x >> 16
+    x = (x * MIX_MUL1) & MASK32
+    x ^= x >> 15
+    x = (x * MIX_MUL2) & MASK32
+    return x ^ (x >> 15)
+
+
+def hash_key(seed: int, index_hi: int) -> int:
+    """The 32-bit key of a seed's draws for elements ``index_hi * 2**32`` onward."""
+    lo, hi = seed & MASK32, (seed >> 32) & MASK32
+    return mix32(mix32(hi ^ mix32((index_hi + KEY_SALT) & MASK32)) ^ lo)
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`mix32` in place on an int64 tensor of values in [0, 2**32)."""
+    x ^= x >> 16
+    x.mul_(MIX_MUL1).bitwise_and_(MASK32)
+    x ^= x >> 15
+    x.mul_(MIX_MUL2).bitwise_and_(MASK32)
+    x ^= x >> 15
+    return x
+
+
+def _table(key: int, first: int, count: int, device: torch.device) -> torch.Tensor:
+    """``mix32((first + j + key) mod 2**32) >> 8`` for j < count, as int32."""
+    x = torch.arange(first + key, first + key + count, dtype=torch.int64, device=device)
+    return (_mix32_(x.bitwise_and_(MASK32)) >> (32 - UNIFORM_BITS)).to(torch.int32)
+
+
+def hash_bits(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
+    """The 24-bit integers (int32) behind :func:`hash_uniform`: element i of a pack seeded
+    ``seed`` draws ``(mix32(i mod 4096 + k0) ^ mix32(i >> 12 + k1)) >> 8`` (sums modulo 2**32;
+    k0, k1 = hash_key(seed, 0 and 1)), for i below 2**44.
+
+    A pure function of (seed, i), which the Triton kernels compute per element. Here it is two
+    small tables (4096 entries, and one per 4096 elements) and one broadcast XOR: a single pass
+    over the output, where hashing every index would take a dozen int64 passes.
+    """
+    if start + length > 1 << 44:
+        raise ValueError("hash_bits draws for element indices below 2**44")
+    first_row = start >> TABLE_BITS
+    rows = ((start + length - 1) >> TABLE_BITS) + 1 - first_row if length else 0
+    low = _table(hash_key(seed, 0), 0, 1 << TABLE_BITS, device)
+    high = _table(hash_key(seed, 1), first_row, rows, device)
+    offset = start - (first_row << TABLE_BITS)
+    return (high[:, None] ^ low[None, :]).view(-1)[offset : offset + length]
+
+
+def hash_uniform(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
+    """``length`` fp32 numbers uniform in [0, 1) for flat elements ``start`` onward of a pack
+    seeded ``seed``: :func:`hash_bits` times 2**-24 (exact in fp32)."""
+    return hash_bits(seed, start, length, device).float().mul_(2.0**-UNIFORM_BITS)
 
 
 def uniform(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:

@@ -10,8 +10,13 @@ rebuild gives an unbiased weight gradient; min-k is biased (it always drops the 
   as a ``bits``-bit code of its place between the group's minimum and maximum, rounded up with
   probability equal to the remainder (stochastic rounding); rebuilt as minimum + code * step.
 
-Both draw their random numbers from the pack's seed (:mod:`dropit_core.seeds`), slice by slice on
-the input's device; neither needs a host sync (importance's tau stays a device tensor).
+Both draw their random numbers from the pack's seed (:mod:`dropit_core.seeds`) on the input's
+device; neither needs a host sync (importance's tau stays a device tensor). importance draws from a
+generator, slice by slice. quant's noise is a hash of (seed, element index),
+:func:`dropit_core.seeds.hash_bits`, that the Triton kernels (:mod:`dropit_core.kernels`, used
+for CUDA tensors) and the compiled CPU loop (:mod:`dropit_core.compiled`) compute alike: every
+path writes the same bytes. (Before 2026-11-24 quant drew from a generator per slice: a quant run
+made since draws other numbers than the same config did then, e.g. in the study's runs.)
 """
 
 from __future__ import annotations
@@ -20,14 +25,13 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from . import base
+from . import base, compiled, dispatch
 from .base import SEED, Packed, QuantMeta, Strategy
 from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise
-from .packing import ValueCodec, pack_codes, unpack_codes
+from .packing import ValueCodec, code_bytes, pack_codes, quant_buffers, unpack_codes
 from .registry import Option
-from .seeds import mix_seed, uniform
+from .seeds import UNIFORM_BITS, hash_bits, hash_key, mix_seed, uniform
 from .select import sample_stride, tiny
 
 
@@ -148,66 +152,165 @@ class Quant(Strategy):
         self.group = group
         self.seed = seed
         self._levels = (1 << bits) - 1
+        self._inv_levels = float(torch.tensor(1.0 / self._levels, dtype=torch.float32))
 
     def slice_len(self) -> int:
         """Elements per slice: whole groups and whole code bytes."""
         return self.group * 8 * max(1, base.SLICE // (self.group * 8))
 
-    def _groups(self, piece: torch.Tensor) -> torch.Tensor:
-        """The slice as fp32 rows of ``group`` values; a last partial group repeats its last
-        value (the group's range stays its own)."""
-        pad = (-piece.numel()) % self.group
-        if pad:
-            piece = torch.cat([piece, piece[-1:].expand(pad)])
-        return piece.float().view(-1, self.group)
-
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         flat = x.reshape(-1)
         seed = mix_seed(self.seed, key)
+        if dispatch.use_kernels(flat) and quant_kernels_take(self.bits, self.group):
+            from .kernels.quant import quant_pack
+
+            codes, mins, scales = quant_pack(flat, self.bits, self.group, seed)
+        else:
+            codes, mins, scales = self._pack_eager(flat, seed)
+        return Packed(QuantMeta(tuple(x.shape), x.dtype), values=codes, scales=scales, mins=mins)
+
+    def _pack_eager(
+        self, flat: torch.Tensor, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, mins, scales), written slice by slice into their final buffers."""
+        n, group = flat.numel(), self.group
+        codes, mins, scales = quant_buffers(n, self.bits, group, flat.device)
         step = self.slice_len()
-        codes, mins, scales = [], [], []
-        for start in range(0, flat.numel(), step):
+        for start in range(0, n, step):
             piece = flat[start : start + step]
-            g = self._groups(piece)
-            lo = g.amin(dim=1)
-            scale = ((g.amax(dim=1) - lo) / self._levels).clamp_min(tiny(torch.float32))
-            y = (g - lo[:, None]).div_(scale[:, None])  # in [0, levels]: the exact code
-            y += uniform(seed, start, y.numel(), y.device).view_as(y)
-            # floor(y + u): y rounded up with probability equal to its remainder.
-            code = y.floor_().clamp_(0, self._levels).view(-1)[: piece.numel()].to(torch.uint8)
-            codes.append(pack_codes(code, self.bits))
-            mins.append(lo)
-            scales.append(scale)
-        if not codes:  # an empty input
-            empty = flat.new_zeros(0, dtype=torch.float32)
-            codes, mins, scales = [flat.new_zeros(0, dtype=torch.uint8)], [empty], [empty]
-        return Packed(
-            QuantMeta(tuple(x.shape), x.dtype),
-            values=_joined(codes),
-            scales=_joined(scales),
-            mins=_joined(mins),
+            length = piece.numel()
+            whole = length // group * group
+            g0 = start // group
+            done = 0  # elements of the slice packed by the compiled loop (whole groups)
+            if self._use_compiled(flat, whole):
+                done = self._pack_compiled(piece[:whole], start, seed, codes, mins, scales)
+            code = torch.empty(length - done, dtype=torch.uint8, device=flat.device)
+            noise = hash_bits(seed, start + done, length - done, flat.device)
+            # The whole groups as rows, then a last partial group (its range is its own).
+            for lo_el, hi_el in ((done, whole), (whole, length)):
+                if hi_el > lo_el:
+                    rows = piece[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
+                    r0 = g0 + lo_el // group
+                    at = slice(lo_el - done, hi_el - done)
+                    self._quantize(
+                        rows,
+                        noise[at],
+                        code[at],
+                        mins[r0 : r0 + rows.shape[0]],
+                        scales[r0 : r0 + rows.shape[0]],
+                    )
+            # A compiled part ends on a whole byte (whole groups of whole bytes).
+            first, last = (start + done) * self.bits // 8, code_bytes(start + length, self.bits)
+            pack_codes(code, self.bits, codes[first:last])
+        return codes, mins, scales
+
+    def _use_compiled(self, flat: torch.Tensor, whole: int) -> bool:
+        """Whether a slice's ``whole`` values of whole groups are packed by the compiled loop:
+        on the CPU, large enough, whole bytes of codes per group."""
+        return (
+            flat.device.type == "cpu"
+            and whole >= compiled.COMPILE_MIN
+            and self.group % (8 // self.bits) == 0
+            and compiled.compile_available()
         )
+
+    def _pack_compiled(
+        self,
+        piece: torch.Tensor,
+        start: int,
+        seed: int,
+        codes: torch.Tensor,
+        mins: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> int:
+        """Pack whole groups with the compiled loop; the values packed (0 if it failed)."""
+        params = torch.tensor([start, hash_key(seed, 0), hash_key(seed, 1)], dtype=torch.int64)
+        rows = piece.detach().view(-1, self.group)  # no autograd in the compiled graph
+        try:
+            quant_rows = compiled.compiled_quant_rows()
+            b, lo, scale = quant_rows(rows, params, self.bits, self._inv_levels)
+        except Exception as err:  # no compiler, an unsupported torch: pack eagerly from now on
+            compiled.compile_failed(err)
+            return 0
+        g0, first = start // self.group, start * self.bits // 8
+        codes[first : first + b.numel()].copy_(b)
+        mins[g0 : g0 + lo.numel()].copy_(lo)
+        scales[g0 : g0 + lo.numel()].copy_(scale)
+        return piece.numel()
+
+    def _quantize(
+        self,
+        rows: torch.Tensor,
+        noise: torch.Tensor,
+        code: torch.Tensor,
+        mins: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> None:
+        """Codes of ``rows`` (one group each) into ``code``, their minimum and step into ``mins``
+        and ``scales``: the same fp32 operations, in the same order, as the Triton kernel."""
+        g = rows.float()
+        torch.aminmax(g, dim=1, out=(mins, scales))
+        # Times the fp32 1/levels, not divided by levels: CUDA's torch turns a division by a
+        # scalar into that product anyway, and the kernels compute it alike everywhere.
+        scales.sub_(mins).mul_(self._inv_levels).clamp_min_(tiny(torch.float32))
+        y = torch.sub(g, mins[:, None]).div_(scales[:, None])  # in [0, levels]: the exact code
+        # floor(y + u), u = noise * 2**-24 (exact): y rounded up with probability equal to its
+        # remainder. y + u >= 0, so the uint8 cast's truncation is the floor; clamping first
+        # gives what the kernel's floor-then-clamp gives.
+        y.add_(noise.view_as(y), alpha=2.0**-UNIFORM_BITS).clamp_max_(self._levels)
+        code.copy_(y.view(-1))
 
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype = packed.meta
         n = math.prod(shape)
+        if dispatch.use_kernels(packed.values) and quant_kernels_take(self.bits, self.group):
+            from .kernels.quant import quant_rebuild
+
+            rebuilt = quant_rebuild(
+                packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype
+            )
+            return rebuilt.view(shape)
         dense = torch.empty(n, dtype=dtype, device=packed.values.device)
-        step = self.slice_len()
+        step, group = self.slice_len(), self.group
         for start in range(0, n, step):
             length = min(step, n - start)
-            first_byte = start * self.bits // 8
-            last_byte = ((start + length) * self.bits + 7) // 8
-            code = unpack_codes(packed.values[first_byte:last_byte], self.bits, length)
-            rows = math.ceil(length / self.group)
-            g0 = start // self.group
-            values = F.pad(code, (0, rows * self.group - length)).float().view(rows, -1)
-            values.mul_(packed.scales[g0 : g0 + rows, None]).add_(packed.mins[g0 : g0 + rows, None])
-            dense[start : start + length] = values.view(-1)[:length]
+            # Eager: a few passes, faster than a compiled loop here (its codes unpack slowly).
+            self._rebuild_eager(packed, start, length, length // group * group, dense)
         return dense.view(shape)
+
+    def _rebuild_eager(
+        self, packed: Packed, start: int, length: int, whole: int, dense: torch.Tensor
+    ) -> None:
+        """Rebuild ``length`` values from element ``start`` (on a whole byte) into ``dense``;
+        the first ``whole`` of them are whole groups."""
+        group = self.group
+        code = unpack_codes(
+            packed.values[start * self.bits // 8 : code_bytes(start + length, self.bits)],
+            self.bits,
+            length,
+        )
+        # fp32 output: rebuilt in place in its final buffer; narrower: via an fp32 slice.
+        out = dense[start : start + length]
+        values = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
+        values.copy_(code)
+        g0 = start // group
+        for lo_el, hi_el in ((0, whole), (whole, length)):
+            if hi_el > lo_el:
+                rows = values[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
+                r0 = g0 + lo_el // group
+                r1 = r0 + rows.shape[0]
+                rows.mul_(packed.scales[r0:r1, None]).add_(packed.mins[r0:r1, None])
+        if values is not out:
+            out.copy_(values)
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"bits={self.bits}", f"group={self.group}")
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def quant_kernels_take(bits: int, group: int) -> bool:
+    """Whether the Triton kernels pack this setting: each group's codes whole bytes, and a group
+    small enough for one program's registers; other settings run eager (same format)."""
+    return group % (8 // bits) == 0 and group <= MAX_KERNEL_GROUP
+
+
+MAX_KERNEL_GROUP = 8192

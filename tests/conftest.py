@@ -9,13 +9,19 @@ everything. Each test file marks its own tests.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
-from rcnn_dropit.data import make_shapes
-from tests.helpers import TINY_SHAPES
+# Without a GPU, the Triton kernels (tests/test_dropit_kernels.py) run under Triton's interpreter
+# on CPU tensors. Triton reads TRITON_INTERPRET when a kernel is defined, its own standard library
+# included (when triton is imported, which rcnn_dropit's imports do), so it is set here, before
+# anything imports triton (`import torch` does not); with a GPU they compile and run on it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config) -> None:
@@ -29,6 +35,9 @@ def pytest_configure(config) -> None:
 def shapes_set(tmp_path_factory) -> Callable[..., Path]:
     """A synthetic shapes set by its parameters (TINY_SHAPES, with any of them changed), made
     once per session. Shared by every test that asks for it: copy it before changing it."""
+    from rcnn_dropit.data import make_shapes  # here, not above: it imports triton
+    from tests.helpers import TINY_SHAPES
+
     made: dict[tuple, Path] = {}
 
     def get(**changes: int) -> Path:

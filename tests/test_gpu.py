@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import REGISTRY, STRATEGIES, to_dropit
+from dropit_core import REGISTRY, STRATEGIES, build_strategy, to_dropit
 from dropit_core.memory import cuda_allocated_mb
 from rcnn_dropit.metrics_file import read_metrics
 from tests.helpers import MASK_DROPIT_CFG, TRAIN_PY, job_env, single_node, tiny_opts, torchrun
@@ -119,7 +119,9 @@ def test_forward_and_input_gradient_are_the_plain_layers_on_cuda(strategy: str, 
         pytest.skip(f"{strategy} stores codes of its own: no values option")
     plain = _net().to(CUDA)
     dropit = copy.deepcopy(plain)
-    to_dropit(dropit, strategy=strategy, gamma=0.8, values=values)
+    # Only strategies that store kept values take `values` (quant stores codes of its own).
+    options = {"values": values} if "values" in REGISTRY.options(strategy) else {}
+    to_dropit(dropit, strategy=strategy, gamma=0.8, **options)
     out_p, gx_p, g_p = _grads(plain, _input(CUDA))
     out_d, gx_d, g_d = _grads(dropit, _input(CUDA))
     assert torch.equal(out_d, out_p)
@@ -131,6 +133,41 @@ def test_forward_and_input_gradient_are_the_plain_layers_on_cuda(strategy: str, 
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
         if strategy in DETERMINISTIC:  # random keeps of a 64-value fc input are too noisy
             assert cos > 0.3, (name, float(cos))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quant_packs_the_same_bytes_on_cpu_and_cuda(dtype: torch.dtype) -> None:
+    # The rounding noise is a hash of (seed, element index): the CPU pack (eager or compiled)
+    # and the CUDA one (the Triton kernel where triton imports) agree bit for bit.
+    x = _input(torch.device("cpu"), (2, 16, 48, 48)).relu().to(dtype)
+    strategy = build_strategy("quant", 0.8, bits=4, seed=3)
+    cpu, cuda = strategy.pack(x, "conv", 7), strategy.pack(x.to(CUDA), "conv", 7)
+    for a, b in zip(cpu.stored(), cuda.stored(), strict=True):
+        assert torch.equal(a, b.cpu())
+    assert torch.equal(strategy.unpack(cuda).cpu(), strategy.unpack(cpu))
+
+
+@pytest.mark.parametrize("amp", [None, torch.float16])
+def test_quant_and_relu_mask_add_no_host_sync(amp: torch.dtype | None) -> None:
+    # The Triton pack, rebuild and ReLU mask kernels: no .item(), nonzero or size read of a
+    # device value anywhere in a converted conv + ReLU stack's forward and backward.
+    model = nn.Sequential(*_net().convs).to(CUDA)
+    to_dropit(model, strategy="quant", bits=4)
+    x = _input(CUDA).requires_grad_(True)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=amp or torch.float16, enabled=amp is not None):
+            out = model(x)
+        out.backward(torch.ones_like(out))
+
+    step()  # the first step compiles the kernels for these dtypes (and may sync doing so)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16])

@@ -1,0 +1,13 @@
+"""Triton kernels for the packs (torch and triton only), each beside its launch wrapper.
+
+- :mod:`.quant`: the quant pack (group minimum and step, stochastic rounding, codes packed into
+  bytes) in one launch, and its rebuild in one launch.
+- :mod:`.relu`: the ReLU that writes its output and its 1-bit mask in one launch, and the
+  backward that reads the mask.
+- :mod:`.noise`: the counter-based uniform draw, :func:`dropit_core.seeds.hash_uniform` in
+  Triton.
+
+Importing a submodule imports triton; :mod:`dropit_core.dispatch` decides whether to (only then),
+so ``dropit_core`` imports without triton. Every kernel writes exactly the format its eager
+reference writes (``dropit_core.unbiased.Quant``, ``dropit_core.ops.MaskedReLUFunction``).
+"""

@@ -1,0 +1,172 @@
+"""The quant pack and rebuild, one Triton launch each (reference: ``dropit_core.unbiased.Quant``).
+
+Each program owns whole groups (``ROWS`` of them, a [ROWS, group] tile), so its group minima and
+steps never leave registers, and each group's codes fill whole bytes (``group`` a multiple of
+``8 // bits``: :func:`dropit_core.unbiased.quant_kernels_take`), so no two programs share a byte.
+The fp32 operations are the eager path's, in its order, with no fused multiply-add
+(``enable_fp_fusion=False``): the codes, minima and steps are bit-identical to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..packing import quant_buffers
+from ..seeds import UNIFORM_BITS
+from .noise import hash_keys, uniform
+
+PACK_BLOCK = 2048  # elements per program (whole groups: at least one group)
+REBUILD_BLOCK = 2048
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+TINY = torch.finfo(torch.float32).tiny
+
+assert UNIFORM_BITS <= 24  # the draws are exact in fp32
+
+
+def _tile(group: int, block: int) -> tuple[int, int]:
+    """(the group's width as a power of two, groups per program) for ``block`` elements."""
+    width = triton.next_power_of_2(group)
+    return width, max(1, block // width)
+
+
+# Keys are random 32-bit words: one that happens to be 1 must not become a constant.
+@triton.jit(do_not_specialize=["key_low", "key_high"])
+def _quant_codes_kernel(
+    x_ptr, codes_ptr, mins_ptr, scales_ptr, n, n_groups, n_bytes, key_low, key_high,
+    GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+    INV_LEVELS: tl.constexpr, TINY_F32: tl.constexpr,
+):  # fmt: skip
+    levels: tl.constexpr = (1 << BITS) - 1
+    per_byte: tl.constexpr = 8 // BITS
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    col = tl.arange(0, WIDTH)
+    idx = row[:, None] * GROUP + col[None, :]
+    ok = (col[None, :] < GROUP) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+    lo = tl.min(tl.where(ok, x, float("inf")), axis=1)
+    hi = tl.max(tl.where(ok, x, float("-inf")), axis=1)
+    # A multiply by the rounded 1/levels (not a division by levels): the same on every device.
+    scale = tl.maximum((hi - lo) * INV_LEVELS, TINY_F32)
+    row_ok = row < n_groups
+    tl.store(mins_ptr + row, lo, mask=row_ok)
+    tl.store(scales_ptr + row, scale, mask=row_ok)
+    y = tl.math.div_rn(x - lo[:, None], scale[:, None])  # IEEE division, as torch's
+    y = tl.math.floor(y + uniform(key_low, key_high, idx))
+    code = tl.where(ok, tl.minimum(tl.maximum(y, 0.0), levels).to(tl.int32), 0)
+    bytes_per_group: tl.constexpr = GROUP // per_byte
+    byte_cols: tl.constexpr = WIDTH // per_byte
+    if per_byte == 1:
+        packed = code
+    else:
+        # Codes of one byte side by side: their shifted sum is their OR (disjoint bits).
+        shifts = tl.arange(0, per_byte) * BITS
+        parts = tl.reshape(code, (ROWS, byte_cols, per_byte)) << shifts[None, None, :]
+        packed = tl.sum(parts, axis=2)
+    bcol = tl.arange(0, byte_cols)
+    bidx = row[:, None] * bytes_per_group + bcol[None, :]
+    bok = (bcol[None, :] < bytes_per_group) & (bidx < n_bytes)
+    tl.store(codes_ptr + bidx, packed.to(tl.uint8), mask=bok)
+
+
+def quant_pack(
+    flat: torch.Tensor, bits: int, group: int, seed: int, block: int = PACK_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, mins, scales) of a flat float tensor: ``Quant``'s packed format, one launch.
+
+    Bytes per element: reads the input once (2 or 4), writes ``bits / 8`` of codes and
+    ``8 / group`` of minima and steps. ``block`` (elements per program) changes no byte.
+    """
+    if flat.dim() != 1 or flat.dtype not in FLOATS:
+        raise ValueError(
+            f"quant_pack takes a flat fp16/bf16/fp32 tensor, got {flat.shape} {flat.dtype}"
+        )
+    if group % (8 // bits):
+        raise ValueError(f"quant_pack: group {group} is not whole bytes of {bits}-bit codes")
+    flat = flat.contiguous()
+    n = flat.numel()
+    codes, mins, scales = quant_buffers(n, bits, group, flat.device)
+    if n == 0:
+        return codes, mins, scales
+    width, rows = _tile(group, block)
+    if n > 1 << 44:
+        raise ValueError("quant_pack draws for element indices below 2**44")
+    keys = hash_keys(seed)
+    grid = (triton.cdiv(mins.numel(), rows),)
+    _quant_codes_kernel[grid](
+        flat, codes, mins, scales, n, mins.numel(), codes.numel(), *keys,
+        GROUP=group, WIDTH=width, ROWS=rows, BITS=bits,
+        INV_LEVELS=_inv_levels(bits), TINY_F32=TINY, enable_fp_fusion=False,
+    )  # fmt: skip
+    return codes, mins, scales
+
+
+def _inv_levels(bits: int) -> float:
+    """1 / (2**bits - 1) rounded to fp32, as the eager path multiplies by it."""
+    return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
+
+
+@triton.jit
+def _bf16_bits(value):
+    """The bf16 nearest ``value`` (ties to even), as int16 bits: the interpreter's own cast
+    truncates, the GPU's rounds; spelled out, both give torch's ``.to(torch.bfloat16)``."""
+    bits = value.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)).to(tl.uint32) >> 16
+    rounded = tl.where(value != value, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
+    return rounded.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _quant_rebuild_kernel(
+    codes_ptr, mins_ptr, scales_ptr, out_ptr, n, n_groups,
+    GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+    BF16: tl.constexpr,
+):  # fmt: skip
+    per_byte: tl.constexpr = 8 // BITS
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    col = tl.arange(0, WIDTH)
+    idx = row[:, None] * GROUP + col[None, :]
+    ok = (col[None, :] < GROUP) & (idx < n)
+    byte = tl.load(codes_ptr + idx // per_byte, mask=ok, other=0).to(tl.int32)
+    code = (byte >> ((idx % per_byte).to(tl.int32) * BITS)) & ((1 << BITS) - 1)
+    row_ok = row < n_groups
+    lo = tl.load(mins_ptr + row, mask=row_ok, other=0.0)
+    scale = tl.load(scales_ptr + row, mask=row_ok, other=0.0)
+    value = code.to(tl.float32) * scale[:, None] + lo[:, None]  # two roundings, as eager
+    if BF16:  # out_ptr is the bf16 output viewed as int16
+        tl.store(out_ptr + idx, _bf16_bits(value), mask=ok)
+    else:
+        tl.store(out_ptr + idx, value.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def quant_rebuild(
+    codes: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
+    block: int = REBUILD_BLOCK,
+) -> torch.Tensor:
+    """The flat ``dtype`` tensor of n values a quant pack rebuilds to, one launch.
+
+    Bytes per element: reads ``bits / 8`` of codes and ``8 / group`` of minima and steps,
+    writes the output once (2 or 4).
+    """
+    if codes.dtype != torch.uint8 or mins.dtype != torch.float32 or dtype not in FLOATS:
+        raise ValueError("quant_rebuild takes uint8 codes, fp32 minima and steps, a float dtype")
+    if codes.numel() != (n * bits + 7) // 8 or mins.numel() != -(-n // group):
+        raise ValueError(f"quant_rebuild: the pack does not hold {n} values of group {group}")
+    out = torch.empty(n, dtype=dtype, device=codes.device)
+    if n == 0:
+        return out
+    width, rows = _tile(group, block)
+    grid = (triton.cdiv(mins.numel(), rows),)
+    bf16 = dtype == torch.bfloat16
+    _quant_rebuild_kernel[grid](
+        codes, mins, scales, out.view(torch.int16) if bf16 else out, n, mins.numel(),
+        GROUP=group, WIDTH=width, ROWS=rows, BITS=bits, BF16=bf16, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,337 @@
+"""The Triton kernels against their eager references: quant pack and rebuild, the masked ReLU;
+and the compiled CPU quant pack against the eager one.
+
+Without a GPU they run under Triton's interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1 before any kernel is defined); with one, compiled on it. Tensors stay near
+1e4 elements: the interpreter runs about 1e5 a second. Skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from dropit_core import build_strategy, compiled, dispatch, seeds, set_step, to_dropit
+from dropit_core.ops import MaskedReLUFunction
+from dropit_core.packing import unpack_codes
+from dropit_core.unbiased import quant_kernels_take
+from tests.test_dropit_unbiased import _activation, _error_in_noise_units
+
+triton = pytest.importorskip("triton")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cpu" and not INTERPRETED, reason="kernels on CPU need TRITON_INTERPRET=1"
+)
+
+import triton.language as tl  # noqa: E402  (after the skip: triton may be missing)
+
+from dropit_core.kernels import noise  # noqa: E402
+from dropit_core.kernels.quant import quant_pack, quant_rebuild  # noqa: E402
+from dropit_core.kernels.relu import relu_mask, relu_mask_grad  # noqa: E402
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+# (group, n): the default group with a last partial group, a group not a power of two, a group
+# of one byte of 2-bit codes with an odd n (a last byte's unused codes), fewer values than a group.
+SIZES = [(256, 3000), (100, 1001), (8, 77), (256, 5)]
+
+
+@pytest.fixture
+def mode():
+    """Set the dispatch mode for one test, and restore the environment's after it."""
+    yield dispatch.set_kernels
+    dispatch.set_kernels(None)
+
+
+def _x(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) * 4).to(dtype).to(DEVICE)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical (+0.0 vs -0.0 and NaN payloads told apart)."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(width), b.view(width))
+
+
+def _pack_both(x: torch.Tensor, bits: int, group: int, key: int, mode):
+    strategy = build_strategy("quant", 0.8, bits=bits, group=group)
+    mode("eager")
+    eager = strategy.pack(x, "linear", key)
+    mode("triton")
+    kernel = strategy.pack(x, "linear", key)
+    return strategy, eager, kernel
+
+
+# ------------------------------------------------------------------------------------ noise
+
+
+def test_the_interpreter_is_in_force_for_triton_itself() -> None:
+    # Triton's standard library (tl.min, ...) is defined when triton is imported: if that came
+    # before TRITON_INTERPRET=1 (tests/conftest.py), every kernel here fails to run on the CPU.
+    if INTERPRETED:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        assert isinstance(triton.language.standard.max, InterpretedFunction)
+
+
+@triton.jit
+def _uniform_kernel(index_ptr, out_ptr, n, key_low, key_high, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    index = tl.load(index_ptr + i, mask=i < n, other=0)
+    tl.store(out_ptr + i, noise.uniform(key_low, key_high, index), mask=i < n)
+
+
+@pytest.mark.parametrize("seed", [0, 12345, (1 << 62) - 1])
+@pytest.mark.parametrize("start", [0, 4000, (1 << 32) - 300, (1 << 44) - 600])
+def test_kernel_noise_is_the_eager_hash(seed: int, start: int) -> None:
+    # Across 2**32 too: the index words wrap there.
+    assert (noise.MIX_MUL1.value, noise.MIX_MUL2.value) == (seeds.MIX_MUL1, seeds.MIX_MUL2)
+    eager = seeds.hash_uniform(seed, start, 600, DEVICE)
+    index = torch.arange(start, start + 600, dtype=torch.int64, device=DEVICE)
+    out = torch.empty(600, dtype=torch.float32, device=DEVICE)
+    _uniform_kernel[(3,)](index, out, 600, *noise.hash_keys(seed), BLOCK=256)
+    assert torch.equal(out, eager)
+    assert 0.0 <= float(eager.min()) and float(eager.max()) < 1.0
+    assert torch.equal(eager * 2**24, (eager * 2**24).floor())  # 24-bit: exact in fp32
+
+
+def test_eager_noise_is_a_function_of_the_element_index() -> None:
+    whole = seeds.hash_uniform(7, 0, 1000, torch.device("cpu"))
+    assert torch.equal(seeds.hash_uniform(7, 333, 100, torch.device("cpu")), whole[333:433])
+    assert not torch.equal(seeds.hash_uniform(8, 0, 1000, torch.device("cpu")), whole)
+    assert abs(float(whole.mean()) - 0.5) < 0.05
+    assert seeds.mix32(0) == 0 and seeds.mix32(1) != 1  # salted keys keep index 0 off mix32(0)
+
+
+# ------------------------------------------------------------------------------------- quant
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group,n", SIZES)
+def test_quant_pack_and_rebuild_are_the_eager_ones_bit_for_bit(dtype, bits, group, n, mode):
+    x = _x(n, dtype)
+    strategy, eager, kernel = _pack_both(x, bits, group, 11, mode)
+    for field in ("values", "mins", "scales"):
+        assert _same_bits(getattr(kernel, field), getattr(eager, field)), field
+    # The same bytes rebuilt by either path; a kernel pack rebuilt eagerly and vice versa.
+    mode("triton")
+    by_kernel = strategy.unpack(eager)
+    mode("eager")
+    by_eager = strategy.unpack(eager)
+    assert by_kernel.dtype == dtype and _same_bits(by_kernel, by_eager)
+    assert _same_bits(strategy.unpack(kernel), by_eager)
+    if (n * bits) % 8:  # the last byte's unused codes are zero
+        assert int(kernel.values[-1]) >> ((n * bits) % 8) == 0
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quant_pack_bytes_do_not_depend_on_the_block_size(bits: int) -> None:
+    x = _x(5000, torch.float32, seed=3)
+    first = quant_pack(x, bits, 64, seed=99, block=64)
+    for block in (256, 1024, 8192):
+        again = quant_pack(x, bits, 64, seed=99, block=block)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), block
+        out = quant_rebuild(*again, 5000, bits, 64, torch.float32, block=block)
+        assert torch.equal(out, quant_rebuild(*first, 5000, bits, 64, torch.float32, block=64))
+    assert not torch.equal(quant_pack(x, bits, 64, seed=100)[0], first[0])
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_mean_of_kernel_rebuilds_over_draws_is_the_input(bits: int, mode) -> None:
+    x = _activation((1, 4, 12, 12)).to(DEVICE)  # 576 values, 55% zeros, several scales
+    strategy = build_strategy("quant", 0.8, bits=bits, group=64)
+    mode("triton")
+    draws = torch.stack([strategy.unpack(strategy.pack(x, "conv", key)) for key in range(128)])
+    t, sd = _error_in_noise_units(draws.cpu(), x.cpu())
+    assert sd > 0 and t <= 1.0 + 4.0 * sd, (t, sd)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_every_code_value_rebuilds_as_min_plus_code_steps(bits: int) -> None:
+    levels = (1 << bits) - 1
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE).repeat(2)  # every byte value
+    n = codes.numel() * 8 // bits
+    group = 64
+    mins = torch.linspace(-3, 2, n // group, device=DEVICE)
+    scales = torch.linspace(0.01, 0.5, n // group, device=DEVICE)
+    out = quant_rebuild(codes, mins, scales, n, bits, group, torch.float32)
+    code = unpack_codes(codes, bits, n).float().view(-1, group)
+    expected = (code * scales[:, None] + mins[:, None]).view(-1)
+    assert torch.equal(out, expected)
+    assert set(unpack_codes(codes, bits, n).tolist()) == set(range(levels + 1))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_constant_and_all_zero_groups_rebuild_exactly(dtype, mode) -> None:
+    x = _x(1024, dtype)
+    x[:256] = 0.0
+    x[256:512] = 0.75
+    x[512:768] = -1.5
+    strategy = build_strategy("quant", 0.8, bits=2, group=256)
+    mode("triton")
+    out = strategy.unpack(strategy.pack(x, "linear", 4))
+    assert torch.equal(out[:768], x[:768])
+
+
+def test_empty_input_and_settings_the_kernels_leave_to_eager(mode) -> None:
+    mode("triton")
+    strategy = build_strategy("quant", 0.8)
+    packed = strategy.pack(torch.zeros(0, 3, 4, 4, device=DEVICE), "conv")
+    assert packed.nbytes() == 0 and strategy.unpack(packed).shape == (0, 3, 4, 4)
+    # Codes of a 7-value group straddle bytes: eager packs it, in the same format.
+    assert not quant_kernels_take(4, 7) and quant_kernels_take(4, 256)
+    odd = build_strategy("quant", 0.8, bits=4, group=7)
+    x = _x(100, torch.float32)
+    mode("eager")
+    eager = odd.pack(x, "linear", 2)
+    mode("triton")
+    kernel = odd.pack(x, "linear", 2).stored()
+    assert all(torch.equal(a, b) for a, b in zip(kernel, eager.stored(), strict=True))
+
+
+def test_quant_layers_train_the_same_on_either_path(mode) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1)).to(DEVICE)
+    x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grads = {}
+    for path in ("eager", "triton"):
+        model = copy.deepcopy(plain)
+        to_dropit(model, strategy="quant", bits=4, group=64)
+        mode(path)
+        set_step(model, 5)
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+            model(x).square().sum().backward()  # the same packs give the same gradients
+        grads[path] = [p.grad for p in model.parameters()]
+    for a, b in zip(grads["eager"], grads["triton"], strict=True):
+        assert torch.equal(a, b)
+
+
+# -------------------------------------------------------------------------------------- ReLU
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n", [1, 13, 4101])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_relu_mask_kernels_are_the_eager_relu(dtype, n: int, inplace: bool, mode) -> None:
+    x = _x(n, dtype, seed=n)
+    if n > 8:  # signed zeros and NaN keep their bits, -inf is blocked
+        x[:4] = torch.tensor([0.0, -0.0, float("nan"), float("-inf")])
+    grad = _x(n, dtype, seed=n + 1)
+    grad[-1] = float("nan")
+    results = {}
+    for path in ("eager", "triton"):
+        mode(path)
+        leaf = x.clone().requires_grad_(True)
+        out = MaskedReLUFunction.apply(leaf * 1.0, inplace)
+        out.backward(grad)
+        results[path] = (out.detach(), leaf.grad)
+    for a, b in zip(results["eager"], results["triton"], strict=True):
+        assert _same_bits(a, b)
+
+
+def test_relu_mask_bytes_are_pack_bits_of_the_blocked_outputs() -> None:
+    from dropit_core.packing import pack_bits
+
+    x = _x(1003, torch.float32)
+    out, bits = relu_mask(x)
+    assert torch.equal(bits, pack_bits((torch.relu(x) <= 0).reshape(-1)))
+    assert torch.equal(out, torch.relu(x))
+    assert torch.equal(relu_mask_grad(x, bits), torch.where(x <= 0, 0.0, x))
+
+
+# ---------------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_modes_env_and_warning(monkeypatch) -> None:
+    cpu, cuda = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device=DEVICE)
+    cuda.device = torch.device("cuda")
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    assert not dispatch.use_kernels(cpu)
+    assert dispatch.use_kernels(cuda) == dispatch.triton_available()
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    assert dispatch.use_kernels(cpu)
+    dispatch.set_kernels("eager")  # the call wins over the environment
+    try:
+        assert not dispatch.use_kernels(cuda)
+    finally:
+        dispatch.set_kernels(None)
+    monkeypatch.setenv(dispatch.ENV, "fast")
+    with pytest.raises(ValueError, match="DROPIT_KERNELS"):
+        dispatch.kernel_mode()
+    with pytest.raises(ValueError, match="allowed"):
+        dispatch.set_kernels("cuda")
+    # CUDA without triton: one warning, then eager.
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    monkeypatch.setattr(dispatch, "_has_triton", False)
+    monkeypatch.setattr(dispatch, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="triton is not installed"):
+        assert not dispatch.use_kernels(cuda)
+    assert not dispatch.use_kernels(cuda)  # no second warning (pytest errors on none above)
+
+
+def test_only_the_kernels_package_imports_triton() -> None:
+    # dropit_core must import where triton is missing: triton appears in kernels/ alone.
+    package = Path(dispatch.__file__).parent
+    for path in package.rglob("*.py"):
+        if "kernels" not in path.parts:
+            assert "import triton" not in path.read_text(), path
+
+
+# ------------------------------------------------------------------- the compiled CPU pack
+
+
+def _large(dtype: torch.dtype) -> torch.Tensor:
+    """Above compiled.COMPILE_MIN, with a last partial group; on the CPU (the compiled path's)."""
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(compiled.COMPILE_MIN + 300, generator=gen).relu().to(dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,group", [(4, 256), (2, 100), (8, 256)])
+def test_compiled_cpu_pack_is_the_eager_one_bit_for_bit(dtype, bits: int, group: int) -> None:
+    # Compiles (10-30 s the first time, then from inductor's disk cache).
+    x = _large(dtype)
+    strategy = build_strategy("quant", 0.8, bits=bits, group=group)
+    try:
+        compiled.set_compile(False)
+        eager = strategy.pack(x, "linear", 8)
+        compiled.set_compile(True)
+        if not compiled.compile_available():
+            pytest.skip("torch.compile failed here earlier")
+        packed = strategy.pack(x, "linear", 8)
+    finally:
+        compiled.set_compile(None)
+    if not compiled.compile_available():
+        pytest.skip("torch.compile is not available here")
+    assert all(torch.equal(a, b) for a, b in zip(packed.stored(), eager.stored(), strict=True))
+
+
+def test_a_failed_compile_warns_once_and_packs_eagerly(monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setitem(compiled._COMPILED, "quant_rows", broken)
+    x = _large(torch.float32)
+    strategy = build_strategy("quant", 0.8, bits=4)
+    compiled.set_compile(True)
+    try:
+        with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+            packed = strategy.pack(x, "linear", 8)
+        assert not compiled.compile_available()
+        again = strategy.pack(x, "linear", 8)  # no second warning, no second try
+        compiled.set_compile(False)
+        eager = strategy.pack(x, "linear", 8)
+    finally:
+        compiled.set_compile(None)
+    for pack in (packed, again):
+        assert all(torch.equal(a, b) for a, b in zip(pack.stored(), eager.stored(), strict=True))
