@@ -6,7 +6,7 @@ minimum and step, the hash draw, the rounding and the packing of codes into byte
 rebuild stays eager: a few passes, and faster so). It is the eager path's arithmetic, op for op,
 and inductor compiles without unsafe math or contraction (torch's defaults), so its bytes are
 the eager ones bit for bit
-(tests/test_dropit_kernels.py checks it, marked slow).
+(tests/core/test_dropit_kernels.py checks it, marked slow).
 
 Compiling takes 10-30 s, once per process and dtype and bit width (inductor caches it on disk):
 it happens in the first training step that packs a large input, never in a later one. Where

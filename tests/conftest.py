@@ -1,10 +1,14 @@
 """Test tiers and shared fixtures (helpers to import are in tests/helpers.py).
 
+Folders mirror the code: core/ (dropit_core, nothing of the toolkit), toolkit/ (rcnn_dropit),
+instruments/ (benchmarks and the study), system/ (reliability, torchrun, faults, GPU); the
+repository's shape (layout, package) at the top.
+
 Tiers: unmarked tests are the quick inner loop (`make test-fast`, `-m "not slow"`); `slow` marks
 tests that train or start fresh interpreters, `dist` those that start several processes
 (torchrun or plain processes with the launcher's variables), `gpu` those that need a CUDA GPU
-(tests/test_gpu.py: skipped without one, `make test-gpu` where there is one). `make test` runs
-everything. Each test file marks its own tests.
+(tests/system/test_gpu*.py: skipped without one, `make test-gpu` where there is one).
+`make test` runs everything. Each test file marks its own tests.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU, the Triton kernels (tests/test_dropit_kernels.py) run under Triton's interpreter
-# on CPU tensors. Triton reads TRITON_INTERPRET when a kernel is defined, its own standard library
-# included (when triton is imported, which rcnn_dropit's imports do), so it is set here, before
-# anything imports triton (`import torch` does not); with a GPU they compile and run on it.
+# Without a GPU, the Triton kernels (tests/core/test_dropit_kernels.py) run under Triton's
+# interpreter on CPU tensors. Triton reads TRITON_INTERPRET when a kernel is defined, its own
+# standard library included (when triton is imported, which rcnn_dropit's imports do), so it is
+# set here, before anything imports triton (`import torch` does not); with a GPU they compile and
+# run on it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -166,3 +166,14 @@ def test_the_instruments_are_not_imported_by_the_product() -> None:
     gone = ["rcnn_dropit/measure", *(f"rcnn_dropit/commands/{t}.py" for t in INSTRUMENTS)]
     gone += [f"rcnn_dropit/report/{m}.py" for m in ("choice", "goal", "notes", "seeded", "verdict")]
     assert not [g for g in gone if (REPO / g).exists()]
+
+
+def test_the_library_tests_need_nothing_of_the_toolkit() -> None:
+    # tests/core/ checks dropit_core as a library user has it: torch (torchvision models as test
+    # subjects), never rcnn_dropit, the instruments or the toolkit's test helpers
+    banned = ("rcnn_dropit", "instruments", "tests.helpers", "tests.toolkit", "pycocotools")
+    for path in sorted((REPO / "tests" / "core").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [n for n in names if n.startswith(banned)], path

@@ -2,9 +2,9 @@
 batch, one training step, and the settings compared with it.
 
 The recipe's model is built from the config schema (the defaults are torchvision's Mask R-CNN
-R50-FPN; 80 classes and background as configs/maskrcnn_baseline.yaml), so an installed package
-needs no config files; tests/test_bench.py checks that the two agree. A setting is a name and
-config overrides, exactly as the accuracy study's plan writes them (configs/study/plan.yaml), and
+R50-FPN; 80 classes and background as configs/maskrcnn_baseline.yaml), so it needs no config
+files; tests/instruments/test_bench.py checks that the two agree. A setting is a name and config
+overrides, exactly as the accuracy study's plan writes them (configs/study/plan.yaml), and
 its model comes from the toolkit's own builder (``build_model``), so the bench and the study
 cannot disagree about what a setting is. A variant (``mink:0.9:values=int8``) is a short way to
 write the overrides of one DropIT setting.

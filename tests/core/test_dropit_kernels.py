@@ -21,7 +21,7 @@ from dropit_core import build_strategy, compiled, dispatch, seeds, set_step, to_
 from dropit_core.ops import MaskedReLUFunction
 from dropit_core.packing import unpack_codes
 from dropit_core.unbiased import quant_kernels_take
-from tests.test_dropit_unbiased import _activation, _error_in_noise_units
+from tests.core.test_dropit_unbiased import _activation, _error_in_noise_units
 
 triton = pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

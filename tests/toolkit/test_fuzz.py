@@ -18,9 +18,8 @@ from PIL import Image
 
 from rcnn_dropit.config import config_yaml, load_config
 from rcnn_dropit.data import CocoDetection, build_transforms
+from tests.helpers import FASTER_CFG
 
-REPO = Path(__file__).resolve().parents[1]
-FASTER_CFG = REPO / "configs/demo/fasterrcnn_shapes.yaml"
 CLEAR_ERRORS = (ValueError, FileNotFoundError)
 FUZZ = settings(
     max_examples=200,

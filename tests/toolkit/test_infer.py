@@ -28,10 +28,7 @@ from rcnn_dropit.visualize import (
     prediction_vs_truth,
     shown_detections,
 )
-from tests.helpers import assert_one_line_error, call_tool, tiny_opts
-
-REPO = Path(__file__).resolve().parents[1]
-MASK_CFG = REPO / "configs/demo/maskrcnn_shapes_baseline.yaml"
+from tests.helpers import MASK_CFG, assert_one_line_error, call_tool, tiny_opts
 
 
 def _prediction() -> dict[str, torch.Tensor]:

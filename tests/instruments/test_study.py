@@ -13,23 +13,22 @@ from instruments.measure.study import run_study
 from instruments.measure.study_plan import PlanError, StudyRun, load_plan, plan_runs
 from rcnn_dropit.config import config_yaml, load_config
 from rcnn_dropit.report.paired import paired_diff, spread, t95
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 
 def write_plan(tmp_path: Path, groups: str | None = None) -> Path:
     """A plan of two regimes over the real study configs, the backbone file inside tmp_path."""
     finetune = tmp_path / "finetune.yaml"
     finetune.write_text(
-        f"_base_: {ROOT / 'configs/study/finetune.yaml'}\n"
+        f"_base_: {REPO / 'configs/study/finetune.yaml'}\n"
         f"model:\n  backbone_weights: {tmp_path / 'backbone.pth'}\n"
     )
     plan = tmp_path / "plan.yaml"
     plan.write_text(
         f"out: {tmp_path / 'runs'}\nreport: {tmp_path / 'report' / 'shapes.md'}\n"
         f"notes: {tmp_path / 'notes.md'}\n"
-        f"pretrain: {{config: {ROOT / 'configs/study/pretrain.yaml'}, for: [finetune]}}\n"
-        f"regimes: {{scratch: {ROOT / 'configs/study/scratch.yaml'}, finetune: {finetune}}}\n"
+        f"pretrain: {{config: {REPO / 'configs/study/pretrain.yaml'}, for: [finetune]}}\n"
+        f"regimes: {{scratch: {REPO / 'configs/study/scratch.yaml'}, finetune: {finetune}}}\n"
         "settings:\n"
         "  baseline: [dropit.enabled=false]\n"
         "  mink_0.8: [dropit.enabled=true, dropit.strategy=mink, dropit.gamma=0.8]\n"
@@ -272,7 +271,7 @@ def test_child_process_logs_error_and_exits_nonzero(tmp_path: Path) -> None:
     from instruments.measure.study import _start_run
 
     log = tmp_path / "bad.log"
-    run = StudyRun("scratch/bad", str(ROOT / "configs/study/scratch.yaml"), ("solver.lr=-1",))
+    run = StudyRun("scratch/bad", str(REPO / "configs/study/scratch.yaml"), ("solver.lr=-1",))
     proc = _start_run(run, None, tmp_path / "bad", log, threads=1, gpu=None)
     proc.join(timeout=120)
     assert proc.exitcode == 1

@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dropit_core import REGISTRY, STRATEGIES
 from rcnn_dropit.config import Config, config_from_dict, config_yaml, load_config, with_overrides
+from rcnn_dropit.config_schema import DropITConfig
+from tests.helpers import REPO
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = REPO / "configs"
 
 
 def write(path: Path, text: str) -> Path:
@@ -316,3 +319,12 @@ def test_dropit_options_are_checked_when_the_config_loads(opts: list[str], patte
         ["dropit.enabled=true", "dropit.options={rescale: norm, relu: false}"],
     )
     assert cfg.dropit.options == {"rescale": "norm", "relu": False}
+
+
+def test_config_strategy_choices_derive_from_the_registry() -> None:
+    field = DropITConfig.__dataclass_fields__["strategy"]
+    assert field.metadata["choices"] == REGISTRY.names == STRATEGIES
+    assert STRATEGIES[0] == "mink" == field.default  # the published method comes first
+    for name in STRATEGIES:
+        cls = REGISTRY.get(name)
+        assert cls.name == name and cls.keeps and cls.cache_bytes

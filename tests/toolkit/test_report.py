@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from rcnn_dropit.report import NoUsableRuns, build_report, load_run, make_rows
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 BASE_BBOX = {"AP": 0.379, "AP50": 0.590, "AP75": 0.410, "APs": 0.210, "APm": 0.410, "APl": 0.490}

@@ -17,7 +17,7 @@ from torch import nn
 from dropit_core import REGISTRY, build_strategy, from_dropit, set_step, to_dropit
 from dropit_core import base as base_mod
 from dropit_core.unbiased import water_level
-from tests.helpers import contract_layers
+from tests.core.contracts import contract_layers
 
 UNBIASED = [
     ("importance", {}),

@@ -13,7 +13,7 @@ from torch import nn
 
 from dropit_core import to_dropit
 from dropit_core.ops import MaskedReLUFunction
-from tests.helpers import contract_layers
+from tests.core.contracts import contract_layers
 
 RTOL, ATOL = 1e-5, 1e-6
 

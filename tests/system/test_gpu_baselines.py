@@ -8,7 +8,7 @@ import torch
 
 from dropit_core.memory import saved_activations
 from rcnn_dropit.models import build_backbone
-from tests.test_accumulate import _batch, _FrozenNormNet, _trainer
+from tests.toolkit.test_accumulate import _batch, _FrozenNormNet, _trainer
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,0 +1,1 @@
+"""Tests of the measuring instruments (instruments/): benchmarks, gradient fidelity, the study."""

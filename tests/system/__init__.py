@@ -1,0 +1,1 @@
+"""System tests: reliability and faults, torchrun and distributed jobs, the GPU tier."""
