@@ -49,6 +49,8 @@ bench-methods: setup
 		--json docs/results/bench_methods_cpu.json \
 		--methods-json docs/results/methods_bench.json $(if $(QUIET),--quiet-machine)
 	$(PY) tools/bench.py --markdown docs/results/methods_bench.json --into docs/results/memory.md
+	$(PY) tools/bench.py --markdown docs/results/methods_bench.json --summary --into README.md \
+		--block memory-methods
 
 # What autocast does to the baselines without a GPU: bf16 on the CPU, R50-FPN at 2 images of
 # 384 px, torchvision's FrozenBatchNorm2d (fp32 activations) against the lean one; a few minutes.

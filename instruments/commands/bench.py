@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.into and not args.markdown:
         parser.error("--into goes with --markdown")
     if args.markdown:
-        return run_cli(lambda: _markdown(args.markdown, args.into, args.block))
+        return run_cli(lambda: _markdown(args.markdown, args.into, args.block, args.summary))
     if args.widths:
         return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
     if args.ops:
@@ -162,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
         help="with --markdown: write the table into DOC between its methods-bench markers",
     )
     parser.add_argument(
+        "--summary",
+        action="store_true",
+        help="with --markdown: one line per memory method (the README's) instead of the table",
+    )
+    parser.add_argument(
         "--block",
         default="methods-bench",
         metavar="NAME",
@@ -234,11 +239,19 @@ def _command_line() -> str:
     return shlex.join(["python", script, *sys.argv[1:]])
 
 
-def _markdown(path: Path, into: Path | None, block: str = "methods-bench") -> None:
+def _markdown(
+    path: Path, into: Path | None, block: str = "methods-bench", summary: bool = False
+) -> None:
     """Print the methods table of a JSON file, or write it into a document's marked block."""
-    from instruments.measure.methods_table import methods_markdown, read_methods_json, splice
+    from instruments.measure.methods_table import (
+        methods_markdown,
+        methods_summary,
+        read_methods_json,
+        splice,
+    )
 
-    table = methods_markdown(read_methods_json(path))
+    records = read_methods_json(path)
+    table = methods_summary(records) if summary else methods_markdown(records)
     if into is None:
         print(table)
         return

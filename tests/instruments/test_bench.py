@@ -301,11 +301,10 @@ def test_step_time_comparison_of_widths(tiny_shapes, monkeypatch):
 def test_bench_tool_says_when_cuda_is_missing() -> None:
     import subprocess
     import sys
-    from pathlib import Path
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    tool = Path(__file__).resolve().parent.parent / "tools" / "bench.py"
+    tool = REPO / "tools" / "bench.py"
     done = subprocess.run(
         [sys.executable, str(tool), "--device", "cuda", "--variants", "mink:0.8"],
         capture_output=True,

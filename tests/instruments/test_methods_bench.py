@@ -30,6 +30,7 @@ from instruments.measure.methods_table import (
     markers,
     method_records,
     methods_markdown,
+    methods_summary,
     read_methods_json,
     splice,
     write_methods_json,
@@ -441,3 +442,13 @@ def test_tiny_bench_of_the_baselines_a_gpu_user_compares_with(monkeypatch) -> No
     assert accumulate["accumulate"] == 2 and 0.4 < accumulate["saved_ratio"] < 0.65
     # nothing is approximated in either: no gradient columns
     assert torchvision_bn["grad_cosine"] is None and accumulate["grad_cosine"] is None
+
+
+def test_the_readme_lists_each_method_as_the_methods_file_says() -> None:
+    # the README's one line per method is generated from the committed methods table
+    records = read_methods_json(REPO / "docs/results/methods_bench.json")
+    begin, end = markers("memory-methods")
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index(begin) + len(begin) : readme.index(end)].strip()
+    assert block == methods_summary(records)
+    assert "- `quant_4bit`: 4-bit stochastic rounding" in block and "saved 0." in block
