@@ -27,11 +27,14 @@ from .patch import (
 )
 from .recompute import checkpoint_modules, is_checkpointed, uncheckpoint_modules
 from .registry import Option, Registry
-from .rules import Rule, check_options, check_rules
+from .rules import PAPER_EXCLUDE, Rule, check_options, check_rules
 from .strategies import REGISTRY, STRATEGIES, build_strategy
+
+register_strategy = REGISTRY.register  # a strategy of your own, by name or class to to_dropit
 
 __all__ = [
     "CHECKPOINTED_ATTRIBUTE",
+    "PAPER_EXCLUDE",
     "REGISTRY",
     "STRATEGIES",
     "VALUE_FORMATS",
@@ -53,6 +56,7 @@ __all__ = [
     "is_dropit",
     "is_frozen_batchnorm",
     "lean_frozen_batchnorm",
+    "register_strategy",
     "set_step",
     "to_dropit",
     "uncheckpoint_modules",

@@ -196,6 +196,7 @@ def to_dropit(
     exclude: Sequence[str] = (),
     relu: bool = True,
     rules: Sequence[Mapping[str, Any]] | None = None,
+    strict: bool = True,
     **options: Any,
 ) -> tuple[nn.Module, DropITRecord]:
     """Convert matching conv/linear layers (and ReLUs, when ``relu``) to DropIT, in place.
@@ -208,7 +209,9 @@ def to_dropit(
     a rule's missing keys fall back to the arguments above and ``exclude`` applies to every rule
     (see :mod:`dropit_core.rules`). Each rule packs through its own cache. Layers inside a module
     whose class sets ``dropit_checkpointed = True`` (activation checkpointing) stay plain: the
-    record lists them as ``skipped``. Returns the model and
+    record lists them as ``skipped``. A pattern that matches no module is an error, unless
+    ``strict=False`` (e.g. ``exclude=PAPER_EXCLUDE`` on a Faster R-CNN, which has no mask
+    branch). Returns the model and
     a :class:`DropITRecord` of what was converted (a list of :class:`ConvertedLayer` that also
     says which settings were applied: ``record.settings``, ``record.summary()``).
     """
@@ -217,7 +220,7 @@ def to_dropit(
     already = [p for p, m in named if type(m) in _PLAIN_CLASS]
     if already:
         raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")
-    chosen = assign_layers(named, checked, tuple(exclude), _DROPIT_CLASS)
+    chosen = assign_layers(named, checked, tuple(exclude), _DROPIT_CLASS, strict)
     # Under checkpointing a layer's forward runs twice and its saved tensors are dropped anyway:
     # leave the layers of checkpointed modules plain (the patterns were checked above).
     regions = [p for p, m in [("", model), *named] if _checkpointed(m)]

@@ -86,20 +86,34 @@ class Registry:
     def __init__(self, strategies: Sequence[type], common: Sequence[Option]) -> None:
         self._classes: dict[str, type] = {}
         self.common = tuple(common)
-        common_names = {o.name for o in self.common}
         for cls in strategies:
-            if not cls.name or cls.name in self._classes:
-                raise ValueError(f"strategy {cls.__name__}: missing or repeated name {cls.name!r}")
-            own = [o.name for o in cls.options]
-            if len(set(own)) != len(own) or common_names & set(own):
-                raise ValueError(f"strategy {cls.name!r}: an option is declared twice")
-            if not set(cls.skips_common) <= common_names:
-                raise ValueError(f"strategy {cls.name!r}: skips an option no strategy takes")
-            for option in (*cls.options, *self.common):
-                if option.default is not None:  # a declared default must pass its own checks
-                    option.check_type(option.default)
-                    option.check_value(option.default)
-            self._classes[cls.name] = cls
+            self.register(cls)
+
+    def register(self, cls: type) -> type:
+        """Add a strategy class (a :class:`dropit_core.Strategy` subclass declaring ``name``,
+        ``options``, ``keeps`` and ``cache_bytes``, with ``_pack`` and ``_unpack``) so that
+        ``to_dropit`` and the rules take it by name; returns it, so it also works as a class
+        decorator. A name already taken, or an option declared twice, is a ValueError."""
+        common_names = {o.name for o in self.common}
+        if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+            raise ValueError(f"strategy {cls.__name__}: declare its name (a class attribute)")
+        if cls.name in self._classes:
+            raise ValueError(f"strategy {cls.__name__}: the name {cls.name!r} is taken")
+        own = [o.name for o in cls.options]
+        if len(set(own)) != len(own) or common_names & set(own):
+            raise ValueError(f"strategy {cls.name!r}: an option is declared twice")
+        if not set(cls.skips_common) <= common_names:
+            raise ValueError(f"strategy {cls.name!r}: skips an option no strategy takes")
+        for option in (*cls.options, *self.common):
+            if option.default is not None:  # a declared default must pass its own checks
+                option.check_type(option.default)
+                option.check_value(option.default)
+        self._classes[cls.name] = cls
+        return cls
+
+    def unregister(self, name: str) -> None:
+        """Remove strategy ``name`` added by :meth:`register` (KeyError if it is not there)."""
+        del self._classes[name]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -107,7 +121,12 @@ class Registry:
         return tuple(self._classes)
 
     def get(self, name: Any) -> type:
-        """The class of strategy ``name``; ValueError naming the allowed ones otherwise."""
+        """The class of strategy ``name`` (or the class itself, registered on first use);
+        ValueError naming the allowed ones otherwise."""
+        if isinstance(name, type):
+            if self._classes.get(getattr(name, "name", None)) is not name:
+                self.register(name)
+            return name
         if not isinstance(name, str) or name not in self._classes:
             raise ValueError(f"unknown DropIT strategy {name!r}: allowed {', '.join(self.names)}")
         return self._classes[name]

@@ -122,6 +122,16 @@ def check_rules(
     return checked
 
 
+# The DropIT paper's exclusions on torchvision's Faster/Mask R-CNN: the stem conv (its input is
+# the image) and the final predictors (class scores and box deltas, mask logits) stay exact.
+# A Faster R-CNN has no mask logits: pass them with ``strict=False`` to to_dropit.
+PAPER_EXCLUDE: tuple[str, ...] = (
+    "backbone.body.conv1",
+    "roi_heads.box_predictor.*",
+    "roi_heads.mask_predictor.mask_fcn_logits",
+)
+
+
 def matches(path: str, pattern: str) -> bool:
     """Whether module ``path`` matches ``pattern``; a pattern also selects the modules below the
     one it names ("roi_heads" covers roi_heads.*)."""
@@ -141,18 +151,22 @@ def assign_layers(
     rules: list[Rule],
     exclude: Sequence[str],
     convertible: Collection[type],
+    strict: bool = True,
 ) -> list[tuple[str, nn.Module, Rule]]:
     """(path, module, rule) for every layer of ``named`` (``named_modules()`` order) whose type
     is one of ``convertible`` (exactly: a subclass may compute something else) that a rule
-    selects. ReLUs go only to rules with ``relu``. Raises for a
-    pattern that matches no module, two rules claiming one layer, or a rule that selects no
-    conv/linear layer."""
+    selects. ReLUs go only to rules with ``relu``. Raises for two rules claiming one layer, a
+    rule that selects no conv/linear layer, and (``strict``) a pattern that matches no module;
+    with ``strict=False`` such a pattern selects nothing (one list of exclusions for models that
+    lack some of the modules it names)."""
     paths = [p for p, _ in named]
-    for rule in rules:
-        _check_matches(rule.label, "include", rule.include, paths)
-    _check_matches("DropIT", "exclude", exclude, paths)  # the call's, checked once
-    for rule in rules:
-        _check_matches(rule.label, "exclude", [p for p in rule.exclude if p not in exclude], paths)
+    if strict:
+        for rule in rules:
+            _check_matches(rule.label, "include", rule.include, paths)
+        _check_matches("DropIT", "exclude", exclude, paths)  # the call's, checked once
+        for rule in rules:
+            own_exclude = [p for p in rule.exclude if p not in exclude]
+            _check_matches(rule.label, "exclude", own_exclude, paths)
     claimed: dict[str, Rule] = {}
     chosen = []
     for rule in rules:

@@ -473,9 +473,11 @@ REGISTRY = Registry(
 STRATEGIES: tuple[str, ...] = REGISTRY.names
 
 
-def build_strategy(name: str, gamma: float, **options: Any) -> Strategy:
-    """Validate a strategy name, gamma and options against ``REGISTRY``; return the strategy."""
+def build_strategy(name: str | type, gamma: float, **options: Any) -> Strategy:
+    """Validate a strategy (a registered name, or a strategy class), gamma and options against
+    ``REGISTRY``; return the strategy."""
     cls = REGISTRY.get(name)
+    name = cls.name
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
         raise ValueError(f"DropIT gamma={gamma!r} is not a number: allowed 0 <= gamma < 1")
     gamma = float(gamma)

@@ -6,19 +6,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dropit_core import REGISTRY, Rule, check_rules
+from dropit_core import PAPER_EXCLUDE, REGISTRY, Rule, check_rules
 
 # dropit_core's strategy registry owns the list and each strategy's options; dropit.options
 # depends on dropit.strategy, so it is checked in cross_check, against the registry
 DROPIT_STRATEGIES: tuple[str, ...] = REGISTRY.names
-# The DropIT paper's exclusions, dropit.exclude's default: the stem conv (its input is the image)
-# and the final predictors (class scores and box deltas, mask logits) stay exact.
-# rcnn_dropit.models.paper_exclude(model) gives those that exist in a given model.
-PAPER_EXCLUDE: tuple[str, ...] = (
-    "backbone.body.conv1",
-    "roi_heads.box_predictor.*",
-    "roi_heads.mask_predictor.mask_fcn_logits",
-)
+# dropit.exclude's default: the DropIT paper's exclusions (dropit_core.PAPER_EXCLUDE).
 
 
 def _f(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, **rules: Any):

@@ -166,7 +166,7 @@ def test_registry_rejects_inconsistent_declarations() -> None:
     class B(strategies_mod.MinK):
         name = "a"
 
-    with pytest.raises(ValueError, match="repeated name 'a'"):
+    with pytest.raises(ValueError, match="the name 'a' is taken"):
         Registry((A, B), COMMON_OPTIONS)
 
     class C(strategies_mod.MinK):
