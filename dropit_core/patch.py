@@ -26,7 +26,6 @@ from .ops import (
 from .rules import (
     Rule,
     assign_layers,
-    check_options,  # noqa: F401  (its home before rules.py; callers import it here)
     check_rules,
 )
 
@@ -153,7 +152,7 @@ class AppliedSetting:
 
 
 class DropITRecord(list):
-    """What ``to_dropit`` converted: a list of :class:`ConvertedLayer` in model order (as before),
+    """What ``to_dropit`` converted: a list of :class:`ConvertedLayer` in model order,
     plus ``settings`` (which strategy and gamma each rule applied, and to how many layers) and
     ``skipped`` (layers left plain because they run inside a checkpointed module)."""
 

@@ -1,13 +1,11 @@
 """Training and evaluation loops and the run setup around them."""
 
-from rcnn_dropit.checkpoint.checkpointer import Checkpointer
 from rcnn_dropit.engine.evaluator_loop import evaluate
 from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn
 from rcnn_dropit.engine.runner import TrainResult, test, train
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
 
 __all__ = [
-    "Checkpointer",
     "Schedule",
     "StepOptions",
     "TrainResult",

@@ -59,13 +59,32 @@ def measure_memory(
         "images_per_sec": images_per_sec,
         "batch_size": len(images),  # the measured forward's images (one micro-batch)
         "accumulate": cfg.solver.accumulate,
+        # what ran: each rule's strategy as it describes itself (gamma only where it means
+        # something) and where it applied; the section's own strategy and gamma are only the
+        # rules' fallbacks, so writing them would name a setting that may not have run
         "dropit": {
             "enabled": cfg.dropit.enabled,
-            "strategy": cfg.dropit.strategy,
-            "gamma": cfg.dropit.gamma,
+            "setting": dropit_setting(cfg.dropit),
+            "rules": _rules_that_ran(cfg.dropit),
         },
     }
     return report
+
+
+def _rules_that_ran(d) -> list[dict]:
+    """Each rule of the DropIT section as it ran: strategy, gamma where used, options, layers."""
+    if not d.enabled:
+        return []
+    return [
+        {
+            "strategy": r.strategy.name,
+            "gamma": r.gamma if r.strategy.uses_gamma else None,
+            "options": dict(r.options),
+            "include": list(r.include),
+            "exclude": list(r.exclude),
+        }
+        for r in dropit_rules(d)
+    ]
 
 
 def dropit_setting(d) -> str:

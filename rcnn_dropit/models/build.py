@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from typing import Any
 
 from torch import nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
@@ -12,6 +11,7 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
+from dropit_core import DropITRecord, checkpoint_modules, to_dropit
 from rcnn_dropit.config import Config
 from rcnn_dropit.config_schema import PAPER_EXCLUDE
 from rcnn_dropit.errors import UsageError
@@ -22,13 +22,15 @@ from rcnn_dropit.models.weights import load_state_dict_file, load_strict
 _ROI_SIZE = 7  # output size of torchvision's default box MultiScaleRoIAlign
 
 
-def build_model(cfg: Config) -> tuple[nn.Module, Any]:
+def build_model(cfg: Config) -> tuple[nn.Module, DropITRecord]:
     """The detector of `cfg.model`, initialised per config; DropIT applied if `cfg.dropit.enabled`.
 
-    Returns (model, record): record is dropit_core's record of converted layers, or [] without
-    DropIT. The model is on CPU and not wrapped in DDP.
+    Returns (model, record): record is dropit_core's record of converted layers (empty without
+    DropIT). The model is on CPU and not wrapped in DDP.
     """
     m = cfg.model
+    if m.arch not in ("maskrcnn", "fasterrcnn"):  # before any weights are built or downloaded
+        raise UsageError(f"model.arch: '{m.arch}' is not one of maskrcnn, fasterrcnn")
     backbone = build_backbone(
         m.backbone,
         norm=m.norm,
@@ -39,8 +41,6 @@ def build_model(cfg: Config) -> tuple[nn.Module, Any]:
         fpn_channels=m.fpn_channels,
         frozen_bn=m.frozen_bn,
     )
-    if m.arch not in ("maskrcnn", "fasterrcnn"):
-        raise UsageError(f"model.arch: '{m.arch}' is not one of maskrcnn, fasterrcnn")
     # the heads are built here because torchvision fixes their widths (1024 and 256)
     heads: dict[str, nn.Module] = {
         "box_head": MLPHead(backbone.out_channels * _ROI_SIZE**2, m.box_head_width),
@@ -79,8 +79,6 @@ def apply_checkpointing(model: nn.Module, cfg: Config) -> list[str]:
     patterns = cfg.model.activation_checkpointing
     if not patterns:
         return []
-    from dropit_core import checkpoint_modules
-
     try:
         return checkpoint_modules(model, patterns)
     except ValueError as err:  # a pattern that matches no module of this model
@@ -105,12 +103,11 @@ def fitting_exclude(model: nn.Module, exclude: Sequence[str]) -> tuple[str, ...]
     return tuple(p for p in exclude if p not in lacking)
 
 
-def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, Any]:
-    """Convert layers to DropIT per `cfg.dropit` (in place); ([] as record when disabled)."""
+def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, DropITRecord]:
+    """Convert layers to DropIT per `cfg.dropit` (in place); an empty record when disabled."""
     d = cfg.dropit
     if not d.enabled:
-        return model, []
-    from dropit_core import to_dropit  # imported here: the toolkit works without DropIT
+        return model, DropITRecord()
 
     exclude = fitting_exclude(model, d.exclude)
     try:
