@@ -10,8 +10,6 @@ running statistics are updated by the forward only.
 from __future__ import annotations
 
 import contextlib
-import difflib
-import fnmatch
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +20,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from .patch import is_dropit
+from .patch import CHECKPOINTED_ATTRIBUTE, is_dropit
+from .rules import check_matches, matches
 
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -97,19 +96,14 @@ def _checkpointed_class(plain: type[nn.Module]) -> type[nn.Module]:
         "__reduce_ex__": __reduce_ex__,
         "__module__": __name__,
         "__doc__": f"``{plain.__name__}`` whose training forward is recomputed in the backward.",
-        "dropit_checkpointed": True,
+        CHECKPOINTED_ATTRIBUTE: True,
     }
     return type(f"Checkpointed{plain.__name__}", (plain,), namespace)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether ``module`` is a unit made by :func:`checkpoint_modules`."""
-    return getattr(type(module), "dropit_checkpointed", False) is True
-
-
-def _matches(path: str, pattern: str) -> bool:
-    # As in patch.py: a pattern selects a module and everything under it.
-    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + ".*")
+    return getattr(type(module), CHECKPOINTED_ATTRIBUTE, False) is True
 
 
 def _check_patterns(patterns: Sequence[str], paths: list[str]) -> None:
@@ -118,10 +112,7 @@ def _check_patterns(patterns: Sequence[str], paths: list[str]) -> None:
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise ValueError(f"checkpoint pattern {pattern!r} is not a string")
-        if not any(_matches(p, pattern) for p in paths):
-            close = difflib.get_close_matches(pattern, paths, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"checkpoint pattern {pattern!r} matches no module{hint}")
+    check_matches("checkpoint", patterns, paths)
 
 
 def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -143,7 +134,7 @@ def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     units: list[tuple[str, nn.Module]] = []
     for path, module in named:  # pre-order: a unit comes before the modules inside it
         inside = any(path.startswith(unit + ".") for unit, _ in units)
-        if not inside and any(_matches(path, p) for p in patterns):
+        if not inside and any(matches(path, p) for p in patterns):
             units.append((path, module))
     for path, module in units:  # validate every unit before swapping any class
         dropit = next((p for p, m in module.named_modules(prefix=path) if is_dropit(m)), None)

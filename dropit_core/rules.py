@@ -138,12 +138,14 @@ def matches(path: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + ".*")
 
 
-def _check_matches(label: str, kind: str, patterns: Sequence[str], paths: list[str]) -> None:
+def check_matches(what: str, patterns: Sequence[str], paths: list[str]) -> None:
+    """ValueError for the first of ``patterns`` that matches none of ``paths``, with the closest
+    paths as a hint; ``what`` names the patterns (``"DropIT rules[0] include"``)."""
     for pattern in patterns:
         if not any(matches(p, pattern) for p in paths):
             close = difflib.get_close_matches(pattern, paths, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"{label} {kind} pattern {pattern!r} matches no module{hint}")
+            raise ValueError(f"{what} pattern {pattern!r} matches no module{hint}")
 
 
 def assign_layers(
@@ -162,11 +164,11 @@ def assign_layers(
     paths = [p for p, _ in named]
     if strict:
         for rule in rules:
-            _check_matches(rule.label, "include", rule.include, paths)
-        _check_matches("DropIT", "exclude", exclude, paths)  # the call's, checked once
+            check_matches(f"{rule.label} include", rule.include, paths)
+        check_matches("DropIT exclude", exclude, paths)  # the call's, checked once
         for rule in rules:
             own_exclude = [p for p in rule.exclude if p not in exclude]
-            _check_matches(rule.label, "exclude", own_exclude, paths)
+            check_matches(f"{rule.label} exclude", own_exclude, paths)
     claimed: dict[str, Rule] = {}
     chosen = []
     for rule in rules:

@@ -8,9 +8,6 @@ from typing import Any
 
 from dropit_core import PAPER_EXCLUDE, REGISTRY, Rule, check_rules
 
-# dropit_core's strategy registry owns the list and each strategy's options; dropit.options
-# depends on dropit.strategy, so it is checked in cross_check, against the registry
-DROPIT_STRATEGIES: tuple[str, ...] = REGISTRY.names
 # dropit.exclude's default: the DropIT paper's exclusions (dropit_core.PAPER_EXCLUDE).
 
 
@@ -62,7 +59,9 @@ class DropITConfig:
     """Which layers DropIT converts, with which strategy and gamma."""
 
     enabled: bool = False
-    strategy: str = _f("mink", choices=DROPIT_STRATEGIES)
+    # dropit_core's registry owns the strategies and their options (dropit.options depends on
+    # dropit.strategy, so it is checked in cross_check, against the registry)
+    strategy: str = _f("mink", choices=REGISTRY.names)
     gamma: float = _f(0.8, ge=0.0, lt=1.0)
     include: list[str] = _f(factory=lambda: ["*"])
     exclude: list[str] = _f(factory=lambda: list(PAPER_EXCLUDE))
