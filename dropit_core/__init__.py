@@ -7,7 +7,8 @@ seeds the random strategies' draws per step and layer (resume stays bit-exact). 
 for their typed options (``REGISTRY``), and :mod:`dropit_core.memory` for measuring what
 autograd keeps. ``checkpoint_modules(model, patterns)`` recomputes chosen modules in backward
 instead (exact activation checkpointing); DropIT leaves the layers inside them plain.
-``lean_frozen_batchnorm(model)`` swaps torchvision's FrozenBatchNorm2d for one that keeps its
+``CompressSaved()`` is a context manager that keeps every large activation autograd saves as a
+4-bit pack, for what ``to_dropit`` cannot convert. ``lean_frozen_batchnorm(model)`` swaps torchvision's FrozenBatchNorm2d for one that keeps its
 input's dtype under autocast (bit-equal in fp32; half the activation memory of a pretrained
 ResNet under AMP).
 """
@@ -28,12 +29,14 @@ from .patch import (
 from .recompute import checkpoint_modules, is_checkpointed, uncheckpoint_modules
 from .registry import Option, Registry
 from .rules import PAPER_EXCLUDE, Rule, check_options, check_rules
+from .saved import CompressSaved
 from .strategies import REGISTRY, STRATEGIES, build_strategy
 
 register_strategy = REGISTRY.register  # a strategy of your own, by name or class to to_dropit
 
 __all__ = [
     "CHECKPOINTED_ATTRIBUTE",
+    "CompressSaved",
     "PAPER_EXCLUDE",
     "REGISTRY",
     "STRATEGIES",

@@ -1,0 +1,122 @@
+"""Compress every activation autograd saves, in any model, through saved-tensor hooks.
+
+``to_dropit`` converts the layers it knows (conv, linear, ReLU). A model it cannot convert
+(functional ReLU, Conv2d subclasses as in detectron2, custom ops) or the tensors no converted
+layer owns (BatchNorm and GroupNorm inputs, pooling, attention) can still keep a compressed copy:
+
+    with CompressSaved(bits=4) as saved:
+        loss = model(x).sum()
+    loss.backward()
+
+Inside the block, every floating-point tensor autograd saves with at least ``min_bytes`` is kept
+as a ``quant`` pack (the same format and kernels as the conv caches: per group of ``group``
+values a minimum and a step, ``bits``-bit stochastically rounded codes), plus one bit for "is
+zero" and one for "is negative", so that the rebuilt tensor has exactly the zeros and signs of
+the original: ReLU, max-pool and threshold backwards read only those, and stay exact. What it
+leaves alone: parameters and their autocast copies (the input gradient of a conv or linear layer
+reads its weight), integer and bool tensors (indices, masks), and small tensors. A tensor saved by
+several ops (a block input read by two convs) is packed once. The forward is untouched; backwards
+that read a saved value (a conv's weight gradient, BatchNorm's gradients, sigmoid's) see a
+rebuilt one, unbiased but not exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .base import Packed
+from .packing import pack_bits, unpack_bits
+from .seeds import mix_seed
+from .strategies import build_strategy
+
+
+class _Saved(NamedTuple):
+    """What stands for a compressed saved tensor until the backward asks for it."""
+
+    packed: Packed
+    zero: torch.Tensor  # 1 bit per element: the value is 0
+    negative: torch.Tensor  # 1 bit per element: the value is < 0
+    shape: torch.Size
+
+
+class CompressSaved:
+    """Context manager: the tensors autograd saves inside it are kept compressed (see module).
+
+    ``packed_bytes`` and ``dense_bytes`` count what it packed and what those tensors held;
+    ``packs`` counts the packs (a tensor saved by several ops is packed once). ``step`` seeds
+    the rounding noise with the pack's position in the block, as ``set_step`` does for layers.
+    """
+
+    def __init__(
+        self,
+        bits: int = 4,
+        group: int = 256,
+        min_bytes: int = 1 << 16,
+        seed: int = 0,
+        step: int = 0,
+    ) -> None:
+        self.quant = build_strategy("quant", 0.0, bits=bits, group=group, seed=seed)
+        self.min_bytes = min_bytes
+        self.step = step
+        self.packs = 0
+        self.packed_bytes = 0
+        self.dense_bytes = 0
+        self._seen = WeakTensorKeyDictionary()
+        self._hooks: Any = None
+
+    def __enter__(self) -> CompressSaved:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self._seen = WeakTensorKeyDictionary()  # the packs live on in the graph, not the table
+
+    def _keeps_dense(self, t: torch.Tensor) -> bool:
+        """Tensors left as they are: small, not floating point, parameters and their casts."""
+        if not t.is_floating_point() or t.numel() * t.element_size() < self.min_bytes:
+            return True
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
+            return True
+        # an autocast copy of a parameter: a cast straight from a parameter
+        fn = t.grad_fn
+        return type(fn).__name__ == "ToCopyBackward0" and any(
+            isinstance(getattr(nxt, "variable", None), nn.Parameter) for nxt, _ in fn.next_functions
+        )
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._keeps_dense(t):
+            return t
+        # Keyed weakly by the tensor itself: a freed tensor's address can come back for another
+        hit = self._seen.get(t)
+        if hit is not None and hit[0] == t._version:
+            return hit[1]
+        flat = t.detach().reshape(-1)
+        draw = mix_seed(self.step, self.packs)
+        saved = _Saved(
+            self.quant.pack(flat, "linear", draw),
+            pack_bits(flat == 0),
+            pack_bits(flat < 0),
+            t.shape,
+        )
+        self._seen[t] = (t._version, saved)
+        self.packs += 1
+        self.packed_bytes += saved.packed.nbytes() + saved.zero.nbytes + saved.negative.nbytes
+        self.dense_bytes += t.numel() * t.element_size()
+        return saved
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        n = math.prod(saved.shape)
+        values = self.quant.unpack(saved.packed).reshape(-1)
+        tiny = torch.finfo(values.dtype).tiny
+        magnitude = values.abs().clamp_min_(tiny)
+        signed = torch.where(unpack_bits(saved.negative, n), -magnitude, magnitude)
+        return signed.masked_fill_(unpack_bits(saved.zero, n), 0.0).view(saved.shape)

@@ -1,0 +1,98 @@
+"""CompressSaved: every activation autograd saves, compressed, in a model to_dropit cannot convert
+(functional ReLU, BatchNorm), with the zeros and signs kept exactly."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dropit_core.saved import CompressSaved
+
+
+class _Functional(nn.Module):
+    """Conv, BatchNorm, functional ReLU, max-pool, two convs reading one tensor, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.conv3 = nn.Conv2d(16, 16, 1)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.max_pool2d(F.relu(self.bn(self.conv1(x))), 2)
+        y = F.relu(self.conv2(y)) + self.conv3(y)  # y is saved by conv2 and conv3
+        return self.fc(y.mean(dim=(2, 3)))
+
+
+def _grads(model: nn.Module, x: torch.Tensor, **options):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    if options:
+        with CompressSaved(**options) as saved:
+            out = model(x)
+    else:
+        saved, out = None, model(x)
+    out.square().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, saved
+
+
+def test_forward_exact_gradients_close_and_far_fewer_bytes() -> None:
+    model, x = _Functional(), torch.randn(4, 3, 32, 32)
+    out, exact, _ = _grads(model, x)
+    out_c, approx, saved = _grads(model, x, bits=4, min_bytes=1024)
+    assert torch.equal(out, out_c)  # the forward is untouched
+    for name, g in exact.items():
+        if name == "conv1.bias":  # BatchNorm removes it: its exact gradient is float noise
+            assert g.norm() < 1e-6 and approx[name].norm() < 0.01
+            continue
+        cos = F.cosine_similarity(g.flatten(), approx[name].flatten(), dim=0)
+        assert cos > 0.99, (name, float(cos))
+    # 4-bit codes, 8 bytes per group of 256, 2 bits of zeros and signs: about 0.2x of fp32
+    assert saved.packs >= 5 and saved.packed_bytes < 0.25 * saved.dense_bytes
+
+
+def test_a_tensor_saved_by_two_ops_is_packed_once_and_parameters_are_left_alone() -> None:
+    conv_a, conv_b = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 1)
+    x = torch.randn(2, 8, 16, 16, requires_grad=True)
+    with CompressSaved(min_bytes=1024) as saved:
+        h = torch.relu(x)
+        (conv_a(h) + conv_b(h)).sum().backward()
+    # relu's output h is saved three times (relu, conv_a, conv_b): one pack; the weights none
+    assert saved.packs == 1 and saved.dense_bytes == h.numel() * 4
+
+
+def test_the_rebuilt_tensor_keeps_the_zeros_and_signs_exactly() -> None:
+    captured = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (captured["t"],) = ctx.saved_tensors
+            return grad
+
+    x = torch.randn(64, 64)
+    x[x.abs() < 0.5] = 0.0  # many zeros, small values beside them
+    x[0, :8] = 1e-6  # tiny values that a 4-bit code of a wide group would round to zero
+    x[1, :8] = -1e-6
+    leaf = x.clone().requires_grad_()
+    with CompressSaved(bits=2, min_bytes=0):
+        Probe.apply(leaf * 1.0).sum().backward()
+    rebuilt = captured["t"]
+    assert torch.equal(rebuilt == 0, x == 0) and torch.equal(rebuilt < 0, x < 0)
+    assert not torch.equal(rebuilt, x)  # the values themselves are 2-bit approximations
+
+
+def test_small_and_integer_tensors_stay_dense() -> None:
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    with CompressSaved(min_bytes=1 << 20) as saved:  # nothing here is that large
+        F.max_pool2d(torch.relu(x), 2, return_indices=True)[0].sum().backward()
+    assert saved.packs == 0 and x.grad is not None
