@@ -1,16 +1,29 @@
-"""DropIT: cache only the largest-magnitude part of conv/linear inputs for the backward pass.
+"""DropIT: conv and linear layers keep a compressed copy of their input for the weight gradient.
 
-``to_dropit(model, strategy, gamma, include, exclude, **options)`` converts layers in place;
-``from_dropit(model)`` undoes it; ``set_step(model, step)``, called before each training forward,
-seeds the random strategies' draws per step and layer (resume stays bit-exact). See
-:mod:`dropit_core.strategies` for the strategies and their costs, :mod:`dropit_core.registry`
-for their typed options (``REGISTRY``), and :mod:`dropit_core.memory` for measuring what
-autograd keeps. ``checkpoint_modules(model, patterns)`` recomputes chosen modules in backward
-instead (exact activation checkpointing); DropIT leaves the layers inside them plain.
-``CompressSaved()`` is a context manager that keeps every large activation autograd saves as a
-4-bit pack, for what ``to_dropit`` cannot convert. ``lean_frozen_batchnorm(model)`` swaps torchvision's FrozenBatchNorm2d for one that keeps its
-input's dtype under autocast (bit-equal in fp32; half the activation memory of a pretrained
-ResNet under AMP).
+``to_dropit(model, strategy, gamma, include, exclude, strict=True, **options)`` converts the
+``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear`` and ``nn.ReLU`` modules its patterns select,
+in place (a ReLU that feeds them keeps a 1-bit mask); ``from_dropit(model)`` undoes it. What a
+layer keeps is its strategy (``REGISTRY`` lists them with their typed options; ``python -m
+dropit_core`` prints the tables):
+
+- ``mink`` (the paper's), ``parallel_mink``, ``threshold``: the largest-magnitude ``1 - gamma``
+  of the elements (biased: the small ones are always dropped);
+- ``random`` (optionally rescaled), ``importance`` (kept with probability proportional to the
+  magnitude, rescaled: unbiased);
+- ``quant``: every element at 2, 4 or 8 bits per group, stochastically rounded (unbiased; the
+  accuracy study's pick at 4 bits);
+- ``channel_mink``, ``channel_random``, ``block_mink``, ``pool``: whole channels, feature
+  columns or blocks, or a pooled copy.
+
+``register_strategy`` adds one of your own (or pass its class to ``to_dropit``). Strategies that
+draw at random are seeded per step and layer by ``set_step(model, step, rank)``, called before
+each training forward: without it the draws still differ from step to step, but a resumed run
+draws differently from an uninterrupted one. ``checkpoint_modules(model, patterns)`` recomputes
+chosen modules in backward instead (exact); DropIT leaves the layers inside them plain.
+``CompressSaved()`` keeps every large tensor autograd saves as a 4-bit pack, for what
+``to_dropit`` cannot convert. ``lean_frozen_batchnorm(model)`` swaps torchvision's
+``FrozenBatchNorm2d`` for one that keeps its input's dtype under autocast (bit-equal in fp32).
+:mod:`dropit_core.memory` measures what autograd keeps.
 """
 
 from .base import Packed, Strategy
