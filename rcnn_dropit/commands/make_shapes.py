@@ -1,4 +1,6 @@
-"""Write the synthetic shapes dataset (COCO layout) to a folder."""
+"""Write the synthetic shapes set to a folder: train/ and val/ images with
+annotations/instances_train.json and annotations/instances_val.json in COCO's instances format
+(not COCO's *2017 names; data.dataset=shapes reads these)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         make_shapes(
             args.root, args.num_train, args.num_val, args.image_size, args.num_classes, args.seed
         )
-        print(f"wrote shapes dataset to {args.root}")
+        print(
+            f"wrote the shapes set to {args.root}: train/, val/ and "
+            "annotations/instances_{train,val}.json (COCO instances format)"
+        )
 
     return run_cli(go)
 
