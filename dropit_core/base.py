@@ -155,6 +155,9 @@ class Strategy:
     cache_bytes = ""
     draws = False
     uses_gamma = True
+    # Whether the rebuilt tensor estimates every element (nothing dropped): only such a strategy
+    # may pack a normalisation layer's input, whose backward reads all of it.
+    every_element = False
     skips_common: tuple[str, ...] = ()
 
     def __init__(self, gamma: float, codec: ValueCodec, rescale: str = RESCALES[0]) -> None:

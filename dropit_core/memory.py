@@ -33,6 +33,7 @@ class SavedReport:
     converted_bytes: int = 0
     unconverted_bytes: int = 0
     by_module: dict[str, int] = field(default_factory=dict)
+    norm_bytes: int = 0  # first saved by normalisation layers (their inputs), packed or not
 
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers in MB, for JSON."""
@@ -41,7 +42,12 @@ class SavedReport:
             "by_type_mb": {k: v / MB for k, v in sorted(self.by_type.items())},
             "converted_mb": self.converted_bytes / MB,
             "unconverted_mb": self.unconverted_bytes / MB,
+            "norm_mb": self.norm_bytes / MB,
         }
+
+
+# Normalisation layers whose backward reads their input (a frozen norm's does not: it saves none).
+_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
 
 def _kind(module: nn.Module) -> str:
@@ -75,6 +81,8 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
         by_type[_kind(owner)] += nbytes
         by_module[names.get(owner, "?")] += nbytes
         report.total_bytes += nbytes
+        if isinstance(owner, _NORMS):
+            report.norm_bytes += nbytes
         if is_dropit(owner):
             report.converted_bytes += nbytes
         else:

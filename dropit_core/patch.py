@@ -1,8 +1,10 @@
 """Convert the layers of any ``nn.Module`` to DropIT in place, by module-path patterns, and back.
 
 Conversion swaps the class of matching ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear`` and
-``nn.ReLU`` modules for a DropIT subclass: parameters, buffers, hooks and ``state_dict()`` stay
-exactly as they were, so optimizers, checkpoints and DDP see the same model.
+``nn.ReLU`` modules (with ``norm=True`` also ``nn.BatchNorm2d``, ``nn.SyncBatchNorm`` and
+``nn.GroupNorm``: :mod:`dropit_core.norm`; with ``pool=True`` ``nn.MaxPool2d``:
+:mod:`dropit_core.pooling`) for a DropIT subclass: parameters, buffers, hooks and
+``state_dict()`` stay exactly as they were, so optimizers, checkpoints and DDP see the same model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norm import NORM_CLASSES
 from .ops import (
     ConvArgs,
     DropITConvFunction,
@@ -23,6 +26,7 @@ from .ops import (
     MaskedReLUFunction,
     autocast_inputs,
 )
+from .pooling import DropITMaxPool2d
 from .rules import (
     Rule,
     assign_layers,
@@ -121,8 +125,13 @@ _DROPIT_CLASS: dict[type, type] = {
     nn.ConvTranspose2d: DropITConvTranspose2d,
     nn.Linear: DropITLinear,
     nn.ReLU: DropITReLU,
+    **NORM_CLASSES,
+    nn.MaxPool2d: DropITMaxPool2d,
 }
 _PLAIN_CLASS = {v: k for k, v in _DROPIT_CLASS.items()}
+_DROPIT_NORMS = frozenset(NORM_CLASSES.values())
+# Layers that keep what their backward reads without a strategy's pack: how the record names it.
+_UNCACHED = {nn.ReLU: "relu-mask", nn.MaxPool2d: "pool-winner-byte"}
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,8 @@ class AppliedSetting:
     exclude: tuple[str, ...]  # the call's exclude included
     layers: int  # conv/linear layers converted
     relus: int  # ReLUs converted to a 1-bit mask
+    norms: int = 0  # normalisation layers whose input is packed (norm=True)
+    pools: int = 0  # max-pools keeping one byte per output (pool=True)
 
 
 class DropITRecord(list):
@@ -175,9 +186,11 @@ class DropITRecord(list):
             where = f"include {', '.join(s.include)}"
             if s.exclude:
                 where += f"; exclude {', '.join(s.exclude)}"
+            extra = f", {s.norms} normalisation layers" if s.norms else ""
+            extra += f", {s.pools} max-pools" if s.pools else ""
             lines.append(
-                f"{name} {s.description}: {s.layers} conv/linear layers and {s.relus} ReLUs "
-                f"({where})"
+                f"{name} {s.description}: {s.layers} conv/linear layers{extra} and {s.relus} "
+                f"ReLUs ({where})"
             )
         if self.skipped:
             lines.append(
@@ -195,10 +208,18 @@ def to_dropit(
     exclude: Sequence[str] = (),
     relu: bool = True,
     rules: Sequence[Mapping[str, Any]] | None = None,
+    norm: bool = False,
+    pool: bool = False,
     strict: bool = True,
     **options: Any,
 ) -> tuple[nn.Module, DropITRecord]:
-    """Convert matching conv/linear layers (and ReLUs, when ``relu``) to DropIT, in place.
+    """Convert matching conv/linear layers (and ReLUs, when ``relu``; BatchNorm2d, SyncBatchNorm
+    and GroupNorm, when ``norm``; MaxPool2d, when ``pool``) to DropIT, in place.
+
+    ``relu``: a ReLU keeps a 1-bit mask of its output (exact). ``norm``: a trainable norm keeps
+    its input packed by the strategy, which must keep every element (``quant``); the input
+    gradient is then approximate (:mod:`dropit_core.norm`). ``pool``: a max-pool keeps one byte
+    per output instead of its input and int64 indices (exact).
 
     ``include``/``exclude`` are fnmatch patterns on module paths as ``named_modules()`` gives them;
     a pattern also covers the modules below the one it names. ``options`` go to the strategy
@@ -214,7 +235,7 @@ def to_dropit(
     a :class:`DropITRecord` of what was converted (a list of :class:`ConvertedLayer` that also
     says which settings were applied: ``record.settings``, ``record.summary()``).
     """
-    checked = check_rules(rules, strategy, gamma, include, exclude, relu, **options)
+    checked = check_rules(rules, strategy, gamma, include, exclude, relu, norm, pool, **options)
     named = [(p, m) for p, m in model.named_modules() if p]
     already = [p for p, m in named if type(m) in _PLAIN_CLASS]
     if already:
@@ -232,9 +253,9 @@ def to_dropit(
     for path, module, rule in chosen:  # convert only once everything is validated
         plain = type(module)
         module.__class__ = _DROPIT_CLASS[plain]
-        if plain is not nn.ReLU:
+        if plain not in _UNCACHED:
             module.dropit_cache = caches[id(rule)]
-        label = "relu-mask" if plain is nn.ReLU else rule.strategy.describe()
+        label = _UNCACHED.get(plain) or rule.strategy.describe()
         layers.append(ConvertedLayer(path, plain.__name__, label, rule.index or 0))
     return model, DropITRecord(layers, [_applied(rule, chosen) for rule in checked], skipped)
 
@@ -255,6 +276,8 @@ def _inside(path: str, region: str) -> bool:
 def _applied(rule: Rule, chosen: list[tuple[str, nn.Module, Rule]]) -> AppliedSetting:
     kinds = [type(m) for _, m, r in chosen if r is rule]
     relus = sum(k is DropITReLU for k in kinds)
+    norms = sum(k in _DROPIT_NORMS for k in kinds)
+    pools = sum(k is DropITMaxPool2d for k in kinds)
     return AppliedSetting(
         rule.index,
         rule.strategy.name,
@@ -263,8 +286,10 @@ def _applied(rule: Rule, chosen: list[tuple[str, nn.Module, Rule]]) -> AppliedSe
         rule.strategy.describe(),
         rule.include,
         rule.exclude,
-        len(kinds) - relus,
+        len(kinds) - relus - norms - pools,
         relus,
+        norms,
+        pools,
     )
 
 

@@ -1,11 +1,11 @@
 """Which layers get which DropIT setting: module-path patterns, per-group rules, and their checks.
 
-A rule is a dict with any of ``include``, ``exclude``, ``strategy``, ``gamma``, ``relu`` and
-``options``; a key it leaves out falls back to ``to_dropit``'s argument of the same name (the
-``options`` dict as a whole), and ``to_dropit``'s own ``exclude`` applies to every rule. Without
-rules, ``to_dropit``'s arguments are the one rule. :func:`check_rules` validates rules without a
-model (configs call it on load); :func:`assign_layers` matches them against a model: a pattern
-that matches no module and two rules claiming one layer are errors.
+A rule is a dict with any of ``include``, ``exclude``, ``strategy``, ``gamma``, ``relu``,
+``norm``, ``pool`` and ``options``; a key it leaves out falls back to ``to_dropit``'s argument of
+the same name (the ``options`` dict as a whole), and ``to_dropit``'s own ``exclude`` applies to
+every rule. Without rules, ``to_dropit``'s arguments are the one rule. :func:`check_rules` validates
+rules without a model (configs call it on load); :func:`assign_layers` matches them against a
+model: a pattern that matches no module and two rules claiming one layer are errors.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from .base import Strategy
 from .strategies import build_strategy
 
-RULE_KEYS = ("include", "exclude", "strategy", "gamma", "relu", "options")
+RULE_KEYS = ("include", "exclude", "strategy", "gamma", "relu", "norm", "pool", "options")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Rule:
     gamma: float
     relu: bool
     options: dict[str, Any] = field(default_factory=dict)
+    norm: bool = False
+    pool: bool = False
 
     @property
     def label(self) -> str:
@@ -43,12 +45,26 @@ class Rule:
         return "DropIT" if self.index is None else f"DropIT rules[{self.index}]"
 
 
-def check_options(strategy: str, gamma: float, relu: bool = True, **options: Any) -> Strategy:
+def check_options(
+    strategy: str,
+    gamma: float,
+    relu: bool = True,
+    norm: bool = False,
+    pool: bool = False,
+    **options: Any,
+) -> Strategy:
     """Validate what ``to_dropit`` takes besides the model and patterns (strategy, gamma, relu,
-    strategy options); returns the built strategy. Needs no model, so configs call it on load."""
+    norm, pool, strategy options); returns the built strategy. Needs no model, so configs call it
+    on load."""
     built = build_strategy(strategy, gamma, **options)
-    if not isinstance(relu, bool):
-        raise ValueError(f"DropIT option relu={relu!r} must be true or false")
+    for name, value in (("relu", relu), ("norm", norm), ("pool", pool)):
+        if not isinstance(value, bool):
+            raise ValueError(f"DropIT option {name}={value!r} must be true or false")
+    if norm and not built.every_element:
+        raise ValueError(
+            f"DropIT option norm=true packs normalisation inputs, whose backward reads every "
+            f"element: it needs a strategy that keeps them all (quant), not {built.name!r}"
+        )
     return built
 
 
@@ -70,16 +86,18 @@ def check_rules(
     include: Sequence[str] = ("*",),
     exclude: Sequence[str] = (),
     relu: bool = True,
+    norm: bool = False,
+    pool: bool = False,
     **options: Any,
 ) -> list[Rule]:
     """Validate per-group rules without a model (the other arguments are ``to_dropit``'s, the
     fallbacks); return them checked, strategies built. ``rules=None``: the arguments are the
     one rule. Each error names the rule (``rules[i]``) and what is allowed."""
     if rules is None:
-        built = check_options(strategy, gamma, relu, **options)
+        built = check_options(strategy, gamma, relu, norm, pool, **options)
         include = _patterns("DropIT", "include", include)
         exclude = _patterns("DropIT", "exclude", exclude)
-        return [Rule(None, include, exclude, built, gamma, relu, dict(options))]
+        return [Rule(None, include, exclude, built, gamma, relu, dict(options), norm, pool)]
     exclude = _patterns("DropIT", "exclude", exclude)
     if isinstance(rules, (str, Mapping)) or not isinstance(rules, Sequence):
         raise ValueError(f"DropIT rules must be a list of rule dicts, got {rules!r}")
@@ -102,8 +120,9 @@ def check_rules(
             raise ValueError(f"{label} options must be a dict, got {rule_options!r}")
         settings = (rule.get("strategy", strategy), rule.get("gamma", gamma))
         rule_relu = rule.get("relu", relu)
+        rule_norm, rule_pool = rule.get("norm", norm), rule.get("pool", pool)
         try:
-            built = check_options(*settings, rule_relu, **rule_options)
+            built = check_options(*settings, rule_relu, rule_norm, rule_pool, **rule_options)
         except ValueError as err:
             raise ValueError(f"{label}: {err}") from None
         own_include = _patterns(label, "include", rule.get("include", include))
@@ -117,6 +136,8 @@ def check_rules(
                 settings[1],
                 rule_relu,
                 dict(rule_options),
+                rule_norm,
+                rule_pool,
             )
         )
     return checked
@@ -130,6 +151,17 @@ PAPER_EXCLUDE: tuple[str, ...] = (
     "roi_heads.box_predictor.*",
     "roi_heads.mask_predictor.mask_fcn_logits",
 )
+
+
+# The layer types a rule converts only when one of its flags says so (the flag's name): the
+# ones whose cache is not the conv/linear input cache.
+GATED: dict[type, str] = {
+    nn.ReLU: "relu",
+    nn.BatchNorm2d: "norm",
+    nn.SyncBatchNorm: "norm",
+    nn.GroupNorm: "norm",
+    nn.MaxPool2d: "pool",
+}
 
 
 def matches(path: str, pattern: str) -> bool:
@@ -154,13 +186,15 @@ def assign_layers(
     exclude: Sequence[str],
     convertible: Collection[type],
     strict: bool = True,
+    gated: Mapping[type, str] = GATED,
 ) -> list[tuple[str, nn.Module, Rule]]:
     """(path, module, rule) for every layer of ``named`` (``named_modules()`` order) whose type
     is one of ``convertible`` (exactly: a subclass may compute something else) that a rule
-    selects. ReLUs go only to rules with ``relu``. Raises for two rules claiming one layer, a
-    rule that selects no conv/linear layer, and (``strict``) a pattern that matches no module;
-    with ``strict=False`` such a pattern selects nothing (one list of exclusions for models that
-    lack some of the modules it names)."""
+    selects. A type in ``gated`` goes only to rules whose flag it names is set (ReLUs to rules
+    with ``relu``, norms with ``norm``, max-pools with ``pool``); the rest are the conv/linear
+    layers. Raises for two rules claiming one layer, a rule that selects no conv/linear layer, and
+    (``strict``) a pattern that matches no module; with ``strict=False`` such a pattern selects
+    nothing (one list of exclusions for models that lack some of the modules it names)."""
     paths = [p for p, _ in named]
     if strict:
         for rule in rules:
@@ -176,14 +210,16 @@ def assign_layers(
             (path, module)
             for path, module in named
             if type(module) in convertible
-            and (rule.relu or type(module) is not nn.ReLU)
+            and (type(module) not in gated or getattr(rule, gated[type(module)]))
             and any(matches(path, p) for p in rule.include)
             and not any(matches(path, p) for p in rule.exclude)
         ]
+        # ReLUs alone save nothing (their consumers keep the tensor); norms or pools alone do
         if all(type(m) is nn.ReLU for _, m in own):
             raise ValueError(
                 f"{rule.label} include={list(rule.include)} with exclude={list(rule.exclude)} "
                 "selects no Conv2d/ConvTranspose2d/Linear layer"
+                + (" (nor a norm or max-pool layer it converts)" if rule.norm or rule.pool else "")
             )
         for path, module in own:
             if path in claimed:

@@ -142,6 +142,7 @@ class Quant(Strategy):
     cache_bytes = "n bits/8 + 8 n/group"
     draws = True
     uses_gamma = False
+    every_element = True
     skips_common = ("values", "int8_chunk", "int4_chunk")  # it stores codes, not kept values
 
     def __init__(

@@ -66,9 +66,15 @@ class DropITConfig:
     include: list[str] = _f(factory=lambda: ["*"])
     exclude: list[str] = _f(factory=lambda: list(PAPER_EXCLUDE))
     options: dict[str, Any] = _f(factory=dict)
-    # Per-group rules: each {include, exclude, strategy, gamma, options}, keys it leaves out taken
-    # from the keys above; `exclude` above applies to every rule. Empty: the keys above are the
-    # one rule. A layer claimed by two rules, or a pattern matching nothing, is an error.
+    # Also pack the inputs of BatchNorm2d/SyncBatchNorm/GroupNorm (trainable norms keep theirs
+    # whole for backward): needs strategy quant; frozen norms keep nothing and are left alone.
+    norm: bool = False
+    # MaxPool2d keeps one byte per output (its window's winner) instead of its input and int64
+    # indices: exact, the plain layer's gradient bit for bit.
+    pool: bool = False
+    # Per-group rules: each {include, exclude, strategy, gamma, norm, pool, options}, keys it leaves
+    # out taken from the keys above; `exclude` above applies to every rule. Empty: the keys above
+    # are the one rule. A layer claimed by two rules, or a pattern matching nothing, is an error.
     rules: list[dict[str, Any]] = _f(factory=list)
 
 
@@ -206,7 +212,16 @@ def dropit_rules(d: DropITConfig) -> list[Rule]:
     """The DropIT section as dropit_core's checked rules, strategies built: ``rules`` with the
     section's keys as their fallbacks, or the section itself as the one rule. ValueError names
     a bad one."""
-    return check_rules(d.rules or None, d.strategy, d.gamma, d.include, d.exclude, **d.options)
+    return check_rules(
+        d.rules or None,
+        d.strategy,
+        d.gamma,
+        d.include,
+        d.exclude,
+        norm=d.norm,
+        pool=d.pool,
+        **d.options,
+    )
 
 
 def _dropit_option_errors(d: DropITConfig) -> list[str]:

@@ -26,6 +26,7 @@ METHOD_KEYS: dict[str, str] = {
     "setting": "setting",
     "saved_mb": "saved_mb",
     "saved_ratio": "saved_ratio",
+    "norm_mb": "norm_mb",
     "live_ratio": "live_ratio",
     "peak_ratio": "peak_ratio",
     "step_ratio": "step_time_ratio",

@@ -52,6 +52,7 @@ def measure_memory(
         "by_type": saved["by_type_mb"],
         "converted_mb": saved["converted_mb"],
         "unconverted_mb": saved["unconverted_mb"],
+        "norm_mb": saved["norm_mb"],  # kept by normalisation layers (their inputs)
         "saved_mb_without_dropit": plain_mb,
         "saved_ratio": round(saved["saved_mb"] / plain_mb, 4) if plain_mb else None,
         "cuda_peak_mb": cuda_peak,

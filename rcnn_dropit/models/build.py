@@ -118,6 +118,8 @@ def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, DropITRecord
             include=tuple(d.include),
             exclude=exclude,
             rules=d.rules or None,
+            norm=d.norm,
+            pool=d.pool,
             **d.options,
         )
     except ValueError as err:  # dropit_core's: a pattern, strategy or option of cfg.dropit
