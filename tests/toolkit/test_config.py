@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -242,9 +243,11 @@ def test_published_recipes():
     demo = load_config(CONFIGS / "demo/maskrcnn_shapes_g0.8.yaml")
     assert demo.data.dataset == "shapes" and demo.model.backbone == "resnet18"
     assert not demo.model.pretrained_backbone and demo.dropit.enabled
-    # make demo trains the study's recommended setting: the COCO config's DropIT section
+    # make demo trains the COCO config's 4-bit DropIT section on every saved activation: the
+    # norm inputs and the max-pool too, no layer excluded (the study's quant_4bit_all)
     quant = load_config(CONFIGS / "demo/maskrcnn_shapes_quant4.yaml")
-    assert quant.dropit == load_config(CONFIGS / "maskrcnn_quant4.yaml").dropit
+    coco = load_config(CONFIGS / "maskrcnn_quant4.yaml").dropit
+    assert quant.dropit == dataclasses.replace(coco, norm=True, pool=True, exclude=[])
     assert (quant.dropit.strategy, quant.dropit.options) == ("quant", {"bits": 4})
     assert {**quant.to_dict(), "name": None, "dropit": None} == {
         **demo.to_dict(),
