@@ -134,43 +134,21 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _cuda_device(device: torch.device | str | None) -> torch.device | None:
+def _cuda_device(device: torch.device | str) -> torch.device | None:
     """The CUDA device to query, or None when ``device`` is not a CUDA device or CUDA is absent.
 
     ``torch.cuda`` statistics raise for a CPU device, so a CPU run on a GPU node must not reach
-    them; ``None`` means the current CUDA device.
+    them.
     """
-    if not torch.cuda.is_available():
-        return None
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
-    return device if device.type == "cuda" else None
-
-
-def cuda_peak_mb(device: torch.device | str | None = None) -> float | None:
-    """``torch.cuda.max_memory_allocated`` in MB; None unless ``device`` is a CUDA device."""
-    cuda = _cuda_device(device)
-    return None if cuda is None else torch.cuda.max_memory_allocated(cuda) / MB
-
-
-def cuda_allocated_mb(device: torch.device | str | None = None) -> float | None:
-    """``torch.cuda.memory_allocated`` in MB; None unless ``device`` is a CUDA device."""
-    cuda = _cuda_device(device)
-    return None if cuda is None else torch.cuda.memory_allocated(cuda) / MB
-
-
-def reset_cuda_peak(device: torch.device | str | None = None) -> None:
-    """Reset CUDA peak statistics of ``device``; does nothing unless it is a CUDA device."""
-    cuda = _cuda_device(device)
-    if cuda is not None:
-        torch.cuda.reset_peak_memory_stats(cuda)
+    return device if device.type == "cuda" and torch.cuda.is_available() else None
 
 
 def peak_mb(device: torch.device | str, reset: bool = False) -> float | None:
     """Peak memory in MB since the last reset: the allocator's on a CUDA device, else this
     process's resident peak (VmHWM); ``reset=True`` starts a new window once it is read."""
-    peak = cuda_peak_mb(device) if _cuda_device(device) is not None else peak_rss_mb()
+    cuda = _cuda_device(device)
+    peak = peak_rss_mb() if cuda is None else torch.cuda.max_memory_allocated(cuda) / MB
     if reset:
         reset_peak(device)
     return peak
@@ -179,15 +157,17 @@ def peak_mb(device: torch.device | str, reset: bool = False) -> float | None:
 def reset_peak(device: torch.device | str) -> None:
     """Start a new peak window for :func:`peak_mb` (where /proc/self/clear_refs is not
     writable, the CPU peak stays the all-time one)."""
-    if _cuda_device(device) is not None:
-        reset_cuda_peak(device)
-    else:
+    cuda = _cuda_device(device)
+    if cuda is None:
         reset_peak_rss()
+    else:
+        torch.cuda.reset_peak_memory_stats(cuda)
 
 
 def allocated_mb(device: torch.device | str) -> float | None:
     """Memory in use now, in MB: the allocator's on a CUDA device, else this process's RSS."""
-    return cuda_allocated_mb(device) if _cuda_device(device) is not None else rss_mb()
+    cuda = _cuda_device(device)
+    return rss_mb() if cuda is None else torch.cuda.memory_allocated(cuda) / MB
 
 
 class PeakMeter:

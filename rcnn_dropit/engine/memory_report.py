@@ -20,13 +20,13 @@ def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: 
     """One forward+backward of the plain model: saved-tensor report and the step's peaks."""
     net.train()
     # both peaks: memory.json reports the allocator's (on CUDA) and the process's
-    memory.reset_cuda_peak(device)  # nothing to reset for a CPU run, on a GPU node too
+    memory.reset_peak(device)  # the allocator's on CUDA; on the CPU the process's, as below
     memory.reset_peak_rss()
     with autocast(amp, device):
         losses, report = memory.saved_activations(net, lambda: net(images, targets))
     sum(losses.values()).backward()
     net.zero_grad(set_to_none=True)  # the measurement must leave no gradients behind
-    cuda_peak = memory.cuda_peak_mb(device)  # None for a CPU device
+    cuda_peak = memory.peak_mb(device) if device.type == "cuda" else None
     return report.as_dict(), cuda_peak, memory.peak_rss_mb()
 
 

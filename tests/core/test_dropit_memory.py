@@ -14,11 +14,8 @@ from dropit_core.memory import (
     MB,
     PeakMeter,
     allocated_mb,
-    cuda_allocated_mb,
-    cuda_peak_mb,
     peak_mb,
     peak_rss_mb,
-    reset_cuda_peak,
     reset_peak,
     reset_peak_rss,
     rss_mb,
@@ -139,8 +136,8 @@ def test_process_memory_helpers() -> None:
     if reset_peak_rss():
         peak = peak_rss_mb()
         assert peak is not None and peak >= now * 0.5
-    if not torch.cuda.is_available():
-        assert cuda_peak_mb() is None
+    # a CPU device reads the process's own counters
+    assert allocated_mb("cpu") == pytest.approx(rss_mb(), abs=50.0)
 
 
 def _clock(monkeypatch, durations: list[float]) -> None:
@@ -179,23 +176,24 @@ def _fake_cuda(monkeypatch) -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize("device", [torch.device("cpu"), "cpu"])
-def test_cuda_helpers_leave_a_cpu_device_alone_on_a_gpu_node(monkeypatch, device) -> None:
+def test_memory_helpers_leave_the_allocator_alone_for_a_cpu_device_on_a_gpu_node(
+    monkeypatch, device
+) -> None:
     # A train.device=cpu run on a GPU node used to die here with "Expected a cuda device".
     calls = _fake_cuda(monkeypatch)
-    reset_cuda_peak(device)
-    assert cuda_peak_mb(device) is None
-    assert cuda_allocated_mb(device) is None
+    reset_peak(device)
+    assert peak_mb(device) is not None and allocated_mb(device) is not None  # RSS, on Linux
     assert calls == []
 
 
-def test_cuda_helpers_query_a_cuda_device(monkeypatch) -> None:
+def test_memory_helpers_query_the_cuda_device_they_are_given(monkeypatch) -> None:
     calls = _fake_cuda(monkeypatch)
-    reset_cuda_peak(torch.device("cuda", 1))
-    assert cuda_peak_mb("cuda:1") == 3.0
-    assert cuda_allocated_mb(torch.device("cuda", 1)) == 2.0
-    assert cuda_peak_mb() == 3.0  # None: the current CUDA device
+    reset_peak(torch.device("cuda", 1))
+    assert peak_mb("cuda:1") == 3.0
+    assert allocated_mb(torch.device("cuda", 1)) == 2.0
+    assert peak_mb("cuda") == 3.0  # no index: the current CUDA device, as torch.cuda reads it
     assert [name for name, _ in calls] == ["reset", "peak", "now", "peak"]
-    assert calls[0][1] == torch.device("cuda", 1) and calls[3][1] == torch.device("cuda", 0)
+    assert calls[0][1] == torch.device("cuda", 1) and calls[3][1] == torch.device("cuda")
 
 
 def test_timed_rounds_alternates_and_drops_the_warmup_rounds(monkeypatch) -> None:
