@@ -24,7 +24,7 @@ chosen modules in backward instead (exact); DropIT leaves the layers inside them
 ``CompressSaved()`` keeps every large tensor autograd saves as a 4-bit pack, for what
 ``to_dropit`` cannot convert. ``lean_frozen_batchnorm(model)`` swaps torchvision's
 ``FrozenBatchNorm2d`` for one that keeps its input's dtype under autocast (bit-equal in fp32).
-:mod:`dropit_core.memory` measures what autograd keeps.
+:mod:`dropit_core.memory` measures what autograd keeps and the memory of a training step.
 """
 
 from .base import Packed, Strategy

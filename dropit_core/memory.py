@@ -1,5 +1,9 @@
 """Memory accounting: the bytes autograd keeps for backward, and real (RSS / CUDA) peaks.
 
+``measure_step`` measures one training step: what autograd keeps, the memory live after the
+forward and the peak over the whole step, each above what the process held when it began
+(:class:`StepMemory` names which figure is which).
+
 ``saved_activations`` counts unique storages handed to autograd during one forward (through
 ``saved_tensors_hooks``, which also sees what custom Functions keep with ``save_for_backward``;
 DropIT keeps nothing as plain ``ctx`` attributes but Python metadata). Parameters are excluded:
@@ -9,8 +13,9 @@ it was first saved, so the breakdown says which layer kind holds the memory.
 
 from __future__ import annotations
 
+import gc
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,3 +211,90 @@ class PeakMeter:
         self._sync()
         peak = peak_mb(self.device)
         return None if peak is None else peak - self.start
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """The memory of one training step (forward and backward) on one device, in MB.
+
+    ``held_at_start_mb`` is what the process held when the step began (weights, optimizer state,
+    other models; the model's gradients already freed). Every other figure is the step's own,
+    taken above that start, except ``step_peak_total_mb``, which is what the device's peak
+    counter reads (``torch.cuda.max_memory_allocated`` on CUDA, ``VmHWM`` on the CPU).
+    """
+
+    source: str  # "cuda": the caching allocator's counters; "rss": this process's resident memory
+    held_at_start_mb: float | None
+    live_after_forward_mb: float | None  # what the first forward left alive for its backward
+    forward_peak_mb: float | None  # the first forward's peak; None when later forwards ran
+    step_peak_mb: float | None  # the peak over the whole step: every forward and backward
+    saved: SavedReport  # what autograd kept in the first forward
+
+    @property
+    def step_peak_total_mb(self) -> float | None:
+        """The step's peak with the start included: the device's own peak over the step."""
+        if self.held_at_start_mb is None or self.step_peak_mb is None:
+            return None
+        return self.held_at_start_mb + self.step_peak_mb
+
+    @property
+    def peak_phase(self) -> str | None:
+        """The pass that reaches the step's peak: "forward" or "backward" (None: not known)."""
+        if self.step_peak_mb is None or self.forward_peak_mb is None:
+            return None
+        return "forward" if self.forward_peak_mb >= self.step_peak_mb else "backward"
+
+    @property
+    def forward_transient_mb(self) -> float | None:
+        """What the forward's peak holds beyond the live state after it: the dense working set
+        and the packing temporaries, not the caches."""
+        if self.forward_peak_mb is None or self.live_after_forward_mb is None:
+            return None
+        return self.forward_peak_mb - self.live_after_forward_mb
+
+    def as_dict(self) -> dict[str, Any]:
+        """The step's figures by their names, for JSON (the saved report's are separate)."""
+        return {
+            "memory_source": self.source,
+            "held_at_start_mb": self.held_at_start_mb,
+            "live_after_forward_mb": self.live_after_forward_mb,
+            "forward_peak_mb": self.forward_peak_mb,
+            "step_peak_mb": self.step_peak_mb,
+            "step_peak_total_mb": self.step_peak_total_mb,
+            "peak_phase": self.peak_phase,
+        }
+
+
+def measure_step(
+    model: nn.Module, forwards: Sequence[Callable[[], torch.Tensor]], device: torch.device | str
+) -> StepMemory:
+    """Measure the memory of one training step of ``model`` on ``device``.
+
+    Each of ``forwards`` (one per micro-batch) runs a forward and returns its scalar loss,
+    weighted as the step weighs it; its backward runs before the next forward. The gradients are
+    set to None before the step, as a training step that zeroes them begins, and after it, so
+    that the measurement leaves none behind. What autograd keeps is counted in the first forward.
+    """
+    if not forwards:
+        raise ValueError("measure_step needs at least one forward")
+    model.zero_grad(set_to_none=True)
+    gc.collect()  # garbage of earlier steps must not sit in the start
+    meter = PeakMeter(device)
+    meter.begin()
+    loss, saved = saved_activations(model, forwards[0])
+    live, forward_peak = meter.now(), meter.peak()
+    loss.backward()
+    del loss
+    for forward in forwards[1:]:
+        forward().backward()
+    step_peak = meter.peak()
+    model.zero_grad(set_to_none=True)
+    return StepMemory(
+        source="cuda" if meter.cuda else "rss",
+        held_at_start_mb=meter.start,
+        live_after_forward_mb=live,
+        # a later micro-batch's forward may top the first one's: its peak is not the forward's
+        forward_peak_mb=forward_peak if len(forwards) == 1 else None,
+        step_peak_mb=step_peak,
+        saved=saved,
+    )
