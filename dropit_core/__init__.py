@@ -2,7 +2,8 @@
 
 ``to_dropit(model, strategy, gamma, include, exclude, strict=True, **options)`` converts the
 ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear`` and ``nn.ReLU`` modules its patterns select,
-in place (a ReLU that feeds them keeps a 1-bit mask); ``from_dropit(model)`` undoes it. What a
+in place (a ReLU that feeds them keeps a 1-bit mask), and returns the model;
+``dropit_record(model)`` says what it converted and ``from_dropit(model)`` undoes it. What a
 layer keeps is its strategy (``REGISTRY`` lists them with their typed options; ``python -m
 dropit_core`` prints the tables):
 
@@ -23,7 +24,7 @@ chosen modules in backward instead (exact); DropIT leaves the layers inside them
 ``CompressSaved()`` keeps every large tensor autograd saves as a 4-bit pack, for what
 ``to_dropit`` cannot convert. ``lean_frozen_batchnorm(model)`` swaps torchvision's
 ``FrozenBatchNorm2d`` for one that keeps its input's dtype under autocast (bit-equal in fp32).
-:mod:`dropit_core.memory` measures what autograd keeps.
+:mod:`dropit_core.memory` measures what autograd keeps and the memory of a training step.
 """
 
 from .base import Packed, Strategy
@@ -34,6 +35,7 @@ from .patch import (
     AppliedSetting,
     ConvertedLayer,
     DropITRecord,
+    dropit_record,
     from_dropit,
     is_dropit,
     set_step,
@@ -67,6 +69,7 @@ __all__ = [
     "check_options",
     "checkpoint_modules",
     "check_rules",
+    "dropit_record",
     "from_dropit",
     "is_checkpointed",
     "is_dropit",

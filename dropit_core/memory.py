@@ -1,5 +1,9 @@
 """Memory accounting: the bytes autograd keeps for backward, and real (RSS / CUDA) peaks.
 
+``measure_step`` measures one training step: what autograd keeps, the memory live after the
+forward and the peak over the whole step, each above what the process held when it began
+(:class:`StepMemory` names which figure is which).
+
 ``saved_activations`` counts unique storages handed to autograd during one forward (through
 ``saved_tensors_hooks``, which also sees what custom Functions keep with ``save_for_backward``;
 DropIT keeps nothing as plain ``ctx`` attributes but Python metadata). Parameters are excluded:
@@ -9,8 +13,9 @@ it was first saved, so the breakdown says which layer kind holds the memory.
 
 from __future__ import annotations
 
+import gc
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,43 +147,21 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _cuda_device(device: torch.device | str | None) -> torch.device | None:
+def _cuda_device(device: torch.device | str) -> torch.device | None:
     """The CUDA device to query, or None when ``device`` is not a CUDA device or CUDA is absent.
 
     ``torch.cuda`` statistics raise for a CPU device, so a CPU run on a GPU node must not reach
-    them; ``None`` means the current CUDA device.
+    them.
     """
-    if not torch.cuda.is_available():
-        return None
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
-    return device if device.type == "cuda" else None
-
-
-def cuda_peak_mb(device: torch.device | str | None = None) -> float | None:
-    """``torch.cuda.max_memory_allocated`` in MB; None unless ``device`` is a CUDA device."""
-    cuda = _cuda_device(device)
-    return None if cuda is None else torch.cuda.max_memory_allocated(cuda) / MB
-
-
-def cuda_allocated_mb(device: torch.device | str | None = None) -> float | None:
-    """``torch.cuda.memory_allocated`` in MB; None unless ``device`` is a CUDA device."""
-    cuda = _cuda_device(device)
-    return None if cuda is None else torch.cuda.memory_allocated(cuda) / MB
-
-
-def reset_cuda_peak(device: torch.device | str | None = None) -> None:
-    """Reset CUDA peak statistics of ``device``; does nothing unless it is a CUDA device."""
-    cuda = _cuda_device(device)
-    if cuda is not None:
-        torch.cuda.reset_peak_memory_stats(cuda)
+    return device if device.type == "cuda" and torch.cuda.is_available() else None
 
 
 def peak_mb(device: torch.device | str, reset: bool = False) -> float | None:
     """Peak memory in MB since the last reset: the allocator's on a CUDA device, else this
     process's resident peak (VmHWM); ``reset=True`` starts a new window once it is read."""
-    peak = cuda_peak_mb(device) if _cuda_device(device) is not None else peak_rss_mb()
+    cuda = _cuda_device(device)
+    peak = peak_rss_mb() if cuda is None else torch.cuda.max_memory_allocated(cuda) / MB
     if reset:
         reset_peak(device)
     return peak
@@ -187,15 +170,17 @@ def peak_mb(device: torch.device | str, reset: bool = False) -> float | None:
 def reset_peak(device: torch.device | str) -> None:
     """Start a new peak window for :func:`peak_mb` (where /proc/self/clear_refs is not
     writable, the CPU peak stays the all-time one)."""
-    if _cuda_device(device) is not None:
-        reset_cuda_peak(device)
-    else:
+    cuda = _cuda_device(device)
+    if cuda is None:
         reset_peak_rss()
+    else:
+        torch.cuda.reset_peak_memory_stats(cuda)
 
 
 def allocated_mb(device: torch.device | str) -> float | None:
     """Memory in use now, in MB: the allocator's on a CUDA device, else this process's RSS."""
-    return cuda_allocated_mb(device) if _cuda_device(device) is not None else rss_mb()
+    cuda = _cuda_device(device)
+    return rss_mb() if cuda is None else torch.cuda.memory_allocated(cuda) / MB
 
 
 class PeakMeter:
@@ -234,3 +219,90 @@ class PeakMeter:
         self._sync()
         peak = peak_mb(self.device)
         return None if peak is None else peak - self.start
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """The memory of one training step (forward and backward) on one device, in MB.
+
+    ``held_at_start_mb`` is what the process held when the step began (weights, optimizer state,
+    other models; the model's gradients already freed). Every other figure is the step's own,
+    taken above that start, except ``step_peak_total_mb``, which is what the device's peak
+    counter reads (``torch.cuda.max_memory_allocated`` on CUDA, ``VmHWM`` on the CPU).
+    """
+
+    source: str  # "cuda": the caching allocator's counters; "rss": this process's resident memory
+    held_at_start_mb: float | None
+    live_after_forward_mb: float | None  # what the first forward left alive for its backward
+    forward_peak_mb: float | None  # the first forward's peak; None when later forwards ran
+    step_peak_mb: float | None  # the peak over the whole step: every forward and backward
+    saved: SavedReport  # what autograd kept in the first forward
+
+    @property
+    def step_peak_total_mb(self) -> float | None:
+        """The step's peak with the start included: the device's own peak over the step."""
+        if self.held_at_start_mb is None or self.step_peak_mb is None:
+            return None
+        return self.held_at_start_mb + self.step_peak_mb
+
+    @property
+    def peak_phase(self) -> str | None:
+        """The pass that reaches the step's peak: "forward" or "backward" (None: not known)."""
+        if self.step_peak_mb is None or self.forward_peak_mb is None:
+            return None
+        return "forward" if self.forward_peak_mb >= self.step_peak_mb else "backward"
+
+    @property
+    def forward_transient_mb(self) -> float | None:
+        """What the forward's peak holds beyond the live state after it: the dense working set
+        and the packing temporaries, not the caches."""
+        if self.forward_peak_mb is None or self.live_after_forward_mb is None:
+            return None
+        return self.forward_peak_mb - self.live_after_forward_mb
+
+    def as_dict(self) -> dict[str, Any]:
+        """The step's figures by their names, for JSON (the saved report's are separate)."""
+        return {
+            "memory_source": self.source,
+            "held_at_start_mb": self.held_at_start_mb,
+            "live_after_forward_mb": self.live_after_forward_mb,
+            "forward_peak_mb": self.forward_peak_mb,
+            "step_peak_mb": self.step_peak_mb,
+            "step_peak_total_mb": self.step_peak_total_mb,
+            "peak_phase": self.peak_phase,
+        }
+
+
+def measure_step(
+    model: nn.Module, forwards: Sequence[Callable[[], torch.Tensor]], device: torch.device | str
+) -> StepMemory:
+    """Measure the memory of one training step of ``model`` on ``device``.
+
+    Each of ``forwards`` (one per micro-batch) runs a forward and returns its scalar loss,
+    weighted as the step weighs it; its backward runs before the next forward. The gradients are
+    set to None before the step, as a training step that zeroes them begins, and after it, so
+    that the measurement leaves none behind. What autograd keeps is counted in the first forward.
+    """
+    if not forwards:
+        raise ValueError("measure_step needs at least one forward")
+    model.zero_grad(set_to_none=True)
+    gc.collect()  # garbage of earlier steps must not sit in the start
+    meter = PeakMeter(device)
+    meter.begin()
+    loss, saved = saved_activations(model, forwards[0])
+    live, forward_peak = meter.now(), meter.peak()
+    loss.backward()
+    del loss
+    for forward in forwards[1:]:
+        forward().backward()
+    step_peak = meter.peak()
+    model.zero_grad(set_to_none=True)
+    return StepMemory(
+        source="cuda" if meter.cuda else "rss",
+        held_at_start_mb=meter.start,
+        live_after_forward_mb=live,
+        # a later micro-batch's forward may top the first one's: its peak is not the forward's
+        forward_peak_mb=forward_peak if len(forwards) == 1 else None,
+        step_peak_mb=step_peak,
+        saved=saved,
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,8 @@ from .rules import (
     assign_layers,
     check_rules,
 )
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
@@ -201,7 +203,7 @@ class DropITRecord(list):
 
 
 def to_dropit(
-    model: nn.Module,
+    model: M,
     strategy: str = "mink",
     gamma: float = 0.8,
     include: Sequence[str] = ("*",),
@@ -212,7 +214,7 @@ def to_dropit(
     pool: bool = False,
     strict: bool = True,
     **options: Any,
-) -> tuple[nn.Module, DropITRecord]:
+) -> M:
     """Convert matching conv/linear layers (and ReLUs, when ``relu``; BatchNorm2d, SyncBatchNorm
     and GroupNorm, when ``norm``; MaxPool2d, when ``pool``) to DropIT, in place.
 
@@ -231,9 +233,12 @@ def to_dropit(
     whose class sets ``dropit_checkpointed = True`` (activation checkpointing) stay plain: the
     record lists them as ``skipped``. A pattern that matches no module is an error, unless
     ``strict=False`` (e.g. ``exclude=PAPER_EXCLUDE`` on a Faster R-CNN, which has no mask
-    branch). Returns the model and
-    a :class:`DropITRecord` of what was converted (a list of :class:`ConvertedLayer` that also
-    says which settings were applied: ``record.settings``, ``record.summary()``).
+    branch).
+
+    Returns ``model`` itself, as torch's converters (``convert_sync_batchnorm``) do. What was
+    converted is :func:`dropit_record` ``(model)``:
+    a :class:`DropITRecord`, a list of :class:`ConvertedLayer` that also says which settings were
+    applied (``record.settings``, ``record.summary()``).
     """
     checked = check_rules(rules, strategy, gamma, include, exclude, relu, norm, pool, **options)
     named = [(p, m) for p, m in model.named_modules() if p]
@@ -257,7 +262,25 @@ def to_dropit(
             module.dropit_cache = caches[id(rule)]
         label = _UNCACHED.get(plain) or rule.strategy.describe()
         layers.append(ConvertedLayer(path, plain.__name__, label, rule.index or 0))
-    return model, DropITRecord(layers, [_applied(rule, chosen) for rule in checked], skipped)
+    record = DropITRecord(layers, [_applied(rule, chosen) for rule in checked], skipped)
+    # A plain attribute (not a buffer): outside state_dict, copied by deepcopy and pickle.
+    model.__dict__[_RECORD_ATTRIBUTE] = record
+    return model
+
+
+_RECORD_ATTRIBUTE = "_dropit_record"
+
+
+def dropit_record(model: nn.Module) -> DropITRecord:
+    """What :func:`to_dropit` converted in ``model``: its layers in model order and settings."""
+    record = model.__dict__.get(_RECORD_ATTRIBUTE)
+    if record is None:
+        raise ValueError(
+            f"{type(model).__name__} has no DropIT record: it was not converted by to_dropit, or "
+            "from_dropit undid it (for a DistributedDataParallel or compiled model, pass the "
+            "module that to_dropit converted)"
+        )
+    return record
 
 
 # A module whose class sets this attribute to True runs its forward under activation
@@ -293,9 +316,11 @@ def _applied(rule: Rule, chosen: list[tuple[str, nn.Module, Rule]]) -> AppliedSe
     )
 
 
-def from_dropit(model: nn.Module) -> nn.Module:
-    """Turn every DropIT layer of ``model`` back into its plain class, in place."""
+def from_dropit(model: M) -> M:
+    """Turn every DropIT layer of ``model`` back into its plain class, in place; its record
+    (:func:`dropit_record`) goes too."""
     for module in model.modules():
+        module.__dict__.pop(_RECORD_ATTRIBUTE, None)  # to_dropit may have converted a submodule
         plain = _PLAIN_CLASS.get(type(module))
         if plain is None:
             continue

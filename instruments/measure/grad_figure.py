@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dropit_core import to_dropit
+from dropit_core import dropit_record, to_dropit
 from instruments.measure.grad_fidelity import cosine, norm_ratio, weight_grads
 from instruments.measure.workload import Variant, build_detector, check_variants, make_batch
 from rcnn_dropit.errors import UsageError
@@ -48,8 +48,9 @@ def gradient_study(
     for strategy in strategies:
         per_gamma = []
         for gamma in gammas:
-            model, record = to_dropit(copy.deepcopy(base), strategy, gamma, exclude=exclude)
+            model = to_dropit(copy.deepcopy(base), strategy, gamma, exclude=exclude)
             approx = weight_grads(model, batch)
+            record = dropit_record(model)
             converted = [r.path for r in record if r.kind != "ReLU" and r.path in approx]
             per_layer = {n: cosine(approx[n], exact[n]) for n in converted}
             norms = {n: norm_ratio(approx[n], exact[n]) for n in converted}

@@ -76,7 +76,7 @@ def group_fidelity(
     result: dict[str, dict[str, dict[str, float]]] = {}
     for name, options in settings.items():
         options = {"exclude": fitting_exclude(base, cfg.dropit.exclude), **options}
-        model, _ = to_dropit(copy.deepcopy(base), **options)
+        model = to_dropit(copy.deepcopy(base), **options)
         sums: dict[str, list[float]] = {}
         for i, batch in enumerate(batches):
             approx = weight_grads(model, batch)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dropit_core.memory import PeakMeter, cuda_allocated_mb
+from dropit_core.memory import PeakMeter, allocated_mb
 from instruments.measure.workload import (
     Setting,
     Variant,
@@ -131,7 +131,8 @@ def _max_batch_row(
     peak_of: Callable[[nn.Module, int, float], float | None],
 ) -> dict[str, Any]:
     with _fresh_allocation(dev):
-        floor = cuda_allocated_mb(dev) or 0.0
+        # the floor counts on CUDA only (see _step_peak_mb): on the CPU the peak is above RSS
+        floor = (allocated_mb(dev) or 0.0) if dev.type == "cuda" else 0.0
         # the model lives only inside the search: it leaves the device before the cleanup
         best, peaks = _search(detector(cfg).train().to(dev), budget_mb, limit, floor, peak_of)
     info = describe(cfg)

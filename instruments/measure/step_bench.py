@@ -13,7 +13,7 @@ largest batch each setting trains within a memory budget, which is what a GPU us
 
 from __future__ import annotations
 
-import gc
+import functools
 import itertools
 import statistics
 from collections.abc import Iterator, Sequence
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dropit_core import from_dropit, is_dropit
-from dropit_core.memory import PeakMeter, saved_activations
+from dropit_core.memory import measure_step
 from dropit_core.timing import timed_rounds
 from instruments.measure.allocator import training_allocator
 from instruments.measure.grad_fidelity import (
@@ -64,36 +64,30 @@ def _memory(
     Every figure is taken above this model's own starting allocation (its gradients freed), so
     whatever else the process holds (the baseline, earlier variants) does not count. With
     gradient accumulation the saved bytes and live memory are the first micro-batch's, the
-    peaks those of the whole step (every micro-batch's forward and backward).
+    peak that of the whole step (every micro-batch's forward and backward).
     """
-    model.zero_grad(set_to_none=True)
-    gc.collect()
     parts = micro_batch_parts(batch, accumulate) if accumulate > 1 else [batch]
-    share = [len(p[0]) / len(batch[0]) for p in parts]
-    meter = PeakMeter(device)
-    meter.begin()
-    loss, report = saved_activations(model, lambda: step_loss(model, parts[0], amp))
-    live, peak_forward = meter.now(), meter.peak()
-    (loss * share[0] if accumulate > 1 else loss).backward()
-    del loss
-    for part, weight in zip(parts[1:], share[1:], strict=True):
-        (step_loss(model, part, amp) * weight).backward()
-    peak = meter.peak()
-    if len(parts) > 1:  # the forward's peak over every micro-batch: a later one may top it
-        peak_forward = None
-    out = report.as_dict()
-    out["memory_source"] = "cuda" if meter.cuda else "rss"
-    out["live_mb"], out["peak_mb"], out["peak_forward_mb"] = live, peak, peak_forward
-    out["peak_phase"] = None
-    if peak is not None and peak_forward is not None:
-        out["peak_phase"] = "forward" if peak_forward >= peak else "backward"
-        # What the forward's peak holds beyond the live state after it: transients (the dense
-        # working set and the packing temporaries), not the caches.
-        out["forward_transient_mb"] = peak_forward - live
-    cpu = not meter.cuda
-    out["rss_live_mb"] = live if cpu else None
-    out["rss_peak_mb"] = peak if cpu else None
-    out["cuda_peak_mb"] = peak if meter.cuda else None
+    weights = [len(p[0]) / len(batch[0]) if accumulate > 1 else None for p in parts]
+
+    def forward(part, weight: float | None) -> torch.Tensor:
+        loss = step_loss(model, part, amp)
+        return loss if weight is None else loss * weight
+
+    forwards = [functools.partial(forward, p, w) for p, w in zip(parts, weights, strict=True)]
+    step = measure_step(model, forwards, device)
+    out = step.saved.as_dict()
+    # The rows' own names, which committed results files and their readers use: live_mb is
+    # the memory live after the first forward, peak_mb the peak over the whole step, both
+    # above the model's start (not the device's total, which memory.json's cuda_peak_mb is).
+    out.update(
+        memory_source=step.source,
+        live_mb=step.live_after_forward_mb,
+        peak_mb=step.step_peak_mb,
+        peak_forward_mb=step.forward_peak_mb,
+        peak_phase=step.peak_phase,
+    )
+    if step.forward_transient_mb is not None:
+        out["forward_transient_mb"] = step.forward_transient_mb
     return out
 
 
@@ -210,7 +204,7 @@ def _row(
     """A row's description and memory figures (the baseline's ratios are its own, 1)."""
     ratios = {
         f"{key}_ratio": _ratio(mem[f"{key}_mb"], base_mem[f"{key}_mb"])
-        for key in ("saved", "live", "peak", "rss_live", "rss_peak", "cuda_peak")
+        for key in ("saved", "live", "peak")
     }
     return {
         "setting": setting.name,

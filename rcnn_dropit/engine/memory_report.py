@@ -16,18 +16,17 @@ from rcnn_dropit.engine.trainer import micro_batches, move_targets
 from rcnn_dropit.rng import rng_preserved
 
 
-def measure_step(net: nn.Module, images: list, targets: list, amp: str, device: torch.device):
-    """One forward+backward of the plain model: saved-tensor report and the step's peaks."""
+def _step(
+    net: nn.Module, images: list, targets: list, amp: str, device: torch.device
+) -> memory.StepMemory:
+    """One forward+backward of ``net`` on the batch, measured (dropit_core.memory.measure_step)."""
     net.train()
-    # both peaks: memory.json reports the allocator's (on CUDA) and the process's
-    memory.reset_cuda_peak(device)  # nothing to reset for a CPU run, on a GPU node too
-    memory.reset_peak_rss()
-    with autocast(amp, device):
-        losses, report = memory.saved_activations(net, lambda: net(images, targets))
-    sum(losses.values()).backward()
-    net.zero_grad(set_to_none=True)  # the measurement must leave no gradients behind
-    cuda_peak = memory.cuda_peak_mb(device)  # None for a CPU device
-    return report.as_dict(), cuda_peak, memory.peak_rss_mb()
+
+    def forward() -> torch.Tensor:
+        with autocast(amp, device):
+            return sum(net(images, targets).values())
+
+    return memory.measure_step(net, [forward], device)
 
 
 def measure_memory(
@@ -41,12 +40,15 @@ def measure_memory(
         images, targets = micro_batches(images, targets, cfg.solver.accumulate)[0]
         images = images_to_device(images, device)
         targets = move_targets(targets, device)
-        saved, cuda_peak, rss_peak = measure_step(net, images, targets, cfg.solver.amp, device)
+        step = _step(net, images, targets, cfg.solver.amp, device)
         plain_mb = None
         if cfg.dropit.enabled:  # the same model and batch without DropIT: what it saves
             plain = from_dropit(copy.deepcopy(net))
-            plain_mb = measure_step(plain, images, targets, cfg.solver.amp, device)[0]["saved_mb"]
+            plain_step = _step(plain, images, targets, cfg.solver.amp, device)
+            plain_mb = plain_step.saved.total_bytes / memory.MB
             del plain
+    saved = step.saved.as_dict()
+    total = step.step_peak_total_mb
     report = {
         "saved_mb": saved["saved_mb"],
         "by_type": saved["by_type_mb"],
@@ -55,8 +57,11 @@ def measure_memory(
         "norm_mb": saved["norm_mb"],  # kept by normalisation layers (their inputs)
         "saved_mb_without_dropit": plain_mb,
         "saved_ratio": round(saved["saved_mb"] / plain_mb, 4) if plain_mb else None,
-        "cuda_peak_mb": cuda_peak,
-        "step_peak_rss_mb": rss_peak,
+        # the step's peak as the device counts it (start included), by the names readers use
+        "cuda_peak_mb": total if step.source == "cuda" else None,
+        "step_peak_rss_mb": total if step.source == "rss" else None,
+        # and each figure by what it is: the start, then the step's own above it
+        **step.as_dict(),
         "images_per_sec": images_per_sec,
         "batch_size": len(images),  # the measured forward's images (one micro-batch)
         "accumulate": cfg.solver.accumulate,

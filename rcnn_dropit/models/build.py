@@ -11,7 +11,7 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
-from dropit_core import DropITRecord, checkpoint_modules, to_dropit
+from dropit_core import DropITRecord, checkpoint_modules, dropit_record, to_dropit
 from rcnn_dropit.config import Config
 from rcnn_dropit.config_schema import PAPER_EXCLUDE
 from rcnn_dropit.errors import UsageError
@@ -111,7 +111,7 @@ def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, DropITRecord
 
     exclude = fitting_exclude(model, d.exclude)
     try:
-        return to_dropit(
+        to_dropit(
             model,
             strategy=d.strategy,
             gamma=d.gamma,
@@ -124,3 +124,4 @@ def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, DropITRecord
         )
     except ValueError as err:  # dropit_core's: a pattern, strategy or option of cfg.dropit
         raise UsageError(str(err)) from err
+    return model, dropit_record(model)

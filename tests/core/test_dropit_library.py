@@ -18,6 +18,7 @@ from dropit_core import (
     Packed,
     Strategy,
     build_strategy,
+    dropit_record,
     register_strategy,
     to_dropit,
 )
@@ -44,8 +45,9 @@ def test_it_imports_and_converts_with_torch_alone() -> None:
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(),
                               nn.LazyLinear(2))
         model(torch.randn(1, 3, 8, 8))
-        dropit_core.to_dropit(model, strategy="quant", exclude=dropit_core.PAPER_EXCLUDE,
-                              strict=False)
+        converted = dropit_core.to_dropit(model, strategy="quant",
+                                          exclude=dropit_core.PAPER_EXCLUDE, strict=False)
+        assert converted is model and len(dropit_core.dropit_record(model)) == 4
         model(torch.randn(2, 3, 8, 8)).sum().backward()
         assert model[2].weight.grad is not None
         assert not any(m.split(".")[0] in HIDDEN for m in sys.modules)
@@ -95,9 +97,8 @@ def test_a_strategy_of_ones_own_by_class_then_by_name(own_strategy) -> None:
     plain = _net()
     plain(x).square().sum().backward()
     for strategy in (own_strategy, "keep_bf16_test"):  # the class registers itself on first use
-        model = _net()
-        model, record = to_dropit(model, strategy=strategy)
-        assert record.settings[0].strategy == "keep_bf16_test"
+        model = to_dropit(_net(), strategy=strategy)
+        assert dropit_record(model).settings[0].strategy == "keep_bf16_test"
         model(x).square().sum().backward()
         for got, want in zip(model.parameters(), plain.parameters(), strict=True):
             # the weight gradients come from bf16 inputs: within bf16 rounding of the exact ones
@@ -110,5 +111,5 @@ def test_a_strategy_of_ones_own_by_class_then_by_name(own_strategy) -> None:
 def test_strict_false_lets_patterns_match_nothing() -> None:
     with pytest.raises(ValueError, match="matches no module"):
         to_dropit(_net(), exclude=PAPER_EXCLUDE)
-    model, record = to_dropit(_net(), exclude=PAPER_EXCLUDE, strict=False)
-    assert [layer.path for layer in record] == ["0", "1", "3"]
+    model = to_dropit(_net(), exclude=PAPER_EXCLUDE, strict=False)
+    assert [layer.path for layer in dropit_record(model)] == ["0", "1", "3"]

@@ -14,11 +14,9 @@ from dropit_core.memory import (
     MB,
     PeakMeter,
     allocated_mb,
-    cuda_allocated_mb,
-    cuda_peak_mb,
+    measure_step,
     peak_mb,
     peak_rss_mb,
-    reset_cuda_peak,
     reset_peak,
     reset_peak_rss,
     rss_mb,
@@ -139,8 +137,8 @@ def test_process_memory_helpers() -> None:
     if reset_peak_rss():
         peak = peak_rss_mb()
         assert peak is not None and peak >= now * 0.5
-    if not torch.cuda.is_available():
-        assert cuda_peak_mb() is None
+    # a CPU device reads the process's own counters
+    assert allocated_mb("cpu") == pytest.approx(rss_mb(), abs=50.0)
 
 
 def _clock(monkeypatch, durations: list[float]) -> None:
@@ -179,23 +177,24 @@ def _fake_cuda(monkeypatch) -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize("device", [torch.device("cpu"), "cpu"])
-def test_cuda_helpers_leave_a_cpu_device_alone_on_a_gpu_node(monkeypatch, device) -> None:
+def test_memory_helpers_leave_the_allocator_alone_for_a_cpu_device_on_a_gpu_node(
+    monkeypatch, device
+) -> None:
     # A train.device=cpu run on a GPU node used to die here with "Expected a cuda device".
     calls = _fake_cuda(monkeypatch)
-    reset_cuda_peak(device)
-    assert cuda_peak_mb(device) is None
-    assert cuda_allocated_mb(device) is None
+    reset_peak(device)
+    assert peak_mb(device) is not None and allocated_mb(device) is not None  # RSS, on Linux
     assert calls == []
 
 
-def test_cuda_helpers_query_a_cuda_device(monkeypatch) -> None:
+def test_memory_helpers_query_the_cuda_device_they_are_given(monkeypatch) -> None:
     calls = _fake_cuda(monkeypatch)
-    reset_cuda_peak(torch.device("cuda", 1))
-    assert cuda_peak_mb("cuda:1") == 3.0
-    assert cuda_allocated_mb(torch.device("cuda", 1)) == 2.0
-    assert cuda_peak_mb() == 3.0  # None: the current CUDA device
+    reset_peak(torch.device("cuda", 1))
+    assert peak_mb("cuda:1") == 3.0
+    assert allocated_mb(torch.device("cuda", 1)) == 2.0
+    assert peak_mb("cuda") == 3.0  # no index: the current CUDA device, as torch.cuda reads it
     assert [name for name, _ in calls] == ["reset", "peak", "now", "peak"]
-    assert calls[0][1] == torch.device("cuda", 1) and calls[3][1] == torch.device("cuda", 0)
+    assert calls[0][1] == torch.device("cuda", 1) and calls[3][1] == torch.device("cuda")
 
 
 def test_timed_rounds_alternates_and_drops_the_warmup_rounds(monkeypatch) -> None:
@@ -268,3 +267,64 @@ def test_peak_window_is_read_then_reset_on_the_device(monkeypatch) -> None:
     state.update(peak=2.5)
     assert peak_mb("cpu", reset=True) == 700.0 and allocated_mb("cpu") == 600.0
     assert resets == ["rss"] and state["peak"] == 2.5  # the allocator's window left alone
+
+
+def _linear_loss(model: nn.Module, rows: int) -> torch.Tensor:
+    return model(torch.randn(rows, 4)).square().sum()
+
+
+def test_measure_step_takes_each_figure_above_the_start_and_names_the_peaks(monkeypatch) -> None:
+    state = _fake_allocator(monkeypatch)
+    state.update(allocated=3000.0, peak=5000.0)  # other models, and an earlier, larger peak
+    model = nn.Linear(4, 2)
+    _linear_loss(model, 1).backward()  # gradients of an earlier step: freed before the start
+
+    def forward() -> torch.Tensor:
+        loss = _linear_loss(model, 3)
+        state.update(allocated=3400.0, peak=3700.0)  # the graph alive, the transients gone
+        loss.register_hook(lambda grad: state.update(peak=3900.0))  # the backward tops it
+        return loss
+
+    step = measure_step(model, [forward], torch.device("cuda", 0))
+    assert step.source == "cuda" and step.held_at_start_mb == 3000.0
+    assert (step.live_after_forward_mb, step.forward_peak_mb, step.step_peak_mb) == (
+        400.0,
+        700.0,
+        900.0,
+    )
+    assert step.step_peak_total_mb == 3900.0  # what max_memory_allocated read
+    assert step.peak_phase == "backward" and step.forward_transient_mb == 300.0
+    assert step.saved.total_bytes == (3 * 4 + 3 * 2) * 4  # linear's input, square's input
+    assert all(p.grad is None for p in model.parameters())  # none left behind
+    assert step.as_dict() == {
+        "memory_source": "cuda",
+        "held_at_start_mb": 3000.0,
+        "live_after_forward_mb": 400.0,
+        "forward_peak_mb": 700.0,
+        "step_peak_mb": 900.0,
+        "step_peak_total_mb": 3900.0,
+        "peak_phase": "backward",
+    }
+
+
+def test_measure_step_over_micro_batches_knows_no_forward_peak(monkeypatch) -> None:
+    state = _fake_allocator(monkeypatch)
+    model = nn.Linear(4, 2)
+
+    def later() -> torch.Tensor:
+        state.update(peak=state["peak"] + 50.0)  # a later forward may top the first one's
+        return _linear_loss(model, 2)
+
+    step = measure_step(model, [lambda: _linear_loss(model, 2), later], "cuda:0")
+    assert step.step_peak_mb == 50.0 and step.forward_peak_mb is None
+    assert step.peak_phase is None and step.forward_transient_mb is None
+    assert step.saved.total_bytes == (2 * 4 + 2 * 2) * 4  # the first micro-batch's
+    with pytest.raises(ValueError, match="at least one forward"):
+        measure_step(model, [], "cpu")
+
+
+def test_measure_step_on_the_cpu_reads_the_process_memory() -> None:
+    model = nn.Linear(4, 2)
+    step = measure_step(model, [lambda: _linear_loss(model, 3)], "cpu")
+    assert step.source == "rss" and step.held_at_start_mb == pytest.approx(rss_mb(), abs=50.0)
+    assert step.step_peak_mb is not None and step.live_after_forward_mb is not None

@@ -39,8 +39,7 @@ def _net(norm) -> nn.Sequential:
 
 def _pair(norm, **kwargs) -> tuple[nn.Module, nn.Module]:
     plain = _net(norm).train()
-    converted = to_dropit(copy.deepcopy(plain), "quant", bits=4, norm=True, pool=True, **kwargs)
-    return plain, converted[0] if isinstance(converted, tuple) else converted
+    return plain, to_dropit(copy.deepcopy(plain), "quant", bits=4, norm=True, pool=True, **kwargs)
 
 
 @pytest.mark.parametrize("name", sorted(NORMS))
@@ -150,8 +149,7 @@ def test_norms_and_pools_convert_only_when_asked_and_convert_back() -> None:
 
 def test_record_counts_norms_and_pools() -> None:
     net = _net(NORMS["gn"])
-    result = to_dropit(net, "quant", norm=True, pool=True)
-    record = result[1] if isinstance(result, tuple) else dropit_core.dropit_record(result)
+    record = dropit_core.dropit_record(to_dropit(net, "quant", norm=True, pool=True))
     (setting,) = record.settings
     assert (setting.layers, setting.norms, setting.pools, setting.relus) == (2, 2, 1, 2)
     assert "2 normalisation layers, 1 max-pools" in record.summary()

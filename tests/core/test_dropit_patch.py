@@ -17,6 +17,7 @@ from dropit_core import (
     ConvertedLayer,
     DropITRecord,
     check_rules,
+    dropit_record,
     from_dropit,
     is_dropit,
     to_dropit,
@@ -141,8 +142,8 @@ def _expect(paths: list[str]) -> list[tuple[str, str]]:
 
 def test_default_converts_everything_with_kinds_and_labels() -> None:
     model = _model()
-    out, record = to_dropit(model, strategy="mink", gamma=0.8)
-    assert out is model
+    assert to_dropit(model, strategy="mink", gamma=0.8) is model  # as convert_sync_batchnorm
+    record = dropit_record(model)
     assert [(r.path, r.kind) for r in record] == ALL
     assert len(record) == 13
     for r in record:
@@ -164,7 +165,7 @@ def test_default_converts_everything_with_kinds_and_labels() -> None:
 
 def test_config_default_exclude() -> None:
     model = _model()
-    _, record = to_dropit(model, exclude=CONFIG_EXCLUDE)
+    record = dropit_record(to_dropit(model, exclude=CONFIG_EXCLUDE))
     expected = _expect(
         [
             "backbone.body.relu",
@@ -201,7 +202,7 @@ def test_config_default_exclude() -> None:
 )  # fmt: skip
 def test_include_exclude_patterns(include, exclude, paths) -> None:
     model = _model()
-    _, record = to_dropit(model, include=include, exclude=exclude)
+    record = dropit_record(to_dropit(model, include=include, exclude=exclude))
     assert [(r.path, r.kind) for r in record] == _expect(paths)
     assert _converted_paths(model) == [p for p, _ in _expect(paths)]
 
@@ -215,13 +216,13 @@ def test_include_exclude_patterns(include, exclude, paths) -> None:
 )
 def test_wildcard_pattern_covers_children(include, exclude, paths) -> None:
     model = _model()
-    _, record = to_dropit(model, include=include, exclude=exclude)
+    record = dropit_record(to_dropit(model, include=include, exclude=exclude))
     assert [(r.path, r.kind) for r in record] == _expect(paths)
 
 
 def test_relu_false_leaves_relus() -> None:
     model = _model()
-    _, record = to_dropit(model, relu=False)
+    record = dropit_record(to_dropit(model, relu=False))
     assert [(r.path, r.kind) for r in record] == [(p, k) for p, k in ALL if k != "ReLU"]
     for path, module in model.named_modules():
         if path.endswith(("relu", ".1", "relu6", "relu7")) and isinstance(module, nn.ReLU):
@@ -246,7 +247,7 @@ def test_state_dict_unchanged_and_from_dropit_restores() -> None:
     assert not any(hasattr(m, "dropit_cache") for m in model.modules())
     assert _converted_paths(model) == []
     # It can be converted again after being restored.
-    _, record = to_dropit(model)
+    record = dropit_record(to_dropit(model))
     assert len(record) == 13
 
 
@@ -393,7 +394,7 @@ MIXED = [
 
 def test_rules_give_each_group_its_own_setting_and_cache() -> None:
     model = _model()
-    _, record = to_dropit(model, rules=MIXED)
+    record = dropit_record(to_dropit(model, rules=MIXED))
     assert [(r.path, r.kind) for r in record] == ALL
     for r in record:
         if r.kind == "ReLU":
@@ -420,17 +421,19 @@ def test_rules_give_each_group_its_own_setting_and_cache() -> None:
 def test_a_rule_falls_back_to_the_call_for_what_it_leaves_out() -> None:
     model = _model()
     rules = [{"include": ["backbone"]}, {"include": ["roi_heads"], "gamma": 0.5, "relu": False}]
-    _, record = to_dropit(
+    to_dropit(
         model, strategy="parallel_mink", gamma=0.9, chunk=8, rules=rules, exclude=CONFIG_EXCLUDE
     )
-    labels = {r.path: r.strategy for r in record}
+    labels = {r.path: r.strategy for r in dropit_record(model)}
     assert labels["backbone.body.layer1.0"] == "parallel_mink(gamma=0.9, chunk=8)"
     assert labels["roi_heads.box_head.fc6"] == "parallel_mink(gamma=0.5, chunk=8)"
     assert "backbone.body.relu" in labels and "roi_heads.box_head.relu6" not in labels
     # the call's exclude applies to every rule
     assert "backbone.body.conv1" not in labels and "roi_heads.box_predictor.cls_score" not in labels
     # a rule without include takes the call's include
-    _, record = to_dropit(_model(), include=["roi_heads.box_head"], rules=[{"gamma": 0.5}])
+    record = dropit_record(
+        to_dropit(_model(), include=["roi_heads.box_head"], rules=[{"gamma": 0.5}])
+    )
     assert [r.path for r in record] == [p for p in HEADS if ".box_head." in p]
 
 
@@ -515,7 +518,7 @@ def test_check_rules_needs_no_model() -> None:
 
 
 def test_the_record_says_which_setting_was_applied() -> None:
-    _, record = to_dropit(_model(), strategy="parallel_mink", gamma=0.9, chunk=64)
+    record = dropit_record(to_dropit(_model(), strategy="parallel_mink", gamma=0.9, chunk=64))
     (setting,) = record.settings
     assert isinstance(setting, AppliedSetting)
     assert (setting.rule, setting.strategy, setting.gamma) == (None, "parallel_mink", 0.9)
@@ -530,7 +533,7 @@ def test_the_record_says_which_setting_was_applied() -> None:
 
 
 def test_the_record_of_rules_has_one_setting_per_rule() -> None:
-    _, record = to_dropit(_model(), rules=MIXED, exclude=["roi_heads.box_predictor"])
+    record = dropit_record(to_dropit(_model(), rules=MIXED, exclude=["roi_heads.box_predictor"]))
     assert [(s.rule, s.strategy, s.gamma, s.layers, s.relus) for s in record.settings] == [
         (0, "mink", 0.8, 2, 2),
         (1, "quant", 0.8, 4, 3),
@@ -546,7 +549,7 @@ def test_the_record_of_rules_has_one_setting_per_rule() -> None:
 
 
 def test_the_record_is_still_the_list_of_converted_layers() -> None:
-    _, record = to_dropit(_model(), exclude=CONFIG_EXCLUDE)
+    record = dropit_record(to_dropit(_model(), exclude=CONFIG_EXCLUDE))
     assert isinstance(record, list) and isinstance(record, DropITRecord)
     assert all(isinstance(r, ConvertedLayer) for r in record)
     assert record == list(record) and len(record) == 9 and record[0].path == "backbone.body.relu"
@@ -554,6 +557,37 @@ def test_the_record_is_still_the_list_of_converted_layers() -> None:
     for again in (copy.deepcopy(record), pickle.loads(pickle.dumps(record))):
         assert again == record and again.settings == record.settings
         assert again.summary() == record.summary()
+
+
+def test_to_dropit_returns_the_module_and_dropit_record_gives_what_it_converted() -> None:
+    model = _model()
+    before = model.state_dict().keys()
+    converted = to_dropit(model, rules=MIXED, exclude=["roi_heads.box_predictor"])
+    assert converted is model and isinstance(converted, TinyDetector)
+    record = dropit_record(model)
+    assert isinstance(record, DropITRecord)
+    assert [r.path for r in record] == [p for p, _ in ALL if not p.startswith("roi_heads.box_p")]
+    assert [(s.rule, s.strategy) for s in record.settings] == [(0, "mink"), (1, "quant")]
+    assert model.state_dict().keys() == before  # the record is no buffer
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        again = dropit_record(copied)
+        assert again is not record and again == record and again.summary() == record.summary()
+
+
+def test_from_dropit_removes_the_record_and_a_plain_model_has_none() -> None:
+    with pytest.raises(ValueError, match="TinyDetector has no DropIT record: it was not converted"):
+        dropit_record(_model())
+    model = _model()
+    to_dropit(model, exclude=CONFIG_EXCLUDE)
+    from_dropit(model)
+    with pytest.raises(ValueError, match="from_dropit undid it"):
+        dropit_record(model)
+    # a submodule converted alone loses its record when its parent is turned back
+    to_dropit(model.roi_heads)
+    assert len(dropit_record(model.roi_heads)) > 0
+    from_dropit(model)
+    with pytest.raises(ValueError, match="no DropIT record"):
+        dropit_record(model.roi_heads)
 
 
 # ------------------------------------------------------------------ with activation checkpointing
@@ -576,7 +610,7 @@ def _checkpointed_model() -> TinyDetector:
 
 def test_layers_inside_a_checkpointed_module_stay_plain_and_are_recorded() -> None:
     model = _checkpointed_model()
-    _, record = to_dropit(model, exclude=CONFIG_EXCLUDE)
+    record = dropit_record(to_dropit(model, exclude=CONFIG_EXCLUDE))
     inside = ["backbone.body.layer1.0", "backbone.body.layer1.1"]
     assert record.skipped == tuple(inside)
     assert [r.path for r in record] == [
@@ -606,13 +640,13 @@ def test_layers_inside_a_checkpointed_module_stay_plain_and_are_recorded() -> No
 def test_a_rule_whose_layers_are_all_checkpointed_converts_nothing_without_an_error() -> None:
     model = _checkpointed_model()
     rules = [{"include": ["backbone.body.layer1"]}, {"include": ["roi_heads"], "gamma": 0.5}]
-    _, record = to_dropit(model, rules=rules)
+    record = dropit_record(to_dropit(model, rules=rules))
     assert record.skipped == ("backbone.body.layer1.0", "backbone.body.layer1.1")
     assert [(s.layers, s.relus) for s in record.settings] == [(0, 0), (6, 3)]
     # The whole model checkpointed: nothing converted.
     whole = _model()
     whole.__class__ = type("CheckpointedDetector", (TinyDetector,), {"dropit_checkpointed": True})
-    _, record = to_dropit(whole)
+    record = dropit_record(to_dropit(whole))
     assert list(record) == [] and len(record.skipped) == 13
 
 
@@ -621,5 +655,5 @@ def test_a_truthy_attribute_that_is_not_true_does_not_count() -> None:
     model.backbone.body.layer1.__class__ = type(
         "Marked", (nn.Sequential,), {"dropit_checkpointed": "yes"}
     )
-    _, record = to_dropit(model)
+    record = dropit_record(to_dropit(model))
     assert record.skipped == () and len(record) == 13

@@ -221,7 +221,7 @@ def _bias(model: nn.Module, exact: dict, draws: int) -> dict:
 def test_bias_of_an_unbiased_estimator_shrinks_like_one_over_sqrt_k(strategy, options) -> None:
     plain = _small_net()
     exact = _bias(plain, None, 0)
-    model = to_dropit(copy.deepcopy(plain), strategy, 0.8, **options)[0]
+    model = to_dropit(copy.deepcopy(plain), strategy, 0.8, **options)
     few, many = _bias(model, exact, 4), _bias(model, exact, 64)
     assert (few["grad_bias_draws"], many["grad_bias_draws"]) == (4, 64)
     assert many["grad_bias"] < few["grad_bias"] / 2
@@ -233,7 +233,7 @@ def test_bias_of_an_unbiased_estimator_shrinks_like_one_over_sqrt_k(strategy, op
 def test_bias_of_min_k_does_not_shrink() -> None:
     plain = _small_net()
     exact = _bias(plain, None, 0)
-    model = to_dropit(copy.deepcopy(plain), "mink", 0.8)[0]
+    model = to_dropit(copy.deepcopy(plain), "mink", 0.8)
     one, many = _bias(model, exact, 1), _bias(model, exact, 16)
     assert one["grad_bias"] > 0.05
     assert many["grad_bias"] == pytest.approx(one["grad_bias"], abs=1e-4)

@@ -149,6 +149,11 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, tiny_shapes) -> None:
     assert [e["iter"] for e in evals] == [2]
     memory = json.loads((run / "memory.json").read_text())
     assert memory["images_per_sec"] > 0 and memory["cuda_peak_mb"] is None
+    # the step's peak as the device counts it (RSS here), and the step's own figures above the start
+    assert memory["memory_source"] == "rss" and memory["peak_phase"] in ("forward", "backward")
+    assert memory["step_peak_rss_mb"] == memory["step_peak_total_mb"]
+    total = memory["held_at_start_mb"] + memory["step_peak_mb"]
+    assert memory["step_peak_total_mb"] == pytest.approx(total)
     assert memory["saved_mb"] > 0 and memory["by_type"]["Conv2d"] > 0
     assert memory["saved_mb"] == pytest.approx(memory["converted_mb"] + memory["unconverted_mb"])
     assert memory["converted_mb"] > 0

@@ -9,7 +9,7 @@ from torch import nn
 from torchvision.models import resnet18
 from torchvision.ops.misc import FrozenBatchNorm2d as TorchvisionFrozenBN
 
-from dropit_core import FrozenBatchNorm2d, lean_frozen_batchnorm, to_dropit
+from dropit_core import FrozenBatchNorm2d, dropit_record, lean_frozen_batchnorm, to_dropit
 from dropit_core.memory import saved_activations
 from rcnn_dropit.config import config_from_dict
 from rcnn_dropit.models import build_backbone, build_model
@@ -88,8 +88,8 @@ def test_lean_frozen_batchnorm_swaps_every_torchvision_norm_in_place() -> None:
 
 def test_dropit_converts_a_model_with_lean_norms() -> None:
     model = lean_frozen_batchnorm(resnet18(norm_layer=TorchvisionFrozenBN))
-    model, record = to_dropit(model, strategy="quant", exclude=("conv1", "fc"))
-    (applied,) = record.settings
+    model = to_dropit(model, strategy="quant", exclude=("conv1", "fc"))
+    (applied,) = dropit_record(model).settings
     assert applied.layers == 19 and applied.relus == 9  # every conv but the stem; every ReLU
     model(torch.randn(1, 3, 64, 64)).sum().backward()
     assert model.layer1[0].conv1.weight.grad is not None

@@ -14,7 +14,7 @@ from torchvision.models.detection.faster_rcnn import TwoMLPHead
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from dropit_core import FrozenBatchNorm2d as LeanFrozenBatchNorm2d
-from dropit_core import to_dropit
+from dropit_core import dropit_record, to_dropit
 from rcnn_dropit.config import config_from_dict
 from rcnn_dropit.config_schema import PAPER_EXCLUDE
 from rcnn_dropit.errors import UsageError
@@ -199,7 +199,7 @@ def test_paper_exclusions_fit_the_model_they_are_given():
     assert paper_exclude(mask) == list(PAPER_EXCLUDE) == tiny_cfg().dropit.exclude
     assert paper_exclude(faster) == ["backbone.body.conv1", "roi_heads.box_predictor.*"]
     # the one call that fits both: no "matches no module" on the Faster R-CNN
-    _, record = to_dropit(faster, "mink", 0.8, exclude=paper_exclude(faster))
+    record = dropit_record(to_dropit(faster, "mink", 0.8, exclude=paper_exclude(faster)))
     paths = {r.path for r in record}
     assert "roi_heads.box_head.fc6" in paths and "backbone.body.conv1" not in paths
     assert not any(p.startswith("roi_heads.box_predictor") for p in paths)
@@ -220,9 +220,10 @@ def test_dropit_settings_reach_to_dropit(monkeypatch: pytest.MonkeyPatch):
 
     def to_dropit(model, **kwargs):  # stand-in that records what build_model asks for
         calls.append(kwargs)
-        return model, ["converted"]
+        return model
 
     monkeypatch.setattr("rcnn_dropit.models.build.to_dropit", to_dropit)
+    monkeypatch.setattr("rcnn_dropit.models.build.dropit_record", lambda model: ["converted"])
     dropit = {
         "enabled": True,
         "strategy": "parallel_mink",
@@ -239,6 +240,8 @@ def test_dropit_settings_reach_to_dropit(monkeypatch: pytest.MonkeyPatch):
             "include": ("roi_heads.*",),
             "exclude": ("backbone.body.conv1", "roi_heads.box_predictor.*"),  # no mask branch
             "rules": None,  # no dropit.rules: the keys above are the one rule
+            "norm": False,
+            "pool": False,
             "chunk": 4,
         }
     ]
