@@ -353,3 +353,23 @@ def test_exported_backbone_loads_as_backbone_weights(tmp_path: Path):
         torch.save({"x": torch.zeros(1)}, tmp_path / "bad.pth")
         export_backbone(tmp_path / "bad.pth", tmp_path / "never.pth")
     assert not (tmp_path / "never.pth").exists()
+
+
+def test_dropit_norm_and_pool_convert_the_batchnorms_and_the_stem_max_pool():
+    from dropit_core.norm import DropITBatchNorm2d
+    from dropit_core.pooling import DropITMaxPool2d
+
+    dropit = {"enabled": True, "strategy": "quant", "options": {"bits": 4}}
+    cfg = tiny_cfg(norm="bn", trainable_layers=5, dropit={**dropit, "norm": True, "pool": True})
+    model, record = build_model(cfg)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(type(m) is DropITBatchNorm2d for m in norms)
+    assert type(model.backbone.body.maxpool) is DropITMaxPool2d
+    assert record.settings[0].norms == len(norms) and record.settings[0].pools == 1
+    images, targets = sample()
+    losses = model.train()(images, targets)
+    sum(losses.values()).backward()  # the packed norm inputs rebuild in backward
+    assert all(p.grad is not None for p in model.backbone.body.layer1.parameters())
+    # without them, the same config leaves the norms and the max-pool plain
+    model, _ = build_model(tiny_cfg(norm="bn", trainable_layers=5, dropit=dropit))
+    assert not any(isinstance(m, (DropITBatchNorm2d, DropITMaxPool2d)) for m in model.modules())
