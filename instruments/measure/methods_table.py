@@ -51,6 +51,8 @@ METHOD_KEYS: dict[str, str] = {
     "memory_source": "memory_source",
 }
 PROVENANCE_KEYS = ("command", "commit", "machine", "threads", "quiet", "date")
+# Keys added after records were first committed: a record made before lacks them (read as None).
+LATER_KEYS = ("norm_mb",)
 BLOCK = "methods-bench"  # the default block's name; others hold tables of other runs (bf16)
 
 
@@ -162,10 +164,12 @@ def read_methods_json(path: str | Path) -> list[dict[str, Any]]:
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise UsageError(f"methods table '{path}': expected a JSON list of objects")
     for i, record in enumerate(records):
-        lacking = [k for k in (*METHOD_KEYS, *PROVENANCE_KEYS) if k not in record]
+        lacking = [
+            k for k in (*METHOD_KEYS, *PROVENANCE_KEYS) if k not in record and k not in LATER_KEYS
+        ]
         if lacking:
             raise UsageError(f"methods table '{path}': record {i} lacks {lacking}")
-    return records
+    return [{**dict.fromkeys(LATER_KEYS), **record} for record in records]
 
 
 def _cell(value: Any, decimals: int | None) -> str:

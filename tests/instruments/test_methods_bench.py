@@ -404,6 +404,28 @@ def test_memory_md_holds_the_generated_table_or_its_placeholder() -> None:
         assert splice(text, table) == text, "run: python tools/bench.py --markdown ... --into ..."
 
 
+# Every other generated table of memory.md, with the file it is generated from
+OTHER_BLOCKS = {
+    "methods-bench-busy": "methods_bench_busy.json",
+    "methods-bench-bf16": "methods_bench_bf16.json",
+    "methods-bench-scratch": "methods_bench_scratch.json",
+    "methods-bench-speed": "methods_bench_speed.json",
+}
+
+
+@pytest.mark.parametrize("block", sorted(OTHER_BLOCKS))
+def test_each_generated_block_of_memory_md_is_its_json(block: str) -> None:
+    text = (REPO / "docs/results/memory.md").read_text()
+    begin, end = markers(block)
+    assert text.count(begin) == 1 and text.count(end) == 1
+    measured = REPO / "docs/results" / OTHER_BLOCKS[block]
+    if measured.is_file():
+        table = methods_markdown(read_methods_json(measured))
+        assert splice(text, table, block=block) == text, f"run: make {block[8:]}"
+    else:  # not measured yet: the block holds nothing typed by hand
+        assert text.split(begin)[1].split(end)[0].strip() == ""
+
+
 def test_provenance_names_the_run() -> None:
     header = methods_table.provenance("python tools/bench.py", quiet=True)
     assert set(header) == set(PROVENANCE_KEYS)
