@@ -62,7 +62,7 @@ def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int) -> torch.Ten
     """Inverse of :func:`_sparse_bits` for a mask of n elements."""
     n_bytes = (n + 7) // 8
     # one slice of whole mask bytes: the same rebuild as the values' (scatter_kept)
-    return scatter_kept(flags, nonzero, [nonzero.numel()], n_bytes, max(8, 8 * len(flags)))
+    return scatter_kept(flags, nonzero, n_bytes, max(8, 8 * len(flags)))
 
 
 class Elementwise(Strategy):
@@ -197,7 +197,7 @@ class Elementwise(Strategy):
             bits = packed.bits
             if self.positions == "sparse_bits":
                 bits = _dense_bits(bits, packed.mask_bytes, n)
-            return scatter_kept(bits, values, counts, n, step).view(shape)
+            return scatter_kept(bits, values, n, step).view(shape)
         dense = torch.zeros(n, dtype=dtype, device=values.device)
         offset = 0
         # One slice's mask at a time: the only full-size tensor alive here is `dense` itself.
