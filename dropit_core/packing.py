@@ -207,15 +207,9 @@ def scatter_kept(
     return dense
 
 
-def compact(values: torch.Tensor, mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
-    """``values[mask]`` for flat tensors; given the mask's count, without a device sync.
-
-    A boolean index must learn its output size from the device (a sync on CUDA);
-    ``nonzero_static`` with the count read earlier, together with others, does not.
-    """
-    if count is None:
-        return values[mask]
-    return values.index_select(0, torch.nonzero_static(mask, size=count).squeeze(1))
+def compact(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values[mask]`` for flat tensors (the CPU's compaction: its size is read on the host)."""
+    return values[mask]
 
 
 def compact_into(
