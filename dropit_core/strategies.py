@@ -56,7 +56,9 @@ the device (:mod:`dropit_core.elementwise`): ``kept`` above is then the capacity
 parallel_mink (ties with the k-th value are taken in flat order until k), and for threshold,
 importance and random the expected count plus 8 standard deviations plus 64 (at 4Mi elements and
 gamma 0.8: 1.064x the expected count for threshold and importance, 1.008x for random), plus 8
-bytes counting what did not fit (``Packed.dropped``); slots past the kept values hold zeros. ``sparse_bits`` keeps min(n/8, capacity) mask bytes there.
+bytes counting what did not fit (``Packed.dropped``, summed per model by
+``dropit_core.dropped_values``); slots past the kept values hold zeros. ``sparse_bits`` keeps
+min(n/8, capacity) mask bytes there.
 
 Random draws are seeded per pack from the strategy's ``seed`` and a key (:mod:`dropit_core.seeds`)
 that the layers' InputCache derives from the training step and the pack's place in the forward:

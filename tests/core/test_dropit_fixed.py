@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropit_core import base as base_mod
-from dropit_core import build_strategy, set_step, to_dropit
+from dropit_core import build_strategy, dropped_values, set_step, to_dropit
 from dropit_core import elementwise as elementwise_mod
 from dropit_core import select as select_mod
 from dropit_core.elementwise import CAPACITY_SLACK, CAPACITY_SPREAD, expected_capacity
@@ -305,3 +305,20 @@ def test_a_converted_stack_steps_without_host_reads_and_as_on_the_cpu(monkeypatc
     assert _host_reads(lambda: grads.update(_step(fixed, x))) == []
     for key, grad in expected.items():
         assert torch.equal(grads[key], grad), key
+    assert dropped_values(fixed) == 0 and dropped_values(tight) == 0
+
+
+@pytest.mark.usefixtures("small_slices")
+def test_dropped_values_sums_the_overflows_of_every_layer(monkeypatch) -> None:
+    model, _ = to_dropit(_stack(), "threshold", 0.8)
+    strategy = next(m.dropit_cache.strategy for m in model.modules() if hasattr(m, "dropit_cache"))
+    monkeypatch.setattr(strategy, "capacity", lambda n: 10)
+    _fixed(monkeypatch, True)
+    x = torch.randn(2, 3, 24, 24, generator=torch.Generator().manual_seed(6))
+    _step(model, x)
+    packs = []
+    real = strategy.pack
+    monkeypatch.setattr(strategy, "pack", lambda *a: packs.append(real(*a)) or packs[-1])
+    _step(model, x)
+    assert len(packs) == 3
+    assert dropped_values(model) == 2 * sum(int(p.dropped) for p in packs) > 0
