@@ -21,8 +21,9 @@ draw at random are seeded per step and layer by ``set_step(model, step, rank)``,
 each training forward: without it the draws still differ from step to step, but a resumed run
 draws differently from an uninterrupted one. ``checkpoint_modules(model, patterns)`` recomputes
 chosen modules in backward instead (exact); DropIT leaves the layers inside them plain.
-``CompressSaved()`` keeps every large tensor autograd saves as a 4-bit pack, for what
-``to_dropit`` cannot convert. ``lean_frozen_batchnorm(model)`` swaps torchvision's
+``dropped_values(model)`` reads how many values the GPU's packs, sized from the shape, could not
+store (normally 0). ``CompressSaved()`` keeps every large tensor autograd saves as a 4-bit pack,
+for what ``to_dropit`` cannot convert. ``lean_frozen_batchnorm(model)`` swaps torchvision's
 ``FrozenBatchNorm2d`` for one that keeps its input's dtype under autocast (bit-equal in fp32).
 :mod:`dropit_core.memory` measures what autograd keeps and the memory of a training step.
 """
@@ -36,6 +37,7 @@ from .patch import (
     ConvertedLayer,
     DropITRecord,
     dropit_record,
+    dropped_values,
     from_dropit,
     is_dropit,
     set_step,
@@ -70,6 +72,7 @@ __all__ = [
     "checkpoint_modules",
     "check_rules",
     "dropit_record",
+    "dropped_values",
     "from_dropit",
     "is_checkpointed",
     "is_dropit",

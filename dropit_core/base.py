@@ -27,7 +27,7 @@ class ElementsMeta(NamedTuple):
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    counts: tuple[int, ...]  # kept values per slice
+    kept: int  # value slots: the kept count (CPU), or a capacity from the shape (accelerators)
     state: Any  # the |x| threshold (mink, threshold), the mask seed (random) or None
 
 
@@ -88,6 +88,7 @@ class Packed(NamedTuple):
     mins: torch.Tensor | None = None  # quant: the fp32 minimum of each group
     threshold: torch.Tensor | None = None  # importance: tau, fp32
     norm: torch.Tensor | None = None  # rescale="norm": the input's L2 norm, fp32
+    dropped: torch.Tensor | None = None  # chosen values a fixed capacity could not hold (int64)
 
     def stored(self) -> tuple[torch.Tensor, ...]:
         """The tensors this pack keeps."""

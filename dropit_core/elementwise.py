@@ -3,8 +3,20 @@
 An element-wise pack keeps a 1-bit position mask (or, for a mask drawn from a seed, nothing) plus
 the kept values; a subclass says which elements a slice keeps (:meth:`Elementwise._slice_mask`)
 and, optionally, a per-tensor state computed first (:meth:`Elementwise._begin`: a threshold, a
-seed). On the CPU the pack is one pass; on an accelerator it avoids data-dependent shapes
-(:func:`counts_first`).
+seed).
+
+The kept values sit in flat order in a buffer of ``meta.kept`` slots, sized one of two ways;
+the format is the same, and so is the rebuild:
+
+- to the kept count, on the CPU: each slice's count is read on the host, which costs nothing
+  there, and the pack is as small as it can be;
+- from the shape, on an accelerator (:func:`fixed_capacity`): :meth:`Elementwise.capacity`
+  slots, so that no size depends on the data and the host never waits for the device. Slots
+  past the kept values hold zeros. Should a pack choose more values than its capacity holds, it
+  stores the first ones in flat order, its position mask marks exactly those (the rest rebuild
+  as zeros, as dropped ones do), and it counts the others in ``Packed.dropped``.
+
+The rebuild finds where each slice's values start from the mask, on the device.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ import torch
 
 from . import base
 from .base import ElementsMeta, Packed, Strategy, decoded, encoded
-from .packing import ValueCodec, compact, compact_bits, pack_bits, scatter_kept, unpack_bits
+from .packing import ValueCodec, compact, compact_bits, compact_into, pack_bits, scatter_kept
 from .registry import Option
 
 POSITIONS = ("bits", "sparse_bits")
@@ -35,34 +47,55 @@ SAMPLE_OPTION = Option(
     minimum=1,
 )
 
+# A capacity sized from the shape holds the expected kept count plus this many standard
+# deviations of it, plus a few slots: at 8 deviations a normal count overflows about once in
+# 1e15 packs, so an overflow means the estimate itself was off, not bad luck.
+CAPACITY_SPREAD = 8.0
+CAPACITY_SLACK = 64
 
-def counts_first(device: torch.device) -> bool:
-    """Whether packing must avoid data-dependent shapes: on an accelerator each would be a sync.
 
-    There, element-wise packs count the kept elements of every slice first, read all counts in
-    one host sync per layer, then gather with ``nonzero_static``. On the CPU a boolean index is
-    as cheap as counting, so the pack is one pass.
-    """
+def fixed_capacity(device: torch.device) -> bool:
+    """Whether packs on ``device`` are sized from the shape instead of their kept count: on an
+    accelerator, reading a count would make the host wait for the device, once per layer."""
     return device.type != "cpu"
 
 
-def host_ints(values: list[torch.Tensor]) -> list[int]:
-    """The one device-to-host read of an element-wise pack."""
-    return torch.stack(values).tolist() if values else []
+def expected_capacity(n: int, p: float, sample: int | None = None, draws: bool = False) -> int:
+    """Slots for a count that keeps p of n elements on average, at most n.
+
+    ``p n`` plus :data:`CAPACITY_SPREAD` standard deviations of the count, from a threshold
+    estimated as the p-quantile of ``sample`` values (its rank is off by about
+    ``sqrt(p (1-p) / sample)`` of n) and from n independent draws (``sqrt(n p (1-p))``), plus
+    :data:`CAPACITY_SLACK`.
+    """
+    variance = 0.0
+    if sample:
+        variance += n * n * p * (1.0 - p) / sample
+    if draws:
+        variance += n * p * (1.0 - p)
+    return min(n, math.ceil(p * n + CAPACITY_SPREAD * math.sqrt(variance)) + CAPACITY_SLACK)
 
 
-def _sparse_bits(bits: torch.Tensor, nonzero: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _sparse_bits(bits: torch.Tensor, slots: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(which bytes of the mask are non-zero, 1 bit each; those bytes): at gamma 0.9 a fifth to
-    half of the mask bytes are zero, and storing a zero byte as one bit saves 7/8 of it."""
+    half of the mask bytes are zero, and storing a zero byte as one bit saves 7/8 of it.
+
+    ``slots``: the pack's value capacity (fixed-capacity packs; None: sized to the count). A
+    non-zero byte flags at least one stored value, so that many bytes always hold them.
+    """
     flags = bits != 0
-    return pack_bits(flags), compact(bits, flags, nonzero)
+    if slots is None:
+        return pack_bits(flags), compact(bits, flags)
+    nonzero = bits.new_zeros(min(bits.numel(), slots) + 1)  # + compact_into's spare slot
+    compact_into(bits, flags, nonzero, torch.zeros((), dtype=torch.int64, device=bits.device))
+    return pack_bits(flags), nonzero[:-1]
 
 
 def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`_sparse_bits` for a mask of n elements."""
     n_bytes = (n + 7) // 8
     # one slice of whole mask bytes: the same rebuild as the values' (scatter_kept)
-    return scatter_kept(flags, nonzero, [nonzero.numel()], n_bytes, max(8, 8 * len(flags)))
+    return scatter_kept(flags, nonzero, n_bytes, max(8, 8 * len(flags)))
 
 
 class Elementwise(Strategy):
@@ -70,10 +103,12 @@ class Elementwise(Strategy):
 
     ``positions="sparse_bits"`` stores the mask's non-zero bytes plus one bit per mask byte. A
     subclass with ``stores_mask = False`` rebuilds its mask from the pack's state instead
-    (:meth:`_rebuild_mask`).
+    (:meth:`_rebuild_mask`). One with ``exact_capacity = True`` keeps, by definition, at most
+    its :meth:`capacity` (mink: k; ties past it are left out by design, not counted as dropped).
     """
 
     stores_mask = True
+    exact_capacity = False
 
     def __init__(
         self, gamma: float, codec: ValueCodec, rescale: str, *, positions: str = POSITIONS[0]
@@ -81,18 +116,17 @@ class Elementwise(Strategy):
         super().__init__(gamma, codec, rescale)
         self.positions = positions
 
-    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> tuple[Any, torch.Tensor | None]:
+    def capacity(self, n: int) -> int:
+        """Value slots of a pack of n elements sized from the shape (on an accelerator); by
+        default n, which always holds them."""
+        return n
+
+    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> Any:
         """Per-tensor state computed once before the slices (e.g. a global threshold, a seed).
 
-        Returns (state, ok): ``ok`` is None or a 0-dim bool tensor that the pack reads with its
-        counts; False means the state is unusable and :meth:`_exact` must redo it. ``static``:
-        no host syncs allowed here (see :func:`counts_first`).
+        ``static``: the pack is sized from the shape, and nothing here may wait for the device.
         """
-        return None, None
-
-    def _exact(self, flat: torch.Tensor) -> Any:
-        """A state that is always right, for when :meth:`_begin` reported a miss."""
-        raise NotImplementedError
+        return None
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: Any) -> torch.Tensor:
         """Which elements of ``piece`` (starting at flat index ``start``) to keep; by default
@@ -105,105 +139,99 @@ class Elementwise(Strategy):
         """The mask of a slice rebuilt from the state alone (``stores_mask = False`` only)."""
         raise NotImplementedError
 
+    def _kept_state(self, state: Any) -> Any:
+        """What of the state the pack's metadata keeps (by default all of it)."""
+        return state
+
     def _rebuilt_values(self, values: torch.Tensor, packed: Packed) -> torch.Tensor:
         """What the kept values rebuild as (by default themselves)."""
         return values
 
     def slice_len(self) -> int:
-        """Elements per slice of the pack and the rebuild."""
+        """Elements per slice of the pack and the rebuild (a multiple of 8: whole mask bytes)."""
         return base.SLICE
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         flat = x.reshape(-1)
-        nonzero_bytes = None
-        if counts_first(flat.device):
-            bits, values, counts, state, nonzero_bytes = self._pack_counts_first(flat, key)
+        if fixed_capacity(flat.device):
+            bits, values, state, dropped = self._pack_fixed(flat, key)
+            slots = values.numel()
         else:
-            bits, values, counts, state = self._pack_one_pass(flat, key)
+            bits, values, state = self._pack_tight(flat, key)
+            dropped, slots = None, None
+        fields = encoded(self.codec, values)
+        if self.stores_mask:
+            if self.positions == "sparse_bits":
+                fields["bits"], fields["mask_bytes"] = _sparse_bits(bits, slots)
+            else:
+                fields["bits"] = bits
+        meta = ElementsMeta(tuple(x.shape), x.dtype, values.numel(), self._kept_state(state))
+        return Packed(meta, dropped=dropped, **fields)
+
+    def _pack_tight(self, flat: torch.Tensor, key: int):
+        """(position bits, kept values, state), the values' buffer sized to their count."""
+        bits, values, state = self._pack_one_pass(flat, key)
         if not values:  # an empty input
             values, bits = [flat], [pack_bits(flat.new_zeros(0, dtype=torch.bool))]
         vals = values[0] if len(values) == 1 else torch.cat(values)
-        fields = encoded(self.codec, vals)
+        packed_bits = None
         if self.stores_mask:
             packed_bits = bits[0] if len(bits) == 1 else torch.cat(bits)
-            if self.positions == "sparse_bits":
-                fields["bits"], fields["mask_bytes"] = _sparse_bits(packed_bits, nonzero_bytes)
-            else:
-                fields["bits"] = packed_bits
-        return Packed(ElementsMeta(tuple(x.shape), x.dtype, tuple(counts), state), **fields)
+        return packed_bits, vals, state
 
     def _pack_one_pass(self, flat: torch.Tensor, key: int):
-        state, ok = self._begin(flat, False, key)
-        if ok is not None and not bool(ok):
-            state = self._exact(flat)
-        return self._pack_with_state(flat, state)
+        """Per slice: (position bits, kept values), and the state (CPU: host reads are free)."""
+        return self._pack_with_state(flat, self._begin(flat, False, key))
 
     def _pack_with_state(self, flat: torch.Tensor, state: Any):
         step = self.slice_len()
-        bits, values, counts = [], [], []
+        bits, values = [], []
         for start in range(0, flat.numel(), step):
             piece = flat[start : start + step]
             mask = self._slice_mask(piece, start, state)
             if self.stores_mask:  # compacting from the packed bits beats a boolean index
                 bits.append(pack_bits(mask))
-                kept = compact_bits(piece, bits[-1])
+                values.append(compact_bits(piece, bits[-1]))
             else:
-                kept = compact(piece, mask)
-            values.append(kept)
-            counts.append(kept.numel())
-        return bits, values, counts, state
+                values.append(compact(piece, mask))
+        return bits, values, state
 
-    def _masks_and_counts(self, flat: torch.Tensor, state: Any):
-        """Per slice: the mask bits, the kept count and, for sparse bits, the non-zero bytes."""
+    def _pack_fixed(self, flat: torch.Tensor, key: int):
+        """(position bits, kept values, state, values chosen but not stored) with every size
+        from the shape: each slice's values go to the device-side count of those before it."""
+        n, dev = flat.numel(), flat.device
+        state = self._begin(flat, True, key)
+        slots = self.capacity(n)
+        values = torch.zeros(slots + 1, dtype=flat.dtype, device=dev)  # + compact_into's spare
+        bits = None
+        if self.stores_mask:
+            bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev)
+        stored = torch.zeros((), dtype=torch.int64, device=dev)
+        chosen = torch.zeros((), dtype=torch.int64, device=dev)
         step = self.slice_len()
-        bits, counts, nonzero = [], [], []
-        for start in range(0, flat.numel(), step):
-            mask = self._slice_mask(flat[start : start + step], start, state)
-            counts.append(torch.count_nonzero(mask))
-            if self.stores_mask:
-                bits.append(pack_bits(mask))
-                if self.positions == "sparse_bits":
-                    nonzero.append(torch.count_nonzero(bits[-1]))
-        return bits, counts, nonzero
-
-    def _pack_counts_first(self, flat: torch.Tensor, key: int):
-        state, ok = self._begin(flat, True, key)
-        bits, counts, nonzero = self._masks_and_counts(flat, state)
-        flags = [] if ok is None else [ok.to(torch.int64)]
-        host = host_ints(counts + nonzero + flags)
-        if flags and not host[-1]:  # rare: the state was a miss; redo it exactly (more syncs)
-            state = self._exact(flat)
-            bits, counts, nonzero = self._masks_and_counts(flat, state)
-            host = host_ints(counts + nonzero)
-        nonzero_bytes = sum(host[len(counts) : len(counts) + len(nonzero)])
-        counts = host[: len(counts)]
-        step = self.slice_len()
-        values = []
-        for i, start in enumerate(range(0, flat.numel(), step)):
+        for start in range(0, n, step):
             piece = flat[start : start + step]
-            if self.stores_mask:  # unpacking the bits reads n/8 bytes, not the input again
-                mask = unpack_bits(bits[i], piece.numel())
-            else:
-                mask = self._slice_mask(piece, start, state)
-            values.append(compact(piece, mask, counts[i]))
-        return bits, values, counts, state, nonzero_bytes
+            mask = self._slice_mask(piece, start, state)
+            flags, stored, count = compact_into(piece, mask, values, stored, bits is not None)
+            chosen += count
+            if bits is not None:  # the flags of what was stored: an overflow never misleads
+                pack_bits(flags, out=bits[start // 8 : (start + piece.numel() + 7) // 8])
+        dropped = None if self.exact_capacity else chosen - stored
+        return bits, values[:slots], state, dropped
 
     def _unpack(self, packed: Packed) -> torch.Tensor:
-        shape, dtype, counts, state = packed.meta
+        shape, dtype, kept, state = packed.meta
         n = math.prod(shape)
-        values = self._rebuilt_values(decoded(self.codec, packed, dtype, sum(counts)), packed)
+        values = self._rebuilt_values(decoded(self.codec, packed, dtype, kept), packed)
         step = self.slice_len()
         if self.stores_mask:
             bits = packed.bits
             if self.positions == "sparse_bits":
                 bits = _dense_bits(bits, packed.mask_bytes, n)
-            return scatter_kept(bits, values, counts, n, step).view(shape)
-        dense = torch.zeros(n, dtype=dtype, device=values.device)
-        offset = 0
-        # One slice's mask at a time: the only full-size tensor alive here is `dense` itself.
-        for i, start in enumerate(range(0, n, step)):
-            length = min(step, n - start)
-            mask = self._rebuild_mask(start, length, state, values.device)
-            dense[start : start + length].masked_scatter_(mask, values[offset : offset + counts[i]])
-            offset += counts[i]
-        return dense.view(shape)
+            return scatter_kept(bits, values, n, step).view(shape)
+
+        def slice_bits(start: int, length: int) -> torch.Tensor:
+            # One slice's mask at a time: the only full-size tensor alive here is the output.
+            return pack_bits(self._rebuild_mask(start, length, state, values.device))
+
+        return scatter_kept(None, values, n, step, slice_bits).view(shape)

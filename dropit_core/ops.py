@@ -33,6 +33,9 @@ class InputCache:
     deterministic, so the position names the layer and the call; :meth:`set_step` (called through
     ``dropit_core.set_step`` before each forward) makes a resumed run draw what the original drew.
     Without it the position keeps counting, so every pack still draws afresh.
+
+    ``dropped`` sums, on the device, the values its packs chose but could not store (packs sized
+    from the shape: :mod:`dropit_core.elementwise`); None until a pack reports some.
     """
 
     def __init__(self, strategy: Strategy, stream: int = 0) -> None:
@@ -43,6 +46,7 @@ class InputCache:
         self.position = 0
         self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.dropped: torch.Tensor | None = None
 
     def set_step(self, step: int, rank: int = 0) -> None:
         """Start the random streams of training step ``step`` (on process ``rank``).
@@ -89,6 +93,8 @@ class InputCache:
             return hit[3]
         draw = self.next_key() if self.strategy.draws else 0
         packed = self.strategy.pack(x, layout, draw)
+        if packed.dropped is not None:  # a device-side sum: reading it is the caller's choice
+            self.dropped = packed.dropped if self.dropped is None else self.dropped + packed.dropped
         self._packs[key] = (key._version, layout, x.dtype, packed)
         return packed
 

@@ -11,7 +11,7 @@ chunk's range is narrow compared with the whole tensor's: ActNN-style group quan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,20 +24,22 @@ VALUE_FORMATS = ("same", "fp16", "bf16", "int8", "int4")
 _FLOAT_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """Pack a flat bool tensor into uint8, 8 flags per byte (little-endian bit order)."""
+def pack_bits(mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack a flat bool tensor into uint8, 8 flags per byte (little-endian bit order); ``out``:
+    the bytes' buffer (a slice of a pack's final one)."""
     n = mask.numel()
     pad = (-n) % 8
     if pad:
         mask = torch.cat([mask, mask.new_zeros(pad)])
     if n + pad == 0:
-        return torch.empty(0, dtype=torch.uint8, device=mask.device)
+        return torch.empty(0, dtype=torch.uint8, device=mask.device) if out is None else out
     mask = mask.contiguous()
     if mask.data_ptr() % 8:  # reading bytes as int64 needs 8-byte alignment
         mask = mask.clone()
     words = mask.view(torch.uint8).view(torch.int64)
     # int64 multiply wraps; the cast keeps the low byte, which drops the shift's sign bits.
-    return ((words * _GATHER) >> 56).to(torch.uint8)
+    gathered = (words * _GATHER) >> 56
+    return gathered.to(torch.uint8) if out is None else out.copy_(gathered)
 
 
 def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
@@ -101,22 +103,26 @@ def _set_per_byte(bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 
 
 def bit_positions(
-    bits: torch.Tensor, n: int, base: int = 0, total: int | None = None
-) -> torch.Tensor:
+    bits: torch.Tensor, n: int, base: int | torch.Tensor = 0, total: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For each of the first ``n`` flags in ``bits``: ``base`` + 1 + how many flags are set before
     it when it is set, else 0. Indexing ``cat([0], kept)`` with it rebuilds the dense tensor.
+    Also returns ``base`` + the flags set (a 0-dim tensor): the next slice's base, which never
+    leaves the device (``base`` may be such a tensor).
 
     Computed per byte with two 256-entry tables and a prefix sum over the bytes, not the flags:
     a prefix sum is serial, and eight times shorter is eight times cheaper. ``total``, the
-    largest index that can occur (default: ``base + n``), picks int32 indices where they suffice.
+    largest index that can occur (default: ``base + n``; give it when ``base`` is a tensor),
+    picks int32 indices where they suffice.
     """
     dtype = _index_dtype(base + n if total is None else total)
     as_index, per_byte = _set_per_byte(bits, dtype)
     start = torch.cumsum(per_byte, 0, dtype=dtype)
+    end = (start[-1] if start.numel() else start.new_zeros(())) + base
     start -= per_byte - base  # exclusive: the flags set in earlier bytes, plus base
     pos = _byte_tables(bits.device, dtype)[1].index_select(0, as_index)
     pos += start.unsqueeze(1)  # unset flags stay far below zero
-    return pos.view(-1)[:n].clamp_min_(0)
+    return pos.view(-1)[:n].clamp_min_(0), end
 
 
 _SELECT: dict[torch.device, torch.Tensor] = {}
@@ -165,36 +171,82 @@ def kept_indices(bits: torch.Tensor) -> torch.Tensor:
 
 
 def scatter_kept(
-    bits: torch.Tensor, kept: torch.Tensor, counts: Sequence[int], n: int, slice_len: int
+    bits: torch.Tensor | None,
+    kept: torch.Tensor,
+    n: int,
+    slice_len: int,
+    slice_bits: Callable[[int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The dense flat tensor of n elements whose set flags take ``kept`` in order, zeros elsewhere.
 
     ``torch.zeros(n).masked_scatter_(mask, kept)`` branches on every flag (slow on a CPU for a
     random mask) and needs the mask unpacked to bytes; here each slice of ``slice_len`` flags (a
-    multiple of 8; ``counts`` holds each slice's set flags) becomes gather indices
-    (:func:`bit_positions`) and one ``index_select`` writes it, index 0 reading a zero.
+    multiple of 8) becomes gather indices (:func:`bit_positions`) and one ``index_select`` writes
+    it, index 0 reading a zero. Where a slice starts in ``kept`` is counted on the device: no
+    host read. ``kept`` may end with unused slots (a pack's capacity). ``slice_bits(start,
+    length)``, when given, supplies each slice's packed flags instead of ``bits`` (a mask
+    rebuilt from a seed); flags past ``kept``'s last slot rebuild as zeros then.
     """
-    padded = torch.cat([kept.new_zeros(1), kept])
+    slots = kept.numel()
+    # Index 0, and slots + 1 (flags past the last slot, when flags are rebuilt), read a zero.
+    zero = kept.new_zeros(1)
+    padded = torch.cat([zero, kept] if slice_bits is None else [zero, kept, zero])
     dense = torch.empty(n, dtype=kept.dtype, device=kept.device)
-    base = 0
-    for i, start in enumerate(range(0, n, slice_len)):
+    top = slots + 1 if slice_bits is None else max(slots, n) + 1  # the largest index that occurs
+    base: int | torch.Tensor = 0
+    for start in range(0, n, slice_len):
         length = min(slice_len, n - start)
-        piece = bits[start // 8 : (start + length + 7) // 8]
-        pos = bit_positions(piece, length, base, total=kept.numel())
+        if slice_bits is None:
+            piece = bits[start // 8 : (start + length + 7) // 8]
+        else:
+            piece = slice_bits(start, length)
+        pos, base = bit_positions(piece, length, base, total=top)
+        if slice_bits is not None:
+            pos.clamp_max_(slots + 1)
         torch.index_select(padded, 0, pos, out=dense[start : start + length])
-        base += counts[i]
     return dense
 
 
-def compact(values: torch.Tensor, mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
-    """``values[mask]`` for flat tensors; given the mask's count, without a device sync.
+def compact(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values[mask]`` for flat tensors (the CPU's compaction: its size is read on the host)."""
+    return values[mask]
 
-    A boolean index must learn its output size from the device (a sync on CUDA);
-    ``nonzero_static`` with the count read earlier, together with others, does not.
+
+def compact_into(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor,
+    base: torch.Tensor,
+    flags: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Write ``values[mask]`` (flat) into ``out`` from slot ``base`` (a 0-dim int64 tensor) on.
+
+    Nothing here depends on a data-dependent size, so on CUDA it never waits for the device.
+    ``out``'s last slot takes what does not fit (nothing there is read): values past the other
+    slots are not stored, the later ones in flat order. Returns (with ``flags``, which values
+    were stored, a bool tensor of ``values``' length; the next base; how many ``mask`` flagged).
     """
-    if count is None:
-        return values[mask]
-    return values.index_select(0, torch.nonzero_static(mask, size=count).squeeze(1))
+    length, capacity = values.numel(), out.numel() - 1
+    dev = values.device
+    stored_flags = None
+    if flags:  # + a slot that the positions past the capacity set
+        stored_flags = torch.zeros(length + 1, dtype=torch.bool, device=dev)
+    flagged = torch.count_nonzero(mask)
+    size = min(length, capacity)
+    if size == 0:
+        return (None if stored_flags is None else stored_flags[:length]), base, flagged
+    # The first `size` flagged positions in order, then -1: a fixed-size output.
+    idx = torch.nonzero_static(mask, size=size, fill_value=-1).squeeze(1)
+    kept = values.index_select(0, idx.clamp_min(0))
+    stored = torch.minimum((capacity - base).clamp_min_(0), flagged)  # how many of them fit
+    slot = torch.arange(size, dtype=torch.int32, device=dev)
+    skip = slot >= stored
+    slot += base
+    out.index_put_((slot.masked_fill_(skip, capacity),), kept)
+    if stored_flags is None:
+        return None, base + stored, flagged
+    stored_flags.index_fill_(0, idx.masked_fill_(skip, length), True)
+    return stored_flags[:length], base + stored, flagged
 
 
 def compact_bits(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

@@ -346,6 +346,21 @@ def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
         cache.set_step(step, rank)
 
 
+def dropped_values(model: nn.Module) -> int:
+    """How many values the DropIT layers of ``model`` chose to keep but could not store.
+
+    Element-wise packs on a GPU hold a capacity sized from the input's shape, so that no host
+    waits for the device; one that chose more (an estimate far off, see
+    :mod:`dropit_core.elementwise`) stores the first ones and counts the rest, which rebuild as
+    zeros. Counted on the device since conversion; this reads it (one host sync: call it where a
+    step syncs anyway, e.g. when logging). Always 0 on the CPU, where packs fit their count.
+    """
+    caches = [getattr(m, "dropit_cache", None) for m in model.modules()]
+    unique = {id(c): c for c in caches if c is not None}
+    counts = [c.dropped for c in unique.values() if c.dropped is not None]
+    return int(sum(counts)) if counts else 0
+
+
 def is_dropit(module: nn.Module) -> bool:
     """Whether ``module`` is a converted DropIT layer."""
     return type(module) in _PLAIN_CLASS

@@ -1,18 +1,20 @@
-"""The exact k-th largest magnitude of a large tensor, with small temporaries and no host sync.
+"""The exact k-th largest magnitude of a large tensor, with small temporaries.
 
 The published DropIT takes it with one ``kthvalue`` over a dense ``|x|`` copy: a full-size
 temporary (two for bf16, copied to fp32) and, on CUDA, one thread block for the whole tensor.
-Here a strided sample brackets the k-th value; one pass, slice by slice, counts the elements
-above the bracket and gathers the few inside it (a few percent of n); sorting those gives the
-exact value. Should the sample mislead (a miss is reported, not hidden), a radix select on the
-bit patterns of ``|x|`` finds it exactly in two histogram passes.
+
+On the CPU (:func:`select_superset`) a strided sample brackets the k-th value; one pass, slice by
+slice, gathers every value at or above the bracket's low end (a few percent of n more than the
+k largest), and sorting the few inside the bracket gives the exact value; min-k packs its kept
+values from that superset instead of reading the input a third time. Should the sample mislead
+(a miss is reported, not hidden), a radix select finds the value exactly.
+
+On an accelerator (:func:`kth_largest_abs`) the radix select runs alone: two histogram passes
+over the bit patterns of ``|x|`` (one for 16-bit floats), every size fixed by the shape, so the
+host never waits for the device and nothing can miss.
 
 Both return the value floored at the dtype's smallest normal number, so that keeping
 ``|x| >= value`` never keeps exact zeros (they rebuild as zeros anyway).
-
-On the CPU the counting pass gathers every value at or above the bracket's low end, a superset of
-the k largest (:func:`select_superset`): min-k packs its kept values from it instead of reading
-the input a third time.
 """
 
 from __future__ import annotations
@@ -33,10 +35,6 @@ SAMPLE = 1 << 16
 # wider gather (about 2 * 8 * sqrt(p (1-p) / 65536) of n: 2.5% at p = 0.2).
 _SPREAD = 8.0
 _SLACK = 16
-# On CUDA each slice gathers into a fixed-size buffer (no host sync): this many times its
-# expected share of the bracket, plus a floor; a slice that overflows it is reported as a miss.
-CAP_FACTOR = 4.0
-CAP_FLOOR = 1024
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -57,6 +55,11 @@ def sample_stride(n: int, sample: int) -> int:
     """
     stride = n // sample
     return 1 if stride <= 1 else prime_at_least(max(3, stride))
+
+
+def sample_size(n: int, sample: int) -> int:
+    """How many elements the strided view ``flat[::sample_stride(n, sample)]`` holds."""
+    return -(-n // sample_stride(n, sample)) if n else 0
 
 
 def tiny(dtype: torch.dtype) -> float:
@@ -121,25 +124,28 @@ def kth_from_candidates(
     return None
 
 
-def kth_largest_abs(
-    flat: torch.Tensor, k: int, slice_len: int, static: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t, ok): t the k-th largest ``|flat|`` (1 <= k <= n) floored at the smallest normal.
+class KthLargest(NamedTuple):
+    """The k-th largest ``|x|`` and how many of the elements equal to it the k largest hold."""
 
-    ``ok`` is a 0-dim bool tensor; when it is False the bracket missed and ``t`` is meaningless:
-    call :func:`radix_kth_largest_abs`. With ``static`` nothing here waits for the device (fixed
-    buffers instead of data-dependent shapes), so the caller can read ``ok`` with its own sync.
-    """
-    n = flat.numel()
-    dev = flat.device
-    if n <= DIRECT:
-        t = largest(flat.abs(), [k - 1])[0].clamp_min(tiny(flat.dtype))
-        return t, torch.ones((), dtype=torch.bool, device=dev)
-    if static:
-        return _scan_static(flat, k, slice_len, bracket(flat, k))
-    t = select_superset(flat, k, slice_len).t
-    ok = torch.full((), t is not None, dtype=torch.bool, device=dev)
-    return (t if t is not None else torch.zeros((), dtype=flat.dtype, device=dev)), ok
+    value: torch.Tensor  # floored at the smallest normal
+    ties: torch.Tensor  # int64, 0-dim: k - (elements above value); >= every tie when floored
+
+
+def _kth(raw: torch.Tensor, ties: torch.Tensor, k: int) -> KthLargest:
+    """Floor ``raw``; once floored every element at the floor is kept, so the ties are k."""
+    floor = tiny(raw.dtype)
+    ties = torch.where(raw < floor, k, ties.reshape(()).to(torch.int64))
+    return KthLargest(raw.clamp_min(floor), ties)
+
+
+def kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLargest:
+    """The k-th largest ``|flat|`` (1 <= k <= n), exactly, with no host read: a sort of a small
+    tensor, else :func:`radix_kth_largest_abs`."""
+    if flat.numel() <= DIRECT:
+        a = flat.abs()
+        raw = largest(a, [k - 1])[0]
+        return _kth(raw, k - torch.count_nonzero(a > raw), k)
+    return radix_kth_largest_abs(flat, k, slice_len)
 
 
 class Superset(NamedTuple):
@@ -177,63 +183,41 @@ def abs_slices(flat: torch.Tensor, slice_len: int) -> Iterator[torch.Tensor]:
         yield torch.abs(piece, out=buf[: piece.numel()])
 
 
-def _scan_static(
-    flat: torch.Tensor, k: int, slice_len: int, b: Bracket
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The counting pass without host syncs: each slice gathers into a fixed-size buffer."""
-    lo, hi, floored, share = b
-    dev = flat.device
-    floor = tiny(flat.dtype)
-    above = torch.zeros((), dtype=torch.int64, device=dev)
-    inside_count = torch.zeros((), dtype=torch.int64, device=dev)
-    overflow = torch.zeros((), dtype=torch.bool, device=dev)
-    parts = []
-    for a in abs_slices(flat, slice_len):
-        above += torch.count_nonzero(a > hi)
-        inside = (a >= lo) & (a <= hi)
-        count = torch.count_nonzero(inside)
-        cap = min(a.numel(), math.ceil(a.numel() * share * CAP_FACTOR) + CAP_FLOOR)
-        idx = torch.nonzero_static(inside, size=cap, fill_value=-1).squeeze(1)
-        # -1 pads the buffer: below every magnitude, so it sorts last.
-        parts.append(torch.where(idx >= 0, a[idx.clamp_min(0)], -1))
-        inside_count += count
-        overflow |= count > cap
-    # A multi-block sort on CUDA (kthvalue would run one block), of a few percent of n.
-    candidates = torch.sort(torch.cat(parts), descending=True).values
-    rank = k - 1 - above  # of the k-th largest among the candidates, 0-based, descending
-    in_bracket = (rank >= 0) & (rank < inside_count)
-    # index_select, not candidates[rank]: a 0-dim index would be read on the host (a sync).
-    at = rank.clamp(0, candidates.numel() - 1).view(1)
-    picked = candidates.index_select(0, at).squeeze(0)
-    t = torch.where(in_bracket, picked, torch.full_like(lo, floor)).clamp_min(floor)
-    return t, (rank >= 0) & (in_bracket | floored) & ~overflow
-
-
-def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> torch.Tensor:
-    """The k-th largest ``|flat|`` floored at the smallest normal, exactly, by radix select.
+def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLargest:
+    """The k-th largest ``|flat|`` (1 <= k <= n), exactly, by radix select, with no host read.
 
     Non-negative floats order as their bit patterns do, so histograms of the high then the low
     16 bits pin the value down (one pass for 16-bit floats). Temporaries are one slice and 64Ki
-    counters; it syncs with the host per level, which is fine for a fallback.
+    counters; which bucket holds the k-th value is found on the device (a cumulative sum and a
+    binary search), and the second pass counts only the elements of that bucket.
     """
-    floor = tiny(flat.dtype)
+    dev = flat.device
     bits_dtype = _BITS.get(flat.dtype)
     if bits_dtype is None:  # float64: not used by detectors; a sort is exact
-        return torch.sort(flat.abs(), descending=True).values[k - 1].clamp_min(floor)
+        a = flat.abs()
+        raw = torch.sort(a, descending=True).values[k - 1]
+        return _kth(raw, k - torch.count_nonzero(a > raw), k)
     width = torch.iinfo(bits_dtype).bits
     shifts = (16, 0) if width == 32 else (0,)
-    prefix, remaining = 0, k
+    # Counters of int32: a slice holds far fewer than 2**31 elements.
+    ones = torch.ones(1, dtype=torch.int32, device=dev)
+    prefix = torch.zeros(1, dtype=torch.int32, device=dev)  # the high bits found so far
+    remaining = torch.full((1,), k, dtype=torch.int32, device=dev)  # rank inside the bucket
     for level, shift in enumerate(shifts):
-        hist = torch.zeros(1 << 16, dtype=torch.int64, device=flat.device)
+        # The second level counts into the upper half the elements outside the chosen bucket:
+        # they spread over its 64Ki counters instead of all hitting one.
+        hist = torch.zeros(2 << 16 if level else 1 << 16, dtype=torch.int32, device=dev)
         for start in range(0, flat.numel(), slice_len):
             b = flat[start : start + slice_len].abs().view(bits_dtype).to(torch.int32)
+            bucket = (b >> shift) & 0xFFFF
             if level:
-                b = b[(b >> (shift + 16)) == prefix]
-            hist += torch.bincount((b >> shift) & 0xFFFF, minlength=1 << 16)
-        at_least = hist.flip(0).cumsum(0)  # at_least[j]: count in buckets >= 65535 - j
-        j = int(torch.searchsorted(at_least, remaining).item())
-        bucket = 65535 - j
-        remaining -= int(at_least[j].item()) - int(hist[bucket].item())
-        prefix = (prefix << 16) | bucket
-    value = torch.tensor([prefix], dtype=torch.int64).to(bits_dtype).view(flat.dtype)
-    return value[0].to(flat.device).clamp_min(floor)
+                bucket += ((b >> (shift + 16)) != prefix).to(torch.int32) << 16
+            hist.index_add_(0, bucket, ones.expand(bucket.numel()))
+        hist = hist[: 1 << 16]
+        at_least = hist.flip(0).cumsum(0, dtype=torch.int32)  # [j]: in buckets >= 65535 - j
+        j = torch.searchsorted(at_least, remaining)  # the first j with at_least[j] >= remaining
+        chosen = 65535 - j
+        remaining -= at_least.index_select(0, j) - hist.index_select(0, chosen)
+        prefix = (prefix << 16) | chosen.to(torch.int32)
+    # `remaining`, the k-th value's rank among the elements equal to it: the ties to keep.
+    return _kth(prefix.to(bits_dtype).view(flat.dtype)[0], remaining, k)

@@ -21,9 +21,11 @@ pack's random draws (:mod:`dropit_core.unbiased`), so does the weight gradient:
 strategy          cache bytes                            extra time in forward (backward: a scatter)
 ================  =====================================  ===========================================
 mink              ceil(n/8) + kept*v                     the exact global k-th value of |x|
-                                                         (the published method), bracketed by a
-                                                         64Ki sample; the values above its low end
-                                                         are gathered slice by slice: no dense copy
+                                                         (the published method): on the CPU
+                                                         bracketed by a 64Ki sample, the values
+                                                         above its low end gathered slice by
+                                                         slice; on a GPU a radix select (two
+                                                         histogram passes); no dense copy
 parallel_mink     ceil(n/8) + kept*v                     top-k inside chunks of D elements, in
                                                          slices of ~4M elements: no dense temporary
 random            kept*v (mask rebuilt from a seed)      one random number per element (see below);
@@ -45,8 +47,18 @@ quant             ceil(n*bits/8) + 8*ceil(n/group)       min/max per group, one 
                                                          a dense multiply-add)
 ================  =====================================  ===========================================
 
-``kept`` is ``int((1 - gamma) * n)`` for mink and per chunk for parallel_mink; elements tied with
-the threshold are kept too, and zeros are never stored (they rebuild as zeros anyway).
+``kept`` is ``int((1 - gamma) * n)`` for mink and per chunk for parallel_mink; on the CPU
+elements tied with the threshold are kept too, and zeros are never stored (they rebuild as zeros
+anyway).
+
+On a GPU the element-wise strategies size their values from the shape, so that no host waits for
+the device (:mod:`dropit_core.elementwise`): ``kept`` above is then the capacity, k for mink and
+parallel_mink (ties with the k-th value are taken in flat order until k), and for threshold,
+importance and random the expected count plus 8 standard deviations plus 64 (at 4Mi elements and
+gamma 0.8: 1.064x the expected count for threshold and importance, 1.008x for random), plus 8
+bytes counting what did not fit (``Packed.dropped``, summed per model by
+``dropit_core.dropped_values``); slots past the kept values hold zeros. ``sparse_bits`` keeps
+min(n/8, capacity) mask bytes there.
 
 Random draws are seeded per pack from the strategy's ``seed`` and a key (:mod:`dropit_core.seeds`)
 that the layers' InputCache derives from the training step and the pack's place in the forward:
@@ -76,20 +88,41 @@ from .base import (
     encoded,
     keep_count,
 )
-from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise
+from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise, expected_capacity
 from .packing import ValueCodec, pack_bits
 from .registry import Option, Registry
 from .seeds import mix_seed, uniform
 from .select import (
+    KthLargest,
     abs_slices,
     kth_largest_abs,
     largest,
     radix_kth_largest_abs,
+    sample_size,
     sample_stride,
     select_superset,
     tiny,
 )
 from .unbiased import Importance, Quant
+
+
+class _TieBudget:
+    """Min-k on a capacity of k: every |x| above the k-th value, then the elements equal to it
+    in flat order until k are kept. Slices are masked in order; ``left`` carries the ties still
+    to keep from one slice to the next, on the device."""
+
+    def __init__(self, kth: KthLargest) -> None:
+        self.value, self.left = kth
+
+    def mask(self, piece: torch.Tensor) -> torch.Tensor:
+        """Which elements of the next slice to keep."""
+        a = piece.abs()
+        tie = a == self.value
+        rank = torch.cumsum(tie, 0, dtype=torch.int32)  # 1-based among this slice's ties
+        keep = (a > self.value) | (tie & (rank <= self.left))
+        if rank.numel():
+            self.left = self.left - rank[-1]
+        return keep
 
 
 class MinK(Elementwise):
@@ -98,25 +131,36 @@ class MinK(Elementwise):
     name = "mink"
     options = (POSITIONS_OPTION,)
     keeps = (
-        "the `int((1-gamma) n)` largest magnitudes of the whole tensor (the paper), exactly; "
-        "found without a dense copy (a 64Ki sample brackets the k-th value, only the few "
-        "elements inside the bracket are sorted)"
+        "the `int((1-gamma) n)` largest magnitudes of the whole tensor (the paper), exactly, "
+        "ties with the k-th kept (GPU: in flat order until k); found without a dense copy (CPU: "
+        "a 64Ki sample brackets the k-th value, only the few elements inside are sorted; GPU: "
+        "a radix select)"
     )
-    cache_bytes = "n/8 + kept v"
+    cache_bytes = "n/8 + kept v; GPU: n/8 + k v"
+    exact_capacity = True
 
-    def _begin(self, flat: torch.Tensor, static: bool, key: int):
+    def capacity(self, n: int) -> int:
+        return keep_count(self.gamma, n)
+
+    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> torch.Tensor | _TieBudget:
         n = flat.numel()
         k = keep_count(self.gamma, n)
         if k == 0:
-            return torch.full((), math.inf, dtype=flat.dtype, device=flat.device), None
+            return torch.full((), math.inf, dtype=flat.dtype, device=flat.device)
         if k == n:
-            return torch.full((), tiny(flat.dtype), dtype=flat.dtype, device=flat.device), None
+            return torch.full((), tiny(flat.dtype), dtype=flat.dtype, device=flat.device)
         # The k-th largest |x|, floored at the smallest normal number so that exact zeros are
-        # dropped (they rebuild as zeros anyway); found without a dense |x| copy.
-        return kth_largest_abs(flat, k, base.SLICE, static)
+        # dropped (they rebuild as zeros anyway); found without a dense |x| copy or a host read.
+        kth = kth_largest_abs(flat, k, base.SLICE)
+        return _TieBudget(kth) if static else kth.value
 
-    def _exact(self, flat: torch.Tensor) -> torch.Tensor:
-        return radix_kth_largest_abs(flat, keep_count(self.gamma, flat.numel()), base.SLICE)
+    def _slice_mask(self, piece: torch.Tensor, start: int, state) -> torch.Tensor:
+        if isinstance(state, _TieBudget):
+            return state.mask(piece)
+        return piece.abs() >= state
+
+    def _kept_state(self, state):
+        return state.value if isinstance(state, _TieBudget) else state
 
     def _pack_one_pass(self, flat: torch.Tensor, key: int):
         """Select and pack in two passes (CPU): the first gathers every value above the bracket's
@@ -129,15 +173,13 @@ class MinK(Elementwise):
             return super()._pack_one_pass(flat, key)
         t, supersets = select_superset(flat, k, base.SLICE)
         if t is None:  # the sample misled: exact radix select, then the plain pass
-            return self._pack_with_state(flat, self._exact(flat))
-        bits, values, counts = [], [], []
+            return self._pack_with_state(flat, radix_kth_largest_abs(flat, k, base.SLICE).value)
+        bits, values = [], []
         for i, a in enumerate(abs_slices(flat, base.SLICE)):
             bits.append(pack_bits(a >= t))
             v, supersets[i] = supersets[i], None  # each superset goes as its kept values come
-            kept = v[v.abs() >= t]
-            values.append(kept)
-            counts.append(kept.numel())
-        return bits, values, counts, t
+            values.append(v[v.abs() >= t])
+        return bits, values, t
 
 
 class ParallelMinK(Elementwise):
@@ -146,7 +188,8 @@ class ParallelMinK(Elementwise):
     name = "parallel_mink"
     options = (POSITIONS_OPTION, Option("chunk", int, 1 << 14, "elements per chunk", minimum=1))
     keeps = "the same inside each chunk of `chunk` elements (the paper's parallel min-k)"
-    cache_bytes = "n/8 + kept v"
+    cache_bytes = "n/8 + kept v; GPU: n/8 + k v"
+    exact_capacity = True
 
     def __init__(
         self, gamma: float, codec: ValueCodec, rescale: str, *, chunk: int, positions: str
@@ -158,7 +201,20 @@ class ParallelMinK(Elementwise):
         # A multiple of both the chunk (chunks never straddle slices) and 8 (whole mask bytes).
         return self.chunk * 8 * max(1, base.SLICE // (self.chunk * 8))
 
-    def _rows_mask(self, a: torch.Tensor) -> torch.Tensor:
+    def capacity(self, n: int) -> int:
+        # Whole chunks, then the last one's tail (slices hold whole chunks).
+        return n // self.chunk * keep_count(self.gamma, self.chunk) + keep_count(
+            self.gamma, n % self.chunk
+        )
+
+    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> bool:
+        # On a capacity of k per chunk, ties with a chunk's k-th value are kept in flat order.
+        return static
+
+    def _kept_state(self, state: bool) -> None:
+        return None
+
+    def _rows_mask(self, a: torch.Tensor, ties_in_order: bool) -> torch.Tensor:
         rows, d = a.shape
         k = keep_count(self.gamma, d)
         if k == 0:
@@ -166,18 +222,25 @@ class ParallelMinK(Elementwise):
         if k == d:
             return a >= tiny(a.dtype)
         top = torch.topk(a, k, dim=1, sorted=False).values
-        thr = top.amin(dim=1, keepdim=True).clamp_min(tiny(a.dtype))
-        return a >= thr
+        kth = top.amin(dim=1, keepdim=True)
+        thr = kth.clamp_min(tiny(a.dtype))
+        if not ties_in_order:
+            return a >= thr
+        above = a > thr
+        tie = a == thr
+        # As many ties as the k largest hold (all of them once the floor raised thr).
+        room = torch.where(kth < thr, k, k - above.sum(dim=1, keepdim=True))
+        return above | (tie & (torch.cumsum(tie, 1, dtype=torch.int32) <= room))
 
-    def _slice_mask(self, piece: torch.Tensor, start: int, state: Any) -> torch.Tensor:
+    def _slice_mask(self, piece: torch.Tensor, start: int, state: bool) -> torch.Tensor:
         a = piece.abs()
         full = (a.numel() // self.chunk) * self.chunk
         if full == a.numel():
-            return self._rows_mask(a.view(-1, self.chunk)).view(-1)
+            return self._rows_mask(a.view(-1, self.chunk), state).view(-1)
         mask = torch.empty(a.numel(), dtype=torch.bool, device=a.device)
         if full:
-            mask[:full] = self._rows_mask(a[:full].view(-1, self.chunk)).view(-1)
-        mask[full:] = self._rows_mask(a[full:].view(1, -1)).view(-1)
+            mask[:full] = self._rows_mask(a[:full].view(-1, self.chunk), state).view(-1)
+        mask[full:] = self._rows_mask(a[full:].view(1, -1), state).view(-1)
         return mask
 
     def _describe_params(self) -> tuple[str, ...]:
@@ -193,7 +256,7 @@ class Threshold(Elementwise):
         SAMPLE_OPTION,
     )
     keeps = "magnitudes above a gamma-quantile estimated from a 64Ki sample: no sort, O(n)"
-    cache_bytes = "n/8 + kept v"
+    cache_bytes = "n/8 + kept v; GPU: n/8 + cap v + 8"
 
     def __init__(
         self, gamma: float, codec: ValueCodec, rescale: str, *, sample: int, positions: str
@@ -201,16 +264,19 @@ class Threshold(Elementwise):
         super().__init__(gamma, codec, rescale, positions=positions)
         self.sample = sample
 
-    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> tuple[torch.Tensor, None]:
+    def capacity(self, n: int) -> int:
+        return expected_capacity(n, 1.0 - self.gamma, sample=sample_size(n, self.sample))
+
+    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> torch.Tensor:
         n = flat.numel()
         floor = tiny(flat.dtype)
         if self.gamma == 0.0 or n == 0:
-            return torch.full((), floor, dtype=flat.dtype, device=flat.device), None
+            return torch.full((), floor, dtype=flat.dtype, device=flat.device)
         # A strided view costs nothing to take (prime stride: see sample_stride).
         sample = flat[:: sample_stride(n, self.sample)].abs()
         m = sample.numel()
         q = min(m, max(1, math.ceil(self.gamma * m)))  # the q-th smallest: the (m-q)-th largest
-        return largest(sample, [m - q])[0].clamp_min(floor), None
+        return largest(sample, [m - q])[0].clamp_min(floor)
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"sample={self.sample}",)
@@ -234,7 +300,7 @@ class RandomKeep(Elementwise):
         "each element with probability `1 - gamma` (the paper's contrast); with `scale: true` "
         "rebuilt times `1/(1-gamma)`: unbiased"
     )
-    cache_bytes = "kept v (mask rebuilt from a seed)"
+    cache_bytes = "kept v (mask rebuilt from a seed); GPU: cap v + 8"
     stores_mask = False
     draws = True
 
@@ -246,9 +312,12 @@ class RandomKeep(Elementwise):
         self.scale = scale
         self._factor = 1.0 / (1.0 - gamma)
 
-    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> tuple[int, None]:
+    def capacity(self, n: int) -> int:
+        return expected_capacity(n, 1.0 - self.gamma, draws=True)
+
+    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> int:
         # A host integer: the mask seed never waits for an accelerator, and rides in the meta.
-        return mix_seed(self.seed, key), None
+        return mix_seed(self.seed, key)
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: int) -> torch.Tensor:
         return self._rebuild_mask(start, piece.numel(), state, piece.device)

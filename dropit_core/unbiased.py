@@ -28,11 +28,11 @@ import torch
 
 from . import base, compiled, dispatch
 from .base import SEED, Packed, QuantMeta, Strategy
-from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise
+from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise, expected_capacity
 from .packing import ValueCodec, code_bytes, pack_codes, quant_buffers, unpack_codes
 from .registry import Option
 from .seeds import UNIFORM_BITS, hash_bits, hash_key, mix_seed, uniform
-from .select import sample_stride, tiny
+from .select import sample_size, sample_stride, tiny
 
 
 def water_level(magnitudes: torch.Tensor, budget: float) -> torch.Tensor:
@@ -74,7 +74,7 @@ class Importance(Elementwise):
         "`1 - gamma` of them are kept in expectation; rebuilt as `sign(x) max(abs(x), tau)`: "
         "unbiased (Wangni et al. 2018)"
     )
-    cache_bytes = "n/8 + kept v + 4"
+    cache_bytes = "n/8 + kept v + 4; GPU: n/8 + cap v + 12"
     draws = True
 
     def __init__(
@@ -91,8 +91,12 @@ class Importance(Elementwise):
         self.sample = sample
         self.seed = seed
 
-    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> tuple[_Draw, None]:
-        return _Draw(self._tau(flat), mix_seed(self.seed, key)), None
+    def capacity(self, n: int) -> int:
+        sample = sample_size(n, self.sample)
+        return expected_capacity(n, 1.0 - self.gamma, sample=sample, draws=True)
+
+    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> _Draw:
+        return _Draw(self._tau(flat), mix_seed(self.seed, key))
 
     def _tau(self, flat: torch.Tensor) -> torch.Tensor:
         n = flat.numel()

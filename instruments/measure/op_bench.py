@@ -49,7 +49,7 @@ def op_costs(
         ("nonzero (inside x[mask])", "forward", lambda: torch.nonzero(mask)),
         ("relu mask bits", "forward", lambda: pack_bits(relu_out <= 0)),
         ("bit_positions", "backward", lambda: bit_positions(bits, n, 0, total=count)),
-        ("scatter_kept (rebuild)", "backward", lambda: scatter_kept(bits, kept, [count], n, n)),
+        ("scatter_kept (rebuild)", "backward", lambda: scatter_kept(bits, kept, n, n)),
         ("relu backward (zero_flagged)", "backward", lambda: zero_flagged(x, blocked)),
     ]
     with training_allocator(dev):

@@ -12,6 +12,7 @@ from dropit_core.packing import (
     ValueCodec,
     bit_positions,
     compact_bits,
+    compact_into,
     kept_indices,
     pack_bits,
     pack_codes,
@@ -198,22 +199,69 @@ def test_zero_flagged_takes_strided_values_and_keeps_their_shape() -> None:
 @pytest.mark.parametrize("n", [0, 1, 9, 64, 1003])
 @pytest.mark.parametrize("slice_len", [8, 64, 4096])
 @pytest.mark.parametrize("p", [0.0, 0.2, 1.0])
-def test_scatter_kept_rebuilds_what_masked_scatter_would(n: int, slice_len: int, p: float) -> None:
+@pytest.mark.parametrize("spare", [0, 5])
+def test_scatter_kept_rebuilds_what_masked_scatter_would(n, slice_len, p, spare) -> None:
+    # `spare` unused slots after the kept values: a pack sized from the shape.
     gen = torch.Generator().manual_seed(n + slice_len)
     mask = torch.rand(n, generator=gen) < p
     kept = torch.randn(int(mask.sum()), generator=gen)
-    counts = [int(mask[s : s + slice_len].sum()) for s in range(0, n, slice_len)]
-    dense = scatter_kept(pack_bits(mask), kept, counts, n, slice_len)
+    slots = torch.cat([kept, torch.full((spare,), 7.0)])
+    dense = scatter_kept(pack_bits(mask), slots, n, slice_len)
     assert torch.equal(dense, torch.zeros(n).masked_scatter_(mask, kept))
+
+
+@pytest.mark.parametrize("slice_len", [8, 64, 4096])
+@pytest.mark.parametrize("slots", [0, 30, 77, 200])
+def test_scatter_kept_from_rebuilt_flags_zeroes_the_flags_past_the_last_slot(slice_len, slots):
+    # A mask rebuilt from a seed may flag more values than a fixed capacity stored: the first
+    # `slots` flagged (in flat order) take the values, the rest rebuild as zeros.
+    gen = torch.Generator().manual_seed(slots)
+    mask = torch.rand(1003, generator=gen) < 0.1
+    values = torch.randn(slots, generator=gen) + 10
+    count = int(mask.sum())
+    assert 77 < count < 200
+    dense = scatter_kept(
+        None, values, 1003, slice_len, lambda s, length: pack_bits(mask[s : s + length])
+    )
+    stored = torch.zeros(1003, dtype=torch.bool)
+    stored[torch.nonzero(mask).squeeze(1)[:slots]] = True
+    expected = torch.zeros(1003).masked_scatter_(stored, values[: min(slots, count)])
+    assert torch.equal(dense, expected)
 
 
 def test_bit_positions_count_set_flags_before_each_and_take_wide_indices_when_needed() -> None:
     mask = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1], dtype=torch.bool)
-    pos = bit_positions(pack_bits(mask), mask.numel(), base=5)
+    pos, end = bit_positions(pack_bits(mask), mask.numel(), base=5)
     assert pos.dtype == torch.int32
     assert pos.tolist() == [6, 0, 7, 8, 0, 0, 0, 9, 10, 0, 11]
-    wide = bit_positions(pack_bits(mask), mask.numel(), base=5, total=2**31)
+    assert int(end) == 5 + 6  # the next slice's base
+    wide, _ = bit_positions(pack_bits(mask), mask.numel(), base=5, total=2**31)
     assert wide.dtype == torch.int64 and torch.equal(wide, pos.long())
+    # A base on the device (the running count of a rebuild) gives the same.
+    pos2, end2 = bit_positions(pack_bits(mask), mask.numel(), torch.tensor(5), total=100)
+    assert torch.equal(pos2, pos) and int(end2) == 11
+
+
+@pytest.mark.parametrize("length", [0, 1, 13, 64])
+@pytest.mark.parametrize("capacity", [0, 3, 10, 64])
+@pytest.mark.parametrize("base", [0, 2, 70])
+def test_compact_into_appends_what_fits_and_flags_exactly_that(length, capacity, base) -> None:
+    gen = torch.Generator().manual_seed(length * 7 + capacity)
+    values = torch.randn(length, generator=gen)
+    mask = torch.rand(length, generator=gen) < 0.5
+    out = torch.full((capacity + 1,), -1.0)
+    flags, end, flagged = compact_into(values, mask, out, torch.tensor(base))
+    fits = max(0, min(int(mask.sum()), capacity - base))
+    first = torch.nonzero(mask).squeeze(1)[:fits]
+    assert int(flagged) == int(mask.sum()) and int(end) == base + fits
+    assert flags.dtype == torch.bool and flags.shape == (length,)
+    assert torch.equal(torch.nonzero(flags).squeeze(1), first)  # the first that fit, in order
+    assert torch.equal(out[base : base + fits], values[first])
+    untouched = torch.cat([out[: min(base, capacity)], out[base + fits : capacity]])
+    assert bool((untouched == -1.0).all())  # nothing else written, the spare slot aside
+    again = torch.full((capacity + 1,), -1.0)
+    none, end2, _ = compact_into(values, mask, again, torch.tensor(base), flags=False)
+    assert none is None and int(end2) == int(end) and torch.equal(again[:capacity], out[:capacity])
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 1001, 1 << 16])

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import REGISTRY, STRATEGIES, build_strategy, to_dropit
+from dropit_core import REGISTRY, STRATEGIES, build_strategy, dropped_values, to_dropit
 from dropit_core.memory import allocated_mb
 from rcnn_dropit.metrics_file import read_metrics
 from tests.helpers import MASK_DROPIT_CFG, TRAIN_PY, job_env, single_node, tiny_opts, torchrun
@@ -148,19 +148,33 @@ def test_quant_packs_the_same_bytes_on_cpu_and_cuda(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("amp", [None, torch.float16])
-def test_quant_and_relu_mask_add_no_host_sync(amp: torch.dtype | None) -> None:
-    # The Triton pack, rebuild and ReLU mask kernels: no .item(), nonzero or size read of a
-    # device value anywhere in a converted conv + ReLU stack's forward and backward.
+@pytest.mark.parametrize(
+    "strategy,options",
+    [
+        ("quant", {"bits": 4}),
+        ("mink", {}),
+        ("mink", {"positions": "sparse_bits", "values": "int8"}),
+        ("parallel_mink", {"chunk": 4096}),
+        ("threshold", {}),
+        ("importance", {}),
+        ("random", {"scale": True}),
+    ],
+)
+def test_packs_and_relu_mask_add_no_host_sync(amp: torch.dtype | None, strategy, options) -> None:
+    # quant's Triton pack and rebuild, the element-wise packs sized from the shape (radix select,
+    # nonzero_static, device-side offsets) and the ReLU mask kernels: no .item(), nonzero or size
+    # read of a device value anywhere in a converted conv + ReLU stack's forward and backward.
     model = nn.Sequential(*_net().convs).to(CUDA)
-    to_dropit(model, strategy="quant", bits=4)
-    x = _input(CUDA).requires_grad_(True)
+    to_dropit(model, strategy=strategy, gamma=0.8, **options)
+    # 54Ki, 576Ki and 144Ki values into the convs: mink radix-selects in the two larger.
+    x = _input(CUDA, (2, 3, 96, 96)).requires_grad_(True)
 
     def step() -> None:
         with torch.autocast("cuda", dtype=amp or torch.float16, enabled=amp is not None):
             out = model(x)
         out.backward(torch.ones_like(out))
 
-    step()  # the first step compiles the kernels for these dtypes (and may sync doing so)
+    step()  # the first step compiles the kernels and builds lookup tables (and may sync)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -168,6 +182,7 @@ def test_quant_and_relu_mask_add_no_host_sync(amp: torch.dtype | None) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert dropped_values(model) == 0  # every capacity held its pack's values
 
 
 @pytest.mark.parametrize("amp", [torch.float16, torch.bfloat16])
