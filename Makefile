@@ -81,17 +81,23 @@ bench-speed: setup
 	$(PY) tools/bench.py --markdown docs/results/methods_bench_speed.json \
 		--into docs/results/memory.md --block methods-bench-speed
 
-# On a machine with a GPU: AMP fp16 step memory and time of every method against the lean
-# baseline (torchvision's norm and gradient accumulation as rows) at 2 and 8 images of 800 px,
-# then the largest batch each trains in BUDGET_MB of GPU memory (default 16000).
+# On a machine with a GPU: one row per setting against the lean baseline (AMP fp16, 800 px;
+# torchvision's norm, gradient accumulation and checkpointing as rows): step time and CUDA peak at
+# 2 and 8 images, kernel launches and host syncs per step (torch.profiler), and the largest batch
+# each trains in BUDGET_MB (default 16000), searched up to BATCH_LIMIT images (meant to be above
+# what any setting reaches; a row at the limit says so). Writes docs/results/bench_gpu.json (with
+# the GPU's name and the torch, CUDA and triton versions) and its table into
+# docs/results/memory.md.
 BUDGET_MB ?= 16000
-GPU_METHODS := baseline baseline_torchvision_bn accumulate_2 accumulate_4 quant_4bit quant_2bit \
-	mink_0.8 threshold_0.8 checkpoint_stages checkpoint_stages_quant_4bit
-GPU_BENCH := $(PY) tools/bench.py --device cuda --amp fp16 --image-size 800 --settings $(GPU_METHODS)
+BATCH_LIMIT ?= 512
+GPU_METHODS := baseline baseline_torchvision_bn quant_4bit quant_2bit mink_0.8 threshold_0.8 \
+	checkpoint_stages checkpoint_stages_quant_4bit accumulate_2 accumulate_4
 bench-gpu: setup
-	$(GPU_BENCH) --images 2 --repeats 8 --json docs/results/bench_gpu_2img.json
-	$(GPU_BENCH) --images 8 --repeats 8 --json docs/results/bench_gpu_8img.json
-	$(GPU_BENCH) --max-batch $(BUDGET_MB) --batch-limit 160 --json docs/results/bench_gpu_batch.json
+	$(PY) tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \
+		--settings $(GPU_METHODS) --repeats 8 --draws 2 --max-batch $(BUDGET_MB) \
+		--batch-limit $(BATCH_LIMIT) --json docs/results/bench_gpu.json
+	$(PY) tools/bench.py --markdown docs/results/bench_gpu.json --into docs/results/memory.md \
+		--block bench-gpu
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -147,7 +147,8 @@ class Strategy:
     the registry's defaults filled in) and, for the docs, what it ``keeps`` and its
     ``cache_bytes``; it implements :meth:`_pack` and :meth:`_unpack`. ``draws``: whether a pack
     draws random numbers (from its ``key``); ``uses_gamma``: whether gamma means anything to it;
-    ``skips_common``: common options that do not apply to it.
+    ``skips_common``: common options that do not apply to it; ``reads_through_cast``: whether
+    it implements :meth:`_pack_cast` (packs an autocast input from the tensor it was cast from).
     """
 
     name = ""
@@ -160,16 +161,27 @@ class Strategy:
     # may pack a normalisation layer's input, whose backward reads all of it.
     every_element = False
     skips_common: tuple[str, ...] = ()
+    reads_through_cast = False
 
     def __init__(self, gamma: float, codec: ValueCodec, rescale: str = RESCALES[0]) -> None:
         self.gamma = gamma
         self.codec = codec
         self.rescale = rescale
 
-    def pack(self, x: torch.Tensor, layout: str, key: int = 0) -> Packed:
+    def pack(
+        self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None
+    ) -> Packed:
         """Compress ``x`` (a ``"conv"`` or ``"linear"`` input). Random draws are seeded from
-        ``key`` (and the strategy's ``seed``): the same key gives the same pack."""
-        packed = self._pack(x, layout, key)
+        ``key`` (and the strategy's ``seed``): the same key gives the same pack. ``dtype``: the
+        dtype the layer computed in (autocast's): the pack is that of ``x.to(dtype)``, made
+        without the copy by a strategy that reads through the cast (quant)."""
+        if dtype is None or dtype == x.dtype:
+            packed = self._pack(x, layout, key)
+        elif self.reads_through_cast and self.rescale == RESCALES[0]:
+            packed = self._pack_cast(x, layout, key, dtype)
+        else:  # the norm below is the cast's
+            x = x.to(dtype)
+            packed = self._pack(x, layout, key)
         if self.rescale == "norm":  # one more pass over x; the norm rides with the pack
             packed = packed._replace(norm=torch.linalg.vector_norm(x, dtype=torch.float32))
         return packed
@@ -188,6 +200,10 @@ class Strategy:
         return x_hat * scale.to(x_hat.dtype)
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
+        raise NotImplementedError
+
+    def _pack_cast(self, x: torch.Tensor, layout: str, key: int, dtype: torch.dtype) -> Packed:
+        """The pack of ``x.to(dtype)``, bit for bit, read from ``x`` (``reads_through_cast``)."""
         raise NotImplementedError
 
     def _unpack(self, packed: Packed) -> torch.Tensor:

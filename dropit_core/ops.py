@@ -9,6 +9,7 @@ from the rebuilt (dropped) input.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -80,23 +81,41 @@ class InputCache:
         self._param_casts[p] = (p._version, weakref.ref(cast))
         return cast
 
-    def pack(self, x: torch.Tensor, layout: str, source: torch.Tensor | None = None) -> Packed:
-        """Pack ``x``, or return the pack made earlier in this forward for the same tensor.
+    def pack(
+        self,
+        x: torch.Tensor,
+        layout: str,
+        source: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Packed:
+        """Pack ``x`` as ``dtype`` values (default its own), or return the pack made earlier in
+        this forward for the same tensor.
 
-        ``source`` is the tensor ``x`` was cast from under autocast: every consumer casts its own
-        copy (so autograd sums input gradients exactly as plain autocast does), and the copies
-        share one pack through the tensor they came from.
+        Layers fed the same tensor share its pack, under autocast too: the key is ``source``, the
+        tensor ``x`` was cast from, when given, else ``x``; ``dtype`` is the layer's compute
+        dtype, so that ``x`` may be the uncast input (a strategy that reads through the cast
+        packs it without a copy: :meth:`Strategy.pack`).
         """
         key = x if source is None else source
+        dtype = x.dtype if dtype is None else dtype
         hit = self._packs.get(key)
-        if hit is not None and hit[:3] == (key._version, layout, x.dtype):
+        if hit is not None and hit[:3] == (key._version, layout, dtype):
             return hit[3]
         draw = self.next_key() if self.strategy.draws else 0
-        packed = self.strategy.pack(x, layout, draw)
+        if dtype == x.dtype:  # the usual call (strategies that override pack take it)
+            packed = self.strategy.pack(x, layout, draw)
+        else:
+            packed = self.strategy.pack(x, layout, draw, dtype)
         if packed.dropped is not None:  # a device-side sum: reading it is the caller's choice
             self.dropped = packed.dropped if self.dropped is None else self.dropped + packed.dropped
-        self._packs[key] = (key._version, layout, x.dtype, packed)
+        self._packs[key] = (key._version, layout, dtype, packed)
         return packed
+
+    def reads_through_cast(self) -> bool:
+        """Whether a pack of an autocast input is made from the uncast tensor (so the cast the
+        layer ran need not outlive the layer's op)."""
+        strategy = self.strategy
+        return strategy.reads_through_cast and strategy.rescale == "none"
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         """Rebuild the dense (dropped) input."""
@@ -130,27 +149,42 @@ def _zeros_like_shape(ref: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return ref.new_zeros(()).expand(shape)
 
 
-class PackKey(NamedTuple):
-    """The tensor a layer input was cast from; a tuple, so autograd does not see it as an input."""
+def _forward_and_save(
+    ctx,
+    op: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    dtype: torch.dtype | None,
+    weight: torch.Tensor,
+    cache: InputCache,
+    layout: str,
+) -> torch.Tensor:
+    """``op`` of ``x`` cast to ``dtype`` (autocast's; None: as it is), keeping for backward the
+    weight (input gradient) and, when the weight trains, the packed input: its tensor fields
+    through ``save_for_backward`` (None included), its metadata on ``ctx``.
 
-    source: torch.Tensor | None
-
-
-def _save_for_backward(ctx, x, weight, cache: InputCache, key: PackKey, layout: str) -> None:
-    """Keep the weight (input gradient) and, when the weight trains, the packed input: its
-    tensor fields through ``save_for_backward`` (None included), its metadata on ``ctx``."""
-    if weight.requires_grad:
-        packed = cache.pack(x, layout, key.source)
-        ctx.meta = packed.meta
-        ctx.save_for_backward(weight, *packed[1:])
-    else:
+    The pack is that of what ``op`` computed with, keyed by ``x`` so that the layers fed ``x``
+    share it. The cast is made here, and nothing else refers to it: where the strategy packs
+    ``x`` as the cast's values directly (quant), it is freed before the pack is made, so it
+    lives as long as the op, as plain autocast's copy does.
+    """
+    used = x if dtype is None else x.to(dtype)
+    out = op(used)
+    ctx.cache, ctx.x_shape = cache, x.shape
+    if not weight.requires_grad:
         ctx.meta = None
         ctx.save_for_backward(weight)
-    ctx.cache, ctx.x_shape = cache, x.shape
+        return out
+    dtype = used.dtype
+    if used is not x and cache.reads_through_cast():
+        used = x  # the cast's last reference: it goes now
+    packed = cache.pack(used, layout, x, dtype)
+    ctx.meta = packed.meta
+    ctx.save_for_backward(weight, *packed[1:])
+    return out
 
 
 def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
-    """(weight, the packed input or None) from what :func:`_save_for_backward` kept."""
+    """(weight, the packed input or None) from what :func:`_forward_and_save` kept."""
     weight, *tensors = ctx.saved_tensors
     return weight, (Packed(ctx.meta, *tensors) if ctx.meta is not None else None)
 
@@ -159,11 +193,13 @@ class DropITConvFunction(torch.autograd.Function):
     """Convolution (plain or transposed) whose weight gradient uses a dropped input cache."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache, key: PackKey):
-        out = torch.ops.aten.convolution(x, weight, bias, *args)
+    def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache, dtype):
         ctx.args = args
-        _save_for_backward(ctx, x, weight, cache, key, "conv")
-        return out
+
+        def conv(used: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.convolution(used, weight, bias, *args)
+
+        return _forward_and_save(ctx, conv, x, dtype, weight, cache, "conv")
 
     @staticmethod
     def backward(ctx, grad):
@@ -190,10 +226,11 @@ class DropITLinearFunction(torch.autograd.Function):
     """Linear layer over any leading dims whose weight gradient uses a dropped input cache."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, cache: InputCache, key: PackKey):
-        out = F.linear(x, weight, bias)
-        _save_for_backward(ctx, x, weight, cache, key, "linear")
-        return out
+    def forward(ctx, x, weight, bias, cache: InputCache, dtype):
+        def linear(used: torch.Tensor) -> torch.Tensor:
+            return F.linear(used, weight, bias)
+
+        return _forward_and_save(ctx, linear, x, dtype, weight, cache, "linear")
 
     @staticmethod
     def backward(ctx, grad):
@@ -253,22 +290,23 @@ def _relu_kernels(x: torch.Tensor, inplace: bool) -> bool:
 
 def autocast_inputs(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: InputCache
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, PackKey]:
-    """Cast like autocast would for conv/linear, outside the Function so autograd sees the casts.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype | None]:
+    """(weight, bias, the input's dtype) as autocast would cast them for conv/linear; the dtype
+    None without autocast. The weight casts are made here, outside the Function, so that
+    autograd sees them; they are shared by the calls of one forward through ``cache``.
 
-    Conv and linear run in the autocast dtype on CUDA (fp16/bf16) and CPU (bf16); doing the same
-    cast here keeps outputs identical to the plain layer and lets the cache hold narrow values.
-    The returned key names the uncast input, so layers fed the same tensor share its pack;
-    weight and bias casts are shared by the calls of one forward through ``cache``.
+    Conv and linear run in the autocast dtype on CUDA (fp16/bf16) and CPU (bf16); casting alike
+    keeps outputs identical to the plain layer and lets the cache hold narrow values. The input
+    is cast inside the Function (:func:`_forward_and_save`), so that the cast can go as soon as
+    the op has run; its gradient is cast back to ``x``'s dtype by autograd, as autocast's own
+    cast's backward does, and the layers fed ``x`` sum their gradients in that dtype.
     """
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
-        return x, weight, bias, PackKey(None)
+        return weight, bias, None
     dtype = torch.get_autocast_dtype(device_type)
-    cast = x.to(dtype)
     return (
-        cast,
         cache.cast_param(weight, dtype),
         cache.cast_param(bias, dtype) if bias is not None else None,
-        PackKey(None if cast is x else x),
+        dtype,
     )

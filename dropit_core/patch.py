@@ -60,11 +60,11 @@ class DropITConv2d(nn.Conv2d):
             padding = (0, 0)
         elif isinstance(padding, str):
             x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
-        x, w, b, key = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
+        w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         args = ConvArgs(
             list(self.stride), list(padding), list(self.dilation), False, [0, 0], self.groups
         )
-        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, key)
+        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, dtype)
 
 
 def _explicit_padding(x, padding: str, kernel_size, dilation) -> tuple[torch.Tensor, tuple]:
@@ -89,7 +89,7 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
             x, output_size, list(self.stride), list(self.padding), list(self.kernel_size), 2,
             list(self.dilation),
         )  # fmt: skip
-        x, w, b, key = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
+        w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         args = ConvArgs(
             list(self.stride),
             list(self.padding),
@@ -98,7 +98,7 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
             list(output_padding),
             self.groups,
         )
-        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, key)
+        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, dtype)
 
 
 class DropITLinear(nn.Linear):
@@ -109,8 +109,8 @@ class DropITLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _training_step(self, x):
             return super().forward(x)
-        x, w, b, key = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
-        return DropITLinearFunction.apply(x, w, b, self.dropit_cache, key)
+        w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
+        return DropITLinearFunction.apply(x, w, b, self.dropit_cache, dtype)
 
 
 class DropITReLU(nn.ReLU):

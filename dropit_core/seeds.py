@@ -92,9 +92,11 @@ def hash_bits(seed: int, start: int, length: int, device: torch.device) -> torch
         raise ValueError("hash_bits draws for element indices below 2**44")
     first_row = start >> TABLE_BITS
     rows = ((start + length - 1) >> TABLE_BITS) + 1 - first_row if length else 0
-    low = _table(hash_key(seed, 0), 0, 1 << TABLE_BITS, device)
-    high = _table(hash_key(seed, 1), first_row, rows, device)
     offset = start - (first_row << TABLE_BITS)
+    high = _table(hash_key(seed, 1), first_row, rows, device)
+    if rows <= 1:  # within one row (a group's tail, say): the low entries it needs, no more
+        return _table(hash_key(seed, 0), offset, length, device) ^ high
+    low = _table(hash_key(seed, 0), 0, 1 << TABLE_BITS, device)
     return (high[:, None] ^ low[None, :]).view(-1)[offset : offset + length]
 
 

@@ -148,6 +148,7 @@ class Quant(Strategy):
     uses_gamma = False
     every_element = True
     skips_common = ("values", "int8_chunk", "int4_chunk")  # it stores codes, not kept values
+    reads_through_cast = True  # codes are the same bytes whatever dtype they were read from
 
     def __init__(
         self, gamma: float, codec: ValueCodec, rescale: str, *, bits: int, group: int, seed: int
@@ -164,54 +165,74 @@ class Quant(Strategy):
         return self.group * 8 * max(1, base.SLICE // (self.group * 8))
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
+        return self._pack_as(x, key, x.dtype)
+
+    def _pack_cast(self, x: torch.Tensor, layout: str, key: int, dtype: torch.dtype) -> Packed:
+        # Every path rounds each value to dtype as it reads it: the pack of x.to(dtype), bit for
+        # bit, and no copy of x in dtype is made for it.
+        return self._pack_as(x, key, dtype)
+
+    def _pack_as(self, x: torch.Tensor, key: int, dtype: torch.dtype) -> Packed:
+        """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower)."""
         flat = x.reshape(-1)
         seed = mix_seed(self.seed, key)
+        cast = None if dtype == flat.dtype else dtype
         if dispatch.use_kernels(flat) and quant_kernels_take(self.bits, self.group):
             from .kernels.quant import quant_pack
 
-            codes, mins, scales = quant_pack(flat, self.bits, self.group, seed)
+            codes, mins, scales = quant_pack(flat, self.bits, self.group, seed, cast=cast)
         else:
-            codes, mins, scales = self._pack_eager(flat, seed)
-        return Packed(QuantMeta(tuple(x.shape), x.dtype), values=codes, scales=scales, mins=mins)
+            codes, mins, scales = self._pack_eager(flat, seed, cast)
+        return Packed(QuantMeta(tuple(x.shape), dtype), values=codes, scales=scales, mins=mins)
 
     def _pack_eager(
-        self, flat: torch.Tensor, seed: int
+        self, flat: torch.Tensor, seed: int, cast: torch.dtype | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, mins, scales), written slice by slice into their final buffers."""
+        """(codes, mins, scales), each path writing into the final buffers: the whole groups
+        by the compiled loop where it runs (CPU), the rest eagerly, slice by slice."""
         n, group = flat.numel(), self.group
         codes, mins, scales = quant_buffers(n, self.bits, group, flat.device)
+        whole = n // group * group
+        done = 0  # elements packed by the compiled loop (whole groups, whole bytes)
+        if self._use_compiled(flat, whole):
+            done = self._pack_compiled(flat[:whole], seed, codes, mins, scales, cast)
         step = self.slice_len()
-        for start in range(0, n, step):
-            piece = flat[start : start + step]
-            length = piece.numel()
-            whole = length // group * group
-            g0 = start // group
-            done = 0  # elements of the slice packed by the compiled loop (whole groups)
-            if self._use_compiled(flat, whole):
-                done = self._pack_compiled(piece[:whole], start, seed, codes, mins, scales)
-            code = torch.empty(length - done, dtype=torch.uint8, device=flat.device)
-            noise = hash_bits(seed, start + done, length - done, flat.device)
-            # The whole groups as rows, then a last partial group (its range is its own).
-            for lo_el, hi_el in ((done, whole), (whole, length)):
-                if hi_el > lo_el:
-                    rows = piece[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
-                    r0 = g0 + lo_el // group
-                    at = slice(lo_el - done, hi_el - done)
-                    self._quantize(
-                        rows,
-                        noise[at],
-                        code[at],
-                        mins[r0 : r0 + rows.shape[0]],
-                        scales[r0 : r0 + rows.shape[0]],
-                    )
-            # A compiled part ends on a whole byte (whole groups of whole bytes).
-            first, last = (start + done) * self.bits // 8, code_bytes(start + length, self.bits)
-            pack_codes(code, self.bits, codes[first:last])
+        for start in range(done, n, step):
+            self._pack_slice(flat[start : start + step], start, seed, (codes, mins, scales), cast)
         return codes, mins, scales
 
+    def _pack_slice(
+        self,
+        piece: torch.Tensor,
+        start: int,
+        seed: int,
+        buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        cast: torch.dtype | None,
+    ) -> None:
+        """Pack the values of one slice from element ``start`` (whole groups, a last partial
+        group at the end only) into their places in the final ``buffers``."""
+        codes, mins, scales = buffers
+        length, group = piece.numel(), self.group
+        whole = length // group * group
+        g0 = start // group
+        first, last = start * self.bits // 8, code_bytes(start + length, self.bits)
+        # 8-bit codes are their bytes: written in place. Narrower: a byte per code, then packed.
+        code = codes[first:last] if self.bits == 8 else piece.new_empty(length, dtype=torch.uint8)
+        noise = hash_bits(seed, start, length, piece.device)
+        # The whole groups as rows, then a last partial group (its range is its own).
+        for lo_el, hi_el in ((0, whole), (whole, length)):
+            if hi_el > lo_el:
+                rows = piece[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
+                r0 = g0 + lo_el // group
+                r1 = r0 + rows.shape[0]
+                at = slice(lo_el, hi_el)
+                self._quantize(rows, noise[at], code[at], mins[r0:r1], scales[r0:r1], cast)
+        if self.bits != 8:
+            pack_codes(code, self.bits, codes[first:last])
+
     def _use_compiled(self, flat: torch.Tensor, whole: int) -> bool:
-        """Whether a slice's ``whole`` values of whole groups are packed by the compiled loop:
-        on the CPU, large enough, whole bytes of codes per group."""
+        """Whether the ``whole`` values of whole groups are packed by the compiled loop: on the
+        CPU, large enough, whole bytes of codes per group."""
         return (
             flat.device.type == "cpu"
             and whole >= compiled.COMPILE_MIN
@@ -222,25 +243,26 @@ class Quant(Strategy):
     def _pack_compiled(
         self,
         piece: torch.Tensor,
-        start: int,
         seed: int,
         codes: torch.Tensor,
         mins: torch.Tensor,
         scales: torch.Tensor,
+        cast: torch.dtype | None,
     ) -> int:
-        """Pack whole groups with the compiled loop; the values packed (0 if it failed)."""
-        params = torch.tensor([start, hash_key(seed, 0), hash_key(seed, 1)], dtype=torch.int64)
+        """Pack whole groups from element 0 with the compiled loop, straight into the final
+        buffers; the values packed (0 if it failed)."""
+        params = torch.tensor([hash_key(seed, 0), hash_key(seed, 1)], dtype=torch.int64)
         rows = piece.detach().view(-1, self.group)  # no autograd in the compiled graph
+        groups = rows.shape[0]
         try:
             quant_rows = compiled.compiled_quant_rows()
-            b, lo, scale = quant_rows(rows, params, self.bits, self._inv_levels)
+            quant_rows(
+                rows, params, self.bits, self._inv_levels,
+                codes[: rows.numel() * self.bits // 8], mins[:groups], scales[:groups], cast,
+            )  # fmt: skip
         except Exception as err:  # no compiler, an unsupported torch: pack eagerly from now on
             compiled.compile_failed(err)
             return 0
-        g0, first = start // self.group, start * self.bits // 8
-        codes[first : first + b.numel()].copy_(b)
-        mins[g0 : g0 + lo.numel()].copy_(lo)
-        scales[g0 : g0 + lo.numel()].copy_(scale)
         return piece.numel()
 
     def _quantize(
@@ -250,10 +272,12 @@ class Quant(Strategy):
         code: torch.Tensor,
         mins: torch.Tensor,
         scales: torch.Tensor,
+        cast: torch.dtype | None = None,
     ) -> None:
         """Codes of ``rows`` (one group each) into ``code``, their minimum and step into ``mins``
-        and ``scales``: the same fp32 operations, in the same order, as the Triton kernel."""
-        g = rows.float()
+        and ``scales``: the same fp32 operations, in the same order, as the Triton kernel.
+        ``cast``: the values are read as that dtype's (rounded to it first)."""
+        g = (rows if cast is None else rows.to(cast)).float()
         torch.aminmax(g, dim=1, out=(mins, scales))
         # Times the fp32 1/levels, not divided by levels: CUDA's torch turns a division by a
         # scalar into that product anyway, and the kernels compute it alike everywhere.

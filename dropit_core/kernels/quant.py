@@ -36,7 +36,7 @@ def _tile(group: int, block: int) -> tuple[int, int]:
 def _quant_codes_kernel(
     x_ptr, codes_ptr, mins_ptr, scales_ptr, n, n_groups, n_bytes, key_low, key_high,
     GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-    INV_LEVELS: tl.constexpr, TINY_F32: tl.constexpr,
+    INV_LEVELS: tl.constexpr, TINY_F32: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
     levels: tl.constexpr = (1 << BITS) - 1
     per_byte: tl.constexpr = 8 // BITS
@@ -45,6 +45,10 @@ def _quant_codes_kernel(
     idx = row[:, None] * GROUP + col[None, :]
     ok = (col[None, :] < GROUP) & (idx < n)
     x = tl.load(x_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+    if ROUND == 1:  # read as the fp16 values autocast's cast holds
+        x = x.to(tl.float16).to(tl.float32)
+    elif ROUND == 2:  # as the bf16 ones
+        x = _bf16_value(x)
     lo = tl.min(tl.where(ok, x, float("inf")), axis=1)
     hi = tl.max(tl.where(ok, x, float("-inf")), axis=1)
     # A multiply by the rounded 1/levels (not a division by levels): the same on every device.
@@ -71,16 +75,25 @@ def _quant_codes_kernel(
 
 
 def quant_pack(
-    flat: torch.Tensor, bits: int, group: int, seed: int, block: int = PACK_BLOCK
+    flat: torch.Tensor,
+    bits: int,
+    group: int,
+    seed: int,
+    block: int = PACK_BLOCK,
+    cast: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, mins, scales) of a flat float tensor: ``Quant``'s packed format, one launch.
 
     Bytes per element: reads the input once (2 or 4), writes ``bits / 8`` of codes and
     ``8 / group`` of minima and steps. ``block`` (elements per program) changes no byte.
+    ``cast`` (fp16 or bf16): pack ``flat.to(cast)``, bit for bit, from ``flat`` itself (each
+    value rounded in registers), so that autocast's copy of a layer input need not outlive the
+    layer for its pack.
     """
-    if flat.dim() != 1 or flat.dtype not in FLOATS:
+    if flat.dim() != 1 or flat.dtype not in FLOATS or cast not in (None, *FLOATS):
         raise ValueError(
-            f"quant_pack takes a flat fp16/bf16/fp32 tensor, got {flat.shape} {flat.dtype}"
+            "quant_pack takes a flat fp16/bf16/fp32 tensor (and a float cast), got "
+            f"{flat.shape} {flat.dtype} (cast {cast})"
         )
     if group % (8 // bits):
         raise ValueError(f"quant_pack: group {group} is not whole bytes of {bits}-bit codes")
@@ -97,14 +110,27 @@ def quant_pack(
     _quant_codes_kernel[grid](
         flat, codes, mins, scales, n, mins.numel(), codes.numel(), *keys,
         GROUP=group, WIDTH=width, ROWS=rows, BITS=bits,
-        INV_LEVELS=_inv_levels(bits), TINY_F32=TINY, enable_fp_fusion=False,
+        INV_LEVELS=_inv_levels(bits), TINY_F32=TINY, ROUND=_ROUND.get(cast, 0),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return codes, mins, scales
+
+
+# quant_pack's cast: the kernel's ROUND (0: values as they are, fp32 or already narrow).
+_ROUND = {torch.float16: 1, torch.bfloat16: 2}
 
 
 def _inv_levels(bits: int) -> float:
     """1 / (2**bits - 1) rounded to fp32, as the eager path multiplies by it."""
     return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
+
+
+@triton.jit
+def _bf16_value(value):
+    """``value`` (fp32) rounded to the nearest bf16, as fp32: torch's ``.to(torch.bfloat16)``."""
+    return (_bf16_bits(value).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
+        tl.float32, bitcast=True
+    )
 
 
 @triton.jit

@@ -8,6 +8,8 @@ python tools/bench.py --settings baseline mink_0.8 quant_4bit checkpoint_stages 
 python tools/bench.py --markdown methods.json   # the Markdown table of such a file
 python tools/bench.py --device cuda --amp fp16 # GPU: allocator peaks, synchronised step times
 python tools/bench.py --device cuda --amp fp16 --max-batch 16000   # largest batch in 16 GB
+python tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \
+    --settings baseline quant_4bit --json bench_gpu.json   # the GPU table (make bench-gpu)
 python tools/bench.py --widths                 # the narrow CPU model vs torchvision's widths
 python tools/bench.py --ops                    # each pass of the pack and rebuild, one 4Mi slice
 """
@@ -15,6 +17,7 @@ python tools/bench.py --ops                    # each pass of the pack and rebui
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
     if args.ops:
         return run_cli(lambda: _ops(args.device, args.repeats, args.json))
+    if args.gpu_table:
+        return run_cli(lambda: _gpu_table(args))
     if args.max_batch is not None:
         return run_cli(lambda: _max_batch(args))
     return run_cli(lambda: _steps(args))
@@ -114,14 +119,38 @@ def _parser() -> argparse.ArgumentParser:
         default="none",
         help="autocast dtype (default: none, fp32)",
     )
-    parser.add_argument("--images", type=int, default=2, help="images per step (default: 2)")
+    parser.add_argument(
+        "--images",
+        type=int,
+        nargs="+",
+        help="images per step; several: the rows at each in turn (default: 2; 2 8 with "
+        "--gpu-table)",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        metavar="N",
+        help="steps per setting run under torch.profiler, for its kernel launches and host "
+        "syncs per step (default: 3 on CUDA, 0 on the CPU, where there are none)",
+    )
+    parser.add_argument(
+        "--gpu-table",
+        action="store_true",
+        help="instead: one row per setting with the step time, peak, launches and host syncs "
+        "per step at each --images, and the largest batch within --max-batch MB (default 16000) "
+        "up to --batch-limit images; --json writes it with the GPU's name and the torch, CUDA "
+        "and triton versions (make bench-gpu: docs/results/bench_gpu.json)",
+    )
     parser.add_argument(
         "--max-batch",
         type=float,
         metavar="BUDGET_MB",
-        help="instead: the largest batch each setting trains within this memory budget",
+        help="instead: the largest batch each setting trains within this memory budget (with "
+        "--gpu-table: the budget of its batch column)",
     )
-    parser.add_argument("--batch-limit", type=int, default=64, help="largest batch tried")
+    parser.add_argument(
+        "--batch-limit", type=int, default=64, help="largest batch tried (default: %(default)s)"
+    )
     parser.add_argument(
         "--widths",
         nargs="?",
@@ -153,7 +182,8 @@ def _parser() -> argparse.ArgumentParser:
         "--markdown",
         type=Path,
         metavar="FILE",
-        help="instead: print the Markdown table of a --methods-json file",
+        help="instead: print the Markdown table of a --methods-json file or of a --gpu-table "
+        "--json file",
     )
     parser.add_argument(
         "--into",
@@ -201,19 +231,66 @@ def _max_batch(args: argparse.Namespace) -> None:
 
 
 def _steps(args: argparse.Namespace) -> None:
-    """Memory, gradient fidelity and step time of the baseline and each setting."""
+    """Memory, gradient fidelity and step time of the baseline and each setting, at each
+    --images in turn."""
     from instruments.measure.methods_table import method_records, provenance, write_methods_json
     from instruments.measure.step_bench import run_benchmark
 
+    images = args.images or [2]
+    if args.methods_json and len(images) > 1:
+        raise UsageError("--methods-json: one row per setting, so one --images value")
     settings = _settings(args)
     header = provenance(_command_line(), args.quiet_machine, args.device)  # before minutes of work
-    produced = run_benchmark(
-        settings, args.scratch, args.image_size, args.repeats, args.device,
-        amp=args.amp, images=args.images, draws=args.draws,
+    produced = itertools.chain.from_iterable(
+        run_benchmark(
+            settings, args.scratch, args.image_size, args.repeats, args.device,
+            amp=args.amp, images=n, draws=args.draws, profile_steps=_profile_steps(args),
+        )
+        for n in images
     )  # fmt: skip
     rows = _emit(produced, args.json)
     if args.methods_json:
         write_methods_json(args.methods_json, method_records(rows, header))
+
+
+def _profile_steps(args: argparse.Namespace) -> int:
+    """--profile-steps, by default 3 on a CUDA device and 0 elsewhere."""
+    if args.profile_steps is not None:
+        if args.profile_steps < 0:
+            raise UsageError(f"--profile-steps {args.profile_steps}: allowed integers >= 0")
+        return args.profile_steps
+    return 3 if args.device.startswith("cuda") else 0
+
+
+def _gpu_table(args: argparse.Namespace) -> None:
+    """The GPU table: one row per setting (instruments.measure.gpu_table), printed as JSON
+    lines and a table; --json writes it with the run's provenance."""
+    from instruments.measure.gpu_table import gpu_header, gpu_markdown, gpu_table, write_gpu_table
+
+    if args.methods_json:
+        raise UsageError("--methods-json goes with step rows, not --gpu-table")
+    images = args.images or [2, 8]
+    budget = 16000.0 if args.max_batch is None else args.max_batch
+    settings = _settings(args)
+    run = {
+        "images": images, "budget_mb": budget, "batch_limit": args.batch_limit,
+        "repeats": args.repeats, "profile_steps": _profile_steps(args), "amp": args.amp,
+        "image_size": args.image_size, "draws": args.draws,
+    }  # fmt: skip
+    header = gpu_header(_command_line(), args.device, args.quiet_machine, **run)
+    produced = gpu_table(
+        settings, images, budget, args.batch_limit, args.image_size, args.repeats, args.device,
+        args.amp, args.draws, run["profile_steps"], args.scratch,
+        progress=lambda row: print("measured: " + json.dumps(row), file=sys.stderr, flush=True),
+    )  # fmt: skip
+    rows = []
+    for row in produced:
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print()
+    print(gpu_markdown({**header, "rows": rows}))
+    if args.json:
+        write_gpu_table(args.json, header, rows)
 
 
 def _emit(produced, json_path: Path | None) -> list[dict]:
@@ -242,7 +319,9 @@ def _command_line() -> str:
 def _markdown(
     path: Path, into: Path | None, block: str = "methods-bench", summary: bool = False
 ) -> None:
-    """Print the methods table of a JSON file, or write it into a document's marked block."""
+    """Print the table of a JSON file (the methods table's records, or a GPU table), or write it
+    into a document's marked block."""
+    from instruments.measure.gpu_table import gpu_markdown, is_gpu_table
     from instruments.measure.methods_table import (
         methods_markdown,
         methods_summary,
@@ -250,8 +329,17 @@ def _markdown(
         splice,
     )
 
-    records = read_methods_json(path)
-    table = methods_summary(records) if summary else methods_markdown(records)
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        data = None  # read_methods_json says what is wrong with it
+    if is_gpu_table(data):
+        if summary:
+            raise UsageError("--summary: one line per method of a methods table, not a GPU table")
+        table = gpu_markdown(data)
+    else:
+        records = read_methods_json(path)
+        table = methods_summary(records) if summary else methods_markdown(records)
     if into is None:
         print(table)
         return

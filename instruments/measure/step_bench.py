@@ -26,6 +26,7 @@ from dropit_core import from_dropit, is_dropit
 from dropit_core.memory import measure_step
 from dropit_core.timing import timed_rounds
 from instruments.measure.allocator import training_allocator
+from instruments.measure.cuda_calls import CudaCalls, profile_cuda_calls
 from instruments.measure.grad_fidelity import (
     approximated_layers,
     estimator_error,
@@ -106,13 +107,16 @@ def run_benchmark(
     amp: str = "none",
     images: int = 2,
     draws: int = 8,
+    profile_steps: int = 0,
 ) -> Iterator[dict[str, Any]]:
     """Measure the baseline, then each setting; yields one result dict per row as it is done.
 
     Each setting is the recipe's config with its overrides (see workload), built by the
     toolkit's own builder from the same random weights. A setting whose DropIT draws random
     numbers has its weight gradient taken ``draws`` times (steps seeded 0 to draws - 1) for the
-    bias (grad_fidelity.estimator_error); a deterministic one once.
+    bias (grad_fidelity.estimator_error); a deterministic one once. ``profile_steps`` > 0: after
+    the timing, that many steps of each model under torch.profiler count its kernel launches
+    and host syncs per step (cuda_calls; none on the CPU).
     """
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise UsageError(f"draws={draws!r} is invalid: allowed integers >= 1")
@@ -189,6 +193,9 @@ def run_benchmark(
             baseline_step_s=round(med(steps[0]), 4),
             timing_allocator=allocator,
         )
+        if profile_steps > 0:  # untimed: the profiler slows the step it watches
+            calls = profile_cuda_calls(lambda m=model: timed_step(m, batch), profile_steps, dev)
+            row.update(calls.per_step(profile_steps), profiled_steps=profile_steps)
         yield row
         if i:
             _release(model, dev)
@@ -220,6 +227,8 @@ def _row(
         ),
         "compared_layers": 0,
         "converted_layers": 0,
+        # per step, with profile_steps (cuda_calls): the host's kernel launches and syncs
+        **dict.fromkeys((*CudaCalls().per_step(1), "profiled_steps")),
     }
 
 

@@ -132,6 +132,43 @@ def test_quant_pack_and_rebuild_are_the_eager_ones_bit_for_bit(dtype, bits, grou
         assert int(kernel.values[-1]) >> ((n * bits) % 8) == 0
 
 
+def _through_cast_values(n: int) -> torch.Tensor:
+    """fp32 values that a cast to fp16 or bf16 rounds: random ones, and ties between two bf16
+    and two fp16 neighbours (rounded half to even)."""
+    x = _x(n, torch.float32, seed=7) * 3
+    x[:4] = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11])
+    return x
+
+
+@pytest.mark.parametrize("cast", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits,group,n", [(4, 256, 3000), (2, 100, 1001)])
+def test_quant_pack_through_a_cast_is_the_pack_of_the_cast(cast, bits, group, n, mode) -> None:
+    # Under autocast a layer packs its fp32 input as the cast it ran on, without the copy.
+    x = _through_cast_values(n)
+    strategy = build_strategy("quant", 0.8, bits=bits, group=group)
+    for path in ("eager", "triton"):
+        mode(path)
+        through = strategy.pack(x, "linear", 12, cast)
+        of_cast = strategy.pack(x.to(cast), "linear", 12)
+        assert through.meta == of_cast.meta and through.meta.dtype == cast
+        for field in ("values", "mins", "scales"):
+            assert _same_bits(getattr(through, field), getattr(of_cast, field)), (path, field)
+
+
+def test_kernel_quant_pack_allocates_its_pack_and_nothing_else(mode) -> None:
+    if DEVICE.type != "cpu":
+        pytest.skip("counts the CPU allocator")
+    from tests.core.allocations import allocations
+
+    x = _x(3000, torch.float32)
+    strategy = build_strategy("quant", 0.8, bits=4)
+    mode("triton")
+    for cast in (None, torch.bfloat16):
+        packed, made = allocations(lambda c=cast: strategy.pack(x, "linear", 3, c))
+        assert made.alive == packed.nbytes()
+        assert made.allocated - packed.nbytes() <= 16  # a few bytes of launch bookkeeping
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_quant_pack_bytes_do_not_depend_on_the_block_size(bits: int) -> None:
     x = _x(5000, torch.float32, seed=3)
@@ -313,6 +350,31 @@ def test_compiled_cpu_pack_is_the_eager_one_bit_for_bit(dtype, bits: int, group:
     if not compiled.compile_available():
         pytest.skip("torch.compile is not available here")
     assert all(torch.equal(a, b) for a, b in zip(packed.stored(), eager.stored(), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cast,bits", [(torch.bfloat16, 4), (torch.float16, 2)])
+def test_compiled_cpu_pack_writes_once_into_the_final_buffers(cast, bits: int) -> None:
+    from tests.core.allocations import allocations
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2 * compiled.COMPILE_MIN + 300, generator=gen) * 3
+    strategy = build_strategy("quant", 0.8, bits=bits)
+    try:
+        compiled.set_compile(False)
+        eager = strategy.pack(x.to(cast), "linear", 8)
+        compiled.set_compile(True)
+        strategy.pack(x, "linear", 8, cast)  # compiles
+        if not compiled.compile_available():
+            pytest.skip("torch.compile is not available here")
+        packed, made = allocations(lambda: strategy.pack(x, "linear", 8, cast))
+    finally:
+        compiled.set_compile(None)
+    assert all(torch.equal(a, b) for a, b in zip(packed.stored(), eager.stored(), strict=True))
+    # Beyond the pack: a minimum and a step per group, the eager tail's few temporaries; less
+    # than a bit per value, where a copy of the codes would be bits / 8 bytes per value.
+    assert made.alive == packed.nbytes()
+    assert made.allocated - packed.nbytes() < x.numel() / 8
 
 
 def test_a_failed_compile_warns_once_and_packs_eagerly(monkeypatch) -> None:

@@ -140,6 +140,7 @@ def test_a_rows_memory_columns_are_the_step_measurement_under_the_rows_names(mon
         "by_type_mb": {},
         "converted_mb": 0.0,
         "unconverted_mb": 0.0,
+        "norm_mb": 0.0,
         "memory_source": "cuda",
         "live_mb": 400.0,
         "peak_mb": 900.0,

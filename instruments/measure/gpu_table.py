@@ -1,0 +1,206 @@
+"""The GPU table (``make bench-gpu``): one row per setting with what a GPU user weighs.
+
+Per setting, at each batch size (2 and 8 images of 800 px): the step time, the peak memory
+(the CUDA allocator's on a GPU), the kernels launched and the host syncs per step
+(:mod:`instruments.measure.cuda_calls`), each with its ratio to the baseline of the same run
+(:func:`instruments.measure.step_bench.run_benchmark`); then the largest batch that trains
+within a memory budget (:func:`instruments.measure.max_batch.largest_batches`). The file
+``tools/bench.py --gpu-table --json`` writes holds these rows with the run's provenance: the
+command, the commit, the GPU's name and the torch, CUDA and triton versions. ``--markdown``
+makes its table for docs/results/memory.md.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from instruments.measure.max_batch import largest_batches
+from instruments.measure.methods_table import provenance
+from instruments.measure.step_bench import run_benchmark
+from instruments.measure.workload import Setting, Variant
+from rcnn_dropit.errors import UsageError
+
+# A table row's key per batch size (suffixed ``_{n}img``), and the step row's key it is from.
+PER_BATCH = {
+    "step_s": "step_s",
+    "step_ratio": "step_time_ratio",
+    "peak_mb": "peak_mb",
+    "peak_ratio": "peak_ratio",
+    "peak_phase": "peak_phase",
+    "saved_mb": "saved_mb",
+    "launches_per_step": "launches_per_step",
+    "syncs_per_step": "syncs_per_step",
+    "dtoh_copies_per_step": "dtoh_copies_per_step",
+    "kernels_per_step": "kernels_per_step",
+    "grad_cosine": "grad_cosine",
+}
+# What a setting is, from its first step row.
+DESCRIPTION = (
+    "setting",
+    "overrides",
+    "strategy",
+    "gamma",
+    "options",
+    "include",
+    "rules",
+    "activation_checkpointing",
+    "frozen_bn",
+    "accumulate",
+    "device",
+    "amp",
+    "image_size",
+    "memory_source",
+    "converted_layers",
+)
+GPU_BLOCK = "bench-gpu"  # docs/results/memory.md's block for the table
+PLACEHOLDER = (
+    "Not run on a GPU yet: `make bench-gpu` on a CUDA machine writes "
+    "docs/results/bench_gpu.json and this table (docs/gpu.md)."
+)
+
+
+def gpu_table(
+    settings: Sequence[Setting | Variant],
+    images: Sequence[int] = (2, 8),
+    budget_mb: float = 16000.0,
+    batch_limit: int = 512,
+    image_size: int = 800,
+    repeats: int = 8,
+    device: str = "cuda",
+    amp: str = "fp16",
+    draws: int = 2,
+    profile_steps: int = 3,
+    scratch: bool = False,
+    rois_per_image: int = 512,
+    backbone: str = "resnet50",
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """One row per setting (the baseline first): step rows at each of ``images``, then the
+    largest batch within ``budget_mb`` searched up to ``batch_limit`` images (``at_limit``
+    says when a setting reached it: its true figure is higher). ``progress`` sees every
+    step and batch row as it comes (the whole table takes a while)."""
+    table: dict[str, dict[str, Any]] = {}
+    for n in images:
+        rows = run_benchmark(
+            settings, scratch, image_size, repeats, device, rois_per_image, backbone,
+            amp=amp, images=n, draws=draws, profile_steps=profile_steps,
+        )  # fmt: skip
+        for row in rows:
+            if progress:
+                progress(row)
+            merged = table.setdefault(row["setting"], {k: row.get(k) for k in DESCRIPTION})
+            merged.update({f"{key}_{n}img": row.get(src) for key, src in PER_BATCH.items()})
+    batches = largest_batches(
+        settings, budget_mb, batch_limit, scratch, image_size, device, rois_per_image, backbone,
+        amp=amp,
+    )  # fmt: skip
+    for row in batches:
+        if progress:
+            progress(row)
+        table[row["setting"]].update(
+            budget_mb=budget_mb,
+            batch_limit=batch_limit,
+            max_batch=row["max_batch"],
+            peak_mb_at_max=row["peak_mb_at_max"],
+            at_limit=row["max_batch"] >= batch_limit,
+        )
+    yield from table.values()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_header(command: str, device: str, quiet: bool, **run: Any) -> dict[str, Any]:
+    """The provenance of a GPU table: the command, commit, machine and date (methods_table's),
+    the GPU's name, the torch, CUDA and triton versions, the DropIT kernel path in force, and
+    the run's own settings (``run``: images, budget, ...)."""
+    from dropit_core import dispatch
+
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    return {
+        **provenance(command, quiet, device),
+        "gpu": torch.cuda.get_device_name(torch.device(device)) if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "kernels": dispatch.kernel_mode(),
+        **run,
+    }
+
+
+def write_gpu_table(path: str | Path, header: Mapping[str, Any], rows: Sequence[Mapping]) -> None:
+    """Write the header's fields and the rows (``rows``) as one JSON object."""
+    Path(path).write_text(json.dumps({**header, "rows": list(rows)}, indent=2) + "\n")
+
+
+def is_gpu_table(data: Any) -> bool:
+    """Whether JSON data read from a file is a GPU table (an object with rows), not the methods
+    table's list of records."""
+    return isinstance(data, dict) and isinstance(data.get("rows"), list)
+
+
+def _cell(value: Any, fmt: str, unit: str = "", ratio: Any = None) -> str:
+    """``value`` formatted, with its unit and its ratio to the baseline; "-" when missing."""
+    if value is None:
+        return "-"
+    text = format(value, fmt) + unit
+    return text if ratio is None else f"{text} ({ratio:.2f}x)"
+
+
+def gpu_markdown(table: Mapping[str, Any]) -> str:
+    """The Markdown table of a GPU table file's data, then the run that measured it."""
+    if not is_gpu_table(table):
+        raise UsageError("GPU table: expected an object with 'rows' (tools/bench.py --gpu-table)")
+    images = table.get("images") or []
+    budget = table.get("budget_mb")
+    heads = ["setting"]
+    heads += [f"step, {n} img" for n in images]
+    heads += [f"peak, {n} img" for n in images]
+    heads += [f"largest batch in {budget:.0f} MB" if budget else "largest batch"]
+    heads += [f"launches / step, {n} img" for n in images]
+    heads += [f"host syncs / step, {n} img" for n in images]
+    lines = ["| " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(heads) - 1)]
+    for r in table["rows"]:
+        cells = [str(r.get("setting"))]
+        for n in images:
+            step = r.get(f"step_s_{n}img")
+            ms = None if step is None else step * 1000.0
+            cells.append(_cell(ms, ".0f", " ms", r.get(f"step_ratio_{n}img")))
+        for n in images:
+            cells.append(_cell(r.get(f"peak_mb_{n}img"), ".0f", " MB", r.get(f"peak_ratio_{n}img")))
+        batch = r.get("max_batch")
+        if batch is not None and r.get("at_limit"):
+            batch = f">= {batch} (the limit)"
+        cells.append("-" if batch is None else str(batch))
+        cells += [_cell(r.get(f"launches_per_step_{n}img"), ".0f") for n in images]
+        cells += [_cell(r.get(f"syncs_per_step_{n}img"), ".1f") for n in images]
+        lines.append("| " + " | ".join(cells) + " |")
+    source = {"cuda": "the CUDA allocator's", "rss": "RSS"}.get(
+        table["rows"][0].get("memory_source") if table["rows"] else None, "-"
+    )
+    lines += [
+        "",
+        f"Ratios to the baseline of the same run. Step: forward and backward, median of "
+        f"{table.get('repeats')} after a warm-up round, synchronised. Peak: {source} peak over "
+        f"the step, above the model's own allocation. Launches and host syncs: counted by "
+        f"torch.profiler, {table.get('profile_steps')} profiled steps per setting (kernel "
+        "launch calls of the runtime and the driver; stream, event and device synchronisations "
+        "and synchronous copies). Largest batch: one SGD step within the budget, searched up "
+        f"to a limit of {table.get('batch_limit')} images.",
+        "",
+        f"Measured {table.get('date')} by `{table.get('command')}` at commit "
+        f"`{table.get('commit')}`; {table.get('gpu') or 'no GPU'}; torch {table.get('torch')} "
+        f"(CUDA {table.get('cuda')}), triton {table.get('triton')}; DropIT kernels: "
+        f"{table.get('kernels')}; AMP {table.get('amp')}, {table.get('image_size')} px.",
+    ]
+    return "\n".join(lines)
