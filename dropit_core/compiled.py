@@ -2,11 +2,10 @@
 
 Eager torch makes a pass over memory per operation, ten or so for a pack; compiled, the group
 minimum and step, the hash draw, the rounding and the packing of codes into bytes are one loop
-that stores into the pack's final buffers, with no buffer of its own as large as a code each
-(1.2x to 2.5x faster than the eager pack on 4Mi fp32 values, on 2 cores, quiet to busy; the
-rebuild stays eager: a few passes, and faster so). It is the eager path's arithmetic, op for op,
-and inductor compiles without unsafe math or contraction (torch's defaults), so its bytes are
-the eager ones bit for bit
+that stores into the pack's final buffers, called a slice at a time (its temporaries, an fp32
+value per element, stay a slice's); the rebuild stays eager: a few passes, and faster so. It is
+the eager path's arithmetic, op for op, and inductor compiles without unsafe math or contraction
+(torch's defaults), so its bytes are the eager ones bit for bit
 (tests/core/test_dropit_kernels.py checks it, marked slow).
 
 Compiling takes 10-30 s, once per process and dtype and bit width (inductor caches it on disk):
@@ -27,9 +26,6 @@ from .seeds import MASK32, MIX_MUL1, MIX_MUL2, TABLE_BITS, UNIFORM_BITS
 
 COMPILE_MIN = 1 << 16  # values of whole groups in a pack, below which it packs eagerly
 ENV = "DROPIT_COMPILE"
-# Inductor stores an expression of more operations than its threshold (30) in a buffer of its
-# own: the hash draw alone has more, and that buffer would be a [rows, group] fp32 copy.
-INLINE_OPS = 1 << 12
 
 _enabled: bool | None = None  # set_compile's choice; None: the environment's
 _COMPILED: dict[str, Callable] = {}
@@ -72,10 +68,10 @@ def quant_rows(
     """Pack ``rows`` (one group each, whole bytes of codes) into ``codes``, ``mins`` and
     ``scales``, views of the pack's final buffers: compiled, the loop stores there directly.
 
-    ``rows`` start at element 0 of the pack; ``params`` (int64: the hash keys k0 and k1) is a
-    tensor so that new keys do not recompile. ``dtype``: each value is rounded to it first (the
-    autocast cast the layer ran, never made here). The same operations as ``Quant._quantize``
-    with ``seeds.hash_bits``.
+    ``params`` (int64: the hash keys k0 and k1, and the pack's index of ``rows``' first
+    element) is a tensor so that new values do not recompile. ``dtype``: each value is rounded
+    to it first (the autocast cast the layer ran, never made here). The same operations as
+    ``Quant._quantize`` with ``seeds.hash_bits``.
     """
     levels, per_byte = (1 << bits) - 1, 8 // bits
     g = (rows if dtype is None else rows.to(dtype)).float()
@@ -83,20 +79,16 @@ def quant_rows(
     scale = ((g.amax(1) - lo) * inv_levels).clamp_min(torch.finfo(torch.float32).tiny)
     mins.copy_(lo)
     scales.copy_(scale)
-    # Each code of a byte computed from the input on its own (an expression read by all of them
-    # would be stored first), and the whole loop inlined (INLINE_OPS): no [rows, group] buffer.
-    g = g.view(rows.shape[0], -1, per_byte)
-    idx = torch.arange(rows.numel(), device=rows.device).view(g.shape)
-    packed = None
-    for j in range(per_byte):
-        at = idx[:, :, j]
-        low = _mix32(((at & ((1 << TABLE_BITS) - 1)) + params[0]) & MASK32)
-        high = _mix32(((at >> TABLE_BITS) + params[1]) & MASK32)
-        noise = (low >> (32 - UNIFORM_BITS)) ^ (high >> (32 - UNIFORM_BITS))
-        y = (g[:, :, j] - lo[:, None]) / scale[:, None]
-        y = y + noise.float() * 2.0**-UNIFORM_BITS
-        code = y.clamp_max(levels).to(torch.uint8)
-        packed = code if packed is None else packed | (code << (bits * j))
+    idx = (torch.arange(rows.numel(), device=rows.device) + params[2]).view(rows.shape)
+    low = _mix32(((idx & ((1 << TABLE_BITS) - 1)) + params[0]) & MASK32)
+    high = _mix32(((idx >> TABLE_BITS) + params[1]) & MASK32)
+    noise = (low >> (32 - UNIFORM_BITS)) ^ (high >> (32 - UNIFORM_BITS))
+    y = (g - lo[:, None]) / scale[:, None]
+    y = y + noise.float() * 2.0**-UNIFORM_BITS
+    code = y.clamp_max(levels).to(torch.uint8).view(-1, per_byte)
+    packed = code[:, 0]
+    for j in range(1, per_byte):
+        packed = packed | (code[:, j] << (bits * j))
     codes.copy_(packed.view(-1))
 
 
@@ -114,7 +106,7 @@ def _compiled(name: str, fn: Callable) -> Callable:
     if name not in _COMPILED:
         # emulate_precision_casts: inductor would otherwise drop the rounding of a cast to
         # bf16/fp16 followed by one back (the autocast cast quant_rows reads its rows as).
-        options = {"realize_opcount_threshold": INLINE_OPS, "emulate_precision_casts": True}
+        options = {"emulate_precision_casts": True}
         _COMPILED[name] = torch.compile(fn, dynamic=True, options=options)
     return _COMPILED[name]
 

@@ -251,15 +251,23 @@ class Quant(Strategy):
     ) -> int:
         """Pack whole groups from element 0 with the compiled loop, straight into the final
         buffers; the values packed (0 if it failed)."""
-        params = torch.tensor([hash_key(seed, 0), hash_key(seed, 1)], dtype=torch.int64)
         rows = piece.detach().view(-1, self.group)  # no autograd in the compiled graph
-        groups = rows.shape[0]
+        # A slice of rows per call: the compiled loop keeps an fp32 value per element in
+        # between (inductor stores the long hash expression), so its temporaries stay a slice's.
+        step = max(1, base.SLICE // self.group)
         try:
             quant_rows = compiled.compiled_quant_rows()
-            quant_rows(
-                rows, params, self.bits, self._inv_levels,
-                codes[: rows.numel() * self.bits // 8], mins[:groups], scales[:groups], cast,
-            )  # fmt: skip
+            for r0 in range(0, rows.shape[0], step):
+                r1 = min(r0 + step, rows.shape[0])
+                first = r0 * self.group
+                params = torch.tensor(
+                    [hash_key(seed, 0), hash_key(seed, 1), first], dtype=torch.int64
+                )
+                quant_rows(
+                    rows[r0:r1], params, self.bits, self._inv_levels,
+                    codes[first * self.bits // 8 : r1 * self.group * self.bits // 8],
+                    mins[r0:r1], scales[r0:r1], cast,
+                )  # fmt: skip
         except Exception as err:  # no compiler, an unsupported torch: pack eagerly from now on
             compiled.compile_failed(err)
             return 0
