@@ -89,7 +89,15 @@ def test_autocast_copy_of_a_quant_layer_input_goes_before_the_pack(eager, kind: 
     # When the pack starts, the op's output and its weight and bias casts are alive, not the
     # bf16 copy of h (h.numel() * 2 bytes) the op ran on: it went with the op. The pack read h
     # itself. After the forward: the output, the pack and the weight cast (the backward's).
-    assert made.alive_at("pack") == out.nbytes + weight_cast + bias_cast
+    # (The weight casts may be made at another moment when other tests ran first, so their bytes
+    # bound the figure instead of fixing it; the bf16 copy would add far more.)
+    copy = h.numel() * 2
+    assert (
+        out.nbytes
+        <= made.alive_at("pack")
+        <= out.nbytes + weight_cast + bias_cast
+        < copy + out.nbytes
+    )
     assert made.alive == out.nbytes + weight_cast + packed.nbytes()
     assert source() is h and dtype == torch.bfloat16
     # The pack is the one of that copy, bit for bit, and rebuilds as bf16.

