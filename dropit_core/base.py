@@ -99,9 +99,12 @@ class Packed(NamedTuple):
         return sum(t.nbytes for t in self.stored())
 
 
-def encoded(codec: ValueCodec, values: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """The ``values``/``scales`` fields of a pack whose kept values ``codec`` stores."""
-    parts = codec.encode(values)
+def encoded(
+    codec: ValueCodec, values: torch.Tensor, keep_sign: bool = False
+) -> dict[str, torch.Tensor | None]:
+    """The ``values``/``scales`` fields of a pack whose kept values ``codec`` stores
+    (``keep_sign``: see :meth:`ValueCodec.encode`)."""
+    parts = codec.encode(values, keep_sign)
     return {"values": parts[0], "scales": parts[1] if len(parts) > 1 else None}
 
 

@@ -17,6 +17,11 @@ the format is the same, and so is the rebuild:
   as zeros, as dropped ones do), and it counts the others in ``Packed.dropped``.
 
 The rebuild finds where each slice's values start from the mask, on the device.
+
+Where :func:`dropit_core.dispatch.use_kernels` says so (CUDA tensors, by default), a strategy
+that states its choice as a :class:`KeepRule` packs and rebuilds with the Triton kernels of
+:mod:`dropit_core.kernels.compact` instead: the fixed-capacity format, byte for byte, in a few
+launches for the whole tensor instead of a dozen per slice.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from typing import Any
 
 import torch
 
-from . import base
+from . import base, dispatch
 from .base import ElementsMeta, Packed, Strategy, decoded, encoded
+from .keep_rule import KeepRule
 from .packing import ValueCodec, compact, compact_bits, compact_into, pack_bits, scatter_kept
 from .registry import Option
 
@@ -91,9 +97,14 @@ def _sparse_bits(bits: torch.Tensor, slots: int | None) -> tuple[torch.Tensor, t
     return pack_bits(flags), nonzero[:-1]
 
 
-def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of :func:`_sparse_bits` for a mask of n elements."""
+def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int, kernels: bool) -> torch.Tensor:
+    """Inverse of :func:`_sparse_bits` for a mask of n elements (``kernels``: by the Triton
+    scatter, which rebuilds bytes as it rebuilds values)."""
     n_bytes = (n + 7) // 8
+    if kernels:
+        from .kernels.compact import scatter_pack
+
+        return scatter_pack(flags, nonzero, n_bytes)
     # one slice of whole mask bytes: the same rebuild as the values' (scatter_kept)
     return scatter_kept(flags, nonzero, n_bytes, max(8, 8 * len(flags)))
 
@@ -109,6 +120,7 @@ class Elementwise(Strategy):
 
     stores_mask = True
     exact_capacity = False
+    signed_values = False  # integer codes of kept values never 0 for a non-zero value
 
     def __init__(
         self, gamma: float, codec: ValueCodec, rescale: str, *, positions: str = POSITIONS[0]
@@ -139,6 +151,11 @@ class Elementwise(Strategy):
         """The mask of a slice rebuilt from the state alone (``stores_mask = False`` only)."""
         raise NotImplementedError
 
+    def _kernel_rule(self, state: Any) -> KeepRule | None:
+        """The rule of :meth:`_slice_mask` for the Triton kernels, or None: eager torch only.
+        A strategy that stores no mask draws its flags again from this rule in the rebuild."""
+        return None
+
     def _kept_state(self, state: Any) -> Any:
         """What of the state the pack's metadata keeps (by default all of it)."""
         return state
@@ -153,13 +170,13 @@ class Elementwise(Strategy):
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         flat = x.reshape(-1)
-        if fixed_capacity(flat.device):
+        if fixed_capacity(flat.device) or dispatch.use_kernels(flat):
             bits, values, state, dropped = self._pack_fixed(flat, key)
             slots = values.numel()
         else:
             bits, values, state = self._pack_tight(flat, key)
             dropped, slots = None, None
-        fields = encoded(self.codec, values)
+        fields = encoded(self.codec, values, self.signed_values)
         if self.stores_mask:
             if self.positions == "sparse_bits":
                 fields["bits"], fields["mask_bytes"] = _sparse_bits(bits, slots)
@@ -202,6 +219,13 @@ class Elementwise(Strategy):
         n, dev = flat.numel(), flat.device
         state = self._begin(flat, True, key)
         slots = self.capacity(n)
+        rule = self._kernel_rule(state) if dispatch.use_kernels(flat) else None
+        if rule is not None:
+            from .kernels.compact import compact_pack
+
+            bits, values, chosen = compact_pack(flat, rule, slots, self.stores_mask)
+            dropped = None if self.exact_capacity else (chosen - slots).clamp_min(0)
+            return bits, values, state, dropped
         values = torch.zeros(slots + 1, dtype=flat.dtype, device=dev)  # + compact_into's spare
         bits = None
         if self.stores_mask:
@@ -224,11 +248,21 @@ class Elementwise(Strategy):
         n = math.prod(shape)
         values = self._rebuilt_values(decoded(self.codec, packed, dtype, kept), packed)
         step = self.slice_len()
+        kernels = dispatch.use_kernels(values)
         if self.stores_mask:
             bits = packed.bits
             if self.positions == "sparse_bits":
-                bits = _dense_bits(bits, packed.mask_bytes, n)
+                bits = _dense_bits(bits, packed.mask_bytes, n, kernels)
+            if kernels:
+                from .kernels.compact import scatter_pack
+
+                return scatter_pack(bits, values, n).view(shape)
             return scatter_kept(bits, values, n, step).view(shape)
+        rule = self._kernel_rule(state) if kernels else None
+        if rule is not None:
+            from .kernels.compact import scatter_pack
+
+            return scatter_pack(None, values, n, draw=rule).view(shape)
 
         def slice_bits(start: int, length: int) -> torch.Tensor:
             # One slice's mask at a time: the only full-size tensor alive here is the output.

@@ -315,8 +315,10 @@ class ValueCodec:
         """Values per scale of the integer formats."""
         return self.int4_chunk if self.fmt == "int4" else self.int8_chunk
 
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Encode a flat tensor of kept values into one or two tensors."""
+    def encode(self, values: torch.Tensor, keep_sign: bool = False) -> tuple[torch.Tensor, ...]:
+        """Encode a flat tensor of kept values into one or two tensors. ``keep_sign``: an
+        integer format codes a non-zero value that rounds to 0 as one step of its sign instead
+        (for a rebuild that reads every kept value's sign)."""
         if self.fmt == "same":
             return (values,)
         if self.fmt in _FLOAT_FORMATS:
@@ -326,7 +328,10 @@ class ValueCodec:
         pad = (-m) % chunk
         v = torch.nn.functional.pad(values.float(), (0, pad)).view(-1, chunk)
         scale = v.abs().amax(dim=1).clamp_min_(torch.finfo(torch.float32).tiny) / levels
-        q = torch.round(v / scale[:, None]).to(torch.int8).view(-1)
+        q = torch.round(v / scale[:, None])
+        if keep_sign:
+            q = torch.where((q == 0) & (v != 0), torch.sign(v), q)
+        q = q.to(torch.int8).view(-1)
         if self.fmt == "int4":
             # Two codes per byte, offset to 1..15 (0 never occurs: a padded code rebuilds as 0).
             q = (q[:m] + 8).to(torch.uint8)

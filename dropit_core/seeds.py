@@ -104,10 +104,3 @@ def hash_uniform(seed: int, start: int, length: int, device: torch.device) -> to
     """``length`` fp32 numbers uniform in [0, 1) for flat elements ``start`` onward of a pack
     seeded ``seed``: :func:`hash_bits` times 2**-24 (exact in fp32)."""
     return hash_bits(seed, start, length, device).float().mul_(2.0**-UNIFORM_BITS)
-
-
-def uniform(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
-    """``length`` fp32 numbers uniform in [0, 1): the draws for flat elements ``start`` onward of
-    a pack seeded ``seed``, from a generator on ``device`` (nothing crosses to the host)."""
-    gen = torch.Generator(device=device).manual_seed(seed + start)
-    return torch.rand(length, generator=gen, device=device)

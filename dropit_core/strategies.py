@@ -89,9 +89,10 @@ from .base import (
     keep_count,
 )
 from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise, expected_capacity
+from .keep_rule import AT_LEAST, DRAW, TIES, KeepRule
 from .packing import ValueCodec, pack_bits
 from .registry import Option, Registry
-from .seeds import mix_seed, uniform
+from .seeds import hash_uniform, mix_seed
 from .select import (
     KthLargest,
     abs_slices,
@@ -161,6 +162,11 @@ class MinK(Elementwise):
 
     def _kept_state(self, state):
         return state.value if isinstance(state, _TieBudget) else state
+
+    def _kernel_rule(self, state) -> KeepRule:
+        if isinstance(state, _TieBudget):
+            return KeepRule(TIES, state.value, state.left)
+        return KeepRule(AT_LEAST, state)
 
     def _pack_one_pass(self, flat: torch.Tensor, key: int):
         """Select and pack in two passes (CPU): the first gathers every value above the bracket's
@@ -278,6 +284,9 @@ class Threshold(Elementwise):
         q = min(m, max(1, math.ceil(self.gamma * m)))  # the q-th smallest: the (m-q)-th largest
         return largest(sample, [m - q])[0].clamp_min(floor)
 
+    def _kernel_rule(self, state: torch.Tensor) -> KeepRule:
+        return KeepRule(AT_LEAST, state)
+
     def _describe_params(self) -> tuple[str, ...]:
         return (f"sample={self.sample}",)
 
@@ -325,7 +334,10 @@ class RandomKeep(Elementwise):
     def _rebuild_mask(
         self, start: int, length: int, state: int, device: torch.device
     ) -> torch.Tensor:
-        return uniform(state, start, length, device) >= self.gamma
+        return hash_uniform(state, start, length, device) >= self.gamma
+
+    def _kernel_rule(self, state: int) -> KeepRule:
+        return KeepRule(DRAW, seed=state, gamma=self.gamma)
 
     def _rebuilt_values(self, values: torch.Tensor, packed: Packed) -> torch.Tensor:
         # Out of place: the decoded values may be the cached tensor itself, which layers share.

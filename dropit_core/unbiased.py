@@ -29,9 +29,10 @@ import torch
 from . import base, compiled, dispatch
 from .base import SEED, Packed, QuantMeta, Strategy
 from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise, expected_capacity
+from .keep_rule import IMPORTANCE, KeepRule
 from .packing import ValueCodec, code_bytes, pack_codes, quant_buffers, unpack_codes
 from .registry import Option
-from .seeds import UNIFORM_BITS, hash_bits, hash_key, mix_seed, uniform
+from .seeds import UNIFORM_BITS, hash_bits, hash_key, hash_uniform, mix_seed
 from .select import sample_size, sample_stride, tiny
 
 
@@ -76,6 +77,8 @@ class Importance(Elementwise):
     )
     cache_bytes = "n/8 + kept v + 4; GPU: n/8 + cap v + 12"
     draws = True
+    # A kept value below tau rebuilds as +-tau by its sign, which an integer code of 0 lacks.
+    signed_values = True
 
     def __init__(
         self,
@@ -112,8 +115,11 @@ class Importance(Elementwise):
     def _slice_mask(self, piece: torch.Tensor, start: int, state: _Draw) -> torch.Tensor:
         # |x| > u tau with u uniform in [0, 1): probability |x|/tau below tau, 1 at or above it,
         # and 0 for exact zeros.
-        threshold = uniform(state.seed, start, piece.numel(), piece.device).mul_(state.tau)
+        threshold = hash_uniform(state.seed, start, piece.numel(), piece.device).mul_(state.tau)
         return piece.abs() > threshold
+
+    def _kernel_rule(self, state: _Draw) -> KeepRule:
+        return KeepRule(IMPORTANCE, state.tau, seed=state.seed)
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         packed = super()._pack(x, layout, key)

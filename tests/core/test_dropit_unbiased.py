@@ -362,3 +362,16 @@ def test_importance_with_narrow_values(values: str) -> None:
     a, b = exact.unpack(exact.pack(x, "conv", 5)), narrow.unpack(narrow.pack(x, "conv", 5))
     assert torch.equal(a != 0, b != 0)  # the same draw: the same kept set
     assert float((a - b).abs().max()) <= float(x.abs().max()) / 127  # a quantisation step
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_importance_with_int4_values_keeps_every_kept_sign(seed: int) -> None:
+    # A kept value below tau rebuilds as +-tau; stored as the raw value, int4 would round a
+    # small one to the sign-less code 0 and rebuild it as +tau. Signs of the input, everywhere.
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4096, generator=gen) * torch.rand(4096, generator=gen).pow(4) * 3
+    strategy = build_strategy("importance", 0.5, values="int4", int4_chunk=8, seed=seed)
+    rebuilt = strategy.unpack(strategy.pack(x, "linear", 5))
+    kept = rebuilt != 0
+    assert int(kept.sum()) > 1000
+    assert torch.equal(torch.sign(rebuilt[kept]), torch.sign(x[kept]))

@@ -147,6 +147,25 @@ def test_quant_packs_the_same_bytes_on_cpu_and_cuda(dtype: torch.dtype) -> None:
     assert torch.equal(strategy.unpack(cuda).cpu(), strategy.unpack(cpu))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "strategy,options",
+    [("mink", {}), ("threshold", {}), ("importance", {"seed": 3}), ("random", {"scale": True})],
+)
+def test_elementwise_packs_the_same_bytes_on_cpu_and_cuda(monkeypatch, dtype, strategy, options):
+    # The CPU's fixed-capacity pack (eager torch) and the CUDA one (the Triton compaction where
+    # triton imports): the same kept set, slots, mask and draws (a hash of the element index).
+    from dropit_core import elementwise
+
+    monkeypatch.setattr(elementwise, "fixed_capacity", lambda device: True)
+    x = _input(torch.device("cpu"), (2, 16, 48, 48)).relu().to(dtype)
+    s = build_strategy(strategy, 0.8, **options)
+    cpu, cuda = s.pack(x, "conv", 7), s.pack(x.to(CUDA), "conv", 7)
+    for a, b in zip(cpu.stored(), cuda.stored(), strict=True):
+        assert torch.equal(a, b.cpu())
+    assert torch.equal(s.unpack(cuda).cpu(), s.unpack(cpu))
+
+
 @pytest.mark.parametrize("amp", [None, torch.float16])
 @pytest.mark.parametrize(
     "strategy,options",

@@ -1,0 +1,207 @@
+"""The element-wise packs' Triton kernels (``dropit_core.kernels.compact``) against the eager
+fixed-capacity path: the same bytes from the pack, the same tensor from the rebuild, either
+path rebuilding the other's pack, whatever the block size; ties, overflows, odd and empty sizes.
+
+Run under Triton's interpreter on CPU tensors where there is no GPU (tests/conftest.py sets
+TRITON_INTERPRET=1), compiled on a GPU where there is one; tensors stay near 1e4 elements.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dropit_core import build_strategy, dispatch
+from dropit_core import elementwise as elementwise_mod
+from dropit_core.keep_rule import AT_LEAST, DRAW, IMPORTANCE, TIES, KeepRule
+from dropit_core.packing import compact_into, pack_bits, scatter_kept
+from dropit_core.seeds import hash_uniform
+from tests.core.test_dropit_fixed import SETTINGS, _x
+
+triton = pytest.importorskip("triton")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cpu" and not INTERPRETED, reason="kernels on CPU need TRITON_INTERPRET=1"
+)
+
+from dropit_core.kernels import compact as compact_mod  # noqa: E402  (after the skip)
+from dropit_core.kernels.compact import compact_pack, scatter_pack  # noqa: E402
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """Fixed-capacity packs on every device, and a switch between the kernels and eager torch."""
+    monkeypatch.setattr(elementwise_mod, "fixed_capacity", lambda device: True)
+    yield dispatch.set_kernels
+    dispatch.set_kernels(None)
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(width), b.view(width))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("name,options", SETTINGS)
+def test_kernel_pack_and_rebuild_are_the_eager_ones_bit_for_bit(paths, dtype, name, options):
+    x = _x(seed=1).to(dtype).to(DEVICE)  # half exact zeros, as after a ReLU
+    strategy = build_strategy(name, 0.8, **options)
+    paths("eager")
+    eager = strategy.pack(x, "conv", 5)
+    eager_rebuilt = strategy.unpack(eager)
+    paths("triton")
+    kernel = strategy.pack(x, "conv", 5)
+    assert kernel.meta == eager.meta
+    for field, a, b in zip(eager._fields[1:], eager[1:], kernel[1:], strict=True):
+        assert _same(a, b), field
+    # Each path rebuilds the other's pack: the same bytes give the same tensor.
+    assert _same(strategy.unpack(eager), eager_rebuilt)
+    paths("eager")
+    assert _same(strategy.unpack(kernel), eager_rebuilt)
+
+
+@pytest.mark.parametrize("block", [64, 512, 4096])
+@pytest.mark.parametrize("kind", [AT_LEAST, TIES, DRAW, IMPORTANCE])
+def test_pack_bytes_do_not_depend_on_the_block_size(kind: int, block: int) -> None:
+    x = (_x(seed=2, relu=False).reshape(-1)[:9999] * 2).round().to(DEVICE)  # many ties, odd n
+    t = torch.tensor(2.0, device=DEVICE)
+    rule = {
+        AT_LEAST: KeepRule(AT_LEAST, t),
+        TIES: KeepRule(TIES, t, torch.tensor(700, device=DEVICE)),
+        DRAW: KeepRule(DRAW, seed=11, gamma=0.7),
+        IMPORTANCE: KeepRule(IMPORTANCE, t.float(), seed=11),
+    }[kind]
+    ref = compact_pack(x, rule, 4000, block=BLOCKS_REF)
+    got = compact_pack(x, rule, 4000, block=block)
+    for a, b in zip(ref, got, strict=True):
+        assert _same(a, b)
+    assert torch.equal(scatter_pack(got[0], got[1], x.numel(), block=block), _dense(ref, x.numel()))
+
+
+BLOCKS_REF = 1024
+
+
+def _dense(packed, n: int) -> torch.Tensor:
+    bits, values, _ = packed
+    return scatter_kept(bits, values, n, 1 << 20)
+
+
+def test_the_rules_choose_what_their_strategies_mask() -> None:
+    # Each rule keeps what the eager expression keeps; a capacity of n stores them all.
+    x = _x(seed=3, relu=False).reshape(-1).to(DEVICE)
+    n = x.numel()
+    t = torch.tensor(0.9, device=DEVICE)
+    u = hash_uniform(17, 0, n, DEVICE)
+    cases = [
+        (KeepRule(AT_LEAST, t), x.abs() >= t),
+        (KeepRule(DRAW, seed=17, gamma=0.8), u >= 0.8),
+        (KeepRule(IMPORTANCE, t, seed=17), x.abs() > u * t),
+        # a gamma that one draw equals exactly: that element is kept (u >= gamma, not >)
+        (KeepRule(DRAW, seed=17, gamma=float(u[123])), u >= u[123]),
+    ]
+    assert bool(cases[-1][1][123])
+    for rule, mask in cases:
+        bits, values, chosen = compact_pack(x, rule, n)
+        assert torch.equal(bits, pack_bits(mask)) and int(chosen) == int(mask.sum())
+        assert torch.equal(values[: int(chosen)], x[mask]) and not values[int(chosen) :].any()
+
+
+@pytest.mark.parametrize("left", [0, 1, 37, 10_000])
+def test_ties_are_kept_in_flat_order_up_to_the_budget(left: int) -> None:
+    x = (torch.randn(6001, generator=torch.Generator().manual_seed(4)) * 3).round().to(DEVICE)
+    t = torch.tensor(2.0, device=DEVICE)
+    bits, values, chosen = compact_pack(
+        x, KeepRule(TIES, t, torch.tensor(left, device=DEVICE)), 6001, block=256
+    )
+    tie = x.abs() == 2
+    ties_kept = torch.zeros_like(tie)
+    ties_kept[torch.nonzero(tie).squeeze(1)[:left]] = True
+    mask = (x.abs() > 2) | ties_kept
+    assert torch.equal(bits, pack_bits(mask)) and int(chosen) == int(mask.sum())
+    assert torch.equal(values[: int(chosen)], x[mask])
+
+
+@pytest.mark.parametrize("slots", [0, 1, 300])
+def test_an_overflow_stores_the_first_values_as_the_eager_compaction(slots: int) -> None:
+    x = _x(seed=5, relu=False).reshape(-1).to(DEVICE)
+    t = torch.tensor(0.5, device=DEVICE)
+    bits, values, chosen = compact_pack(x, KeepRule(AT_LEAST, t), slots, block=512)
+    out = torch.zeros(slots + 1, dtype=x.dtype, device=DEVICE)
+    flags, stored, count = compact_into(x, x.abs() >= t, out, torch.zeros((), dtype=torch.int64))
+    assert int(chosen) == int(count) > slots and int(stored) == slots
+    assert torch.equal(values, out[:slots]) and torch.equal(bits, pack_bits(flags))
+    # The rebuild reads back exactly the stored ones.
+    dense = scatter_pack(bits, values, x.numel(), block=512)
+    assert torch.equal(dense, torch.where(flags, x, torch.zeros_like(x)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 4097])
+def test_odd_and_empty_sizes(n: int) -> None:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    rule = KeepRule(AT_LEAST, torch.tensor(0.3, device=DEVICE))
+    bits, values, chosen = compact_pack(x, rule, n)
+    mask = x.abs() >= 0.3
+    assert bits.numel() == (n + 7) // 8 and torch.equal(bits, pack_bits(mask))
+    assert int(chosen) == int(mask.sum()) and values.numel() == n
+    assert torch.equal(scatter_pack(bits, values, n), torch.where(mask, x, torch.zeros_like(x)))
+
+
+def test_a_drawn_rebuild_zeroes_the_flags_past_its_last_slot() -> None:
+    # random stores no mask: its rebuild draws the flags again; those past the stored values
+    # (an overflowed pack) rebuild as zeros, as the eager scatter does.
+    x = _x(seed=7, relu=False).reshape(-1).to(DEVICE)
+    draw = KeepRule(DRAW, seed=5, gamma=0.5)
+    _, values, chosen = compact_pack(x, draw, 1000, write_bits=False)
+    assert int(chosen) > 1000
+    dense = scatter_pack(None, values, x.numel(), draw=draw)
+    flags = hash_uniform(5, 0, x.numel(), DEVICE) >= 0.5
+    first = torch.zeros_like(flags)
+    first[torch.nonzero(flags).squeeze(1)[:1000]] = True
+    assert torch.equal(dense, torch.where(first, x, torch.zeros_like(x)))
+
+
+def test_one_launch_of_each_kernel_per_pack_whatever_the_slices(paths, monkeypatch) -> None:
+    # The eager fixed pack loops over slices of SLICE elements; the kernels cover the tensor.
+    from dropit_core import base as base_mod
+
+    monkeypatch.setattr(base_mod, "SLICE", 512)
+    launches: list[str] = []
+    for name in ("_count_kernel", "_compact_kernel", "_flag_count_kernel", "_scatter_kernel"):
+        kernel = getattr(compact_mod, name)
+        monkeypatch.setattr(compact_mod, name, _Counting(kernel, name, launches))
+    strategy = build_strategy("threshold", 0.8)
+    paths("triton")
+    strategy.unpack(strategy.pack(_x(seed=8).to(DEVICE), "conv", 1))
+    assert sorted(launches) == sorted(
+        ["_count_kernel", "_compact_kernel", "_flag_count_kernel", "_scatter_kernel"]
+    )
+
+
+class _Counting:
+    """A kernel whose launches are recorded (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel, name: str, launches: list[str]) -> None:
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(self.name)
+        return self.kernel[grid]
+
+
+def test_bad_arguments_are_named() -> None:
+    x = torch.randn(10, device=DEVICE)
+    with pytest.raises(ValueError, match="flat float"):
+        compact_pack(x.view(2, 5), KeepRule(AT_LEAST, x[0]), 10)
+    with pytest.raises(ValueError, match="power of two"):
+        compact_pack(x, KeepRule(AT_LEAST, x[0]), 10, block=100)
+    with pytest.raises(ValueError, match="one of them"):
+        scatter_pack(None, x, 10)
+    with pytest.raises(ValueError, match="DRAW"):
+        scatter_pack(None, x, 10, draw=KeepRule(AT_LEAST, x[0]))
