@@ -11,7 +11,8 @@ values from that superset instead of reading the input a third time. Should the 
 
 On an accelerator (:func:`kth_largest_abs`) the radix select runs alone: two histogram passes
 over the bit patterns of ``|x|`` (one for 16-bit floats), every size fixed by the shape, so the
-host never waits for the device and nothing can miss.
+host never waits for the device and nothing can miss; where the Triton kernels are in use, each
+pass is one launch (:mod:`dropit_core.kernels.select`).
 
 Both return the value floored at the dtype's smallest normal number, so that keeping
 ``|x| >= value`` never keeps exact zeros (they rebuild as zeros anyway).
@@ -25,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import dispatch
 from .packing import compact_bits, pack_bits
 
 # Tensors up to this size are simply sorted: the sort is as small as the sample would be.
@@ -183,6 +185,28 @@ def abs_slices(flat: torch.Tensor, slice_len: int) -> Iterator[torch.Tensor]:
         yield torch.abs(piece, out=buf[: piece.numel()])
 
 
+def _abs_bits_histogram(
+    flat: torch.Tensor,
+    bits_dtype: torch.dtype,
+    shift: int,
+    level: int,
+    prefix: torch.Tensor,
+    slice_len: int,
+    ones: torch.Tensor,
+) -> torch.Tensor:
+    """One histogram pass of :func:`radix_kth_largest_abs` in eager torch, slice by slice."""
+    # The second level counts into the upper half the elements outside the chosen bucket:
+    # they spread over its 64Ki counters instead of all hitting one.
+    hist = torch.zeros(2 << 16 if level else 1 << 16, dtype=torch.int32, device=flat.device)
+    for start in range(0, flat.numel(), slice_len):
+        b = flat[start : start + slice_len].abs().view(bits_dtype).to(torch.int32)
+        bucket = (b >> shift) & 0xFFFF
+        if level:
+            bucket += ((b >> (shift + 16)) != prefix).to(torch.int32) << 16
+        hist.index_add_(0, bucket, ones.expand(bucket.numel()))
+    return hist[: 1 << 16]
+
+
 def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLargest:
     """The k-th largest ``|flat|`` (1 <= k <= n), exactly, by radix select, with no host read.
 
@@ -203,17 +227,14 @@ def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLarg
     ones = torch.ones(1, dtype=torch.int32, device=dev)
     prefix = torch.zeros(1, dtype=torch.int32, device=dev)  # the high bits found so far
     remaining = torch.full((1,), k, dtype=torch.int32, device=dev)  # rank inside the bucket
+    kernels = dispatch.use_kernels(flat)
     for level, shift in enumerate(shifts):
-        # The second level counts into the upper half the elements outside the chosen bucket:
-        # they spread over its 64Ki counters instead of all hitting one.
-        hist = torch.zeros(2 << 16 if level else 1 << 16, dtype=torch.int32, device=dev)
-        for start in range(0, flat.numel(), slice_len):
-            b = flat[start : start + slice_len].abs().view(bits_dtype).to(torch.int32)
-            bucket = (b >> shift) & 0xFFFF
-            if level:
-                bucket += ((b >> (shift + 16)) != prefix).to(torch.int32) << 16
-            hist.index_add_(0, bucket, ones.expand(bucket.numel()))
-        hist = hist[: 1 << 16]
+        if kernels:  # one launch per pass (dropit_core.kernels.select): the same counters
+            from .kernels.select import abs_bits_histogram
+
+            hist = abs_bits_histogram(flat, shift, prefix if level else None)
+        else:
+            hist = _abs_bits_histogram(flat, bits_dtype, shift, level, prefix, slice_len, ones)
         at_least = hist.flip(0).cumsum(0, dtype=torch.int32)  # [j]: in buckets >= 65535 - j
         j = torch.searchsorted(at_least, remaining)  # the first j with at_least[j] >= remaining
         chosen = 65535 - j

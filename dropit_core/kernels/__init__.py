@@ -4,6 +4,9 @@
   bytes) in one launch, and its rebuild in one launch.
 - :mod:`.relu`: the ReLU that writes its output and its 1-bit mask in one launch, and the
   backward that reads the mask.
+- :mod:`.compact`: the element-wise packs (mink, threshold, importance, random) compacted and
+  rebuilt, a count, a device-side cumulative sum and a write per tensor.
+- :mod:`.select`: the histogram passes of mink's radix select, one launch each.
 - :mod:`.noise`: the counter-based uniform draw, :func:`dropit_core.seeds.hash_uniform` in
   Triton.
 

@@ -18,7 +18,7 @@ from dropit_core import elementwise as elementwise_mod
 from dropit_core.keep_rule import AT_LEAST, DRAW, IMPORTANCE, TIES, KeepRule
 from dropit_core.packing import compact_into, pack_bits, scatter_kept
 from dropit_core.seeds import hash_uniform
-from tests.core.test_dropit_fixed import SETTINGS, _x
+from tests.core.test_dropit_fixed import SETTINGS, _x, small_slices  # noqa: F401 (a fixture)
 
 triton = pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,6 +48,7 @@ def _same(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(width), b.view(width))
 
 
+@pytest.mark.usefixtures("small_slices")  # slices of 1000, mink's radix select from 256 on
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("name,options", SETTINGS)
 def test_kernel_pack_and_rebuild_are_the_eager_ones_bit_for_bit(paths, dtype, name, options):
@@ -205,3 +206,34 @@ def test_bad_arguments_are_named() -> None:
         scatter_pack(None, x, 10)
     with pytest.raises(ValueError, match="DRAW"):
         scatter_pack(None, x, 10, draw=KeepRule(AT_LEAST, x[0]))
+
+
+# ------------------------------------------------------------------------ mink's radix select
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_radix_histograms_and_kth_value_are_the_eager_ones(paths, dtype) -> None:
+    from dropit_core import select as select_mod
+    from dropit_core.kernels.select import abs_bits_histogram
+
+    x = (_x(seed=9, relu=False) * 3).to(dtype).to(DEVICE).reshape(-1)  # signs, ties (16-bit)
+    x[::3] = 0  # a third zeros, as a ReLU leaves: summed per program, not by atomics
+    bits_dtype = select_mod._BITS[dtype]
+    ones = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    shift = 16 if dtype == torch.float32 else 0
+    first = abs_bits_histogram(x, shift, block=512)
+    zero = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    assert torch.equal(
+        first, select_mod._abs_bits_histogram(x, bits_dtype, shift, 0, zero, 1000, ones)
+    )
+    if dtype == torch.float32:  # the second pass, inside the most populated non-zero bucket
+        prefix = (first[1:].argmax() + 1).to(torch.int32).reshape(1)
+        second = abs_bits_histogram(x, 0, prefix, block=512)
+        eager = select_mod._abs_bits_histogram(x, bits_dtype, 0, 1, prefix, 1000, ones)
+        assert torch.equal(second, eager) and int(second.sum()) == int(first[prefix])
+    for k in (1, 100, 2000, x.numel() - 1):  # the last: k-th value 0, floored, every tie kept
+        paths("triton")
+        got = select_mod.radix_kth_largest_abs(x, k, 1000)
+        paths("eager")
+        want = select_mod.radix_kth_largest_abs(x, k, 1000)
+        assert _same(got.value, want.value) and int(got.ties) == int(want.ties), k
