@@ -12,5 +12,6 @@
 
 Importing a submodule imports triton; :mod:`dropit_core.dispatch` decides whether to (only then),
 so ``dropit_core`` imports without triton. Every kernel writes exactly the format its eager
-reference writes (``dropit_core.unbiased.Quant``, ``dropit_core.ops.MaskedReLUFunction``).
+reference writes (``dropit_core.unbiased.Quant``, ``dropit_core.ops.MaskedReLUFunction``, the
+fixed-capacity path of ``dropit_core.elementwise``, ``dropit_core.select``' radix select).
 """
