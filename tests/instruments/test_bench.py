@@ -157,6 +157,7 @@ STEP_SECONDS = [9.0, 9.0, 9.0, 1.0, 3.0, 1.5, 2.0, 6.0, 3.5]  # medians 1.5, 4.5
 EVAL_SECONDS = [9.0, 9.0, 9.0, 0.5, 0.5, 1.0, 0.5, 1.5, 1.0]  # medians 0.5, 1.0, 1.0
 
 
+@pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
 def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
     # Every variant's memory is taken before any timing (the timing switches the allocator),
     # and every ratio divides by the same baseline median.
@@ -188,6 +189,7 @@ def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
         assert row["timing_allocator"] == "as started"
 
 
+@pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
 def test_memory_only_rows_of_part_of_the_model() -> None:
     # --repeats 0: no timing; include= converts only part of the model, which keeps more.
     variants = [Variant("mink", 0.8), Variant("mink", 0.8, include=("roi_heads.*",))]
@@ -202,6 +204,7 @@ def test_memory_only_rows_of_part_of_the_model() -> None:
     assert "| mink 0.8 include=roi_heads.* |" in markdown_table([base, whole, heads])
 
 
+@pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
 def test_tiny_benchmark_under_bf16_autocast() -> None:
     # The --amp path (fp16 on GPUs) on the CPU, where autocast runs bf16.
     rows = list(

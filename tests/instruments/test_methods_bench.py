@@ -89,6 +89,7 @@ def _tiny_recipe():
 # ------------------------------------------------------------------------------------ settings
 
 
+@pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
 def test_every_plan_setting_builds_the_bench_model_from_the_same_weights() -> None:
     # The study's overrides, applied to the bench's recipe: each setting trains the same model
     # (the same parameters, bit for bit) in its own way.
@@ -274,6 +275,7 @@ def test_approximated_layers_are_dropit_layers_and_everything_recomputed() -> No
 # ------------------------------------------------------------------------------ the bench rows
 
 
+@pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
 def test_tiny_bench_of_methods_exact_where_it_must_be(monkeypatch, tmp_path) -> None:
     # The timer says 1 s for everything (timings are the real bench's business); memory and
     # gradients are measured.
@@ -450,6 +452,7 @@ def test_cli_unknown_setting_is_one_line(capsys) -> None:
     assert err.startswith("error: setting 'quant_3bit' is not in") and "did you mean" in err
 
 
+@pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
 def test_tiny_bench_of_the_baselines_a_gpu_user_compares_with(monkeypatch) -> None:
     monkeypatch.setattr(timing, "timed", lambda fn, device=None: (None, 1.0))
     names = ["baseline", "baseline_torchvision_bn", "accumulate_2"]
