@@ -22,7 +22,7 @@ demo: setup
 
 # Every tier (CI). test-fast: the inner loop, without the tests marked slow (training runs,
 # fresh interpreters, multi-process jobs, tiny benches of a whole model): 78 s on 2 quiet cores
-# at 3fd9ab1 (`time make test-fast`, the study paused).
+# with these marks (`time pytest -m "not slow"`, 2026-11-25, the study paused).
 test: setup
 	$(PY) -m pytest
 
