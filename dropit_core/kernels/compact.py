@@ -44,16 +44,23 @@ def _choose(x, idx, t_ptr, key_low, key_high, gamma, RULE: tl.constexpr):
     return keep, tie
 
 
+@triton.jit
+def _block(x_ptr, pid, n, t_ptr, key_low, key_high, gamma, RULE: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``pid``'s (indices, in range, values, kept, tie) flags, the values read once."""
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n
+    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    keep, tie = _choose(x, idx, t_ptr, key_low, key_high, gamma, RULE)
+    return idx, ok, x, keep, tie
+
+
 @triton.jit(do_not_specialize=["key_low", "key_high", "gamma"])
 def _count_kernel(
     x_ptr, t_ptr, counts_ptr, ties_ptr, n, key_low, key_high, gamma,
     RULE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < n
-    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
-    keep, tie = _choose(x, idx, t_ptr, key_low, key_high, gamma, RULE)
+    idx, ok, x, keep, tie = _block(x_ptr, pid, n, t_ptr, key_low, key_high, gamma, RULE, BLOCK)
     tl.store(counts_ptr + pid, tl.sum((keep & ok).to(tl.int32), axis=0))
     if RULE == 1:
         tl.store(ties_ptr + pid, tl.sum((tie & ok).to(tl.int32), axis=0))
@@ -65,10 +72,7 @@ def _compact_kernel(
     key_low, key_high, gamma, RULE: tl.constexpr, WRITE_BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < n
-    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
-    keep, tie = _choose(x, idx, t_ptr, key_low, key_high, gamma, RULE)
+    idx, ok, x, keep, tie = _block(x_ptr, pid, n, t_ptr, key_low, key_high, gamma, RULE, BLOCK)
     if RULE == 1:  # a tie is kept while its rank in flat order is within the budget
         tie = tie & ok
         rank = tl.load(tie_starts_ptr + pid) + tl.cumsum(tie.to(tl.int64), axis=0)

@@ -8,8 +8,6 @@ TRITON_INTERPRET=1), compiled on a GPU where there is one; tensors stay near 1e4
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,19 +16,14 @@ from dropit_core import elementwise as elementwise_mod
 from dropit_core.keep_rule import AT_LEAST, DRAW, IMPORTANCE, TIES, KeepRule
 from dropit_core.packing import compact_into, pack_bits, scatter_kept
 from dropit_core.seeds import hash_uniform
+from tests.core.kernel_env import DEVICE, FLOATS, NEEDS_KERNELS, same_bits
 from tests.core.test_dropit_fixed import SETTINGS, _x, small_slices  # noqa: F401 (a fixture)
 
 triton = pytest.importorskip("triton")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
-pytestmark = pytest.mark.skipif(
-    DEVICE.type == "cpu" and not INTERPRETED, reason="kernels on CPU need TRITON_INTERPRET=1"
-)
+pytestmark = NEEDS_KERNELS
 
 from dropit_core.kernels import compact as compact_mod  # noqa: E402  (after the skip)
 from dropit_core.kernels.compact import compact_pack, scatter_pack  # noqa: E402
-
-FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture
@@ -39,13 +32,6 @@ def paths(monkeypatch):
     monkeypatch.setattr(elementwise_mod, "fixed_capacity", lambda device: True)
     yield dispatch.set_kernels
     dispatch.set_kernels(None)
-
-
-def _same(a, b) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(width), b.view(width))
 
 
 @pytest.mark.usefixtures("small_slices")  # slices of 1000, mink's radix select from 256 on
@@ -61,11 +47,11 @@ def test_kernel_pack_and_rebuild_are_the_eager_ones_bit_for_bit(paths, dtype, na
     kernel = strategy.pack(x, "conv", 5)
     assert kernel.meta == eager.meta
     for field, a, b in zip(eager._fields[1:], eager[1:], kernel[1:], strict=True):
-        assert _same(a, b), field
+        assert same_bits(a, b), field
     # Each path rebuilds the other's pack: the same bytes give the same tensor.
-    assert _same(strategy.unpack(eager), eager_rebuilt)
+    assert same_bits(strategy.unpack(eager), eager_rebuilt)
     paths("eager")
-    assert _same(strategy.unpack(kernel), eager_rebuilt)
+    assert same_bits(strategy.unpack(kernel), eager_rebuilt)
 
 
 @pytest.mark.parametrize("block", [256, 4096])
@@ -82,7 +68,7 @@ def test_pack_bytes_do_not_depend_on_the_block_size(kind: int, block: int) -> No
     ref = compact_pack(x, rule, 4000, block=BLOCKS_REF)
     got = compact_pack(x, rule, 4000, block=block)
     for a, b in zip(ref, got, strict=True):
-        assert _same(a, b)
+        assert same_bits(a, b)
     assert torch.equal(scatter_pack(got[0], got[1], x.numel(), block=block), _dense(ref, x.numel()))
 
 
@@ -236,4 +222,4 @@ def test_radix_histograms_and_kth_value_are_the_eager_ones(paths, dtype) -> None
         got = select_mod.radix_kth_largest_abs(x, k, 1000)
         paths("eager")
         want = select_mod.radix_kth_largest_abs(x, k, 1000)
-        assert _same(got.value, want.value) and int(got.ties) == int(want.ties), k
+        assert same_bits(got.value, want.value) and int(got.ties) == int(want.ties), k

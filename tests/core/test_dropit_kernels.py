@@ -9,7 +9,6 @@ TRITON_INTERPRET=1 before any kernel is defined); with one, compiled on it. Tens
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,14 +20,11 @@ from dropit_core import build_strategy, compiled, dispatch, seeds, set_step, to_
 from dropit_core.ops import MaskedReLUFunction
 from dropit_core.packing import unpack_codes
 from dropit_core.unbiased import quant_kernels_take
+from tests.core.kernel_env import DEVICE, FLOATS, INTERPRETED, NEEDS_KERNELS, same_bits
 from tests.core.test_dropit_unbiased import _activation, _error_in_noise_units
 
 triton = pytest.importorskip("triton")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
-pytestmark = pytest.mark.skipif(
-    DEVICE.type == "cpu" and not INTERPRETED, reason="kernels on CPU need TRITON_INTERPRET=1"
-)
+pytestmark = NEEDS_KERNELS
 
 import triton.language as tl  # noqa: E402  (after the skip: triton may be missing)
 
@@ -36,7 +32,6 @@ from dropit_core.kernels import noise  # noqa: E402
 from dropit_core.kernels.quant import quant_pack, quant_rebuild  # noqa: E402
 from dropit_core.kernels.relu import relu_mask, relu_mask_grad  # noqa: E402
 
-FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 # (group, n): the default group with a last partial group, a group not a power of two, a group
 # of one byte of 2-bit codes with an odd n (a last byte's unused codes), fewer values than a group.
 SIZES = [(256, 3000), (100, 1001), (8, 77), (256, 5)]
@@ -52,12 +47,6 @@ def mode():
 def _x(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) * 4).to(dtype).to(DEVICE)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-identical (+0.0 vs -0.0 and NaN payloads told apart)."""
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(a.view(width), b.view(width))
 
 
 def _pack_both(x: torch.Tensor, bits: int, group: int, key: int, mode):
@@ -120,14 +109,14 @@ def test_quant_pack_and_rebuild_are_the_eager_ones_bit_for_bit(dtype, bits, grou
     x = _x(n, dtype)
     strategy, eager, kernel = _pack_both(x, bits, group, 11, mode)
     for field in ("values", "mins", "scales"):
-        assert _same_bits(getattr(kernel, field), getattr(eager, field)), field
+        assert same_bits(getattr(kernel, field), getattr(eager, field)), field
     # The same bytes rebuilt by either path; a kernel pack rebuilt eagerly and vice versa.
     mode("triton")
     by_kernel = strategy.unpack(eager)
     mode("eager")
     by_eager = strategy.unpack(eager)
-    assert by_kernel.dtype == dtype and _same_bits(by_kernel, by_eager)
-    assert _same_bits(strategy.unpack(kernel), by_eager)
+    assert by_kernel.dtype == dtype and same_bits(by_kernel, by_eager)
+    assert same_bits(strategy.unpack(kernel), by_eager)
     if (n * bits) % 8:  # the last byte's unused codes are zero
         assert int(kernel.values[-1]) >> ((n * bits) % 8) == 0
 
@@ -152,7 +141,7 @@ def test_quant_pack_through_a_cast_is_the_pack_of_the_cast(cast, bits, group, n,
         of_cast = strategy.pack(x.to(cast), "linear", 12)
         assert through.meta == of_cast.meta and through.meta.dtype == cast
         for field in ("values", "mins", "scales"):
-            assert _same_bits(getattr(through, field), getattr(of_cast, field)), (path, field)
+            assert same_bits(getattr(through, field), getattr(of_cast, field)), (path, field)
 
 
 def test_kernel_quant_pack_allocates_its_pack_and_nothing_else(mode) -> None:
@@ -271,7 +260,7 @@ def test_relu_mask_kernels_are_the_eager_relu(dtype, n: int, inplace: bool, mode
         out.backward(grad)
         results[path] = (out.detach(), leaf.grad)
     for a, b in zip(results["eager"], results["triton"], strict=True):
-        assert _same_bits(a, b)
+        assert same_bits(a, b)
 
 
 def test_relu_mask_bytes_are_pack_bits_of_the_blocked_outputs() -> None:
