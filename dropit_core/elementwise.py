@@ -120,7 +120,8 @@ class Elementwise(Strategy):
 
     stores_mask = True
     exact_capacity = False
-    signed_values = False  # integer codes of kept values never 0 for a non-zero value
+    # True: integer value codes never code a non-zero kept value as 0 (its sign is kept)
+    signed_values = False
 
     def __init__(
         self, gamma: float, codec: ValueCodec, rescale: str, *, positions: str = POSITIONS[0]
@@ -170,8 +171,9 @@ class Elementwise(Strategy):
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         flat = x.reshape(-1)
-        if fixed_capacity(flat.device) or dispatch.use_kernels(flat):
-            bits, values, state, dropped = self._pack_fixed(flat, key)
+        kernels = dispatch.use_kernels(flat)
+        if kernels or fixed_capacity(flat.device):
+            bits, values, state, dropped = self._pack_fixed(flat, key, kernels)
             slots = values.numel()
         else:
             bits, values, state = self._pack_tight(flat, key)
@@ -213,14 +215,14 @@ class Elementwise(Strategy):
                 values.append(compact(piece, mask))
         return bits, values, state
 
-    def _pack_fixed(self, flat: torch.Tensor, key: int):
+    def _pack_fixed(self, flat: torch.Tensor, key: int, kernels: bool):
         """(position bits, kept values, state, values chosen but not stored) with every size
         from the shape: each slice's values go to the device-side count of those before it."""
         n, dev = flat.numel(), flat.device
         state = self._begin(flat, True, key)
         slots = self.capacity(n)
-        rule = self._kernel_rule(state) if dispatch.use_kernels(flat) else None
-        if rule is not None:
+        rule = self._kernel_rule(state) if kernels else None
+        if rule is not None:  # the Triton kernels (kernels: what dispatch chose for flat)
             from .kernels.compact import compact_pack
 
             bits, values, chosen = compact_pack(flat, rule, slots, self.stores_mask)

@@ -192,12 +192,12 @@ def _abs_bits_histogram(
     level: int,
     prefix: torch.Tensor,
     slice_len: int,
-    ones: torch.Tensor,
 ) -> torch.Tensor:
     """One histogram pass of :func:`radix_kth_largest_abs` in eager torch, slice by slice."""
     # The second level counts into the upper half the elements outside the chosen bucket:
     # they spread over its 64Ki counters instead of all hitting one.
     hist = torch.zeros(2 << 16 if level else 1 << 16, dtype=torch.int32, device=flat.device)
+    ones = torch.ones(1, dtype=torch.int32, device=flat.device)
     for start in range(0, flat.numel(), slice_len):
         b = flat[start : start + slice_len].abs().view(bits_dtype).to(torch.int32)
         bucket = (b >> shift) & 0xFFFF
@@ -224,7 +224,6 @@ def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLarg
     width = torch.iinfo(bits_dtype).bits
     shifts = (16, 0) if width == 32 else (0,)
     # Counters of int32: a slice holds far fewer than 2**31 elements.
-    ones = torch.ones(1, dtype=torch.int32, device=dev)
     prefix = torch.zeros(1, dtype=torch.int32, device=dev)  # the high bits found so far
     remaining = torch.full((1,), k, dtype=torch.int32, device=dev)  # rank inside the bucket
     kernels = dispatch.use_kernels(flat)
@@ -234,7 +233,7 @@ def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLarg
 
             hist = abs_bits_histogram(flat, shift, prefix if level else None)
         else:
-            hist = _abs_bits_histogram(flat, bits_dtype, shift, level, prefix, slice_len, ones)
+            hist = _abs_bits_histogram(flat, bits_dtype, shift, level, prefix, slice_len)
         at_least = hist.flip(0).cumsum(0, dtype=torch.int32)  # [j]: in buckets >= 65535 - j
         j = torch.searchsorted(at_least, remaining)  # the first j with at_least[j] >= remaining
         chosen = 65535 - j

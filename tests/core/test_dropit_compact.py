@@ -228,17 +228,14 @@ def test_radix_histograms_and_kth_value_are_the_eager_ones(paths, dtype) -> None
     x = (_x(seed=9, relu=False) * 3).to(dtype).to(DEVICE).reshape(-1)  # signs, ties (16-bit)
     x[::3] = 0  # a third zeros, as a ReLU leaves: summed per program, not by atomics
     bits_dtype = select_mod._BITS[dtype]
-    ones = torch.ones(1, dtype=torch.int32, device=DEVICE)
     shift = 16 if dtype == torch.float32 else 0
     first = abs_bits_histogram(x, shift, block=512)
     zero = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    assert torch.equal(
-        first, select_mod._abs_bits_histogram(x, bits_dtype, shift, 0, zero, 1000, ones)
-    )
+    assert torch.equal(first, select_mod._abs_bits_histogram(x, bits_dtype, shift, 0, zero, 1000))
     if dtype == torch.float32:  # the second pass, inside the most populated non-zero bucket
         prefix = (first[1:].argmax() + 1).to(torch.int32).reshape(1)
         second = abs_bits_histogram(x, 0, prefix, block=512)
-        eager = select_mod._abs_bits_histogram(x, bits_dtype, 0, 1, prefix, 1000, ones)
+        eager = select_mod._abs_bits_histogram(x, bits_dtype, 0, 1, prefix, 1000)
         assert torch.equal(second, eager) and int(second.sum()) == int(first[prefix])
     for k in (1, 100, 2000, x.numel() - 1):  # the last: k-th value 0, floored, every tie kept
         paths("triton")
