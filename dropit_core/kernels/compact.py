@@ -131,11 +131,15 @@ def _starts(counts: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts, 0, dtype=torch.int64) - counts
 
 
+def _check_block(block: int) -> None:
+    if block % 8 or block & (block - 1):
+        raise ValueError(f"compact block {block} is not a power of two of at least 8")
+
+
 def _check(flat: torch.Tensor, block: int) -> None:
     if flat.dim() != 1 or not flat.is_floating_point():
         raise ValueError(f"compact_pack takes a flat float tensor, got {flat.shape} {flat.dtype}")
-    if block % 8 or block & (block - 1):
-        raise ValueError(f"compact block {block} is not a power of two of at least 8")
+    _check_block(block)
     if flat.numel() > 1 << 44:
         raise ValueError("the element-wise kernels draw for element indices below 2**44")
 
@@ -191,8 +195,7 @@ def scatter_pack(
     (``dropit_core.packing.scatter_kept``'s result): the flags from ``bits``, or drawn again by
     ``draw`` (a DRAW rule) when the pack stores none; flags past the last value rebuild as zeros.
     """
-    if block % 8 or block & (block - 1):
-        raise ValueError(f"scatter block {block} is not a power of two of at least 8")
+    _check_block(block)
     if (bits is None) == (draw is None):
         raise ValueError("scatter_pack takes packed flags or a draw, one of them")
     if draw is not None and draw.kind != DRAW:
