@@ -26,6 +26,11 @@ nbelow TARGET FAMILY       seeds whose Δ is below zero, of those paired        
 nabove TARGET FAMILY       seeds whose Δ is above zero, of those paired        ``0 of 3``
 dat TARGET FAMILY ITER     mean paired Δ at one evaluated iteration            ``-8.5``
 dtrain TARGET FAMILY       mean paired Δ at every iteration both evaluated     ``-8.5, -3.6, -2.2``
+apat TARGET FAMILY ITER    AP mean over seeds at one evaluated iteration       ``82.7``
+gain TARGET FAMILY A B     AP gained from iteration A to B, mean over seeds    ``+0.6 [-1.3, +2.5]``
+                           with its 95% interval (each seed against itself)
+gainseeds TARGET FAMILY    the per-seed gain from iteration A to B             ``+0.5, +1.7, -0.2``
+  A B
 vs TARGET OTHER FAMILY     paired Δ of TARGET against OTHER (any two)          ``-1.1``
 saved TARGET               saved activations / the baseline's, mean per seed   ``0.55x``
 n TARGET                   seeds paired with the baseline                      ``3``
@@ -63,7 +68,7 @@ from instruments.report.seeded import (
     seed_diffs,
 )
 from rcnn_dropit.errors import UsageError
-from rcnn_dropit.report.paired import PairedDiff, spread, t95
+from rcnn_dropit.report.paired import PairedDiff, paired_diff, spread, t95
 from rcnn_dropit.report.runs import Run
 
 PLACEHOLDER = re.compile(r"\{\{([^{}]*)\}\}")
@@ -303,6 +308,41 @@ def _dtrain(sources: Sources, target: str, word: str) -> str:
     return ", ".join(f"{v:+.1f}" for v in diffs.values())
 
 
+def _at(sources: Sources, target: str, word: str, iteration: str) -> dict[int, float]:
+    """seed -> AP x100 at one evaluation during training, for every seed evaluated there."""
+    if not iteration.isdigit():
+        raise _Bad(f"iteration '{iteration}' is not a whole number")
+    t = _target(target, sources.found)
+    evals = _evals_at(_runs(sources.found, t), _family(word))
+    if int(iteration) not in evals:
+        raise _Bad(
+            f"'{target}' has no {word} evaluation at iteration {iteration} ({sorted(evals)})"
+        )
+    return evals[int(iteration)]
+
+
+def _apat(sources: Sources, target: str, word: str, iteration: str) -> str:
+    return f"{statistics.fmean(_at(sources, target, word, iteration).values()):.1f}"
+
+
+def _gains(sources: Sources, target: str, word: str, start: str, end: str) -> PairedDiff:
+    """What each seed gained between two evaluations, paired with itself: whether a schedule
+    has converged is read from this interval, not from the means at its two ends."""
+    d = paired_diff(_at(sources, target, word, end), _at(sources, target, word, start))
+    if d is None:
+        raise _Bad(f"no seed of '{target}' evaluated at both {start} and {end}")
+    return d
+
+
+def _gain(sources: Sources, target: str, word: str, start: str, end: str) -> str:
+    return paired_text(_gains(sources, target, word, start, end))
+
+
+def _gainseeds(sources: Sources, target: str, word: str, start: str, end: str) -> str:
+    late, early = _at(sources, target, word, end), _at(sources, target, word, start)
+    return ", ".join(f"{late[s] - early[s]:+.1f}" for s in sorted(late) if s in early)
+
+
 def _vs(sources: Sources, target: str, other: str, word: str) -> str:
     t, o = _target(target, sources.found), _target(other, sources.found)
     d = paired(_runs(sources.found, t), _runs(sources.found, o), _family(word))
@@ -432,6 +472,9 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "nabove": (_nabove, ("TARGET", "FAMILY")),
     "dat": (_dat, ("TARGET", "FAMILY", "ITER")),
     "dtrain": (_dtrain, ("TARGET", "FAMILY")),
+    "apat": (_apat, ("TARGET", "FAMILY", "ITER")),
+    "gain": (_gain, ("TARGET", "FAMILY", "A", "B")),
+    "gainseeds": (_gainseeds, ("TARGET", "FAMILY", "A", "B")),
     "vs": (_vs, ("TARGET", "OTHER", "FAMILY")),
     "saved": (_saved, ("TARGET",)),
     "n": (_n, ("TARGET",)),

@@ -129,6 +129,12 @@ def sources(tmp_path: Path) -> Sources:
         ("nabove ft/mink mask", "1 of 3"),
         ("dat ft/mink box 100", "-8.3"),
         ("dtrain ft/mink box", "-8.3, +0.0"),
+        ("apat ft/baseline box 100", "50.0"),
+        # each seed against itself: 70 - 40, 70 - 50, 70 - 60 = 30, 20, 10; sd 10,
+        # half-width t(2) 4.303 x 10 / sqrt(3) = 24.8
+        ("gain ft/baseline box 100 200", "+20.0 [-4.8, +44.8]"),
+        ("gain ft/mink_s3 mask 100 200", "+10.0"),
+        ("gainseeds ft/mink box 100 200", "+39.0, +25.0, +21.0"),
         ("vs ft/mink_2x_s1 ft/mink box", "+4.0"),  # seed 1 only: 82 - 78
         ("vs ft/mink_2x ft/mink box", "+2.5 [-16.6, +21.6]"),  # seeds 1 and 2: 4 and 1
         ("d ft/mink_2x box", "-1.0"),  # against baseline_2x (83), not the 1x baseline
@@ -162,7 +168,7 @@ def test_every_placeholder_renders_its_figure(
 def test_every_function_is_tested() -> None:
     tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow", "nabove", "dat"}
     tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench", "same", "dhalf"}
-    tested |= {"dlow", "dhigh", "seedlist"}
+    tested |= {"dlow", "dhigh", "seedlist", "apat", "gain", "gainseeds"}
     assert set(FUNCTIONS) == tested
 
 
@@ -192,6 +198,9 @@ def test_text_without_placeholders_is_unchanged(sources: Sources) -> None:
         ("{{dat ft/mink box late}}", "iteration 'late' is not a whole number"),
         ("{{dat ft/mink box 300}}", "no paired evaluation at iteration 300"),
         ("{{dsd ft/mink_s1 box}}", "needs 2 paired seeds"),
+        ("{{apat ft/baseline box 300}}", "no box evaluation at iteration 300 ([100, 200])"),
+        ("{{gain ft/baseline mask x 200}}", "iteration 'x' is not a whole number"),
+        ("{{gain ft/baseline_2x box 100 200}}", "no box evaluation at iteration 200 ([])"),
         ("{{dhalf ft/mink box 1}}", "seed count '1' must be a whole number >= 2"),
         ("{{dhalf ft/mink_s1 box 5}}", "needs 2 paired seeds"),
         ("{{vs ft/mink_2x_s2 ft/mink_s1 box}}", "share no seed"),
