@@ -182,8 +182,8 @@ def _parser() -> argparse.ArgumentParser:
         "--markdown",
         type=Path,
         metavar="FILE",
-        help="instead: print the Markdown table of a --methods-json file or of a --gpu-table "
-        "--json file",
+        help="instead: print the Markdown table of a --methods-json file, of a --gpu-table "
+        "--json file, or of the rows a run wrote with --json (as that run printed them)",
     )
     parser.add_argument(
         "--into",
@@ -319,8 +319,8 @@ def _command_line() -> str:
 def _markdown(
     path: Path, into: Path | None, block: str = "methods-bench", summary: bool = False
 ) -> None:
-    """Print the table of a JSON file (the methods table's records, or a GPU table), or write it
-    into a document's marked block."""
+    """Print the table of a JSON file (the methods table's records, a GPU table, or the rows of
+    ``--json``, as the run printed them), or write it into a document's marked block."""
     from instruments.measure.gpu_table import gpu_markdown, is_gpu_table
     from instruments.measure.methods_table import (
         methods_markdown,
@@ -328,6 +328,7 @@ def _markdown(
         read_methods_json,
         splice,
     )
+    from instruments.measure.step_bench import is_step_rows, markdown_table
 
     try:
         data = json.loads(path.read_text()) if path.is_file() else None
@@ -337,6 +338,10 @@ def _markdown(
         if summary:
             raise UsageError("--summary: one line per method of a methods table, not a GPU table")
         table = gpu_markdown(data)
+    elif is_step_rows(data):
+        if summary:
+            raise UsageError("--summary: one line per method of a methods table, not --json rows")
+        table = markdown_table(data)
     else:
         records = read_methods_json(path)
         table = methods_summary(records) if summary else methods_markdown(records)

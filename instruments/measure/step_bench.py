@@ -240,6 +240,18 @@ def _release(model: nn.Module, dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def is_step_rows(data: Any) -> bool:
+    """Whether parsed JSON is a ``--json`` file of step rows (or of largest-batch rows)."""
+    return (
+        isinstance(data, list)
+        and bool(data)
+        and all(
+            isinstance(r, dict) and "variant" in r and ("step_time_ratio" in r or "max_batch" in r)
+            for r in data
+        )
+    )
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table (memory ratios are RSS on the CPU, allocator on CUDA)."""
     if rows and "max_batch" in rows[0]:

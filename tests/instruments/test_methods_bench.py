@@ -35,7 +35,7 @@ from instruments.measure.methods_table import (
     splice,
     write_methods_json,
 )
-from instruments.measure.step_bench import run_benchmark
+from instruments.measure.step_bench import is_step_rows, markdown_table, run_benchmark
 from instruments.measure.study_plan import load_plan
 from instruments.measure.workload import (
     Setting,
@@ -426,6 +426,46 @@ def test_each_generated_block_of_memory_md_is_its_json(block: str) -> None:
         assert splice(text, table, block=block) == text, f"run: make {block[8:]}"
     else:  # not measured yet: the block holds nothing typed by hand
         assert text.split(begin)[1].split(end)[0].strip() == ""
+
+
+# Each generated block of draws.md, with the --json rows file it is generated from
+DRAWS_BLOCKS = {
+    "draws-generator": "bench_draws_generator_cpu.json",
+    "draws-hash": "bench_draws_hash_cpu.json",
+}
+
+
+@pytest.mark.parametrize("block", sorted(DRAWS_BLOCKS))
+def test_each_generated_block_of_draws_md_is_its_json(block: str) -> None:
+    text = (REPO / "docs/results/draws.md").read_text()
+    begin, end = markers(block)
+    assert text.count(begin) == 1 and text.count(end) == 1
+    rows = json.loads((REPO / "docs/results" / DRAWS_BLOCKS[block]).read_text())
+    assert is_step_rows(rows)
+    assert splice(text, markdown_table(rows), block=block) == text, (
+        f"run: python tools/bench.py --markdown docs/results/{DRAWS_BLOCKS[block]} "
+        f"--into docs/results/draws.md --block {block}"
+    )
+
+
+def test_cli_markdown_of_json_rows_is_the_table_the_run_printed(tmp_path, capsys) -> None:
+    rows = [
+        {"variant": "baseline", "saved_mb": 400.0, "step_time_ratio": 1.0},
+        {"variant": "quant_4bit", "saved_mb": 70.25, "step_time_ratio": 1.0764},
+    ]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    assert bench_main(["--markdown", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out == markdown_table(rows) + "\n"
+    assert "| quant_4bit | 70.2 | - |" in out and "| 1.076 |" in out
+    assert bench_main(["--markdown", str(path), "--summary"]) == 2
+    assert "not --json rows" in capsys.readouterr().err
+    # a list of objects that are not rows is still read as a methods table, which names what
+    # its records lack
+    path.write_text(json.dumps([{"setting": "x"}]))
+    assert bench_main(["--markdown", str(path)]) == 2
+    assert "record 0 lacks" in capsys.readouterr().err
 
 
 def test_provenance_names_the_run() -> None:
