@@ -90,3 +90,17 @@ def total_iterations(epochs: int, iters_per_epoch: int, max_iters: int | None) -
     if max_iters is not None:
         total = min(total, int(max_iters))
     return total
+
+
+def short_of_max_iters(epochs: int, iters_per_epoch: int, max_iters: int | None) -> str | None:
+    """Why a run stops before its max_iters (the epochs run out first), or None when it does not:
+    max_iters only caps, so a config that asks for more than its epochs hold trains fewer."""
+    total = epochs * iters_per_epoch
+    if max_iters is None or max_iters <= total:
+        return None
+    need = -(-int(max_iters) // iters_per_epoch)
+    return (
+        f"solver.max_iters {max_iters} is more than solver.epochs {epochs} x {iters_per_epoch} "
+        f"iterations per epoch: training stops at {total}; solver.epochs={need} or more trains "
+        f"{max_iters}"
+    )

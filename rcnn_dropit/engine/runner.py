@@ -32,7 +32,11 @@ from rcnn_dropit.distributed import (
 from rcnn_dropit.engine.amp import make_scaler
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
 from rcnn_dropit.engine.memory_report import dropit_summary, measure_memory
-from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, total_iterations
+from rcnn_dropit.engine.optim import (
+    build_optimizer_and_scheduler,
+    short_of_max_iters,
+    total_iterations,
+)
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
 from rcnn_dropit.errors import MissingPathError, UsageError, one_line
 from rcnn_dropit.evaluation import format_metrics_table
@@ -200,6 +204,9 @@ def build(cfg: Config, info: DistInfo, scaler, run_dir: RunDir) -> Parts:
     if ipe == 0:
         raise UsageError(f"data: the training set of '{cfg.data.root}' yields no batches")
     total = total_iterations(cfg.solver.epochs, ipe, cfg.solver.max_iters)
+    short = short_of_max_iters(cfg.solver.epochs, ipe, cfg.solver.max_iters)
+    if short:
+        log.warning(short)
     optimizer, scheduler = build_optimizer_and_scheduler(
         cfg.solver, model, ipe, total, world_size=info.world_size
     )

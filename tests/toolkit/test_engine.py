@@ -21,7 +21,12 @@ from rcnn_dropit.checkpoint.files import load_checkpoint
 from rcnn_dropit.config import load_config
 from rcnn_dropit.engine import runner as runner_module
 from rcnn_dropit.engine.amp import autocast, make_scaler
-from rcnn_dropit.engine.optim import build_optimizer_and_scheduler, lr_factor_fn, scaled_lr
+from rcnn_dropit.engine.optim import (
+    build_optimizer_and_scheduler,
+    lr_factor_fn,
+    scaled_lr,
+    short_of_max_iters,
+)
 from rcnn_dropit.engine.runner import train
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, step_scheduler
 from rcnn_dropit.errors import UsageError
@@ -381,6 +386,38 @@ def test_train_checks_the_data_set_once(tmp_path, tiny_shapes, monkeypatch) -> N
         train(FASTER_CFG, tiny_opts(tiny_shapes, "solver.max_iters=1"), output_dir=tmp_path / "r")
     assert calls == [1]
     assert not (tmp_path / "r").exists()  # nothing written before the run starts
+
+
+@pytest.mark.parametrize(
+    ("epochs", "ipe", "max_iters", "says"),
+    [
+        (100, 95, 9600, "stops at 9500; solver.epochs=102 or more trains 9600"),
+        (100, 95, 9500, None),  # exactly what the epochs hold
+        (100, 95, 4800, None),  # max_iters caps, as documented
+        (2, 10, None, None),
+        (1, 3, 4, "solver.epochs 1 x 3 iterations per epoch: training stops at 3"),
+    ],
+)
+def test_a_max_iters_beyond_the_epochs_is_named(epochs, ipe, max_iters, says) -> None:
+    message = short_of_max_iters(epochs, ipe, max_iters)
+    if says is None:
+        assert message is None
+    else:
+        assert says in message and f"solver.max_iters {max_iters} is more than" in message
+
+
+def test_train_warns_when_the_epochs_end_before_max_iters(
+    tmp_path, tiny_shapes, monkeypatch, capsys
+) -> None:
+    # stop right after the schedule is worked out: the warning comes before any training
+    monkeypatch.setattr(runner_module, "build_optimizer_and_scheduler", lambda *a, **k: 1 / 0)
+    opts = tiny_opts(tiny_shapes, "solver.max_iters=100000")
+    with pytest.raises(ZeroDivisionError):
+        train(FASTER_CFG, [*opts, "solver.epochs=1"], output_dir=tmp_path / "r")
+    said = capsys.readouterr()
+    err = said.out + said.err  # the console; the run failed before a checkpoint: no folder
+    assert "solver.max_iters 100000 is more than solver.epochs 1 x" in err
+    assert "solver.epochs=" in err and "or more trains 100000" in err
 
 
 class _ToyDetector(nn.Module):
