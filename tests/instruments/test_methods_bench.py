@@ -396,10 +396,17 @@ def test_reading_a_methods_file_checks_its_keys(tmp_path) -> None:
         read_methods_json(tmp_path / "none.json")
 
 
+def _doc_with_block(doc: str, block: str) -> str:
+    """The text of a results document, checked to hold the block's two markers once each."""
+    text = (REPO / "docs/results" / doc).read_text()
+    begin, end = markers(block)
+    assert text.count(begin) == 1 and text.count(end) == 1
+    return text
+
+
 def test_memory_md_holds_the_generated_table_or_its_placeholder() -> None:
     # The table in docs/results/memory.md is generated from methods_bench.json, never typed.
-    text = (REPO / "docs/results/memory.md").read_text()
-    assert text.count(BEGIN) == 1 and text.count(END) == 1
+    text = _doc_with_block("memory.md", "methods-bench")
     measured = REPO / "docs/results/methods_bench.json"
     if measured.is_file():
         table = methods_markdown(read_methods_json(measured))
@@ -417,9 +424,8 @@ OTHER_BLOCKS = {
 
 @pytest.mark.parametrize("block", sorted(OTHER_BLOCKS))
 def test_each_generated_block_of_memory_md_is_its_json(block: str) -> None:
-    text = (REPO / "docs/results/memory.md").read_text()
+    text = _doc_with_block("memory.md", block)
     begin, end = markers(block)
-    assert text.count(begin) == 1 and text.count(end) == 1
     measured = REPO / "docs/results" / OTHER_BLOCKS[block]
     if measured.is_file():
         table = methods_markdown(read_methods_json(measured))
@@ -437,9 +443,7 @@ DRAWS_BLOCKS = {
 
 @pytest.mark.parametrize("block", sorted(DRAWS_BLOCKS))
 def test_each_generated_block_of_draws_md_is_its_json(block: str) -> None:
-    text = (REPO / "docs/results/draws.md").read_text()
-    begin, end = markers(block)
-    assert text.count(begin) == 1 and text.count(end) == 1
+    text = _doc_with_block("draws.md", block)
     rows = json.loads((REPO / "docs/results" / DRAWS_BLOCKS[block]).read_text())
     assert is_step_rows(rows)
     assert splice(text, markdown_table(rows), block=block) == text, (
