@@ -99,7 +99,7 @@ def _schedule(
     try:
         _run_queue(plan, pending, running, failed, total, jobs, threads)
     finally:  # stopped (Ctrl-C, kill): take the children down too, not leave them orphaned
-        _stop_children([proc for _, _, proc, _ in running])
+        _stop_children([proc for _, _, proc, _, _ in running])
     return failed
 
 
@@ -141,10 +141,10 @@ def _run_queue(
                 flush=True,
             )
             proc = _start_run(run, resume, run_dir, log, n_threads, gpu)
-            running.append((i, run, proc, time.time()))
+            running.append((i, run, proc, time.time(), resume == "auto"))
         time.sleep(_POLL_SECONDS)
         for entry in list(running):
-            i, run, proc, start = entry
+            i, run, proc, start, resumed = entry
             if proc.is_alive():
                 continue
             proc.join()
@@ -153,7 +153,7 @@ def _run_queue(
             ok = proc.exitcode == 0
             if ok and run.exports:
                 ok = _export(plan.out / run.name, run.exports)
-            _record_time(plan.out, run.name, took, ok, jobs, threads)
+            _record_time(plan.out, run.name, took, ok, jobs, threads, resumed)
             if ok:
                 print(f"[{i}/{total}] {run.name}: done in {took:.0f} s", flush=True)
             else:
@@ -212,12 +212,18 @@ def _export(run_dir: Path, target: str) -> bool:
     return True
 
 
-def _record_time(out: Path, name: str, seconds: float, ok: bool, jobs: int, threads: int) -> None:
-    """Append one line to the study's time account (what the budget was spent on)."""
+def _record_time(
+    out: Path, name: str, seconds: float, ok: bool, jobs: int, threads: int, resumed: bool
+) -> None:
+    """Append one line to the study's time account (what the budget was spent on).
+
+    ``resumed``: the attempt went on from a checkpoint, so ``seconds`` are its last segment's
+    only (a stopped attempt writes no line); the run's whole time is in its ``log.txt``."""
     record = {
         "run": name,
         "seconds": round(seconds, 1),
         "ok": ok,
+        "resumed": resumed,
         "jobs": jobs,
         "threads": threads,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -18,7 +18,7 @@ import yaml
 from rcnn_dropit.errors import UsageError
 
 PRETRAIN = "pretrain"  # folder and run name of the study's own backbone pretraining
-TIMES_FILE = "study_times.jsonl"  # one record per finished or failed run: the budget's account
+TIMES_FILE = "study_times.jsonl"  # a record per finished or failed attempt (resumed: its last part)
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,10 @@ def test_study_skips_finished_resumes_started_waits_for_backbone_and_reports(
     assert "scratch/random_0.8_s1: FAILED (exit 1)" in capsys.readouterr().out
     times = (out / "study_times.jsonl").read_text().splitlines()
     assert len(times) == 9 and json.loads(times[0])["jobs"] == 2
+    # the interrupted run's line holds its last segment only, and says so
+    resumed = {r["run"]: r["resumed"] for r in map(json.loads, times)}
+    assert resumed["scratch/mink_0.8_s1"] is True
+    assert sum(resumed.values()) == 1
 
     text = (tmp_path / "report/shapes.md").read_text()
     assert "## Regime: scratch" in text and "## Regime: finetune" in text
