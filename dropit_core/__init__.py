@@ -23,8 +23,10 @@ draws differently from an uninterrupted one. ``checkpoint_modules(model, pattern
 chosen modules in backward instead (exact); DropIT leaves the layers inside them plain.
 ``dropped_values(model)`` reads how many values the GPU's packs, sized from the shape, could not
 store (normally 0). ``CompressSaved()`` keeps every large tensor autograd saves as a 4-bit pack,
-for what ``to_dropit`` cannot convert. ``lean_frozen_batchnorm(model)`` swaps torchvision's
-``FrozenBatchNorm2d`` for one that keeps its input's dtype under autocast (bit-equal in fp32).
+for what ``to_dropit`` cannot convert; ``compress_saved(model)`` opens that block around each
+training forward, for a loop that cannot be edited. ``lean_frozen_batchnorm(model)`` swaps
+torchvision's ``FrozenBatchNorm2d`` for one that keeps its input's dtype under autocast
+(bit-equal in fp32).
 :mod:`dropit_core.memory` measures what autograd keeps and the memory of a training step.
 """
 
@@ -46,7 +48,7 @@ from .patch import (
 from .recompute import checkpoint_modules, is_checkpointed, uncheckpoint_modules
 from .registry import Option, Registry
 from .rules import PAPER_EXCLUDE, Rule, check_options, check_rules
-from .saved import CompressSaved
+from .saved import CompressSaved, SavedCompression, compress_saved
 from .strategies import REGISTRY, STRATEGIES, build_strategy
 
 register_strategy = REGISTRY.register  # a strategy of your own, by name or class to to_dropit
@@ -66,10 +68,12 @@ __all__ = [
     "Packed",
     "Registry",
     "Rule",
+    "SavedCompression",
     "Strategy",
     "build_strategy",
     "check_options",
     "checkpoint_modules",
+    "compress_saved",
     "check_rules",
     "dropit_record",
     "dropped_values",

@@ -32,6 +32,7 @@ from .rules import (
     assign_layers,
     check_rules,
 )
+from .saved import ATTRIBUTE as SAVED_ATTRIBUTE
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -330,7 +331,8 @@ def from_dropit(model: M) -> M:
 
 
 def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
-    """Seed the random draws of ``model``'s DropIT layers for training step ``step``.
+    """Seed the random draws of ``model``'s DropIT layers (and of :func:`compress_saved`'s
+    block, where it is attached) for training step ``step``.
 
     Call it before each training forward (with the iteration a resumed run also counts): every
     pack that draws is then seeded from the strategy's ``seed``, the step, ``rank`` and the pack's
@@ -344,6 +346,10 @@ def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
     caches = [getattr(m, "dropit_cache", None) for m in model.modules()]
     for cache in {id(c): c for c in caches if c is not None}.values():
         cache.set_step(step, rank)
+    for module in model.modules():
+        saved = module.__dict__.get(SAVED_ATTRIBUTE)
+        if saved is not None:
+            saved.set_step(step, rank)
 
 
 def dropped_values(model: nn.Module) -> int:

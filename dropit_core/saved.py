@@ -18,6 +18,10 @@ reads its weight), integer and bool tensors (indices, masks), and small tensors.
 several ops (a block input read by two convs) is packed once. The forward is untouched; backwards
 that read a saved value (a conv's weight gradient, BatchNorm's gradients, sigmoid's) see a
 rebuilt one, unbiased but not exact.
+
+Where the training loop is someone else's (detectron2's ``SimpleTrainer``, mmengine's
+``Runner``), :func:`compress_saved` attaches the same block to every training forward of a model
+through forward hooks, with no change to the loop.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ class CompressSaved:
     """Context manager: the tensors autograd saves inside it are kept compressed (see module).
 
     ``packed_bytes`` and ``dense_bytes`` count what it packed and what those tensors held;
-    ``packs`` counts the packs (a tensor saved by several ops is packed once). ``step`` seeds
-    the rounding noise with the pack's position in the block, as ``set_step`` does for layers.
+    ``packs`` counts the packs (a tensor saved by several ops is packed once). ``step`` and
+    ``rank`` seed the rounding noise with the pack's position in the block, as ``set_step`` does
+    for layers.
     """
 
     def __init__(
@@ -59,10 +64,12 @@ class CompressSaved:
         min_bytes: int = 1 << 16,
         seed: int = 0,
         step: int = 0,
+        rank: int = 0,
     ) -> None:
         self.quant = build_strategy("quant", 0.0, bits=bits, group=group, seed=seed)
         self.min_bytes = min_bytes
         self.step = step
+        self.rank = rank
         self.packs = 0
         self.packed_bytes = 0
         self.dense_bytes = 0
@@ -98,7 +105,7 @@ class CompressSaved:
         if hit is not None and hit[0] == t._version:
             return hit[1]
         flat = t.detach().reshape(-1)
-        draw = mix_seed(self.step, self.packs)
+        draw = mix_seed(self.rank, self.step, self.packs)
         saved = _Saved(
             self.quant.pack(flat, "linear", draw),
             pack_bits(flat == 0),
@@ -120,3 +127,74 @@ class CompressSaved:
         magnitude = values.abs().clamp_min_(tiny)
         signed = torch.where(unpack_bits(saved.negative, n), -magnitude, magnitude)
         return signed.masked_fill_(unpack_bits(saved.zero, n), 0.0).view(saved.shape)
+
+
+ATTRIBUTE = "dropit_saved"  # where compress_saved keeps its handle on the model (set_step reads it)
+
+
+class SavedCompression:
+    """The handle :func:`compress_saved` returns: the block's settings, the step its next
+    training forward draws with, the last forward's block (``last``: its ``packs``,
+    ``packed_bytes``, ``dense_bytes``) and :meth:`remove`."""
+
+    def __init__(self, model: nn.Module, bits: int, group: int, min_bytes: int, seed: int) -> None:
+        CompressSaved(bits, group, min_bytes, seed)  # checks the options once, here
+        self.options = {"bits": bits, "group": group, "min_bytes": min_bytes, "seed": seed}
+        self.step, self.rank = 0, 0
+        self.last: CompressSaved | None = None
+        self._active: CompressSaved | None = None
+        self._model = model
+        self._hooks = (
+            model.register_forward_pre_hook(self._enter),
+            # always_call: a forward that raises still leaves the block, or every later saved
+            # tensor of the process would be packed
+            model.register_forward_hook(self._leave, always_call=True),
+        )
+
+    def set_step(self, step: int, rank: int = 0) -> None:
+        """Seed the next training forward's draws (``set_step(model, ...)`` calls this)."""
+        self.step, self.rank = step, rank
+
+    def remove(self) -> None:
+        """Detach from the model: its later forwards keep what they save as it is."""
+        for hook in self._hooks:
+            hook.remove()
+        self._model.__dict__.pop(ATTRIBUTE, None)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self._active is not None or not (module.training and torch.is_grad_enabled()):
+            return  # a nested call runs inside the block already; eval saves nothing
+        self._active = CompressSaved(**self.options, step=self.step, rank=self.rank)
+        self._active.__enter__()
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        block, self._active = self._active, None
+        if block is None:
+            return
+        block.__exit__(None, None, None)
+        self.last = block
+        self.step += 1  # without set_step, each forward still draws afresh
+
+
+def compress_saved(
+    model: nn.Module,
+    bits: int = 4,
+    group: int = 256,
+    min_bytes: int = 1 << 16,
+    seed: int = 0,
+) -> SavedCompression:
+    """Run every training forward of ``model`` inside a :class:`CompressSaved` block.
+
+    For loops that cannot be edited: call it once after the model is built (before the DDP wrap
+    or after, either works). Under ``model.eval()`` or ``torch.no_grad()`` nothing is packed.
+    ``set_step(model, step, rank)`` seeds the draws as it does the layers'; without it the step
+    counts the training forwards from 0. Returns the handle (also ``model.dropit_saved``).
+    """
+    if ATTRIBUTE in model.__dict__:
+        raise ValueError(
+            f"compress_saved: this {type(model).__name__} is compressed already "
+            f"(options {model.__dict__[ATTRIBUTE].options}); call .remove() on that handle first"
+        )
+    handle = SavedCompression(model, bits, group, min_bytes, seed)
+    model.__dict__[ATTRIBUTE] = handle
+    return handle

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core.saved import CompressSaved
+from dropit_core import set_step
+from dropit_core.saved import CompressSaved, compress_saved
 
 
 class _Functional(nn.Module):
@@ -96,3 +98,47 @@ def test_small_and_integer_tensors_stay_dense() -> None:
     with CompressSaved(min_bytes=1 << 20) as saved:  # nothing here is that large
         F.max_pool2d(torch.relu(x), 2, return_indices=True)[0].sum().backward()
     assert saved.packs == 0 and x.grad is not None
+
+
+def test_compress_saved_packs_each_training_forward_of_a_model_it_did_not_build() -> None:
+    model, x = _Functional(), torch.randn(4, 3, 32, 32)
+    _, exact, _ = _grads(model, x)
+    handle = compress_saved(model, bits=4, min_bytes=1024)
+    assert model.dropit_saved is handle
+    _, approx, _ = _grads(model, x)  # a plain loop: the hooks open and close the block
+    first = handle.last
+    assert first is not None and first.packs >= 5 and first.step == 0
+    assert first.packed_bytes < 0.25 * first.dense_bytes
+    for name, g in exact.items():
+        if name != "conv1.bias":  # BatchNorm removes it (see above)
+            assert F.cosine_similarity(g.flatten(), approx[name].flatten(), dim=0) > 0.99, name
+    _, again, _ = _grads(model, x)  # the next forward draws with the next step
+    assert handle.last.step == 1 and not torch.equal(again["conv1.weight"], approx["conv1.weight"])
+    set_step(model, 0, rank=0)  # set_step seeds it as it seeds the layers: step 0 again
+    _, repeat, _ = _grads(model, x)
+    assert all(torch.equal(repeat[n], approx[n]) for n in approx)
+    set_step(model, 0, rank=1)  # another rank draws otherwise
+    _, other_rank, _ = _grads(model, x)
+    assert not torch.equal(other_rank["conv1.weight"], approx["conv1.weight"])
+
+
+def test_compress_saved_leaves_eval_and_a_raising_forward_alone_and_detaches() -> None:
+    model, x = _Functional(), torch.randn(2, 3, 16, 16)
+    handle = compress_saved(model, min_bytes=1024)
+    with pytest.raises(ValueError, match="compressed already"):
+        compress_saved(model)
+    model.eval()
+    model(x).sum().backward()
+    assert handle.last is None  # nothing packed in eval
+    model.train()
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5, 16, 16))  # a wrong channel count: conv1 raises mid-forward
+    # the block was left all the same: a tensor saved after it stays as it is (a block left
+    # open would hand back a rebuilt 4-bit copy, another tensor)
+    h = torch.randn(64, 64, requires_grad=True) * 1.0
+    assert h.sin().grad_fn._saved_self.data_ptr() == h.data_ptr()
+    before = handle.last
+    handle.remove()
+    assert "dropit_saved" not in model.__dict__
+    model(x).sum().backward()
+    assert handle.last is before  # detached: no forward went through the block
