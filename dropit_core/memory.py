@@ -8,7 +8,9 @@ forward and the peak over the whole step, each above what the process held when 
 ``saved_tensors_hooks``, which also sees what custom Functions keep with ``save_for_backward``;
 DropIT keeps nothing as plain ``ctx`` attributes but Python metadata). Parameters are excluded:
 they are alive whatever the method. Each storage is charged to the innermost module running when
-it was first saved, so the breakdown says which layer kind holds the memory.
+it was first saved, so the breakdown says which layer kind holds the memory. A model with
+:func:`~dropit_core.saved.compress_saved` attached is counted at what its block keeps (its hooks
+run instead of these): a packed tensor is charged its pack's bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from .patch import is_dropit
 from .recompute import is_checkpointed
+from .saved import ATTRIBUTE as SAVED_ATTRIBUTE
 
 MB = 1024.0 * 1024.0
 
@@ -75,13 +78,17 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
     by_type: dict[str, int] = defaultdict(int)
     by_module: dict[str, int] = defaultdict(int)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in params or ptr in seen or storage.nbytes() == 0:
-            return t
-        seen.add(ptr)
-        nbytes = storage.nbytes()
+    def charge(t: torch.Tensor, kept: int | None) -> None:
+        """Count ``t`` at ``kept`` bytes (a compressed copy) or, once, at its storage's."""
+        if kept is None:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in params or ptr in seen or storage.nbytes() == 0:
+                return
+            seen.add(ptr)
+            nbytes = storage.nbytes()
+        else:  # packed once by its block; its storage may be freed and the address reused
+            nbytes = kept
         owner = stack[-1] if stack else model
         by_type[_kind(owner)] += nbytes
         by_module[names.get(owner, "?")] += nbytes
@@ -92,6 +99,9 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
             report.converted_bytes += nbytes
         else:
             report.unconverted_bytes += nbytes
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        charge(t, None)
         return t
 
     def push(module, args):
@@ -105,12 +115,17 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
     for module in model.modules():
         handles.append(module.register_forward_pre_hook(push))
         handles.append(module.register_forward_hook(pop))
+    blocks = [m.__dict__[SAVED_ATTRIBUTE] for m in model.modules() if SAVED_ATTRIBUTE in m.__dict__]
+    for block in blocks:
+        block.observer = charge
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = forward()
     finally:
         for h in handles:
             h.remove()
+        for block in blocks:
+            block.observer = None
     report.by_type = dict(by_type)
     report.by_module = dict(by_module)
     return result, report

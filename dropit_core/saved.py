@@ -27,6 +27,7 @@ through forward hooks, with no change to the loop.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -75,6 +76,9 @@ class CompressSaved:
         self.dense_bytes = 0
         self._seen = WeakTensorKeyDictionary()
         self._hooks: Any = None
+        # Called with (tensor, bytes kept) for each tensor first handed to the block, bytes None
+        # where it stays dense: the hooks of an outer block (a memory count) never see these.
+        self.observer: Callable[[torch.Tensor, int | None], None] | None = None
 
     def __enter__(self) -> CompressSaved:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -99,6 +103,8 @@ class CompressSaved:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._keeps_dense(t):
+            if self.observer is not None:
+                self.observer(t, None)
             return t
         # Keyed weakly by the tensor itself: a freed tensor's address can come back for another
         hit = self._seen.get(t)
@@ -113,9 +119,12 @@ class CompressSaved:
             t.shape,
         )
         self._seen[t] = (t._version, saved)
+        kept = saved.packed.nbytes() + saved.zero.nbytes + saved.negative.nbytes
         self.packs += 1
-        self.packed_bytes += saved.packed.nbytes() + saved.zero.nbytes + saved.negative.nbytes
+        self.packed_bytes += kept
         self.dense_bytes += t.numel() * t.element_size()
+        if self.observer is not None:
+            self.observer(t, kept)
         return saved
 
     def _unpack(self, saved: Any) -> torch.Tensor:
@@ -142,6 +151,7 @@ class SavedCompression:
         self.options = {"bits": bits, "group": group, "min_bytes": min_bytes, "seed": seed}
         self.step, self.rank = 0, 0
         self.last: CompressSaved | None = None
+        self.observer: Callable[[torch.Tensor, int | None], None] | None = None  # see CompressSaved
         self._active: CompressSaved | None = None
         self._model = model
         self._hooks = (
@@ -165,6 +175,7 @@ class SavedCompression:
         if self._active is not None or not (module.training and torch.is_grad_enabled()):
             return  # a nested call runs inside the block already; eval saves nothing
         self._active = CompressSaved(**self.options, step=self.step, rank=self.rank)
+        self._active.observer = self.observer
         self._active.__enter__()
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dropit_core import set_step
+from dropit_core.memory import saved_activations
 from dropit_core.saved import CompressSaved, compress_saved
 
 
@@ -142,3 +143,21 @@ def test_compress_saved_leaves_eval_and_a_raising_forward_alone_and_detaches() -
     assert "dropit_saved" not in model.__dict__
     model(x).sum().backward()
     assert handle.last is before  # detached: no forward went through the block
+
+
+def test_the_memory_count_reads_what_compress_saved_keeps() -> None:
+    model, x = _Functional(), torch.randn(4, 3, 32, 32)
+    _, dense = saved_activations(model, lambda: model(x))
+    handle = compress_saved(model, min_bytes=1024)
+    loss, packed = saved_activations(model, lambda: model(x))
+    block = handle.last
+    # Without the block's own count the outer hooks would see nothing it packed (total near 0).
+    # Each pack is charged its bytes, each tensor it leaves dense its storage's: the max-pool's
+    # int64 indices (4 x 16 x 16 x 16) and BatchNorm's statistics, under 1 KiB.
+    left_dense = dense.total_bytes - block.dense_bytes
+    assert packed.total_bytes == block.packed_bytes + left_dense
+    assert 0 <= left_dense - 4 * 16 * 16 * 16 * 8 < 1024
+    assert packed.total_bytes < 0.35 * dense.total_bytes  # the indices are 0.16x of it, dense
+    assert packed.by_type["BatchNorm2d"] < 0.25 * dense.by_type["BatchNorm2d"]
+    assert handle.observer is None  # the count lets go of the block
+    loss.sum().backward()
