@@ -90,13 +90,15 @@ class CompressSaved:
         self._seen = WeakTensorKeyDictionary()  # the packs live on in the graph, not the table
 
     def _keeps_dense(self, t: torch.Tensor) -> bool:
-        """Tensors left as they are: small, not floating point, parameters and their casts."""
+        """Tensors left as they are: small, not floating point, parameters, their casts and
+        views of either (a linear layer saves ``weight.t()`` for its input gradient)."""
         if not t.is_floating_point() or t.numel() * t.element_size() < self.min_bytes:
             return True
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
+        base = t if t._base is None else t._base
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
             return True
         # an autocast copy of a parameter: a cast straight from a parameter
-        fn = t.grad_fn
+        fn = base.grad_fn
         return type(fn).__name__ == "ToCopyBackward0" and any(
             isinstance(getattr(nxt, "variable", None), nn.Parameter) for nxt, _ in fn.next_functions
         )

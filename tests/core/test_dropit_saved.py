@@ -161,3 +161,15 @@ def test_the_memory_count_reads_what_compress_saved_keeps() -> None:
     assert packed.by_type["BatchNorm2d"] < 0.25 * dense.by_type["BatchNorm2d"]
     assert handle.observer is None  # the count lets go of the block
     loss.sum().backward()
+
+
+def test_a_linear_layers_transposed_weight_stays_dense_so_its_input_gradient_is_exact() -> None:
+    fc = nn.Linear(256, 256)  # a 2-D input goes to addmm, which saves weight.t(): a view
+    x = torch.randn(64, 256, requires_grad=True)
+    fc(x * 1.0).sum().backward()
+    exact, x.grad = x.grad, None
+    with CompressSaved(min_bytes=1024) as saved:
+        fc(x * 1.0).sum().backward()
+    # x * 1.0 (64 KiB) is packed; the weight's view is left whole, not rounded to 4 bits
+    assert saved.packs == 1 and saved.dense_bytes == 64 * 256 * 4
+    assert torch.equal(x.grad, exact)  # the input gradient reads only the weight
