@@ -64,8 +64,9 @@ bench-bf16: setup
 		--into docs/results/memory.md --block methods-bench-bf16
 
 # From scratch (R50-FPN, BatchNorm, every stage trainable): the conv-only 4-bit setting against
-# every saved activation at 4 bits (norm inputs, one-byte max-pool, no layer excluded).
-SCRATCH_METHODS := baseline quant_4bit quant_4bit_all checkpoint_stages
+# every saved activation at 4 bits (norm inputs, one-byte max-pool, no layer excluded), and the
+# same through saved-tensor hooks alone (no layer converted).
+SCRATCH_METHODS := baseline quant_4bit quant_4bit_all saved_hooks_4bit checkpoint_stages
 bench-scratch: setup
 	$(PY) tools/bench.py --scratch --settings $(SCRATCH_METHODS) --draws 2 --repeats 3 \
 		--json docs/results/bench_scratch_cpu.json \

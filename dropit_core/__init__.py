@@ -48,7 +48,7 @@ from .patch import (
 from .recompute import checkpoint_modules, is_checkpointed, uncheckpoint_modules
 from .registry import Option, Registry
 from .rules import PAPER_EXCLUDE, Rule, check_options, check_rules
-from .saved import CompressSaved, SavedCompression, compress_saved
+from .saved import CompressSaved, SavedCompression, compress_saved, saved_compression
 from .strategies import REGISTRY, STRATEGIES, build_strategy
 
 register_strategy = REGISTRY.register  # a strategy of your own, by name or class to to_dropit
@@ -83,6 +83,7 @@ __all__ = [
     "is_frozen_batchnorm",
     "lean_frozen_batchnorm",
     "register_strategy",
+    "saved_compression",
     "set_step",
     "to_dropit",
     "uncheckpoint_modules",

@@ -27,7 +27,7 @@ from torch import nn
 
 from .patch import is_dropit
 from .recompute import is_checkpointed
-from .saved import ATTRIBUTE as SAVED_ATTRIBUTE
+from .saved import saved_compression
 
 MB = 1024.0 * 1024.0
 
@@ -115,7 +115,7 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
     for module in model.modules():
         handles.append(module.register_forward_pre_hook(push))
         handles.append(module.register_forward_hook(pop))
-    blocks = [m.__dict__[SAVED_ATTRIBUTE] for m in model.modules() if SAVED_ATTRIBUTE in m.__dict__]
+    blocks = [b for b in map(saved_compression, model.modules()) if b is not None]
     for block in blocks:
         block.observer = charge
     try:

@@ -32,7 +32,7 @@ from .rules import (
     assign_layers,
     check_rules,
 )
-from .saved import ATTRIBUTE as SAVED_ATTRIBUTE
+from .saved import saved_compression
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -347,7 +347,7 @@ def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
     for cache in {id(c): c for c in caches if c is not None}.values():
         cache.set_step(step, rank)
     for module in model.modules():
-        saved = module.__dict__.get(SAVED_ATTRIBUTE)
+        saved = saved_compression(module)
         if saved is not None:
             saved.set_step(step, rank)
 

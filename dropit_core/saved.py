@@ -143,6 +143,11 @@ class CompressSaved:
 ATTRIBUTE = "dropit_saved"  # where compress_saved keeps its handle on the model (set_step reads it)
 
 
+def saved_compression(module: nn.Module) -> SavedCompression | None:
+    """The handle of :func:`compress_saved` attached to ``module`` itself, or None."""
+    return module.__dict__.get(ATTRIBUTE)
+
+
 class SavedCompression:
     """The handle :func:`compress_saved` returns: the block's settings, the step its next
     training forward draws with, the last forward's block (``last``: its ``packs``,

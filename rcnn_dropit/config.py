@@ -315,7 +315,8 @@ def _validate(key: str, value: Any, rules: typing.Mapping[str, Any], source: str
         return
     choices = rules.get("choices")
     if choices is not None and value not in choices:
-        raise UsageError(f"{source}: {key} = {value!r} is not one of {', '.join(choices)}")
+        allowed = ", ".join(map(str, choices))
+        raise UsageError(f"{source}: {key} = {value!r} is not one of {allowed}")
     ops = {"ge": (">=", operator.ge), "gt": (">", operator.gt)}
     ops |= {"le": ("<=", operator.le), "lt": ("<", operator.lt)}
     used = [r for r in ops if r in rules]

@@ -72,6 +72,10 @@ class DropITConfig:
     # MaxPool2d keeps one byte per output (its window's winner) instead of its input and int64
     # indices: exact, the plain layer's gradient bit for bit.
     pool: bool = False
+    # Every other floating-point tensor of 64 KiB or more that autograd saves in a training
+    # forward, kept at this many bits through saved-tensor hooks (dropit_core.compress_saved):
+    # what no converted layer owns, or, with `enabled: false`, the whole model. 0: off.
+    saved_bits: int = _f(0, choices=(0, 2, 4, 8))
     # Per-group rules: each {include, exclude, strategy, gamma, norm, pool, options}, keys it leaves
     # out taken from the keys above; `exclude` above applies to every rule. Empty: the keys above
     # are the one rule. A layer claimed by two rules, or a pattern matching nothing, is an error.

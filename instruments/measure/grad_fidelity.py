@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dropit_core import is_checkpointed, is_dropit, set_step
+from dropit_core import is_checkpointed, is_dropit, saved_compression, set_step
 from instruments.measure.workload import train_step
 
 
@@ -54,9 +54,10 @@ def grad_draws(
 
 def approximated_layers(model: nn.Module) -> set[str]:
     """Layers whose weight gradient a setting computes otherwise than the plain step: DropIT
-    layers (from a compressed input) and every layer inside a checkpointed module (recomputed)."""
+    layers (from a compressed input), every layer inside a checkpointed module (recomputed) and
+    every layer inside a module whose forwards compress what they save (``compress_saved``)."""
     named = list(model.named_modules())
-    regions = [path for path, m in named if is_checkpointed(m)]
+    regions = [path for path, m in named if is_checkpointed(m) or saved_compression(m) is not None]
 
     def inside(path: str) -> bool:
         return any(r == "" or path == r or path.startswith(r + ".") for r in regions)

@@ -176,7 +176,9 @@ def split_reference(
 
 def draws_randomly(cfg: Config) -> bool:
     """Whether a step of ``cfg``'s model draws random numbers in DropIT (so that two steps give
-    two different weight gradients)."""
+    two different weight gradients): a drawing strategy, or saved tensors rounded at random."""
+    if cfg.dropit.saved_bits:
+        return True
     return cfg.dropit.enabled and any(r.strategy.draws for r in dropit_rules(cfg.dropit))
 
 
@@ -194,6 +196,7 @@ def describe(cfg: Config) -> dict[str, Any]:
         "activation_checkpointing": list(cfg.model.activation_checkpointing),
         "frozen_bn": cfg.model.frozen_bn,
         "accumulate": cfg.solver.accumulate,
+        "saved_bits": d.saved_bits,
     }
 
 

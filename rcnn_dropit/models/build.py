@@ -11,7 +11,13 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
-from dropit_core import DropITRecord, checkpoint_modules, dropit_record, to_dropit
+from dropit_core import (
+    DropITRecord,
+    checkpoint_modules,
+    compress_saved,
+    dropit_record,
+    to_dropit,
+)
 from rcnn_dropit.config import Config
 from rcnn_dropit.config_schema import PAPER_EXCLUDE
 from rcnn_dropit.errors import UsageError
@@ -104,8 +110,11 @@ def fitting_exclude(model: nn.Module, exclude: Sequence[str]) -> tuple[str, ...]
 
 
 def apply_dropit(model: nn.Module, cfg: Config) -> tuple[nn.Module, DropITRecord]:
-    """Convert layers to DropIT per `cfg.dropit` (in place); an empty record when disabled."""
+    """Convert layers to DropIT per `cfg.dropit` (in place); an empty record when disabled.
+    With `dropit.saved_bits`, every training forward also compresses what it saves otherwise."""
     d = cfg.dropit
+    if d.saved_bits:
+        compress_saved(model, bits=d.saved_bits)
     if not d.enabled:
         return model, DropITRecord()
 

@@ -373,3 +373,34 @@ def test_dropit_norm_and_pool_convert_the_batchnorms_and_the_stem_max_pool():
     # without them, the same config leaves the norms and the max-pool plain
     model, _ = build_model(tiny_cfg(norm="bn", trainable_layers=5, dropit=dropit))
     assert not any(isinstance(m, (DropITBatchNorm2d, DropITMaxPool2d)) for m in model.modules())
+
+
+def test_dropit_saved_bits_compresses_what_a_model_saves_with_or_without_converted_layers():
+    from dropit_core import saved_compression
+    from dropit_core.memory import saved_activations
+    from instruments.measure.grad_fidelity import approximated_layers
+
+    def saved_mb(model: nn.Module) -> float:
+        images, targets = sample()
+        model.train()
+        losses, report = saved_activations(model, lambda: model(images, targets))
+        sum(losses.values()).backward()  # the packs rebuild in backward
+        return report.total_bytes
+
+    plain, _ = build_model(tiny_cfg(norm="bn", trainable_layers=5))
+    hooked, record = build_model(tiny_cfg(norm="bn", trainable_layers=5, dropit={"saved_bits": 4}))
+    handle = saved_compression(hooked)
+    assert handle is not None and handle.options["bits"] == 4 and len(record) == 0
+    # no layer is converted, and every layer's weight gradient is computed from rebuilt tensors
+    weighted = {
+        n for n, m in hooked.named_modules() if isinstance(getattr(m, "weight", None), nn.Parameter)
+    }
+    assert weighted <= approximated_layers(hooked)
+    assert saved_mb(hooked) < 0.35 * saved_mb(plain)
+    assert handle.last.packs > 20
+    both, record = build_model(
+        tiny_cfg(dropit={"enabled": True, "strategy": "quant", "saved_bits": 2})
+    )
+    assert len(record) > 0 and saved_compression(both).options["bits"] == 2
+    with pytest.raises(ValueError, match="dropit.saved_bits"):
+        tiny_cfg(dropit={"saved_bits": 3})
