@@ -3,8 +3,7 @@
 Eager torch makes a pass over memory per operation, ten or so for a pack; compiled, the group
 minimum and step, the hash draw, the rounding and the packing of codes into bytes are one loop
 that stores into the pack's final buffers, called a slice at a time (its temporaries, an fp32
-value per element, stay a slice's); the rebuild stays eager: a few passes, and faster so (but
-``CompressSaved`` restores its saved zeros and signs after it compiled: ``signed_values``). It is
+value per element, stay a slice's); the rebuild stays eager: a few passes, and faster so. It is
 the eager path's arithmetic, op for op, and inductor compiles without unsafe math or contraction
 (torch's defaults), so its bytes are the eager ones bit for bit
 (tests/core/test_dropit_kernels.py checks it, marked slow).
@@ -91,29 +90,6 @@ def quant_rows(
     for j in range(1, per_byte):
         packed = packed | (code[:, j] << (bits * j))
     codes.copy_(packed.view(-1))
-
-
-def signed_values(values: torch.Tensor, zero: torch.Tensor, negative: torch.Tensor) -> None:
-    """Give rebuilt ``values`` (a slice of whole bytes of flags) their saved zeros and signs, in
-    place: the magnitude, at least the smallest normal number, negated where ``negative``'s bit
-    is set, +0.0 where ``zero``'s is (bits as ``packing.pack_bits`` packs them).
-
-    Eager, the flags' unpacking, the sign and the zeros are six or so passes, and a ``where``
-    over flags this random branches on each; compiled, one loop. The eager ops of
-    ``saved.CompressSaved``, so the same bits.
-    """
-    shifts = torch.arange(8, dtype=torch.uint8, device=values.device)
-    n = values.numel()
-    is_zero = ((zero.unsqueeze(-1) >> shifts) & 1).view(-1)[:n] != 0
-    is_negative = ((negative.unsqueeze(-1) >> shifts) & 1).view(-1)[:n] != 0
-    magnitude = values.abs().clamp_min(torch.finfo(values.dtype).tiny)
-    signed = torch.where(is_negative, -magnitude, magnitude)
-    values.copy_(torch.where(is_zero, torch.zeros_like(signed), signed))
-
-
-def compiled_signed_values() -> Callable:
-    """:func:`signed_values` compiled (once per process; it compiles on its first call)."""
-    return _compiled("signed_values", signed_values)
 
 
 def compile_available() -> bool:

@@ -34,7 +34,6 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from . import base, compiled
 from .base import Packed
 from .packing import pack_bits, unpack_bits
 from .seeds import mix_seed
@@ -134,34 +133,11 @@ class CompressSaved:
         if isinstance(saved, torch.Tensor):
             return saved
         n = math.prod(saved.shape)
-        values = self.quant.unpack(saved.packed).reshape(-1)  # a fresh tensor: ours to change
-        if _signed_compiled(values, saved):
-            return values.view(saved.shape)
+        values = self.quant.unpack(saved.packed).reshape(-1)
         tiny = torch.finfo(values.dtype).tiny
         magnitude = values.abs().clamp_min_(tiny)
         signed = torch.where(unpack_bits(saved.negative, n), -magnitude, magnitude)
         return signed.masked_fill_(unpack_bits(saved.zero, n), 0.0).view(saved.shape)
-
-
-def _signed_compiled(values: torch.Tensor, saved: _Saved) -> bool:
-    """Restore the zeros and signs of large CPU ``values`` in place with the compiled loop, a
-    slice at a time (its temporaries stay a slice's); False where it does not run."""
-    if not (
-        values.device.type == "cpu"
-        and values.numel() >= compiled.COMPILE_MIN
-        and compiled.compile_available()
-    ):
-        return False
-    step = base.SLICE  # a multiple of 8: whole bytes of flags
-    try:
-        fn = compiled.compiled_signed_values()
-        for start in range(0, values.numel(), step):
-            first, last = start // 8, (start + step + 7) // 8
-            fn(values[start : start + step], saved.zero[first:last], saved.negative[first:last])
-    except Exception as err:  # no compiler: eager from now on (it redoes any slice done here:
-        compiled.compile_failed(err)  # a magnitude and a zero are the same again)
-        return False
-    return True
 
 
 ATTRIBUTE = "dropit_saved"  # where compress_saved keeps its handle on the model (set_step reads it)

@@ -173,28 +173,3 @@ def test_a_linear_layers_transposed_weight_stays_dense_so_its_input_gradient_is_
     # x * 1.0 (64 KiB) is packed; the weight's view is left whole, not rounded to 4 bits
     assert saved.packs == 1 and saved.dense_bytes == 64 * 256 * 4
     assert torch.equal(x.grad, exact)  # the input gradient reads only the weight
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_cpu_rebuild_gives_the_eager_bits(dtype) -> None:
-    from dropit_core import base, compiled
-
-    # Three slices, the last a partial byte of flags: every slice boundary is exercised.
-    x = torch.randn(2 * base.SLICE + 13, generator=torch.Generator().manual_seed(3))
-    x[::3] = 0.0
-    x = x.to(dtype)
-    block = CompressSaved()
-    saved = block._pack(x * 1.0)
-    try:
-        compiled.set_compile(False)
-        eager = block._unpack(saved)
-        compiled.set_compile(True)
-        rebuilt = block._unpack(saved)
-    finally:
-        compiled.set_compile(None)
-    if not compiled.compile_available():
-        pytest.skip("torch.compile is not available here")
-    ints = {4: torch.int32, 2: torch.int16}[x.element_size()]
-    assert torch.equal(rebuilt.view(ints), eager.view(ints))
-    assert torch.equal(rebuilt == 0, x == 0) and torch.equal(rebuilt < 0, x < 0)
