@@ -208,10 +208,11 @@ def compress_saved(
     ``set_step(model, step, rank)`` seeds the draws as it does the layers'; without it the step
     counts the training forwards from 0. Returns the handle (also ``model.dropit_saved``).
     """
-    if ATTRIBUTE in model.__dict__:
+    attached = saved_compression(model)
+    if attached is not None:
         raise ValueError(
             f"compress_saved: this {type(model).__name__} is compressed already "
-            f"(options {model.__dict__[ATTRIBUTE].options}); call .remove() on that handle first"
+            f"(options {attached.options}); call .remove() on that handle first"
         )
     handle = SavedCompression(model, bits, group, min_bytes, seed)
     model.__dict__[ATTRIBUTE] = handle
