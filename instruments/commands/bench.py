@@ -149,7 +149,10 @@ def _parser() -> argparse.ArgumentParser:
         "--gpu-table: the budget of its batch column)",
     )
     parser.add_argument(
-        "--batch-limit", type=int, default=64, help="largest batch tried (default: %(default)s)"
+        "--batch-limit",
+        type=int,
+        default=64,
+        help="largest batch tried (default: %(default)s; 0 with --gpu-table: no batch search)",
     )
     parser.add_argument(
         "--widths",
@@ -282,6 +285,10 @@ def _gpu_table(args: argparse.Namespace) -> None:
         settings, images, budget, args.batch_limit, args.image_size, args.repeats, args.device,
         args.amp, args.draws, run["profile_steps"], args.scratch,
         progress=lambda row: print("measured: " + json.dumps(row), file=sys.stderr, flush=True),
+        # The step columns are written before the (long) batch search; the end rewrites the file.
+        on_steps=(lambda rows: write_gpu_table(args.json, {**header, "complete": False}, rows))
+        if args.json and args.batch_limit > 0
+        else None,
     )  # fmt: skip
     rows = []
     for row in produced:

@@ -80,11 +80,14 @@ def gpu_table(
     rois_per_image: int = 512,
     backbone: str = "resnet50",
     progress: Callable[[dict[str, Any]], None] | None = None,
+    on_steps: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """One row per setting (the baseline first): step rows at each of ``images``, then the
     largest batch within ``budget_mb`` searched up to ``batch_limit`` images (``at_limit``
-    says when a setting reached it: its true figure is higher). ``progress`` sees every
-    step and batch row as it comes (the whole table takes a while)."""
+    says when a setting reached it: its true figure is higher; a limit of 0 skips the search).
+    ``progress`` sees every step and batch row as it comes, and ``on_steps`` the table's rows
+    once the step columns are in, before the search (a lease that ends during the search then
+    still has them)."""
     table: dict[str, dict[str, Any]] = {}
     for n in images:
         rows = run_benchmark(
@@ -96,6 +99,11 @@ def gpu_table(
                 progress(row)
             merged = table.setdefault(row["setting"], {k: row.get(k) for k in DESCRIPTION})
             merged.update({f"{key}_{n}img": row.get(src) for key, src in PER_BATCH.items()})
+    if on_steps:
+        on_steps([dict(row) for row in table.values()])
+    if batch_limit <= 0:
+        yield from table.values()
+        return
     batches = largest_batches(
         settings, budget_mb, batch_limit, scratch, image_size, device, rois_per_image, backbone,
         amp=amp,
@@ -203,4 +211,6 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
         f"(CUDA {table.get('cuda')}), triton {table.get('triton')}; DropIT kernels: "
         f"{table.get('kernels')}; AMP {table.get('amp')}, {table.get('image_size')} px.",
     ]
+    if table.get("complete") is False:
+        lines.append("The run ended before its batch search finished: no largest-batch figures.")
     return "\n".join(lines)

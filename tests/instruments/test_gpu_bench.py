@@ -148,6 +148,27 @@ def test_gpu_table_rows_join_each_batch_size_and_the_largest_batch(monkeypatch) 
     assert quant["budget_mb"] == 16000.0 and quant["batch_limit"] == 64
 
 
+def test_gpu_table_hands_over_its_step_columns_before_the_batch_search(monkeypatch) -> None:
+    order = []
+
+    def run(settings, *args, images, profile_steps, **kwargs):
+        yield _step_row("baseline", images, 1.0)
+
+    def batches(*args, **kwargs):
+        order.append("search")
+        yield {"setting": "baseline", "max_batch": 21, "peak_mb_at_max": 15800.0}
+
+    monkeypatch.setattr(gpu, "run_benchmark", run)
+    monkeypatch.setattr(gpu, "largest_batches", batches)
+    (row,) = gpu.gpu_table([], (2, 8), 16000.0, 64, on_steps=lambda rows: order.append(rows))
+    (early, search) = order
+    assert search == "search" and early[0]["step_s_8img"] == row["step_s_8img"]
+    assert "max_batch" not in early[0] and row["max_batch"] == 21
+    order.clear()  # a limit of 0: the step columns alone, no search
+    (row,) = gpu.gpu_table([], (2,), 16000.0, 0, on_steps=order.append)
+    assert len(order) == 1 and "max_batch" not in row
+
+
 def _table() -> dict:
     rows = [
         {
@@ -264,6 +285,24 @@ def test_cli_gpu_table_prints_rows_and_writes_one_file(monkeypatch, tmp_path, ca
     doc.write_text(f"{begin}\n{end}\n")
     assert bench_main(["--markdown", str(out), "--into", str(doc), "--block", "bench-gpu"]) == 0
     assert "| mink_0.8 |" in doc.read_text()
+    assert "batch search finished" not in doc.read_text()
+
+
+def test_cli_gpu_table_writes_its_step_columns_before_the_batch_search(
+    monkeypatch, tmp_path, capsys
+) -> None:
+    out = tmp_path / "bench_gpu.json"
+
+    def fake(*args, on_steps, **kwargs):
+        on_steps([{"setting": "baseline", "step_s_2img": 0.1}])
+        raise KeyboardInterrupt  # the lease ends during the search
+
+    monkeypatch.setattr(gpu, "gpu_table", fake)
+    argv = ["--gpu-table", "--device", "cpu", "--settings", "baseline", "--json", str(out)]
+    assert bench_main(argv) != 0
+    written = json.loads(out.read_text())
+    assert written["complete"] is False and written["rows"][0]["step_s_2img"] == 0.1
+    assert "before its batch search finished" in gpu.gpu_markdown(written)
 
 
 def test_cli_refuses_what_the_gpu_table_does_not_take(capsys) -> None:

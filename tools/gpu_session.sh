@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one pass that fits a short lease of a GPU machine (docs/gpu.md).
+#
+# Run from the checkout's root on a machine whose python3 already has torch, torchvision and
+# triton for its GPU: `bash tools/gpu_session.sh [SECONDS]` (default 540). In order of what
+# matters most: the GPU test tier and the kernels compiled for the GPU (side by side, both only
+# check values), then the GPU table (make bench-gpu, smaller: 5 timed steps, 1 draw, batches
+# searched up to 128 images), then the from-scratch rows on CUDA and the per-pass op costs.
+# Each stage gets what is left of the deadline, so a lease that ends early still leaves every
+# finished stage's log; the GPU table writes its step columns before its batch search. If the
+# table fails within a minute (a kernel that does not compile), it runs again with
+# DROPIT_KERNELS=eager, into bench_gpu_eager.json. Logs and JSON go to $OUT (default gpu_out),
+# summary.txt, the JSON files and logs.tgz (every stage's log): fewer than the 8 files a lease
+# hands back.
+set -u
+budget=${1:-540}
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+start=$(date +%s)
+summary="$OUT/summary.txt"
+
+left() { echo $((budget - ($(date +%s) - start))); }
+
+# stage NAME SECONDS CMD...: run CMD under a time limit (SIGINT first: pytest and the bench then
+# print what they have), its output into NAME.log, one line of outcome into the summary.
+stage() {
+  local name=$1 limit=$2 t0
+  shift 2
+  t0=$(date +%s)
+  if [ "$limit" -lt 20 ]; then
+    echo "$name: skipped, $limit s left" >>"$summary"
+    return 1
+  fi
+  timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $(($(date +%s) - t0)) s (limit $limit s): $*" >>"$summary"
+  return $rc
+}
+
+{
+  echo "gpu_session.sh at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton, torchvision; print("torch", torch.__version__, "cuda", torch.version.cuda, "torchvision", torchvision.__version__, "triton", triton.__version__)'
+  python3 -c 'import importlib.metadata as m; print("pycocotools", m.version("pycocotools"))' 2>&1 | tail -1
+} >"$summary" 2>&1
+
+# 1. Values: the GPU tier and the kernels compiled for this GPU, side by side.
+tier=$(($(left) * 30 / 100))
+stage tests_gpu "$tier" python3 -m pytest -m gpu -rs -p no:cacheprovider tests &
+stage tests_kernels "$tier" python3 -m pytest -q -p no:cacheprovider -n 6 \
+  tests/core/test_dropit_kernels.py tests/core/test_dropit_compact.py &
+wait
+grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"$summary"
+
+# 2. The GPU table (make bench-gpu, smaller), alone on the GPU.
+settings="baseline baseline_torchvision_bn quant_4bit quant_2bit mink_0.8 threshold_0.8"
+settings="$settings checkpoint_stages checkpoint_stages_quant_4bit accumulate_2 accumulate_4"
+table=(python3 tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8
+  --repeats 5 --draws 1 --max-batch 16000 --batch-limit 128 --quiet-machine)
+t0=$(date +%s)
+# shellcheck disable=SC2086  # the settings are words
+if ! stage bench_gpu $(($(left) * 70 / 100)) "${table[@]}" --settings $settings \
+  --json "$OUT/bench_gpu.json" && [ $(($(date +%s) - t0)) -lt 60 ]; then
+  DROPIT_KERNELS=eager stage bench_gpu_eager $(($(left) * 60 / 100)) "${table[@]}" \
+    --settings $settings --json "$OUT/bench_gpu_eager.json"
+fi
+
+# 3. From scratch (BatchNorm, issue 28's coverage) on CUDA: step columns only.
+stage bench_scratch_gpu $(($(left) - 40)) python3 tools/bench.py --gpu-table --scratch \
+  --device cuda --amp fp16 --image-size 800 --images 4 --repeats 5 --draws 1 \
+  --batch-limit 0 --quiet-machine --settings baseline quant_4bit quant_4bit_all \
+  saved_hooks_4bit checkpoint_stages --json "$OUT/bench_scratch_gpu.json"
+
+# 4. What each pass of an element-wise pack costs on this GPU.
+stage ops $(($(left) - 5)) python3 tools/bench.py --ops --device cuda
+echo "done in $(($(date +%s) - start)) s" >>"$summary"
+(cd "$OUT" && tar czf logs.tgz ./*.log && rm ./*.log)
+cat "$summary"
