@@ -12,13 +12,20 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @triton.jit
-def _relu_mask_kernel(x_ptr, out_ptr, bits_ptr, n, BLOCK: tl.constexpr):
+def _relu_mask_kernel(
+    x_ptr, out_ptr, bits_ptr, n, BLOCK: tl.constexpr, KEEP_NEG_ZERO: tl.constexpr
+):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < n
     x = tl.load(x_ptr + idx, mask=ok, other=0.0)
     blocked = x <= 0  # NaN is not blocked: it passes, as in torch.relu and its backward
-    # x < 0, not blocked: torch.relu keeps -0.0 (and NaN) as they are.
-    tl.store(out_ptr + idx, tl.where(x < 0, 0.0, x).to(x.dtype), mask=ok)
+    # torch.relu keeps -0.0 on the CPU and writes +0.0 for it on CUDA (seen on an H200): the
+    # kernel writes what torch.relu writes on the tensor's device. NaN passes on both.
+    if KEEP_NEG_ZERO:
+        zeroed = x < 0
+    else:
+        zeroed = blocked
+    tl.store(out_ptr + idx, tl.where(zeroed, 0.0, x).to(x.dtype), mask=ok)
     flags = tl.where(blocked & ok, 1, 0)  # past the end: zero flags, as pack_bits pads
     shifts = tl.arange(0, 8)
     byte = tl.sum(tl.reshape(flags, (BLOCK // 8, 8)) << shifts[None, :], axis=1)
@@ -39,7 +46,9 @@ def relu_mask(x: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, tor
     n = src.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
     if n:
-        _relu_mask_kernel[(triton.cdiv(n, RELU_BLOCK),)](src, out, bits, n, BLOCK=RELU_BLOCK)
+        _relu_mask_kernel[(triton.cdiv(n, RELU_BLOCK),)](
+            src, out, bits, n, BLOCK=RELU_BLOCK, KEEP_NEG_ZERO=not src.is_cuda
+        )
     return out, bits
 
 
