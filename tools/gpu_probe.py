@@ -108,13 +108,39 @@ def timing(model, batch, top: int) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
+def python_time(model, batch, top: int) -> None:
+    """cProfile over 3 steps: the Python functions with the most time of their own (the host
+    time a torch.profiler table lumps into an autograd Function's self CPU time)."""
+    import cProfile
+    import io
+    import pstats
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        step_loss(model, batch, "fp16").backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for key in ("tottime", "cumtime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        print(out.getvalue()[-12000:])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=["baseline", "quant_4bit"])
     parser.add_argument("--images", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--scratch", action="store_true")
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--what", choices=["both", "memory", "time"], default="both")
+    parser.add_argument("--what", choices=["both", "memory", "time", "python"], default="both")
     args = parser.parse_args()
     base = recipe_config(args.scratch, 800)
     for setting in plan_settings(Path("configs/study/plan.yaml"), args.settings):
@@ -128,6 +154,8 @@ def main() -> int:
                     memory(model, batch, args.top)
                 if args.what in ("both", "time"):
                     timing(model, batch, args.top)
+                if args.what == "python":
+                    python_time(model, batch, args.top)
             except Exception:  # a diagnostic: print the bug, go on to the next
                 traceback.print_exc()
             sys.stdout.flush()
