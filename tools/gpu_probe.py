@@ -30,6 +30,9 @@ from instruments.measure.workload import (  # noqa: E402
     step_loss,
 )
 
+# Untimed steps first: a Triton kernel compiles for each new specialisation of its integer
+# arguments (a size divisible by 16 or not), which the first steps of a model meet.
+WARMUP = 10
 OURS = ("dropit_core", "rcnn_dropit", "torchvision", "instruments")
 
 
@@ -92,7 +95,7 @@ def timing(model, batch, top: int) -> None:
         model.zero_grad(set_to_none=True)
         step_loss(model, batch, "fp16").backward()
 
-    for _ in range(2):
+    for _ in range(WARMUP):
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -119,7 +122,7 @@ def python_time(model, batch, top: int) -> None:
         model.zero_grad(set_to_none=True)
         step_loss(model, batch, "fp16").backward()
 
-    for _ in range(2):
+    for _ in range(WARMUP):
         step()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
