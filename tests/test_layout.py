@@ -132,7 +132,13 @@ def test_no_private_name_is_used_across_modules() -> None:
     )
 
 
-INSTRUMENTS = ("bench", "study", "grad_figure", "grad_groups")  # tools/ that run instruments
+INSTRUMENTS = (
+    "bench",
+    "study",
+    "grad_figure",
+    "grad_groups",
+    "gpu_probe",
+)  # tools/ that run instruments
 
 
 def test_the_tools_are_thin_and_import_nothing_private() -> None:

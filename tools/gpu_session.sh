@@ -9,9 +9,10 @@
 # Each stage gets what is left of the deadline, so a lease that ends early still leaves every
 # finished stage's log; the GPU table writes its step columns before its batch search. If the
 # table fails within a minute (a kernel that does not compile), it runs again with
-# DROPIT_KERNELS=eager, into bench_gpu_eager.json. Logs and JSON go to $OUT (default gpu_out),
-# summary.txt, the JSON files and logs.tgz (every stage's log): fewer than the 8 files a lease
-# hands back.
+# DROPIT_KERNELS=eager, into bench_gpu_eager.json. A copy whose .git is not the tree's own (a
+# lease's) names the tree's commit with RCNN_DROPIT_COMMIT=<hash> for the JSON files. Into $OUT
+# (default gpu_out): summary.txt, the JSON files and logs.tgz (every stage's log), fewer than
+# the 8 files a lease hands back. docs/gpu.md shows the call that ran it on an H200.
 set -u
 budget=${1:-540}
 OUT=${OUT:-gpu_out}
@@ -39,7 +40,7 @@ stage() {
 }
 
 {
-  echo "gpu_session.sh at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ)"
+  echo "gpu_session.sh at ${RCNN_DROPIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}, $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, triton, torchvision; print("torch", torch.__version__, "cuda", torch.version.cuda, "torchvision", torchvision.__version__, "triton", triton.__version__)'
   python3 -c 'import importlib.metadata as m; print("pycocotools", m.version("pycocotools"))' 2>&1 | tail -1
@@ -48,7 +49,7 @@ stage() {
 # 1. Values: the GPU tier and the kernels compiled for this GPU, side by side.
 tier=$(($(left) * 30 / 100))
 stage tests_gpu "$tier" python3 -m pytest -m gpu -rs -p no:cacheprovider tests &
-stage tests_kernels "$tier" python3 -m pytest -q -p no:cacheprovider -n 6 \
+stage tests_kernels "$tier" python3 -m pytest -rs -p no:cacheprovider -n 6 \
   tests/core/test_dropit_kernels.py tests/core/test_dropit_compact.py &
 wait
 grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"$summary"

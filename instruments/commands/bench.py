@@ -328,7 +328,7 @@ def _markdown(
 ) -> None:
     """Print the table of a JSON file (the methods table's records, a GPU table, or the rows of
     ``--json``, as the run printed them), or write it into a document's marked block."""
-    from instruments.measure.gpu_table import gpu_markdown, is_gpu_table
+    from instruments.measure.gpu_table import gpu_markdown, gpu_summary, is_gpu_table
     from instruments.measure.methods_table import (
         methods_markdown,
         methods_summary,
@@ -342,9 +342,7 @@ def _markdown(
     except json.JSONDecodeError:
         data = None  # read_methods_json says what is wrong with it
     if is_gpu_table(data):
-        if summary:
-            raise UsageError("--summary: one line per method of a methods table, not a GPU table")
-        table = gpu_markdown(data)
+        table = gpu_summary(data) if summary else gpu_markdown(data)
     elif is_step_rows(data):
         if summary:
             raise UsageError("--summary: one line per method of a methods table, not --json rows")

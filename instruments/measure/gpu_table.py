@@ -165,16 +165,60 @@ def _cell(value: Any, fmt: str, unit: str = "", ratio: Any = None) -> str:
     return text if ratio is None else f"{text} ({ratio:.2f}x)"
 
 
+def _ratios(row: Mapping[str, Any], key: str, images: Sequence[int], base=None) -> str:
+    """A row's ratios at each batch size, "1.86x, 1.20x" (``base``: computed against it)."""
+    cells = []
+    for n in images:
+        if base is None:
+            value = row.get(f"{key}_ratio_{n}img")
+        else:
+            mine, ref = row.get(f"{key}_mb_{n}img"), base.get(f"{key}_mb_{n}img")
+            value = mine / ref if mine is not None and ref else None
+        cells.append("-" if value is None else f"{value:.2f}x")
+    return ", ".join(cells)
+
+
+def gpu_summary(table: Mapping[str, Any]) -> str:
+    """One line per setting of a GPU table (for prose that must not retype its figures): step,
+    peak and saved ratios at each batch size and the largest batch, then the GPU and commit."""
+    if not is_gpu_table(table) or not table["rows"]:
+        raise UsageError("GPU table: expected an object with rows (tools/bench.py --gpu-table)")
+    images = table.get("images") or []
+    base = table["rows"][0]
+    at = " and ".join(f"{n}" for n in images)
+    lines = []
+    for r in table["rows"][1:]:
+        line = (
+            f"- `{r['setting']}`: step {_ratios(r, 'step', images)}, peak "
+            f"{_ratios(r, 'peak', images)}, saved {_ratios(r, 'saved', images, base)} the "
+            f"baseline's (at {at} images)"
+        )
+        if r.get("max_batch") is not None:
+            limit = " (the limit)" if r.get("at_limit") else ""
+            line += f"; largest batch {r['max_batch']}{limit} against {base.get('max_batch')}"
+        lines.append(line + ".")
+    lines.append(
+        f"\n({table.get('gpu') or 'no GPU'}, AMP {table.get('amp')}, {table.get('image_size')} "
+        f"px, commit `{table.get('commit')}`, DropIT kernels: {table.get('kernels')}; "
+        "the table and its command: docs/results/memory.md.)"
+    )
+    return "\n".join(lines)
+
+
 def gpu_markdown(table: Mapping[str, Any]) -> str:
     """The Markdown table of a GPU table file's data, then the run that measured it."""
     if not is_gpu_table(table):
         raise UsageError("GPU table: expected an object with 'rows' (tools/bench.py --gpu-table)")
     images = table.get("images") or []
     budget = table.get("budget_mb")
+    searched = (table.get("batch_limit") or 0) > 0  # a limit of 0: no batch search ran
+    base = table["rows"][0] if table["rows"] else {}
     heads = ["setting"]
     heads += [f"step, {n} img" for n in images]
     heads += [f"peak, {n} img" for n in images]
-    heads += [f"largest batch in {budget:.0f} MB" if budget else "largest batch"]
+    heads += [f"saved, {n} img" for n in images]
+    if searched:
+        heads += [f"largest batch in {budget:.0f} MB" if budget else "largest batch"]
     heads += [f"launches / step, {n} img" for n in images]
     heads += [f"host syncs / step, {n} img" for n in images]
     lines = ["| " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(heads) - 1)]
@@ -186,10 +230,14 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
             cells.append(_cell(ms, ".0f", " ms", r.get(f"step_ratio_{n}img")))
         for n in images:
             cells.append(_cell(r.get(f"peak_mb_{n}img"), ".0f", " MB", r.get(f"peak_ratio_{n}img")))
-        batch = r.get("max_batch")
-        if batch is not None and r.get("at_limit"):
-            batch = f">= {batch} (the limit)"
-        cells.append("-" if batch is None else str(batch))
+        for n in images:
+            saved, ref = r.get(f"saved_mb_{n}img"), base.get(f"saved_mb_{n}img")
+            cells.append(_cell(saved, ".0f", " MB", saved / ref if saved and ref else None))
+        if searched:
+            batch = r.get("max_batch")
+            if batch is not None and r.get("at_limit"):
+                batch = f">= {batch} (the limit)"
+            cells.append("-" if batch is None else str(batch))
         cells += [_cell(r.get(f"launches_per_step_{n}img"), ".0f") for n in images]
         cells += [_cell(r.get(f"syncs_per_step_{n}img"), ".1f") for n in images]
         lines.append("| " + " | ".join(cells) + " |")
@@ -200,11 +248,17 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
         "",
         f"Ratios to the baseline of the same run. Step: forward and backward, median of "
         f"{table.get('repeats')} after a warm-up round, synchronised. Peak: {source} peak over "
-        f"the step, above the model's own allocation. Launches and host syncs: counted by "
+        f"the step, above the model's own allocation. Saved: the bytes autograd keeps for the "
+        f"backward (packs counted as packs). Launches and host syncs: counted by "
         f"torch.profiler, {table.get('profile_steps')} profiled steps per setting (kernel "
         "launch calls of the runtime and the driver; stream, event and device synchronisations "
-        "and synchronous copies). Largest batch: one SGD step within the budget, searched up "
-        f"to a limit of {table.get('batch_limit')} images.",
+        "and synchronous copies)."
+        + (
+            " Largest batch: one SGD step within the budget, searched up to a limit of "
+            f"{table.get('batch_limit')} images."
+            if searched
+            else ""
+        ),
         "",
         f"Measured {table.get('date')} by `{table.get('command')}` at commit "
         f"`{table.get('commit')}`; {table.get('gpu') or 'no GPU'}; torch {table.get('torch')} "

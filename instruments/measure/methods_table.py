@@ -98,8 +98,16 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+COMMIT_ENV = "RCNN_DROPIT_COMMIT"
+
+
 def _commit() -> str:
-    """The checkout's commit, ``-dirty`` when tracked files differ from it."""
+    """The checkout's commit, ``-dirty`` when tracked files differ from it; ``$RCNN_DROPIT_COMMIT``
+    when set (a copy of a working tree whose .git is not the tree's own: a GPU lease's copy
+    read the session's first commit there, tools/gpu_session.sh)."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given:
+        return given
     head = _git("rev-parse", "--short=12", "HEAD")
     if head is None:
         return "unknown (not a git checkout)"

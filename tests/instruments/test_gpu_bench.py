@@ -178,6 +178,7 @@ def _table() -> dict:
             "step_ratio_2img": 1.0,
             "peak_mb_2img": 1500.0,
             "peak_ratio_2img": 1.0,
+            "saved_mb_2img": 1000.0,
             "launches_per_step_2img": 2100.0,
             "syncs_per_step_2img": 60.0,
             "max_batch": 21,
@@ -190,6 +191,7 @@ def _table() -> dict:
             "step_ratio_2img": 3.5,
             "peak_mb_2img": 705.0,
             "peak_ratio_2img": 0.47,
+            "saved_mb_2img": 250.0,
             "launches_per_step_2img": 9000.0,
             "syncs_per_step_2img": 129.33,
             "max_batch": 48,
@@ -220,17 +222,46 @@ def test_gpu_markdown_rows_ratios_and_the_run_behind_them() -> None:
     text = gpu.gpu_markdown(_table())
     lines = text.splitlines()
     assert lines[0] == (
-        "| setting | step, 2 img | peak, 2 img | largest batch in 16000 MB "
+        "| setting | step, 2 img | peak, 2 img | saved, 2 img | largest batch in 16000 MB "
         "| launches / step, 2 img | host syncs / step, 2 img |"
     )
-    assert lines[2] == "| baseline | 84 ms (1.00x) | 1500 MB (1.00x) | 21 | 2100 | 60.0 |"
-    assert lines[3] == (
-        "| mink_0.8 | 294 ms (3.50x) | 705 MB (0.47x) | >= 48 (the limit) | 9000 | 129.3 |"
+    assert lines[2] == (
+        "| baseline | 84 ms (1.00x) | 1500 MB (1.00x) | 1000 MB (1.00x) | 21 | 2100 | 60.0 |"
     )
+    assert lines[3] == (
+        "| mink_0.8 | 294 ms (3.50x) | 705 MB (0.47x) | 250 MB (0.25x) | >= 48 (the limit) "
+        "| 9000 | 129.3 |"
+    )  # saved: its ratio to the baseline's saved bytes, computed from the two rows
     assert "the CUDA allocator's peak" in text and "3 profiled steps per setting" in text
     assert "NVIDIA H100 80GB HBM3; torch 2.11.0+cu130 (CUDA 13.0), triton 3.6.0" in text
+    assert "Largest batch: one SGD step" in text
     with pytest.raises(Exception, match="expected an object with 'rows'"):
         gpu.gpu_markdown({"setting": "baseline"})
+
+
+def test_gpu_markdown_without_a_batch_search_has_no_batch_column() -> None:
+    table = {**_table(), "batch_limit": 0}
+    lines = gpu.gpu_markdown(table).splitlines()
+    assert "largest batch" not in lines[0] and lines[0].count("|") == 7
+    assert lines[3] == (
+        "| mink_0.8 | 294 ms (3.50x) | 705 MB (0.47x) | 250 MB (0.25x) | 9000 | 129.3 |"
+    )
+    assert "Largest batch" not in "\n".join(lines)
+
+
+def test_gpu_summary_reads_every_ratio_from_the_rows(tmp_path, capsys) -> None:
+    text = gpu.gpu_summary(_table())
+    assert text.splitlines()[0] == (
+        "- `mink_0.8`: step 3.50x, peak 0.47x, saved 0.25x the baseline's (at 2 images); "
+        "largest batch 48 (the limit) against 21."
+    )  # the baseline is the reference, not a line of its own
+    assert "NVIDIA H100 80GB HBM3, AMP fp16, 800 px, commit `abc123`" in text
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(_table()))
+    assert bench_main(["--markdown", str(path), "--summary"]) == 0
+    assert capsys.readouterr().out.startswith("- `mink_0.8`: step 3.50x")
+    with pytest.raises(Exception, match="expected an object with rows"):
+        gpu.gpu_summary({**_table(), "rows": []})
 
 
 def test_make_bench_gpu_writes_one_file_of_the_issues_settings_and_its_table() -> None:
@@ -256,6 +287,15 @@ def test_memory_md_holds_the_gpu_table_or_says_it_has_not_run() -> None:
     else:
         table = gpu.PLACEHOLDER
     assert splice(text, table, block=gpu.GPU_BLOCK) == text, "run: make bench-gpu (on a GPU)"
+
+
+@pytest.mark.parametrize("block", ["bench-gpu-eager", "bench-scratch-gpu"])
+def test_memory_md_gpu_tables_are_their_json_files(block: str) -> None:
+    """The other GPU tables in memory.md are generated from the files docs/gpu.md names."""
+    text = (REPO / "docs/results/memory.md").read_text()
+    measured = REPO / f"docs/results/{block.replace('-', '_')}.json"
+    table = gpu.gpu_markdown(json.loads(measured.read_text()))
+    assert splice(text, table, block=block) == text, f"regenerate the {block} block"
 
 
 def test_cli_gpu_table_prints_rows_and_writes_one_file(monkeypatch, tmp_path, capsys) -> None:

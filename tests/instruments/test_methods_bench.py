@@ -478,6 +478,13 @@ def test_provenance_names_the_run() -> None:
     assert header["commit"]  # a short hash (with -dirty), or says that it is unknown
 
 
+def test_provenance_takes_the_commit_it_is_given(monkeypatch) -> None:
+    monkeypatch.setenv(methods_table.COMMIT_ENV, "c8deef3")  # a copy whose .git is not its own
+    assert methods_table.provenance("python tools/bench.py", quiet=True)["commit"] == "c8deef3"
+    monkeypatch.setenv(methods_table.COMMIT_ENV, "")
+    assert methods_table.provenance("python tools/bench.py", quiet=True)["commit"] != ""
+
+
 def test_cli_markdown_into_a_document(tmp_path, capsys) -> None:
     path = tmp_path / "methods.json"
     write_methods_json(path, [_record("baseline"), _record("mink_0.8", cosine=0.93)])

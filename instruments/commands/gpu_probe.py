@@ -1,0 +1,68 @@
+"""Where one GPU training step's time and peak memory go, per bench setting (a diagnostic).
+
+    python tools/gpu_probe.py --settings baseline quant_4bit --images 2 8
+
+For each setting and batch (the bench's R50-FPN Mask R-CNN, AMP fp16, 800 px; --scratch: with
+BatchNorm, every stage trainable): the allocations alive at the step's CUDA peak (--what
+memory), host against kernel time and the ops with the most host time (time), or the Python
+functions with the most time of their own (python). Needs CUDA; prints text
+(instruments/measure/gpu_probe.py; docs/gpu.md says what a run of it showed on an H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from instruments.measure import gpu_probe as probe
+from instruments.measure.workload import (
+    detector,
+    make_batch,
+    plan_settings,
+    recipe_config,
+    setting_config,
+    step_loss,
+)
+from rcnn_dropit.cli import run_cli
+from rcnn_dropit.errors import UsageError
+
+
+def _probe(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise UsageError("gpu_probe needs a CUDA device; none is available here")
+    base = recipe_config(args.scratch, 800)
+    for setting in plan_settings(args.plan, args.settings):
+        model = detector(setting_config(base, setting)).cuda().train()
+        for n in args.images:
+            batch = make_batch(800, torch.device("cuda"), n)
+            print(f"== {setting.name}, {n} images", flush=True)
+            try:  # one part failing leaves the others' figures
+                if args.what in ("both", "memory"):
+                    step_loss(model, batch, "fp16").backward()  # warm: lazy state, kernels
+                    probe.memory(model, batch, args.top)
+                if args.what in ("both", "time"):
+                    probe.timing(model, batch, args.top)
+                if args.what == "python":
+                    probe.python_time(model, batch, args.top)
+            except Exception:  # a diagnostic: print the bug, go on to the next
+                traceback.print_exc()
+            sys.stdout.flush()
+        del model
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of tools/gpu_probe.py."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", nargs="+", default=["baseline", "quant_4bit"])
+    parser.add_argument("--plan", type=Path, default=Path("configs/study/plan.yaml"))
+    parser.add_argument("--images", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--scratch", action="store_true")
+    parser.add_argument("--top", type=int, default=15, help="lines per list")
+    parser.add_argument("--what", choices=["both", "memory", "time", "python"], default="both")
+    args = parser.parse_args(argv)
+    return run_cli(lambda: _probe(args))

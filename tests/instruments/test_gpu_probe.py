@@ -1,0 +1,52 @@
+"""The GPU probe's CPU-side logic: replaying an allocator trace to the blocks alive at its peak,
+and naming the frame that asked for each (the CUDA parts run on a GPU only: docs/gpu.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from instruments.commands.gpu_probe import main as probe_main
+from instruments.measure.gpu_probe import frame_of, live_at_peak
+
+TV = {"filename": "/site/torchvision/ops/feature_pyramid_network.py", "line": 194, "name": "fwd"}
+OURS = {"filename": "/work/main/dropit_core/ops.py", "line": 200, "name": "conv"}
+TORCH = {"filename": "/site/torch/nn/functional.py", "line": 9, "name": "interpolate"}
+
+
+def _alloc(addr: int, size: int, *frames: dict) -> dict:
+    return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
+
+
+def test_live_at_peak_keeps_the_blocks_alive_at_the_highest_point() -> None:
+    trace = [
+        _alloc(1, 10, TORCH, TV),
+        _alloc(2, 20),
+        {"action": "free_requested", "addr": 1, "size": 10},
+        _alloc(3, 5),
+        _alloc(4, 15, OURS),
+        {"action": "free_requested", "addr": 4, "size": 15},
+        {"action": "free_completed", "addr": 4, "size": 15},  # counted once, at the request
+        _alloc(5, 9),
+    ]
+    peak, at, blocks = live_at_peak(trace)
+    assert (peak, at) == (40, 4)  # 20 + 5 + 15, before 4 is freed; 5's 9 comes after
+    assert sorted(blocks) == [2, 3, 4] and blocks[4][0] == 15
+
+
+def test_live_at_peak_ignores_frees_of_blocks_from_before_the_trace() -> None:
+    trace = [{"action": "free_requested", "addr": 7, "size": 99}, _alloc(1, 3)]
+    assert live_at_peak(trace)[:2] == (3, 1)
+
+
+def test_frame_of_names_the_innermost_frame_of_ours_or_torchvisions() -> None:
+    assert frame_of([TORCH, TV, OURS]) == "torchvision/ops/feature_pyramid_network.py:194 fwd"
+    assert frame_of([OURS, TV]) == "dropit_core/ops.py:200 conv"
+    assert frame_of([TORCH]) == "(no frame of ours)"
+
+
+def test_the_probe_without_cuda_says_so_in_one_line(capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine the probe runs (docs/gpu.md)")
+    assert probe_main(["--settings", "baseline", "--what", "memory"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
