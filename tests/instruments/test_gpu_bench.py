@@ -298,6 +298,15 @@ def test_memory_md_gpu_tables_are_their_json_files(block: str) -> None:
     assert splice(text, table, block=block) == text, f"regenerate the {block} block"
 
 
+@pytest.mark.parametrize(
+    "block, source", [("gpu-summary", "bench_gpu"), ("gpu-scratch-summary", "bench_scratch_gpu")]
+)
+def test_gpu_md_lines_are_generated_from_their_gpu_tables(block: str, source: str) -> None:
+    text = (REPO / "docs/gpu.md").read_text()
+    lines = gpu.gpu_summary(json.loads((REPO / f"docs/results/{source}.json").read_text()))
+    assert splice(text, lines, block=block) == text, f"regenerate docs/gpu.md's {block} block"
+
+
 def test_cli_gpu_table_prints_rows_and_writes_one_file(monkeypatch, tmp_path, capsys) -> None:
     table = _table()
     got = {}
