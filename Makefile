@@ -92,8 +92,8 @@ bench-speed: setup
 # docs/results/memory.md.
 BUDGET_MB ?= 16000
 BATCH_LIMIT ?= 512
-GPU_METHODS := baseline baseline_torchvision_bn quant_4bit quant_2bit mink_0.8 threshold_0.8 \
-	checkpoint_stages checkpoint_stages_quant_4bit accumulate_2 accumulate_4
+GPU_METHODS := baseline baseline_torchvision_bn baseline_torchvision_fpn quant_4bit quant_2bit \
+	mink_0.8 threshold_0.8 checkpoint_stages checkpoint_stages_quant_4bit accumulate_2 accumulate_4
 bench-gpu: setup
 	$(PY) tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \
 		--settings $(GPU_METHODS) --repeats 8 --draws 2 --max-batch $(BUDGET_MB) \

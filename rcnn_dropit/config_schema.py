@@ -34,6 +34,10 @@ class ModelConfig:
     # whose fp32 scale promotes every activation to fp32 (about twice the activation memory
     # under AMP): kept only to measure against.
     frozen_bn: str = _f("lean", choices=("lean", "torchvision"))
+    # How the FPN's top-down path computes under CUDA autocast: "lean" upsamples in the
+    # features' dtype (F.interpolate is on CUDA autocast's fp32 list); "torchvision" carries
+    # that path in fp32, as torchvision's FPN does: kept only to measure against.
+    fpn: str = _f("lean", choices=("lean", "torchvision"))
     num_classes: int = _f(91, ge=2)
     min_size: int = _f(800, ge=1)
     max_size: int = _f(1333, ge=1)

@@ -55,7 +55,7 @@ wait
 grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"$summary"
 
 # 2. The GPU table (make bench-gpu, smaller), alone on the GPU.
-settings="baseline baseline_torchvision_bn quant_4bit quant_2bit mink_0.8 threshold_0.8"
+settings="baseline baseline_torchvision_bn baseline_torchvision_fpn quant_4bit quant_2bit mink_0.8 threshold_0.8"
 settings="$settings checkpoint_stages checkpoint_stages_quant_4bit accumulate_2 accumulate_4"
 table=(python3 tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8
   --repeats 5 --draws 1 --max-batch 16000 --batch-limit 128 --quiet-machine)

@@ -33,7 +33,7 @@ from rcnn_dropit.models import build_model
 RECIPE_CLASSES = 81  # configs/maskrcnn_baseline.yaml: COCO's 80 and the background
 # The model keys a setting may change: the others would make a different model, not another
 # way to train the same one.
-SETTING_MODEL_KEYS = ("activation_checkpointing", "frozen_bn")
+SETTING_MODEL_KEYS = ("activation_checkpointing", "frozen_bn", "fpn")
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,7 @@ def describe(cfg: Config) -> dict[str, Any]:
         "rules": [dict(r) for r in d.rules] if d.enabled and d.rules else None,
         "activation_checkpointing": list(cfg.model.activation_checkpointing),
         "frozen_bn": cfg.model.frozen_bn,
+        "fpn": cfg.model.fpn,
         "accumulate": cfg.solver.accumulate,
         "saved_bits": d.saved_bits,
     }

@@ -13,6 +13,7 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 
 from dropit_core.frozen_norm import FrozenBatchNorm2d as LeanFrozenBatchNorm2d
 from rcnn_dropit.errors import UsageError
+from rcnn_dropit.models.fpn import lean_fpn
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
 
 _RESNETS = {
@@ -24,6 +25,7 @@ _RESNETS = {
 _NORMS = {"frozen_bn": LeanFrozenBatchNorm2d, "bn": nn.BatchNorm2d}
 # model.frozen_bn: which FrozenBatchNorm2d a frozen_bn backbone gets
 _FROZEN = {"lean": LeanFrozenBatchNorm2d, "torchvision": FrozenBatchNorm2d}
+FPNS = ("lean", "torchvision")  # model.fpn
 
 
 def build_backbone(
@@ -34,11 +36,14 @@ def build_backbone(
     weights_path: str | Path | None = None,
     fpn_channels: int = 256,
     frozen_bn: str = "lean",
+    fpn: str = "lean",
 ) -> BackboneWithFPN:
     """ResNet body + FPN with the first stages frozen as torchvision does (trainable 0..5).
 
     ``frozen_bn`` picks the frozen norm's form: "lean" keeps the input's dtype under autocast
     (dropit_core.FrozenBatchNorm2d), "torchvision" promotes to fp32 (only to measure against).
+    ``fpn`` likewise: "lean" keeps the FPN's top-down path in the features' dtype under CUDA
+    autocast (rcnn_dropit.models.fpn), "torchvision" runs it in fp32.
     """
     if name not in _RESNETS:
         raise UsageError(f"model.backbone: '{name}' is not one of {', '.join(_RESNETS)}")
@@ -48,6 +53,8 @@ def build_backbone(
         raise UsageError(f"model.trainable_layers: {trainable_layers} is not in 0..5")
     if frozen_bn not in _FROZEN:
         raise UsageError(f"model.frozen_bn: '{frozen_bn}' is not one of {', '.join(_FROZEN)}")
+    if fpn not in FPNS:
+        raise UsageError(f"model.fpn: '{fpn}' is not one of {', '.join(FPNS)}")
     factory, enum = _RESNETS[name]
     norm_layer = _FROZEN[frozen_bn] if norm == "frozen_bn" else _NORMS[norm]
     body = factory(weights=None, norm_layer=norm_layer)
@@ -59,15 +66,15 @@ def build_backbone(
         body.load_state_dict(_download(enum, name))
     # torchvision's extractor freezes the stages; its FPN width is fixed at 256
     backbone = _resnet_fpn_extractor(body, trainable_layers)
-    if fpn_channels == backbone.out_channels:
-        return backbone
-    return BackboneWithFPN(
-        body,
-        {f"layer{k}": str(k - 1) for k in range(1, 5)},
-        [body.inplanes // 8 * 2**i for i in range(4)],  # channels of layer1..layer4
-        fpn_channels,
-        extra_blocks=LastLevelMaxPool(),
-    )
+    if fpn_channels != backbone.out_channels:
+        backbone = BackboneWithFPN(
+            body,
+            {f"layer{k}": str(k - 1) for k in range(1, 5)},
+            [body.inplanes // 8 * 2**i for i in range(4)],  # channels of layer1..layer4
+            fpn_channels,
+            extra_blocks=LastLevelMaxPool(),
+        )
+    return lean_fpn(backbone) if fpn == "lean" else backbone
 
 
 def _download(enum: WeightsEnum, name: str) -> dict[str, torch.Tensor]:

@@ -46,6 +46,7 @@ def build_model(cfg: Config) -> tuple[nn.Module, DropITRecord]:
         weights_path=m.backbone_weights if m.weights is None else None,
         fpn_channels=m.fpn_channels,
         frozen_bn=m.frozen_bn,
+        fpn=m.fpn,
     )
     # the heads are built here because torchvision fixes their widths (1024 and 256)
     heads: dict[str, nn.Module] = {

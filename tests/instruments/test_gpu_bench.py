@@ -23,6 +23,7 @@ PLAN = REPO / "configs/study/plan.yaml"
 GPU_METHODS = [
     "baseline",
     "baseline_torchvision_bn",
+    "baseline_torchvision_fpn",
     "quant_4bit",
     "quant_2bit",
     "mink_0.8",
