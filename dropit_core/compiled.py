@@ -97,9 +97,17 @@ def compile_available() -> bool:
     return not _failed and compile_enabled()
 
 
-def compiled_quant_rows() -> Callable:
-    """:func:`quant_rows` compiled (once per process; it compiles on its first call)."""
-    return _compiled("quant_rows", quant_rows)
+def compiled_quant_rows(bits: int) -> Callable:
+    """:func:`quant_rows` for ``bits``-bit codes, compiled (once per process and bit width; it
+    compiles on its first call). The width is a constant of the compiled function, not an
+    argument: torch 2.11's compiler failed on ``1 << bits`` with a symbolic ``bits`` (an H200
+    run's CPU packs went eager there), and the byte-packing loop's length is set by it anyway.
+    """
+
+    def rows_of_width(rows, params, inv_levels, codes, mins, scales, dtype=None) -> None:
+        quant_rows(rows, params, bits, inv_levels, codes, mins, scales, dtype)
+
+    return _compiled(f"quant_rows_{bits}", rows_of_width)
 
 
 def _compiled(name: str, fn: Callable) -> Callable:

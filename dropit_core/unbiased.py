@@ -262,7 +262,7 @@ class Quant(Strategy):
         # between (inductor stores the long hash expression), so its temporaries stay a slice's.
         step = max(1, base.SLICE // self.group)
         try:
-            quant_rows = compiled.compiled_quant_rows()
+            quant_rows = compiled.compiled_quant_rows(self.bits)
             for r0 in range(0, rows.shape[0], step):
                 r1 = min(r0 + step, rows.shape[0])
                 first = r0 * self.group
@@ -270,7 +270,7 @@ class Quant(Strategy):
                     [hash_key(seed, 0), hash_key(seed, 1), first], dtype=torch.int64
                 )
                 quant_rows(
-                    rows[r0:r1], params, self.bits, self._inv_levels,
+                    rows[r0:r1], params, self._inv_levels,
                     codes[first * self.bits // 8 : r1 * self.group * self.bits // 8],
                     mins[r0:r1], scales[r0:r1], cast,
                 )  # fmt: skip

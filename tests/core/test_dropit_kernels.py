@@ -378,7 +378,7 @@ def test_a_failed_compile_warns_once_and_packs_eagerly(monkeypatch) -> None:
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(compiled, "_failed", False)
-    monkeypatch.setitem(compiled._COMPILED, "quant_rows", broken)
+    monkeypatch.setitem(compiled._COMPILED, "quant_rows_4", broken)
     x = _large(torch.float32)
     strategy = build_strategy("quant", 0.8, bits=4)
     compiled.set_compile(True)
