@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -73,17 +74,24 @@ def memory(model, batch, top: int) -> None:
         print(f"    {size / 2**20:8.1f} MB  {count:5d} blocks  {where}")
 
 
-def timing(model, batch, top: int) -> None:
-    """Wall time against kernel time over 3 steps, and the ops with the most host time."""
-    from torch.profiler import ProfilerActivity, profile
+def _warm_step(model, batch) -> Callable[[], None]:
+    """One fp16 training step of ``model`` (forward and backward), run WARMUP times first."""
 
-    def step():
+    def step() -> None:
         model.zero_grad(set_to_none=True)
         step_loss(model, batch, "fp16").backward()
 
     for _ in range(WARMUP):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def timing(model, batch, top: int) -> None:
+    """Wall time against kernel time over 3 steps, and the ops with the most host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _warm_step(model, batch)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(3):
@@ -93,7 +101,10 @@ def timing(model, batch, top: int) -> None:
     events = prof.key_averages()
     kernels = [e for e in events if getattr(e.device_type, "name", "") == "CUDA"]
     gpu = sum(e.self_device_time_total for e in kernels or events) / 3e3
-    print(f"  step wall {wall * 1e3:.1f} ms, kernels {gpu:.1f} ms of GPU time per step")
+    print(
+        f"  step wall {wall * 1e3:.1f} ms (under the profiler), kernels {gpu:.1f} ms of GPU "
+        "time per step"
+    )
     print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
@@ -104,13 +115,7 @@ def python_time(model, batch, top: int) -> None:
     import io
     import pstats
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        step_loss(model, batch, "fp16").backward()
-
-    for _ in range(WARMUP):
-        step()
-    torch.cuda.synchronize()
+    step = _warm_step(model, batch)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(3):

@@ -278,6 +278,15 @@ def test_make_bench_gpu_writes_one_file_of_the_issues_settings_and_its_table() -
     assert "bench_gpu_" not in text  # one file, not one per part
 
 
+def test_the_lease_script_measures_make_bench_gpus_settings() -> None:
+    """tools/gpu_session.sh runs a smaller make bench-gpu: the same settings, in its order."""
+    import re
+
+    script = (REPO / "tools/gpu_session.sh").read_text()
+    parts = re.findall(r'^settings="(?:\$settings )?([^"]*)"', script, flags=re.M)
+    assert " ".join(parts).split() == GPU_METHODS
+
+
 def test_memory_md_holds_the_gpu_table_or_says_it_has_not_run() -> None:
     text = (REPO / "docs/results/memory.md").read_text()
     begin, end = markers(gpu.GPU_BLOCK)
