@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..keep_rule import DRAW, TIES, KeepRule
+from .launch import cdiv
 from .noise import hash_keys, uniform
 
 BLOCK = 4096  # elements per program: a multiple of 8, so each program writes whole mask bytes
@@ -161,7 +162,7 @@ def compact_pack(
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev) if write_bits else None
     if n == 0:
         return bits, values[:slots], torch.zeros((), dtype=torch.int64, device=dev)
-    blocks = triton.cdiv(n, block)
+    blocks = cdiv(n, block)
     counts = torch.empty(blocks, dtype=torch.int32, device=dev)
     ties = torch.empty(blocks if rule.kind == TIES else 1, dtype=torch.int32, device=dev)
     t = rule.threshold if rule.threshold is not None else values  # a pointer the rule never reads
@@ -207,7 +208,7 @@ def scatter_pack(
     slots = values.numel()
     if slots == 0:  # nothing stored: every flag rebuilds as a zero
         return out.zero_()
-    blocks = triton.cdiv(n, block)
+    blocks = cdiv(n, block)
     counts = torch.empty(blocks, dtype=torch.int32, device=values.device)
     keys, gamma = (_keys(draw.seed), draw.gamma) if draw is not None else ((0, 0), 0.0)
     src = bits if bits is not None else values  # a pointer FROM_DRAW never reads

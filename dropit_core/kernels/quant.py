@@ -9,12 +9,15 @@ The fp32 operations are the eager path's, in its order, with no fused multiply-a
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
 
 from ..packing import quant_buffers
 from ..seeds import UNIFORM_BITS
+from .launch import cdiv, tile
 from .noise import hash_keys, uniform
 
 PACK_BLOCK = 2048  # elements per program (whole groups: at least one group)
@@ -23,12 +26,6 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 TINY = torch.finfo(torch.float32).tiny
 
 assert UNIFORM_BITS <= 24  # the draws are exact in fp32
-
-
-def _tile(group: int, block: int) -> tuple[int, int]:
-    """(the group's width as a power of two, groups per program) for ``block`` elements."""
-    width = triton.next_power_of_2(group)
-    return width, max(1, block // width)
 
 
 # Keys are random 32-bit words: one that happens to be 1 must not become a constant.
@@ -102,11 +99,11 @@ def quant_pack(
     codes, mins, scales = quant_buffers(n, bits, group, flat.device)
     if n == 0:
         return codes, mins, scales
-    width, rows = _tile(group, block)
+    width, rows = tile(group, block)
     if n > 1 << 44:
         raise ValueError("quant_pack draws for element indices below 2**44")
     keys = hash_keys(seed)
-    grid = (triton.cdiv(mins.numel(), rows),)
+    grid = (cdiv(mins.numel(), rows),)
     _quant_codes_kernel[grid](
         flat, codes, mins, scales, n, mins.numel(), codes.numel(), *keys,
         GROUP=group, WIDTH=width, ROWS=rows, BITS=bits,
@@ -120,6 +117,7 @@ def quant_pack(
 _ROUND = {torch.float16: 1, torch.bfloat16: 2}
 
 
+@cache  # a torch.tensor per call otherwise, once per pack
 def _inv_levels(bits: int) -> float:
     """1 / (2**bits - 1) rounded to fp32, as the eager path multiplies by it."""
     return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
@@ -188,8 +186,8 @@ def quant_rebuild(
     out = torch.empty(n, dtype=dtype, device=codes.device)
     if n == 0:
         return out
-    width, rows = _tile(group, block)
-    grid = (triton.cdiv(mins.numel(), rows),)
+    width, rows = tile(group, block)
+    grid = (cdiv(mins.numel(), rows),)
     bf16 = dtype == torch.bfloat16
     _quant_rebuild_kernel[grid](
         codes, mins, scales, out.view(torch.int16) if bf16 else out, n, mins.numel(),

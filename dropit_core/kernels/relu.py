@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv
+
 RELU_BLOCK = 4096  # elements per program: a multiple of 8, so each program writes whole bytes
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -46,7 +48,7 @@ def relu_mask(x: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, tor
     n = src.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
     if n:
-        _relu_mask_kernel[(triton.cdiv(n, RELU_BLOCK),)](
+        _relu_mask_kernel[(cdiv(n, RELU_BLOCK),)](
             src, out, bits, n, BLOCK=RELU_BLOCK, KEEP_NEG_ZERO=not src.is_cuda
         )
     return out, bits
@@ -74,5 +76,5 @@ def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(g)
     n = g.numel()
     if n:
-        _relu_mask_grad_kernel[(triton.cdiv(n, RELU_BLOCK),)](g, bits, out, n, BLOCK=RELU_BLOCK)
+        _relu_mask_grad_kernel[(cdiv(n, RELU_BLOCK),)](g, bits, out, n, BLOCK=RELU_BLOCK)
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv
+
 BLOCK = 4096
 _INT = {torch.float32: tl.int32, torch.float16: tl.int16, torch.bfloat16: tl.int16}
 
@@ -54,7 +56,7 @@ def abs_bits_histogram(
     if n == 0:
         return hist
     second = prefix is not None
-    _hist_kernel[(triton.cdiv(n, block),)](
+    _hist_kernel[(cdiv(n, block),)](
         flat, hist, prefix if second else hist, n,
         WIDE=flat.element_size() == 4, SHIFT=shift, SECOND=second, BLOCK=block,
     )  # fmt: skip

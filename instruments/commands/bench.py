@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
     if args.ops:
         return run_cli(lambda: _ops(args.device, args.repeats, args.json))
+    if args.host:
+        return run_cli(lambda: _host(args.repeats, args.json))
     if args.gpu_table:
         return run_cli(lambda: _gpu_table(args))
     if args.max_batch is not None:
@@ -167,6 +169,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: milliseconds of each pass of an element-wise pack and rebuild on one 4Mi "
         "slice (compare, bit packing, compaction, positions, gather, ReLU mask)",
+    )
+    parser.add_argument(
+        "--host",
+        action="store_true",
+        help="instead: host microseconds per DropIT layer (quant 4-bit, conv and conv + ReLU) "
+        "with the Triton launches stubbed out, against the plain layers: the Python a GPU step "
+        "waits on, measured on any machine",
     )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument(
@@ -329,6 +338,7 @@ def _markdown(
     """Print the table of a JSON file (the methods table's records, a GPU table, or the rows of
     ``--json``, as the run printed them), or write it into a document's marked block."""
     from instruments.measure.gpu_table import gpu_markdown, gpu_summary, is_gpu_table
+    from instruments.measure.host_bench import host_markdown, is_host_rows
     from instruments.measure.methods_table import (
         methods_markdown,
         methods_summary,
@@ -343,6 +353,10 @@ def _markdown(
         data = None  # read_methods_json says what is wrong with it
     if is_gpu_table(data):
         table = gpu_summary(data) if summary else gpu_markdown(data)
+    elif is_host_rows(data):
+        if summary:
+            raise UsageError("--summary: one line per method of a methods table, not --host rows")
+        table = host_markdown(data)
     elif is_step_rows(data):
         if summary:
             raise UsageError("--summary: one line per method of a methods table, not --json rows")
@@ -376,6 +390,17 @@ def _ops(device: str, repeats: int, out: Path | None) -> None:
     from instruments.measure.op_bench import op_costs
 
     rows = op_costs(repeats=max(repeats, 5), device=device)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if out:
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _host(repeats: int, out: Path | None) -> None:
+    """Host microseconds per DropIT layer with the launches stubbed: JSON lines."""
+    from instruments.measure.host_bench import host_costs
+
+    rows = host_costs(repeats=max(repeats, 5))
     for row in rows:
         print(json.dumps(row), flush=True)
     if out:

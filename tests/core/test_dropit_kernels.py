@@ -393,3 +393,14 @@ def test_a_failed_compile_warns_once_and_packs_eagerly(monkeypatch) -> None:
         compiled.set_compile(None)
     for pack in (packed, again):
         assert all(torch.equal(a, b) for a, b in zip(pack.stored(), eager.stored(), strict=True))
+
+
+def test_launch_arithmetic_is_tritons_in_plain_python() -> None:
+    from dropit_core.kernels import launch
+
+    for n in range(1, 5000):
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n)
+        for per in (1, 7, 256, 2048):
+            assert launch.cdiv(n, per) == triton.cdiv(n, per)
+    assert launch.cdiv(0, 256) == 0 and launch.tile(100, 2048) == (128, 16)
+    assert launch.tile(8192, 2048) == (8192, 1)  # a group wider than a block: one per program
