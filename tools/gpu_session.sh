@@ -5,7 +5,8 @@
 # triton for its GPU: `bash tools/gpu_session.sh [SECONDS]` (default 540). In order of what
 # matters most: the GPU test tier and the kernels compiled for the GPU (side by side, both only
 # check values), then the GPU table (make bench-gpu, smaller: 5 timed steps, 1 draw, batches
-# searched up to 128 images), then the from-scratch rows on CUDA and the per-pass op costs.
+# searched up to 128 images), then the from-scratch rows on CUDA, the per-pass op costs and the
+# probes (tools/gpu_probe.py: the peak's blocks, a quant step's Python).
 # Each stage gets what is left of the deadline, so a lease that ends early still leaves every
 # finished stage's log; the GPU table writes its step columns before its batch search. If the
 # table fails within a minute (a kernel that does not compile), it runs again with
@@ -75,7 +76,14 @@ stage bench_scratch_gpu $(($(left) - 40)) python3 tools/bench.py --gpu-table --s
   saved_hooks_4bit checkpoint_stages --json "$OUT/bench_scratch_gpu.json"
 
 # 4. What each pass of an element-wise pack costs on this GPU.
-stage ops $(($(left) - 5)) python3 tools/bench.py --ops --device cuda
+stage ops $(($(left) - 60)) python3 tools/bench.py --ops --device cuda
+
+# 5. Where the peak and the host time go (tools/gpu_probe.py): the blocks alive at the peak
+# with the toolkit's FPN and torchvision's, and the Python a quant step spends.
+stage probe_memory $(($(left) - 30)) python3 tools/gpu_probe.py --images 8 --what memory \
+  --settings baseline baseline_torchvision_fpn quant_4bit
+stage probe_python $(($(left) - 5)) python3 tools/gpu_probe.py --images 2 --what python \
+  --settings quant_4bit --top 40
 echo "done in $(($(date +%s) - start)) s" >>"$summary"
 if compgen -G "$OUT/*.log" >/dev/null; then (cd "$OUT" && tar czf logs.tgz ./*.log && rm ./*.log); fi
 cat "$summary"
