@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-bf16 bench-scratch bench-speed bench-gpu lint format study
+.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-bf16 bench-scratch bench-speed bench-gpu bench-host lint format study
 
 setup: $(STAMP)
 
@@ -82,6 +82,13 @@ bench-speed: setup
 		--methods-json docs/results/methods_bench_speed.json $(if $(QUIET),--quiet-machine)
 	$(PY) tools/bench.py --markdown docs/results/methods_bench_speed.json \
 		--into docs/results/memory.md --block methods-bench-speed
+
+# Host time per DropIT layer on the GPU path, with the Triton launches stubbed (any machine; run
+# it on a quiet one): docs/results/bench_host_cpu.json and its table in docs/results/memory.md.
+bench-host: setup
+	$(PY) tools/bench.py --host --repeats 31 --json docs/results/bench_host_cpu.json
+	$(PY) tools/bench.py --markdown docs/results/bench_host_cpu.json --into docs/results/memory.md \
+		--block bench-host
 
 # On a machine with a GPU: one row per setting against the lean baseline (AMP fp16, 800 px;
 # torchvision's norm, gradient accumulation and checkpointing as rows): step time and CUDA peak at
