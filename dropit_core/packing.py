@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -274,6 +275,13 @@ def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) 
 def code_bytes(elements: int, bits: int) -> int:
     """Bytes that :func:`pack_codes` makes of ``elements`` codes of ``bits`` bits."""
     return (elements * bits + 7) // 8
+
+
+@cache  # per pack on the kernels' path: a torch.tensor per call otherwise
+def inv_levels(bits: int) -> float:
+    """1 / (2**bits - 1) rounded to fp32: quant's step is ``(max - min) * inv_levels(bits)`` on
+    every path (a multiply by the rounded reciprocal, the same on every device)."""
+    return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
 
 
 def quant_buffers(

@@ -30,7 +30,14 @@ from . import base, compiled, dispatch
 from .base import SEED, Packed, QuantMeta, Strategy
 from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise, expected_capacity
 from .keep_rule import IMPORTANCE, KeepRule
-from .packing import ValueCodec, code_bytes, pack_codes, quant_buffers, unpack_codes
+from .packing import (
+    ValueCodec,
+    code_bytes,
+    inv_levels,
+    pack_codes,
+    quant_buffers,
+    unpack_codes,
+)
 from .registry import Option
 from .seeds import UNIFORM_BITS, hash_bits, hash_key, hash_uniform, mix_seed
 from .select import sample_size, sample_stride, tiny
@@ -164,7 +171,7 @@ class Quant(Strategy):
         self.group = group
         self.seed = seed
         self._levels = (1 << bits) - 1
-        self._inv_levels = float(torch.tensor(1.0 / self._levels, dtype=torch.float32))
+        self._inv_levels = inv_levels(bits)
 
     def slice_len(self) -> int:
         """Elements per slice: whole groups and whole code bytes."""

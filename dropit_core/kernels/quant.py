@@ -9,13 +9,11 @@ The fp32 operations are the eager path's, in its order, with no fused multiply-a
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
 
-from ..packing import quant_buffers
+from ..packing import inv_levels, quant_buffers
 from ..seeds import UNIFORM_BITS
 from .launch import cdiv, tile
 from .noise import hash_keys, uniform
@@ -107,7 +105,7 @@ def quant_pack(
     _quant_codes_kernel[grid](
         flat, codes, mins, scales, n, mins.numel(), codes.numel(), *keys,
         GROUP=group, WIDTH=width, ROWS=rows, BITS=bits,
-        INV_LEVELS=_inv_levels(bits), TINY_F32=TINY, ROUND=_ROUND.get(cast, 0),
+        INV_LEVELS=inv_levels(bits), TINY_F32=TINY, ROUND=_ROUND.get(cast, 0),
         enable_fp_fusion=False,
     )  # fmt: skip
     return codes, mins, scales
@@ -115,12 +113,6 @@ def quant_pack(
 
 # quant_pack's cast: the kernel's ROUND (0: values as they are, fp32 or already narrow).
 _ROUND = {torch.float16: 1, torch.bfloat16: 2}
-
-
-@cache  # a torch.tensor per call otherwise, once per pack
-def _inv_levels(bits: int) -> float:
-    """1 / (2**bits - 1) rounded to fp32, as the eager path multiplies by it."""
-    return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
 
 
 @triton.jit
