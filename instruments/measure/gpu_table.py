@@ -165,17 +165,19 @@ def _cell(value: Any, fmt: str, unit: str = "", ratio: Any = None) -> str:
     return text if ratio is None else f"{text} ({ratio:.2f}x)"
 
 
-def _ratios(row: Mapping[str, Any], key: str, images: Sequence[int], base=None) -> str:
-    """A row's ratios at each batch size, "1.86x, 1.20x" (``base``: computed against it)."""
-    cells = []
-    for n in images:
-        if base is None:
-            value = row.get(f"{key}_ratio_{n}img")
-        else:
-            mine, ref = row.get(f"{key}_mb_{n}img"), base.get(f"{key}_mb_{n}img")
-            value = mine / ref if mine is not None and ref else None
-        cells.append("-" if value is None else f"{value:.2f}x")
-    return ", ".join(cells)
+def _ratio(row: Mapping[str, Any], key: str, n: int, base: Mapping[str, Any]) -> float | None:
+    """A row's ratio to the baseline at ``n`` images: the step's and peak's as the run measured
+    them; the saved bytes' from the two rows (the step rows hold no saved ratio)."""
+    if key != "saved":
+        return row.get(f"{key}_ratio_{n}img")
+    mine, ref = row.get(f"saved_mb_{n}img"), base.get(f"saved_mb_{n}img")
+    return mine / ref if mine is not None and ref else None
+
+
+def _ratios(row: Mapping[str, Any], key: str, images: Sequence[int], base) -> str:
+    """A row's ratios at each batch size, "1.86x, 1.20x"."""
+    values = (_ratio(row, key, n, base) for n in images)
+    return ", ".join("-" if v is None else f"{v:.2f}x" for v in values)
 
 
 def gpu_summary(table: Mapping[str, Any]) -> str:
@@ -189,8 +191,8 @@ def gpu_summary(table: Mapping[str, Any]) -> str:
     lines = []
     for r in table["rows"][1:]:
         line = (
-            f"- `{r['setting']}`: step {_ratios(r, 'step', images)}, peak "
-            f"{_ratios(r, 'peak', images)}, saved {_ratios(r, 'saved', images, base)} the "
+            f"- `{r['setting']}`: step {_ratios(r, 'step', images, base)}, peak "
+            f"{_ratios(r, 'peak', images, base)}, saved {_ratios(r, 'saved', images, base)} the "
             f"baseline's (at {at} images)"
         )
         if r.get("max_batch") is not None:
@@ -231,8 +233,8 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
         for n in images:
             cells.append(_cell(r.get(f"peak_mb_{n}img"), ".0f", " MB", r.get(f"peak_ratio_{n}img")))
         for n in images:
-            saved, ref = r.get(f"saved_mb_{n}img"), base.get(f"saved_mb_{n}img")
-            cells.append(_cell(saved, ".0f", " MB", saved / ref if saved and ref else None))
+            saved = r.get(f"saved_mb_{n}img")
+            cells.append(_cell(saved, ".0f", " MB", _ratio(r, "saved", n, base)))
         if searched:
             batch = r.get("max_batch")
             if batch is not None and r.get("at_limit"):
