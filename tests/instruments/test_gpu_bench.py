@@ -422,3 +422,12 @@ def test_tiny_gpu_table_on_cuda_quant_adds_no_host_sync() -> None:
     assert base["launches_per_step_2img"] > 0 and quant["launches_per_step_2img"] > 0
     # issue 26: quant's pack and rebuild (Triton kernels on CUDA) add no host sync to a step
     assert quant["syncs_per_step_2img"] == base["syncs_per_step_2img"]
+
+
+def test_gpu_md_quotes_the_gpu_tiers_summary_line_from_its_log() -> None:
+    """The tier's result in docs/gpu.md is the log's own line, not a retyped count."""
+    text = (REPO / "docs/gpu.md").read_text()
+    start = text.index("its log's last line is") + len("its log's last line is")
+    quoted = text[text.index("`", start) + 1 : text.index("`", text.index("`", start) + 1)]
+    log = (REPO / "docs/results/gpu_h200/tests_gpu.log").read_text()
+    assert quoted and quoted in log.splitlines()[-1]
