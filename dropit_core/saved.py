@@ -26,7 +26,6 @@ through forward hooks, with no change to the loop.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,9 +34,9 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .base import Packed
-from .packing import pack_bits, unpack_bits
 from .seeds import mix_seed
 from .strategies import build_strategy
+from .unbiased import Quant
 
 
 class _Saved(NamedTuple):
@@ -67,7 +66,9 @@ class CompressSaved:
         step: int = 0,
         rank: int = 0,
     ) -> None:
-        self.quant = build_strategy("quant", 0.0, bits=bits, group=group, seed=seed)
+        quant = build_strategy("quant", 0.0, bits=bits, group=group, seed=seed)
+        assert isinstance(quant, Quant)
+        self.quant: Quant = quant
         self.min_bytes = min_bytes
         self.step = step
         self.rank = rank
@@ -112,14 +113,8 @@ class CompressSaved:
         hit = self._seen.get(t)
         if hit is not None and hit[0] == t._version:
             return hit[1]
-        flat = t.detach().reshape(-1)
         draw = mix_seed(self.rank, self.step, self.packs)
-        saved = _Saved(
-            self.quant.pack(flat, "linear", draw),
-            pack_bits(flat == 0),
-            pack_bits(flat < 0),
-            t.shape,
-        )
+        saved = _Saved(*self.quant.pack_signed(t.detach().reshape(-1), draw), t.shape)
         self._seen[t] = (t._version, saved)
         kept = saved.packed.nbytes() + saved.zero.nbytes + saved.negative.nbytes
         self.packs += 1
@@ -132,12 +127,8 @@ class CompressSaved:
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
-        n = math.prod(saved.shape)
-        values = self.quant.unpack(saved.packed).reshape(-1)
-        tiny = torch.finfo(values.dtype).tiny
-        magnitude = values.abs().clamp_min_(tiny)
-        signed = torch.where(unpack_bits(saved.negative, n), -magnitude, magnitude)
-        return signed.masked_fill_(unpack_bits(saved.zero, n), 0.0).view(saved.shape)
+        rebuilt = self.quant.unpack_signed(saved.packed, saved.zero, saved.negative)
+        return rebuilt.view(saved.shape)
 
 
 ATTRIBUTE = "dropit_saved"  # where compress_saved keeps its handle on the model (set_step reads it)

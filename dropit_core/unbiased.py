@@ -34,8 +34,10 @@ from .packing import (
     ValueCodec,
     code_bytes,
     inv_levels,
+    pack_bits,
     pack_codes,
     quant_buffers,
+    unpack_bits,
     unpack_codes,
 )
 from .registry import Option
@@ -352,6 +354,51 @@ class Quant(Strategy):
                 rows.mul_(packed.scales[r0:r1, None]).add_(packed.mins[r0:r1, None])
         if values is not out:
             out.copy_(values)
+
+    def pack_signed(self, x: torch.Tensor, key: int) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+        """(:meth:`pack`'s pack of ``x``, bit for bit; the flags of its zeros; the flags of its
+        negative values), flags 1 bit each as ``packing.pack_bits`` packs them: what
+        ``dropit_core.saved.CompressSaved`` keeps. One launch on the kernel path (a group of
+        whole flag bytes), else the pack and two flag passes."""
+        flat = x.reshape(-1)
+        if self._signed_kernels(flat):
+            from .kernels.quant import quant_pack_signed
+
+            seed = mix_seed(self.seed, key)
+            codes, mins, scales, zero, negative = quant_pack_signed(
+                flat, self.bits, self.group, seed
+            )
+            meta = QuantMeta(tuple(x.shape), x.dtype)
+            return Packed(meta, values=codes, scales=scales, mins=mins), zero, negative
+        return self._pack_as(x, key, x.dtype), pack_bits(flat == 0), pack_bits(flat < 0)
+
+    def unpack_signed(
+        self, packed: Packed, zero: torch.Tensor, negative: torch.Tensor
+    ) -> torch.Tensor:
+        """The rebuilt tensor of :meth:`pack_signed`, with the original's zeros (+0.0) and signs:
+        every other value has at least the magnitude of the dtype's smallest normal, so a rebuilt
+        value is zero where the original was and nowhere else (one launch on the kernel path)."""
+        shape, dtype = packed.meta
+        n = math.prod(shape)
+        if self._signed_kernels(packed.values):
+            from .kernels.quant import quant_rebuild_signed
+
+            return quant_rebuild_signed(
+                packed.values, packed.mins, packed.scales, zero, negative,
+                n, self.bits, self.group, dtype,
+            ).view(shape)  # fmt: skip
+        values = self._unpack(packed).reshape(-1)
+        magnitude = values.abs().clamp_min_(tiny(values.dtype))
+        signed = torch.where(unpack_bits(negative, n), -magnitude, magnitude)
+        return signed.masked_fill_(unpack_bits(zero, n), 0.0).view(shape)
+
+    def _signed_kernels(self, t: torch.Tensor) -> bool:
+        # The flags' bytes must not straddle two programs' groups: groups of whole flag bytes.
+        return (
+            dispatch.use_kernels(t)
+            and quant_kernels_take(self.bits, self.group)
+            and self.group % 8 == 0
+        )
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"bits={self.bits}", f"group={self.group}")

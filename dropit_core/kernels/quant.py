@@ -29,9 +29,10 @@ assert UNIFORM_BITS <= 24  # the draws are exact in fp32
 # Keys are random 32-bit words: one that happens to be 1 must not become a constant.
 @triton.jit(do_not_specialize=["key_low", "key_high"])
 def _quant_codes_kernel(
-    x_ptr, codes_ptr, mins_ptr, scales_ptr, n, n_groups, n_bytes, key_low, key_high,
+    x_ptr, codes_ptr, mins_ptr, scales_ptr, zero_ptr, negative_ptr, n, n_groups, n_bytes,
+    key_low, key_high,
     GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-    INV_LEVELS: tl.constexpr, TINY_F32: tl.constexpr, ROUND: tl.constexpr,
+    INV_LEVELS: tl.constexpr, TINY_F32: tl.constexpr, ROUND: tl.constexpr, SIGNS: tl.constexpr,
 ):  # fmt: skip
     levels: tl.constexpr = (1 << BITS) - 1
     per_byte: tl.constexpr = 8 // BITS
@@ -67,6 +68,24 @@ def _quant_codes_kernel(
     bidx = row[:, None] * bytes_per_group + bcol[None, :]
     bok = (bcol[None, :] < bytes_per_group) & (bidx < n_bytes)
     tl.store(codes_ptr + bidx, packed.to(tl.uint8), mask=bok)
+    if SIGNS:  # 1 bit each for "is zero" and "is negative" (GROUP a multiple of 8: whole bytes)
+        _store_flags(zero_ptr, (x == 0) & ok, row, n, GROUP, WIDTH, ROWS)
+        _store_flags(negative_ptr, (x < 0) & ok, row, n, GROUP, WIDTH, ROWS)
+
+
+@triton.jit
+def _store_flags(
+    flags_ptr, flags, row, n, GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr
+):
+    """The [ROWS, WIDTH] tile's flags as bytes of 8, little-endian, as ``packing.pack_bits``
+    writes them (flags past ``n`` are zero: the last byte's padding)."""
+    shifts = tl.arange(0, 8)
+    parts = tl.reshape(tl.where(flags, 1, 0), (ROWS, WIDTH // 8, 8)) << shifts[None, None, :]
+    byte = tl.sum(parts, axis=2)
+    bcol = tl.arange(0, WIDTH // 8)
+    bidx = row[:, None] * (GROUP // 8) + bcol[None, :]
+    ok = (bcol[None, :] < GROUP // 8) & (bidx < (n + 7) // 8)
+    tl.store(flags_ptr + bidx, byte.to(tl.uint8), mask=ok)
 
 
 def quant_pack(
@@ -85,6 +104,30 @@ def quant_pack(
     value rounded in registers), so that autocast's copy of a layer input need not outlive the
     layer for its pack.
     """
+    return _launch_pack(flat, bits, group, seed, block, cast, signs=False)[:3]
+
+
+def quant_pack_signed(
+    flat: torch.Tensor, bits: int, group: int, seed: int, block: int = PACK_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quant_pack`'s (codes, mins, scales), and the flags of ``flat == 0`` and
+    ``flat < 0`` packed as ``packing.pack_bits`` packs them, in the same one launch (``group`` a
+    multiple of 8). Two more bits per element: what ``CompressSaved`` keeps so that a rebuilt
+    tensor has exactly the zeros and signs of the original."""
+    if group % 8:
+        raise ValueError(f"quant_pack_signed: group {group} is not whole bytes of flags")
+    return _launch_pack(flat, bits, group, seed, block, None, signs=True)
+
+
+def _launch_pack(
+    flat: torch.Tensor,
+    bits: int,
+    group: int,
+    seed: int,
+    block: int,
+    cast: torch.dtype | None,
+    signs: bool,
+) -> tuple[torch.Tensor, ...]:
     if flat.dim() != 1 or flat.dtype not in FLOATS or cast not in (None, *FLOATS):
         raise ValueError(
             "quant_pack takes a flat fp16/bf16/fp32 tensor (and a float cast), got "
@@ -95,20 +138,29 @@ def quant_pack(
     flat = flat.contiguous()
     n = flat.numel()
     codes, mins, scales = quant_buffers(n, bits, group, flat.device)
+    if signs:
+        zero, negative = flag_buffer(n, flat.device), flag_buffer(n, flat.device)
+    else:  # the kernel never reads its flag pointers: the codes stand in for them
+        zero, negative = codes, codes
     if n == 0:
-        return codes, mins, scales
+        return codes, mins, scales, zero, negative
     width, rows = tile(group, block)
     if n > 1 << 44:
         raise ValueError("quant_pack draws for element indices below 2**44")
     keys = hash_keys(seed)
     grid = (cdiv(mins.numel(), rows),)
     _quant_codes_kernel[grid](
-        flat, codes, mins, scales, n, mins.numel(), codes.numel(), *keys,
+        flat, codes, mins, scales, zero, negative, n, mins.numel(), codes.numel(), *keys,
         GROUP=group, WIDTH=width, ROWS=rows, BITS=bits,
-        INV_LEVELS=inv_levels(bits), TINY_F32=TINY, ROUND=_ROUND.get(cast, 0),
+        INV_LEVELS=inv_levels(bits), TINY_F32=TINY, ROUND=_ROUND.get(cast, 0), SIGNS=signs,
         enable_fp_fusion=False,
     )  # fmt: skip
-    return codes, mins, scales
+    return codes, mins, scales, zero, negative
+
+
+def flag_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """The bytes of n flags, 8 to a byte (``packing.pack_bits``' size)."""
+    return torch.empty((n + 7) // 8, dtype=torch.uint8, device=device)
 
 
 # quant_pack's cast: the kernel's ROUND (0: values as they are, fp32 or already narrow).
@@ -135,9 +187,9 @@ def _bf16_bits(value):
 
 @triton.jit
 def _quant_rebuild_kernel(
-    codes_ptr, mins_ptr, scales_ptr, out_ptr, n, n_groups,
+    codes_ptr, mins_ptr, scales_ptr, zero_ptr, negative_ptr, out_ptr, n, n_groups,
     GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-    BF16: tl.constexpr,
+    BF16: tl.constexpr, SIGNS: tl.constexpr, TINY_OUT: tl.constexpr,
 ):  # fmt: skip
     per_byte: tl.constexpr = 8 // BITS
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -150,10 +202,28 @@ def _quant_rebuild_kernel(
     lo = tl.load(mins_ptr + row, mask=row_ok, other=0.0)
     scale = tl.load(scales_ptr + row, mask=row_ok, other=0.0)
     value = code.to(tl.float32) * scale[:, None] + lo[:, None]  # two roundings, as eager
+    if SIGNS:
+        # The value as the output dtype holds it (exact in fp32), then the original's sign and
+        # zeros: magnitude at least the dtype's smallest normal, as the eager path's clamp.
+        if BF16:
+            value = _bf16_value(value)
+        else:
+            value = value.to(out_ptr.dtype.element_ty).to(tl.float32)
+        magnitude = tl.abs(value)
+        magnitude = tl.where(magnitude < TINY_OUT, TINY_OUT, magnitude)  # NaN stays NaN
+        value = tl.where(_flag(negative_ptr, idx, ok), -magnitude, magnitude)
+        value = tl.where(_flag(zero_ptr, idx, ok), 0.0, value)
     if BF16:  # out_ptr is the bf16 output viewed as int16
         tl.store(out_ptr + idx, _bf16_bits(value), mask=ok)
     else:
         tl.store(out_ptr + idx, value.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _flag(flags_ptr, idx, ok):
+    """Element ``idx``'s flag in bytes packed by ``packing.pack_bits``."""
+    byte = tl.load(flags_ptr + idx // 8, mask=ok, other=0).to(tl.int32)
+    return ((byte >> (idx % 8).to(tl.int32)) & 1) != 0
 
 
 def quant_rebuild(
@@ -171,6 +241,43 @@ def quant_rebuild(
     Bytes per element: reads ``bits / 8`` of codes and ``8 / group`` of minima and steps,
     writes the output once (2 or 4).
     """
+    return _launch_rebuild(codes, mins, scales, None, n, bits, group, dtype, block)
+
+
+def quant_rebuild_signed(
+    codes: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    zero: torch.Tensor,
+    negative: torch.Tensor,
+    n: int,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
+    block: int = REBUILD_BLOCK,
+) -> torch.Tensor:
+    """:func:`quant_rebuild` of a :func:`quant_pack_signed` pack with the original's zeros and
+    signs, in one launch: flagged zeros are +0.0, every other value has at least the magnitude
+    of ``dtype``'s smallest normal and the flagged sign (reference:
+    ``dropit_core.saved.CompressSaved``' eager unpack)."""
+    if zero.dtype != torch.uint8 or negative.dtype != torch.uint8:
+        raise ValueError("quant_rebuild_signed takes uint8 flag bytes")
+    if zero.numel() != (n + 7) // 8 or negative.numel() != (n + 7) // 8:
+        raise ValueError(f"quant_rebuild_signed: the flags do not hold {n} values")
+    return _launch_rebuild(codes, mins, scales, (zero, negative), n, bits, group, dtype, block)
+
+
+def _launch_rebuild(
+    codes: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    flags: tuple[torch.Tensor, torch.Tensor] | None,
+    n: int,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
+    block: int,
+) -> torch.Tensor:
     if codes.dtype != torch.uint8 or mins.dtype != torch.float32 or dtype not in FLOATS:
         raise ValueError("quant_rebuild takes uint8 codes, fp32 minima and steps, a float dtype")
     if codes.numel() != (n * bits + 7) // 8 or mins.numel() != -(-n // group):
@@ -181,8 +288,10 @@ def quant_rebuild(
     width, rows = tile(group, block)
     grid = (cdiv(mins.numel(), rows),)
     bf16 = dtype == torch.bfloat16
+    zero, negative = (codes, codes) if flags is None else flags  # unread without flags
     _quant_rebuild_kernel[grid](
-        codes, mins, scales, out.view(torch.int16) if bf16 else out, n, mins.numel(),
-        GROUP=group, WIDTH=width, ROWS=rows, BITS=bits, BF16=bf16, enable_fp_fusion=False,
+        codes, mins, scales, zero, negative, out.view(torch.int16) if bf16 else out, n,
+        mins.numel(), GROUP=group, WIDTH=width, ROWS=rows, BITS=bits, BF16=bf16,
+        SIGNS=flags is not None, TINY_OUT=torch.finfo(dtype).tiny, enable_fp_fusion=False,
     )  # fmt: skip
     return out

@@ -10,6 +10,7 @@ come from torch's allocator (numpy's, Triton's interpreter's own copies).
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Allocations:
 
 def allocations(fn: Callable[[], Any]) -> tuple[Any, Allocations]:
     """Run ``fn`` under the profiler; its result and the CPU allocator's events."""
+    gc.collect()  # earlier garbage freed inside the window would count as this call's frees
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())

@@ -240,6 +240,110 @@ def test_quant_layers_train_the_same_on_either_path(mode) -> None:
         assert torch.equal(a, b)
 
 
+# ------------------------------------------------------- quant with zeros and signs (saved)
+
+
+def _signed_values(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values with exact zeros of both signs, negatives, and magnitudes far below a group's
+    step (their codes rebuild near 0, so only the flags keep their signs)."""
+    x = _x(n, dtype, seed=5)
+    x[::7] = 0.0
+    x[3::11] = -0.0
+    x[5::13] = (x[5::13].sign() * 1e-30).to(dtype)  # fp16 and bf16 round some to zero
+    return x
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("bits,group,n", [(4, 256, 3000), (2, 8, 77), (8, 16, 1001), (4, 256, 5)])
+def test_signed_pack_is_the_pack_and_pack_bits_of_the_flags_in_one_launch(
+    dtype, bits, group, n, mode
+) -> None:
+    from dropit_core.packing import pack_bits
+
+    x = _signed_values(n, dtype)
+    strategy = build_strategy("quant", 0.8, bits=bits, group=group)
+    mode("triton")
+    packed, zero, negative = strategy.pack_signed(x, 21)
+    plain = strategy.pack(x, "linear", 21)
+    for field in ("values", "mins", "scales"):
+        assert same_bits(getattr(packed, field), getattr(plain, field)), field
+    assert packed.meta == plain.meta
+    assert torch.equal(zero, pack_bits(x == 0)) and torch.equal(negative, pack_bits(x < 0))
+    mode("eager")
+    eager = strategy.pack_signed(x, 21)
+    assert all(same_bits(a, b) for a, b in zip(eager[1:], (zero, negative), strict=True))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("bits,group,n", [(4, 256, 3000), (2, 8, 77), (8, 16, 1001)])
+def test_signed_rebuild_is_the_eager_one_with_the_originals_zeros_and_signs(
+    dtype, bits, group, n, mode
+) -> None:
+    x = _signed_values(n, dtype)
+    strategy = build_strategy("quant", 0.8, bits=bits, group=group)
+    mode("eager")
+    packed, zero, negative = strategy.pack_signed(x, 8)
+    eager = strategy.unpack_signed(packed, zero, negative)
+    mode("triton")
+    kernel = strategy.unpack_signed(packed, zero, negative)
+    assert kernel.dtype == dtype and same_bits(kernel, eager)
+    # Zero (+0.0) exactly where the original is zero, and the original's sign elsewhere.
+    assert torch.equal(kernel == 0, x == 0) and torch.equal(kernel < 0, x < 0)
+    assert not kernel[x == 0].signbit().any()
+
+
+def test_signed_pack_and_rebuild_allocate_their_outputs_and_nothing_else(mode) -> None:
+    if DEVICE.type != "cpu":
+        pytest.skip("counts the CPU allocator")
+    from tests.core.allocations import allocations
+
+    x = _signed_values(3000, torch.float32)
+    strategy = build_strategy("quant", 0.8, bits=4)
+    mode("triton")
+    signed, made = allocations(lambda: strategy.pack_signed(x, 3))
+    kept = signed[0].nbytes() + signed[1].nbytes + signed[2].nbytes
+    assert made.alive == kept and made.allocated - kept <= 16  # no bool temporaries
+    out, made = allocations(lambda: strategy.unpack_signed(*signed))
+    assert made.alive == out.nbytes and made.allocated - out.nbytes <= 16
+
+
+def test_signed_kernels_leave_groups_of_part_bytes_to_the_eager_flags(mode) -> None:
+    from dropit_core.kernels.quant import quant_pack_signed
+
+    x = _signed_values(300, torch.float32)
+    with pytest.raises(ValueError, match="group 100 is not whole bytes of flags"):
+        quant_pack_signed(x, 4, 100, 1)
+    strategy = build_strategy("quant", 0.8, bits=4, group=100)
+    mode("triton")
+    packed, zero, negative = strategy.pack_signed(x, 3)  # codes by the kernel, flags eager
+    out = strategy.unpack_signed(packed, zero, negative)
+    assert torch.equal(out == 0, x == 0) and torch.equal(out < 0, x < 0)
+
+
+def test_compress_saved_gives_the_same_gradients_on_either_path(mode) -> None:
+    from dropit_core.saved import CompressSaved
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1),
+    ).to(DEVICE)  # fmt: skip
+    x = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grads, packs = {}, {}
+    for path in ("eager", "triton"):
+        mode(path)
+        model.zero_grad(set_to_none=True)
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+            with CompressSaved(bits=4, group=64, min_bytes=1024, step=3) as saved:
+                out = model(x)
+            out.square().sum().backward()
+        grads[path] = [p.grad.clone() for p in model.parameters()]
+        packs[path] = (saved.packs, saved.packed_bytes)
+    assert packs["eager"] == packs["triton"] and packs["eager"][0] >= 3
+    for a, b in zip(grads["eager"], grads["triton"], strict=True):
+        assert torch.equal(a, b)
+
+
 # -------------------------------------------------------------------------------------- ReLU
 
 
