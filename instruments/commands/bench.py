@@ -173,9 +173,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--host",
         action="store_true",
-        help="instead: host microseconds per DropIT layer (quant 4-bit, conv and conv + ReLU) "
-        "with the Triton launches stubbed out, against the plain layers: the Python a GPU step "
-        "waits on, measured on any machine",
+        help="instead: host microseconds and launches per DropIT layer (quant 4-bit; conv, "
+        "conv + ReLU, conv + BatchNorm + ReLU with DropIT norms or saved-tensor hooks) with the "
+        "Triton launches stubbed out, against the plain layers: the Python a GPU step waits "
+        "on, measured on any machine",
     )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument(
@@ -397,7 +398,7 @@ def _ops(device: str, repeats: int, out: Path | None) -> None:
 
 
 def _host(repeats: int, out: Path | None) -> None:
-    """Host microseconds per DropIT layer with the launches stubbed: JSON lines."""
+    """Host microseconds and launches per DropIT layer with the launches stubbed: JSON lines."""
     from instruments.measure.host_bench import host_costs
 
     rows = host_costs(repeats=max(repeats, 5))

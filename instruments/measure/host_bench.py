@@ -5,22 +5,26 @@ kernels (docs/gpu.md): what a DropIT layer costs there is mostly Python, its aut
 its pack's bookkeeping and the launch wrappers. This runs that very code with the Triton launches
 stubbed out: ``dropit_core`` is told to use its kernels (``dispatch``), every wrapper computes
 its grid and buffers as it would, and the launch itself does nothing. Tiny tensors on the CPU then
-leave the host work alone: a stack of 3x3 convs (and conv + ReLU pairs) on an 8x8 map, forward and
-backward, against the plain layers, in microseconds per layer. The launch's own cost, Triton's,
-is not in it: that needs a GPU (``tools/gpu_probe.py --what python``).
+leave the host work alone: stacks of 3x3 convs on an 8x8 map (conv; conv + ReLU; conv +
+BatchNorm + ReLU, with DropIT norms or through saved-tensor hooks), forward and backward, against
+the plain layers, in microseconds per unit of the stack. Each row also counts the launches per
+unit: the aten ops that compute (not views, not allocations), each at least one kernel on a GPU,
+and the Triton launches. The launch's own cost, Triton's, is not in it: that needs a GPU
+(``tools/gpu_probe.py --what python``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from dropit_core import dispatch, to_dropit
+from dropit_core import compress_saved, dispatch, to_dropit
 from dropit_core.timing import timed_rounds
 from rcnn_dropit.errors import UsageError
 
@@ -33,16 +37,50 @@ KERNELS = (
 )
 
 
+class Launches:
+    """Counts what would launch a kernel on a GPU: Triton launches (stubbed) and, inside
+    :meth:`counting`, the aten ops that compute (views and allocations launch nothing)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def counting(self) -> TorchDispatchMode:
+        return _CountOps(self)
+
+
+# Ops that allocate or alias without a kernel and are not marked as views in their schema.
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_NO_KERNEL |= {"_unsafe_view", "lift_fresh", "alias"}
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, launches: Launches) -> None:
+        super().__init__()
+        self.launches = launches
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+            self.launches.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 class _NoLaunch:
-    """Stands in for a jit kernel: ``kernel[grid](...)`` does nothing."""
+    """Stands in for a jit kernel: ``kernel[grid](...)`` launches nothing, and is counted."""
+
+    def __init__(self, launches: Launches) -> None:
+        self.launches = launches
 
     def __getitem__(self, grid: Any):
-        return lambda *args, **kwargs: None
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches.count += 1
+
+        return launch
 
 
 @contextlib.contextmanager
-def stubbed_launches() -> Iterator[None]:
-    """Within: DropIT takes its kernel path on any tensor, and no kernel is launched."""
+def stubbed_launches() -> Iterator[Launches]:
+    """Within: DropIT takes its kernel path on any tensor, and no kernel is launched; what it
+    yields counts the launches stubbed."""
     if not dispatch.triton_available():
         raise UsageError("--host runs the kernels' wrappers: it needs triton installed")
     import importlib
@@ -50,35 +88,58 @@ def stubbed_launches() -> Iterator[None]:
     modules = {name: importlib.import_module(f"dropit_core.kernels.{name}") for name, _ in KERNELS}
     saved = [(modules[m], k, getattr(modules[m], k)) for m, k in KERNELS]
     previous = dispatch.kernel_mode()
+    launches = Launches()
     try:
         for module, kernel, _ in saved:
-            setattr(module, kernel, _NoLaunch())
+            setattr(module, kernel, _NoLaunch(launches))
         dispatch.set_kernels("triton")
-        yield
+        yield launches
     finally:
         dispatch.set_kernels(previous)
         for module, kernel, original in saved:
             setattr(module, kernel, original)
 
 
-def _stack(layers: int, channels: int, relu: bool) -> nn.Sequential:
+# (stack, what DropIT converts): each against the same stack of plain layers.
+STACKS = (
+    ("conv", "layers"),
+    ("conv+relu", "layers"),
+    ("conv+bn+relu", "layers"),
+    ("conv+bn+relu", "layers+norm"),
+    ("conv+bn+relu", "saved hooks"),
+)
+
+
+def _stack(layers: int, channels: int, stack: str) -> nn.Sequential:
     torch.manual_seed(0)
     mods: list[nn.Module] = []
     for _ in range(layers):
-        mods.append(nn.Conv2d(channels, channels, 3, padding=1))
-        if relu:
+        mods.append(nn.Conv2d(channels, channels, 3, padding=1, bias="bn" not in stack))
+        if "bn" in stack:
+            mods.append(nn.BatchNorm2d(channels))
+        if "relu" in stack:
             mods.append(nn.ReLU())
     return nn.Sequential(*mods)
+
+
+def _dropit(plain: nn.Module, dropit: str) -> nn.Module:
+    """A copy of ``plain`` with quant 4-bit: its conv (and ReLU) layers, its norms too, or every
+    saved tensor through :func:`dropit_core.compress_saved` (no layer converted)."""
+    model = copy.deepcopy(plain)
+    if dropit == "saved hooks":
+        compress_saved(model, bits=4, min_bytes=1024)  # the maps, not BatchNorm's statistics
+        return model
+    return to_dropit(model, strategy="quant", bits=4, strict=False, norm=dropit == "layers+norm")
 
 
 def host_costs(
     repeats: int = 15, layers: int = 20, channels: int = 8, size: int = 8, steps: int = 50
 ) -> list[dict[str, Any]]:
-    """One row per stack (convs; conv + ReLU pairs): microseconds per layer of a forward and
-    backward, plain and with quant 4-bit (launches stubbed), the fastest of ``repeats`` rounds
-    of ``steps`` steps (noise on a shared machine only adds time), and the difference:
-    DropIT's host time per layer."""
-    x0 = torch.randn(1, channels, size, size)
+    """One row per stack of :data:`STACKS`: microseconds per unit (a conv and what follows it)
+    of a forward and backward, plain and with quant 4-bit (launches stubbed), the fastest of
+    ``repeats`` rounds of ``steps`` steps (noise on a shared machine only adds time), and the
+    difference: DropIT's host time per unit; and the launches per unit of each."""
+    x0 = torch.randn(1, channels, size, size)  # BatchNorm's statistics: over 64 positions
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # host work is one thread's; a pool on 8x8 maps adds only jitter
     try:
@@ -88,7 +149,7 @@ def host_costs(
 
 
 def _rows(x0: torch.Tensor, repeats: int, layers: int, channels: int, steps: int) -> list[dict]:
-    def steps_of(model: nn.Module):
+    def steps_of(model: nn.Module) -> Callable[[], None]:
         def run() -> None:
             for _ in range(steps):
                 model(x0.clone().requires_grad_(True)).sum().backward()
@@ -96,23 +157,36 @@ def _rows(x0: torch.Tensor, repeats: int, layers: int, channels: int, steps: int
         return run
 
     rows = []
-    for what, relu in (("conv", False), ("conv+relu", True)):
-        plain = _stack(layers, channels, relu)
-        dropit = to_dropit(copy.deepcopy(plain), strategy="quant", bits=4, strict=False)
-        with stubbed_launches():
-            times = timed_rounds([steps_of(plain), steps_of(dropit)], repeats)
+    for stack, dropit in STACKS:
+        plain = _stack(layers, channels, stack)
+        converted = _dropit(plain, dropit)
+        with stubbed_launches() as launches:
+            times = timed_rounds([steps_of(plain), steps_of(converted)], repeats)
+            counts = [_launches_per_step(m, x0, launches) / layers for m in (plain, converted)]
         plain_us, dropit_us = (min(t) / steps / layers * 1e6 for t in times)
         rows.append(
             {
-                "stack": what,
+                "stack": stack,
+                "dropit": dropit,
                 "plain_us": round(plain_us, 1),
                 "dropit_us": round(dropit_us, 1),
                 "extra_us": round(dropit_us - plain_us, 1),
+                "plain_launches": round(counts[0], 2),
+                "dropit_launches": round(counts[1], 2),
                 "layers": layers,
                 "threads": 1,
             }
         )
     return rows
+
+
+def _launches_per_step(model: nn.Module, x0: torch.Tensor, launches: Launches) -> int:
+    """Launches of one forward and backward (the input's copy and the loss included, as in the
+    timed steps)."""
+    launches.count = 0
+    with launches.counting():
+        model(x0.clone().requires_grad_(True)).sum().backward()
+    return launches.count
 
 
 def is_host_rows(data: Any) -> bool:
@@ -125,13 +199,24 @@ def is_host_rows(data: Any) -> bool:
 
 
 def host_markdown(rows: list[dict[str, Any]]) -> str:
-    """The Markdown table of ``--host`` rows."""
-    lines = [
-        "| stack | plain, µs per layer | quant 4-bit, launches stubbed | DropIT's host time |",
-        "|---|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {r['stack']} | {r['plain_us']:.1f} | {r['dropit_us']:.1f} | {r['extra_us']:+.1f} |"
-        for r in rows
-    ]
+    """The Markdown table of ``--host`` rows (rows measured before the launch counts and the
+    norm stacks: their columns only)."""
+    counted = all("dropit_launches" in r for r in rows)
+    head = "| stack | plain, µs per layer | quant 4-bit, launches stubbed | DropIT's host time |"
+    rule = "|---|---:|---:|---:|"
+    if counted:
+        head = (
+            "| stack | DropIT on | plain, µs per unit | DropIT, launches stubbed "
+            "| DropIT's host time | launches per unit, plain → DropIT |"
+        )
+        rule = "|---|---|---:|---:|---:|---:|"
+    lines = [head, rule]
+    for r in rows:
+        cells = [r["stack"]]
+        if counted:
+            cells.append(r["dropit"])
+        cells += [f"{r['plain_us']:.1f}", f"{r['dropit_us']:.1f}", f"{r['extra_us']:+.1f}"]
+        if counted:
+            cells.append(f"{r['plain_launches']:g} → {r['dropit_launches']:g}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -45,12 +45,38 @@ def test_stubbed_launches_put_everything_back_after_an_error() -> None:
     assert dispatch.kernel_mode() == "auto"
 
 
-def test_host_costs_rows_are_per_layer_microseconds() -> None:
-    rows = host_bench.host_costs(repeats=1, layers=2, steps=2)
-    assert [r["stack"] for r in rows] == ["conv", "conv+relu"]
+def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:
+    layers = 2
+    rows = host_bench.host_costs(repeats=1, layers=layers, steps=2)
+    assert [(r["stack"], r["dropit"]) for r in rows] == list(host_bench.STACKS)
     for r in rows:
-        assert r["plain_us"] > 0 and r["dropit_us"] > 0 and r["layers"] == 2
+        assert r["plain_us"] > 0 and r["dropit_us"] > 0 and r["layers"] == layers
         assert r["extra_us"] == pytest.approx(r["dropit_us"] - r["plain_us"], abs=0.11)
+
+    def extra(stack: str, dropit: str) -> float:
+        """Launches per step that DropIT adds to the plain stack."""
+        (row,) = [r for r in rows if (r["stack"], r["dropit"]) == (stack, dropit)]
+        return round((row["dropit_launches"] - row["plain_launches"]) * layers, 6)
+
+    # A quant conv: one pack and one rebuild launch each (and one step's copy of the loss's
+    # expanded gradient, which the plain conv's backward reads as it is); the masked ReLU
+    # launches as many as the plain one; a DropIT norm adds its pack and rebuild.
+    assert extra("conv", "layers") == 2 * layers + 1
+    assert extra("conv+relu", "layers") == 2 * layers + 1
+    assert extra("conv+bn+relu", "layers+norm") - extra("conv+bn+relu", "layers") == 2 * layers
+    # Saved hooks: each BatchNorm input and ReLU output packed in one launch (a ReLU output saved
+    # by the ReLU and the next conv once), each use of it rebuilt in one: 5 per unit, less the
+    # last unit's ReLU output, which no conv reads.
+    assert extra("conv+bn+relu", "saved hooks") == 5 * layers - 1
+
+
+def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts() -> None:
+    old = [{"stack": "conv", "plain_us": 44.1, "dropit_us": 149.0, "extra_us": 104.9}]
+    assert host_bench.host_markdown(old).splitlines()[2] == "| conv | 44.1 | 149.0 | +104.9 |"
+    new = [dict(old[0], dropit="layers", plain_launches=4.05, dropit_launches=6.1)]
+    assert host_bench.host_markdown(new).splitlines()[2] == (
+        "| conv | layers | 44.1 | 149.0 | +104.9 | 4.05 → 6.1 |"
+    )
 
 
 @pytest.mark.parametrize(
