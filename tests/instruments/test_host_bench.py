@@ -81,7 +81,11 @@ def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts()
 
 @pytest.mark.parametrize(
     "block, source",
-    [("bench-host-before", "bench_host_cpu_before"), ("bench-host", "bench_host_cpu")],
+    [
+        ("bench-host-before", "bench_host_cpu_before"),
+        ("bench-host", "bench_host_cpu"),
+        ("bench-host-saved-before", "bench_host_cpu_saved_before"),
+    ],
 )
 def test_memory_md_host_tables_are_their_json_files(block: str, source: str) -> None:
     import json
