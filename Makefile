@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-bf16 bench-scratch bench-speed bench-gpu bench-host lint format study
+.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host lint format study
 
 setup: $(STAMP)
 
@@ -73,6 +73,15 @@ bench-scratch: setup
 		--methods-json docs/results/methods_bench_scratch.json $(if $(QUIET),--quiet-machine)
 	$(PY) tools/bench.py --markdown docs/results/methods_bench_scratch.json \
 		--into docs/results/memory.md --block methods-bench-scratch
+
+# The COCO recipe's body (frozen BatchNorm, 3 trainable stages) with torchvision's v2 heads (a
+# BatchNorm after every FPN and head conv): the same rows as bench-scratch.
+bench-v2: setup
+	$(PY) tools/bench.py --heads v2 --settings $(SCRATCH_METHODS) --draws 2 --repeats 3 \
+		--json docs/results/bench_v2_cpu.json \
+		--methods-json docs/results/methods_bench_v2.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py --markdown docs/results/methods_bench_v2.json \
+		--into docs/results/memory.md --block methods-bench-v2
 
 # The CPU step time of the recommended setting and the paper's, against the baseline, on the COCO
 # recipe (issue target: quant 4-bit at most 1.10x); five timed steps per side.

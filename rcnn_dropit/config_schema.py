@@ -28,7 +28,15 @@ class ModelConfig:
     backbone_weights: str | None = None  # local file of the same; wins over pretrained_backbone
     weights: str | None = None
     trainable_layers: int = _f(3, ge=0, le=5)
-    norm: str = _f("frozen_bn", choices=("frozen_bn", "bn"))
+    # The body's norm: frozen_bn (the pretrained recipe), bn (from scratch; torchvision's v2
+    # models), gn (GroupNorm, 32 groups: detectron2's GN recipes)
+    norm: str = _f("frozen_bn", choices=("frozen_bn", "bn", "gn"))
+    # v1: torchvision's maskrcnn/fasterrcnn_resnet50_fpn heads (FPN convs with a bias, one RPN
+    # conv, two fully-connected box layers, mask convs without norm). v2: those of
+    # *_resnet50_fpn_v2 (a norm after every FPN and head conv, two RPN convs, four box convs and
+    # one fully-connected layer): with norm bn and torchvision's widths, its very state_dict.
+    heads: str = _f("v1", choices=("v1", "v2"))
+    head_norm: str = _f("bn", choices=("bn", "gn"))  # the FPN's and heads' norm under heads v2
     # How a frozen_bn norm computes under autocast: "lean" keeps the input's dtype (detectron2's
     # form; bit-equal to torchvision's in fp32); "torchvision" is torchvision's FrozenBatchNorm2d,
     # whose fp32 scale promotes every activation to fp32 (about twice the activation memory

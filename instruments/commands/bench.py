@@ -107,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scratch", action="store_true", help="BatchNorm2d model trained from scratch"
     )
+    parser.add_argument(
+        "--heads",
+        choices=("v1", "v2"),
+        default="v1",
+        help="the model's heads (model.heads): v2 puts a BatchNorm after every FPN and head "
+        "conv, as torchvision's *_resnet50_fpn_v2 (default: v1)",
+    )
     parser.add_argument("--image-size", type=int, default=512)
     parser.add_argument(
         "--repeats",
@@ -238,7 +245,7 @@ def _max_batch(args: argparse.Namespace) -> None:
         raise UsageError("--methods-json: the methods table comes from step rows, not --max-batch")
     produced = largest_batches(
         _settings(args), args.max_batch, args.batch_limit, args.scratch, args.image_size,
-        args.device, amp=args.amp,
+        args.device, amp=args.amp, heads=args.heads,
     )  # fmt: skip
     _emit(produced, args.json)
 
@@ -258,6 +265,7 @@ def _steps(args: argparse.Namespace) -> None:
         run_benchmark(
             settings, args.scratch, args.image_size, args.repeats, args.device,
             amp=args.amp, images=n, draws=args.draws, profile_steps=_profile_steps(args),
+            heads=args.heads,
         )
         for n in images
     )  # fmt: skip
@@ -293,7 +301,7 @@ def _gpu_table(args: argparse.Namespace) -> None:
     header = gpu_header(_command_line(), args.device, args.quiet_machine, **run)
     produced = gpu_table(
         settings, images, budget, args.batch_limit, args.image_size, args.repeats, args.device,
-        args.amp, args.draws, run["profile_steps"], args.scratch,
+        args.amp, args.draws, run["profile_steps"], args.scratch, heads=args.heads,
         progress=lambda row: print("measured: " + json.dumps(row), file=sys.stderr, flush=True),
         # The step columns are written before the (long) batch search; the end rewrites the file.
         on_steps=(lambda rows: write_gpu_table(args.json, {**header, "complete": False}, rows))

@@ -51,6 +51,7 @@ DESCRIPTION = (
     "rules",
     "activation_checkpointing",
     "frozen_bn",
+    "heads",
     "accumulate",
     "device",
     "amp",
@@ -79,6 +80,7 @@ def gpu_table(
     scratch: bool = False,
     rois_per_image: int = 512,
     backbone: str = "resnet50",
+    heads: str = "v1",
     progress: Callable[[dict[str, Any]], None] | None = None,
     on_steps: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
@@ -92,7 +94,7 @@ def gpu_table(
     for n in images:
         rows = run_benchmark(
             settings, scratch, image_size, repeats, device, rois_per_image, backbone,
-            amp=amp, images=n, draws=draws, profile_steps=profile_steps,
+            amp=amp, images=n, draws=draws, profile_steps=profile_steps, heads=heads,
         )  # fmt: skip
         for row in rows:
             if progress:
@@ -106,7 +108,7 @@ def gpu_table(
         return
     batches = largest_batches(
         settings, budget_mb, batch_limit, scratch, image_size, device, rois_per_image, backbone,
-        amp=amp,
+        amp=amp, heads=heads,
     )  # fmt: skip
     for row in batches:
         if progress:

@@ -159,12 +159,13 @@ def largest_batches(
     rois_per_image: int = 512,
     backbone: str = "resnet50",
     amp: str = "none",
+    heads: str = "v1",
     peak_of: Callable[[nn.Module, int, float], float | None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """For the baseline and each setting alone on the device: the largest batch (up to
     ``limit`` images) whose training step (forward, backward, SGD momentum update) fits
     ``budget_mb``. ``peak_of(model, n, floor)`` replaces the measurement (tests)."""
-    base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone)
+    base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone, heads)
     resolved = [(s, setting_config(base_cfg, s)) for s in map(as_setting, settings)]
     reference, resolved = split_reference(resolved, base_cfg)
     dev = torch.device(device)

@@ -106,6 +106,7 @@ def run_benchmark(
     backbone: str = "resnet50",
     amp: str = "none",
     images: int = 2,
+    heads: str = "v1",
     draws: int = 8,
     profile_steps: int = 0,
 ) -> Iterator[dict[str, Any]]:
@@ -120,7 +121,7 @@ def run_benchmark(
     """
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise UsageError(f"draws={draws!r} is invalid: allowed integers >= 1")
-    base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone)
+    base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone, heads)
     # Every setting resolved before minutes of model building: a bad override fails at once.
     resolved = [(s, setting_config(base_cfg, s)) for s in map(as_setting, settings)]
     reference, resolved = split_reference(resolved, base_cfg)

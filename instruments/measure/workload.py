@@ -131,10 +131,15 @@ def check_variants(variants: Sequence[Variant]) -> None:
 
 
 def recipe_config(
-    scratch: bool, image_size: int, rois_per_image: int = 512, backbone: str = "resnet50"
+    scratch: bool,
+    image_size: int,
+    rois_per_image: int = 512,
+    backbone: str = "resnet50",
+    heads: str = "v1",
 ) -> Config:
     """The config of :func:`build_detector`'s model: the COCO recipe without downloaded
-    weights, at ``image_size``; ``scratch``: BatchNorm and every stage trainable."""
+    weights, at ``image_size``; ``scratch``: BatchNorm and every stage trainable; ``heads``:
+    ``model.heads`` (v2: a BatchNorm after every FPN and head conv, torchvision's v2 models)."""
     model: dict[str, Any] = {
         "num_classes": RECIPE_CLASSES,
         "backbone": backbone,
@@ -142,6 +147,7 @@ def recipe_config(
         "min_size": image_size,
         "max_size": image_size,
         "box_batch_size_per_image": rois_per_image,
+        "heads": heads,
     }
     if scratch:
         model.update(norm="bn", trainable_layers=5)
@@ -196,6 +202,7 @@ def describe(cfg: Config) -> dict[str, Any]:
         "activation_checkpointing": list(cfg.model.activation_checkpointing),
         "frozen_bn": cfg.model.frozen_bn,
         "fpn": cfg.model.fpn,
+        "heads": cfg.model.heads,
         "accumulate": cfg.solver.accumulate,
         "saved_bits": d.saved_bits,
     }
@@ -210,10 +217,14 @@ def detector(cfg: Config) -> nn.Module:
 
 
 def build_detector(
-    scratch: bool, image_size: int, rois_per_image: int = 512, backbone: str = "resnet50"
+    scratch: bool,
+    image_size: int,
+    rois_per_image: int = 512,
+    backbone: str = "resnet50",
+    heads: str = "v1",
 ) -> nn.Module:
     """Mask R-CNN R50-FPN with random weights: COCO recipe, or BatchNorm from scratch."""
-    return detector(recipe_config(scratch, image_size, rois_per_image, backbone))
+    return detector(recipe_config(scratch, image_size, rois_per_image, backbone, heads))
 
 
 def make_batch(image_size: int, device: torch.device, n_images: int = 2):

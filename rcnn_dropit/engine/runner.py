@@ -41,6 +41,7 @@ from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
 from rcnn_dropit.errors import MissingPathError, UsageError, one_line
 from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.models import build_model
+from rcnn_dropit.models.build import trainable_batch_norm
 from rcnn_dropit.models.weights import check_model_compat
 from rcnn_dropit.rng import seed_all
 from rcnn_dropit.run_dir import RunDir
@@ -72,14 +73,18 @@ def resolve_output_dir(cfg: Config, output_dir: str | Path | None = None) -> Pat
 
 def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
     """(model to train, plain model): DropIT-converted, on device, SyncBN and DDP as configured."""
-    net, _record = build_model(cfg)
+    sync_bn = False
     if cfg.train.sync_bn and info.distributed:
-        if cfg.model.norm != "bn":
-            say("note: train.sync_bn ignored: model.norm is frozen_bn (nothing to synchronise)")
+        if not trainable_batch_norm(cfg.model):
+            say(
+                f"note: train.sync_bn ignored: no BatchNorm trains (model.norm is "
+                f"{cfg.model.norm}, heads {cfg.model.heads}): nothing to synchronise"
+            )
         elif info.device.type != "cuda":
             say("note: train.sync_bn ignored: SyncBatchNorm needs CUDA devices")
         else:
-            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+            sync_bn = True
+    net, _record = build_model(cfg, sync_bn=sync_bn)
     if cfg.solver.accumulate > 1 and any(isinstance(m, _BatchNorm) for m in net.modules()):
         micro = cfg.solver.batch_size / cfg.solver.accumulate
         say(

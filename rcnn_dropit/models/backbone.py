@@ -22,7 +22,23 @@ _RESNETS = {
     "resnet50": (resnet.resnet50, resnet.ResNet50_Weights.IMAGENET1K_V1),
     "resnet101": (resnet.resnet101, resnet.ResNet101_Weights.IMAGENET1K_V1),
 }
-_NORMS = {"frozen_bn": LeanFrozenBatchNorm2d, "bn": nn.BatchNorm2d}
+GN_GROUPS = 32  # detectron2's and the GroupNorm paper's
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    """GroupNorm of 32 groups, the ``norm_layer`` of ``model.norm: gn`` (and of the v2 heads
+    under ``model.head_norm: gn``)."""
+    if channels % GN_GROUPS:
+        raise UsageError(
+            f"GroupNorm: {channels} channels do not split into {GN_GROUPS} groups; a width "
+            f"set in model (fpn_channels, mask_head_channels, the backbone's) must be a "
+            f"multiple of {GN_GROUPS}"
+        )
+    return nn.GroupNorm(GN_GROUPS, channels)
+
+
+_NORMS = {"frozen_bn": LeanFrozenBatchNorm2d, "bn": nn.BatchNorm2d, "gn": group_norm}
+HEAD_NORMS = {"bn": nn.BatchNorm2d, "gn": group_norm}  # model.head_norm: FPN and v2 heads
 # model.frozen_bn: which FrozenBatchNorm2d a frozen_bn backbone gets
 _FROZEN = {"lean": LeanFrozenBatchNorm2d, "torchvision": FrozenBatchNorm2d}
 FPNS = ("lean", "torchvision")  # model.fpn
@@ -37,8 +53,13 @@ def build_backbone(
     fpn_channels: int = 256,
     frozen_bn: str = "lean",
     fpn: str = "lean",
+    fpn_norm: str | None = None,
 ) -> BackboneWithFPN:
     """ResNet body + FPN with the first stages frozen as torchvision does (trainable 0..5).
+
+    ``norm``: the body's norm, ``frozen_bn`` (the pretrained recipe), ``bn`` or ``gn`` (32
+    groups). ``fpn_norm``: None (torchvision's v1 FPN, convs with a bias) or a norm of
+    :data:`HEAD_NORMS` after each FPN conv (torchvision's ``*_fpn_v2``: ``bn``).
 
     ``frozen_bn`` picks the frozen norm's form: "lean" keeps the input's dtype under autocast
     (dropit_core.FrozenBatchNorm2d), "torchvision" promotes to fp32 (only to measure against).
@@ -55,6 +76,15 @@ def build_backbone(
         raise UsageError(f"model.frozen_bn: '{frozen_bn}' is not one of {', '.join(_FROZEN)}")
     if fpn not in FPNS:
         raise UsageError(f"model.fpn: '{fpn}' is not one of {', '.join(FPNS)}")
+    if fpn_norm is not None and fpn_norm not in HEAD_NORMS:
+        raise UsageError(f"model.head_norm: '{fpn_norm}' is not one of {', '.join(HEAD_NORMS)}")
+    fpn_norm_layer = HEAD_NORMS[fpn_norm] if fpn_norm is not None else None
+    if norm == "gn" and pretrained and weights_path is None:
+        raise UsageError(
+            "model.pretrained_backbone: torchvision's ImageNet weights are a BatchNorm ResNet's; "
+            "model.norm gn has no BatchNorm to load them into (train from scratch, or give a "
+            "GroupNorm ResNet's weights as model.backbone_weights)"
+        )
     factory, enum = _RESNETS[name]
     norm_layer = _FROZEN[frozen_bn] if norm == "frozen_bn" else _NORMS[norm]
     body = factory(weights=None, norm_layer=norm_layer)
@@ -65,7 +95,7 @@ def build_backbone(
     elif pretrained:
         body.load_state_dict(_download(enum, name))
     # torchvision's extractor freezes the stages; its FPN width is fixed at 256
-    backbone = _resnet_fpn_extractor(body, trainable_layers)
+    backbone = _resnet_fpn_extractor(body, trainable_layers, norm_layer=fpn_norm_layer)
     if fpn_channels != backbone.out_channels:
         backbone = BackboneWithFPN(
             body,
@@ -73,6 +103,7 @@ def build_backbone(
             [body.inplanes // 8 * 2**i for i in range(4)],  # channels of layer1..layer4
             fpn_channels,
             extra_blocks=LastLevelMaxPool(),
+            norm_layer=fpn_norm_layer,
         )
     return lean_fpn(backbone) if fpn == "lean" else backbone
 

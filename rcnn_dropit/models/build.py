@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from torch import nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.models.detection.anchor_utils import AnchorGenerator
-from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
+from torchvision.models.detection.faster_rcnn import FastRCNNConvFCHead, FastRCNNPredictor
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.models.detection.rpn import RPNHead
 
 from dropit_core import (
     DropITRecord,
@@ -19,20 +20,23 @@ from dropit_core import (
     to_dropit,
 )
 from rcnn_dropit.config import Config
-from rcnn_dropit.config_schema import PAPER_EXCLUDE
+from rcnn_dropit.config_schema import PAPER_EXCLUDE, ModelConfig
 from rcnn_dropit.errors import UsageError
-from rcnn_dropit.models.backbone import build_backbone
+from rcnn_dropit.models.backbone import HEAD_NORMS, build_backbone
 from rcnn_dropit.models.heads import MLPHead
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
 
 _ROI_SIZE = 7  # output size of torchvision's default box MultiScaleRoIAlign
+_ASPECT_RATIOS = (0.5, 1.0, 2.0)  # of every level's anchors, as torchvision's default
 
 
-def build_model(cfg: Config) -> tuple[nn.Module, DropITRecord]:
+def build_model(cfg: Config, sync_bn: bool = False) -> tuple[nn.Module, DropITRecord]:
     """The detector of `cfg.model`, initialised per config; DropIT applied if `cfg.dropit.enabled`.
 
-    Returns (model, record): record is dropit_core's record of converted layers (empty without
-    DropIT). The model is on CPU and not wrapped in DDP.
+    ``sync_bn``: its BatchNorms become SyncBatchNorm first, so that DropIT converts the
+    synchronised norms (converting after DropIT would put plain SyncBatchNorms in place of the
+    DropIT norms). Returns (model, record): record is dropit_core's record of converted layers
+    (empty without DropIT). The model is on CPU and not wrapped in DDP.
     """
     m = cfg.model
     if m.arch not in ("maskrcnn", "fasterrcnn"):  # before any weights are built or downloaded
@@ -47,20 +51,10 @@ def build_model(cfg: Config) -> tuple[nn.Module, DropITRecord]:
         fpn_channels=m.fpn_channels,
         frozen_bn=m.frozen_bn,
         fpn=m.fpn,
+        fpn_norm=m.head_norm if m.heads == "v2" else None,
     )
-    # the heads are built here because torchvision fixes their widths (1024 and 256)
-    heads: dict[str, nn.Module] = {
-        "box_head": MLPHead(backbone.out_channels * _ROI_SIZE**2, m.box_head_width),
-        "box_predictor": FastRCNNPredictor(m.box_head_width, m.num_classes),
-    }
-    detector = FasterRCNN
-    if m.arch == "maskrcnn":
-        detector = MaskRCNN
-        width = m.mask_head_channels
-        heads["mask_head"] = MaskRCNNHeads(
-            backbone.out_channels, [width] * m.mask_head_convs, dilation=1
-        )
-        heads["mask_predictor"] = MaskRCNNPredictor(width, width, m.num_classes)
+    heads = _heads(m, backbone.out_channels)
+    detector = MaskRCNN if m.arch == "maskrcnn" else FasterRCNN
     model = detector(
         backbone,
         min_size=m.min_size,
@@ -70,15 +64,45 @@ def build_model(cfg: Config) -> tuple[nn.Module, DropITRecord]:
         box_batch_size_per_image=m.box_batch_size_per_image,
         rpn_batch_size_per_image=m.rpn_batch_size_per_image,
         rpn_anchor_generator=AnchorGenerator(
-            tuple((size,) for size in m.anchor_sizes), ((0.5, 1.0, 2.0),) * len(m.anchor_sizes)
+            tuple((size,) for size in m.anchor_sizes), (_ASPECT_RATIOS,) * len(m.anchor_sizes)
         ),
         box_score_thresh=cfg.test.score_thresh,
     )
     if m.weights is not None:
         state = load_state_dict_file(m.weights, "model.weights")
         load_strict(model, state, "model.weights", m.weights)
+    if sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     apply_checkpointing(model, cfg)
     return apply_dropit(model, cfg)
+
+
+def _heads(m: ModelConfig, channels: int) -> dict[str, nn.Module]:
+    """The RPN, box and mask heads of ``model.heads`` (built here because torchvision fixes
+    their widths: 1024 and 256), with ``m``'s widths."""
+    width = m.mask_head_channels
+    if m.heads == "v2":  # torchvision's *_resnet50_fpn_v2, its norm from model.head_norm
+        norm = HEAD_NORMS[m.head_norm]
+        heads: dict[str, nn.Module] = {
+            "rpn_head": RPNHead(channels, len(_ASPECT_RATIOS), conv_depth=2),
+            "box_head": FastRCNNConvFCHead(
+                (channels, _ROI_SIZE, _ROI_SIZE), [channels] * 4, [m.box_head_width], norm
+            ),
+        }
+        mask_head = MaskRCNNHeads(channels, [width] * m.mask_head_convs, 1, norm_layer=norm)
+    else:
+        heads = {"box_head": MLPHead(channels * _ROI_SIZE**2, m.box_head_width)}
+        mask_head = MaskRCNNHeads(channels, [width] * m.mask_head_convs, dilation=1)
+    heads["box_predictor"] = FastRCNNPredictor(m.box_head_width, m.num_classes)
+    if m.arch == "maskrcnn":
+        heads["mask_head"] = mask_head
+        heads["mask_predictor"] = MaskRCNNPredictor(width, width, m.num_classes)
+    return heads
+
+
+def trainable_batch_norm(m: ModelConfig) -> bool:
+    """Whether the model of ``m`` has BatchNorms that train (what SyncBatchNorm synchronises)."""
+    return m.norm == "bn" or (m.heads == "v2" and m.head_norm == "bn")
 
 
 def apply_checkpointing(model: nn.Module, cfg: Config) -> list[str]:

@@ -352,8 +352,8 @@ def test_a_usage_error_is_one_line_with_nothing_left_behind(tmp_path, tiny_shape
 def test_nonfinite_loss_stops_with_terms(tmp_path, tiny_shapes, monkeypatch) -> None:
     real_build = runner_module.build_model
 
-    def build_nan_model(cfg):
-        model, record = real_build(cfg)
+    def build_nan_model(cfg, sync_bn=False):
+        model, record = real_build(cfg, sync_bn)
         forward = model.forward
 
         def nan_forward(images, targets=None):

@@ -404,3 +404,93 @@ def test_dropit_saved_bits_compresses_what_a_model_saves_with_or_without_convert
     assert len(record) > 0 and saved_compression(both).options["bits"] == 2
     with pytest.raises(ValueError, match="dropit.saved_bits"):
         tiny_cfg(dropit={"saved_bits": 3})
+
+
+@pytest.mark.parametrize("arch", ["maskrcnn", "fasterrcnn"])
+def test_v2_heads_are_torchvisions_fpn_v2_model_state_dict_and_outputs(arch):
+    """heads v2 with a BatchNorm body is torchvision's *_resnet50_fpn_v2: its state_dict keys
+    and shapes, so its COCO weights load, and with them its outputs."""
+    from torchvision.models import detection
+
+    factory = getattr(detection, f"{arch}_resnet50_fpn_v2")
+    theirs = factory(weights=None, weights_backbone=None, num_classes=91).eval()
+    ours, _ = build_model(tiny_cfg(arch=arch, backbone="resnet50", num_classes=91, heads="v2"))
+    mine = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    assert mine == {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+    ours.load_state_dict(theirs.state_dict())
+    ours.eval()
+    theirs.transform = ours.transform  # the tiny config's 64 px images, for both
+    with torch.no_grad():
+        images = [torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(3))]
+        features = ours.backbone(images[0][None])
+        expected = theirs.backbone(images[0][None])
+        assert all(torch.equal(features[k], expected[k]) for k in expected)
+        mine_rpn = sum(ours.rpn.head(list(features.values())), [])
+        their_rpn = sum(theirs.rpn.head(list(expected.values())), [])
+        assert all(torch.equal(a, b) for a, b in zip(mine_rpn, their_rpn, strict=True))
+        rois = torch.randn(3, 256, 7, 7, generator=torch.Generator().manual_seed(4))
+        mine_box, their_box = ours.roi_heads.box_head(rois), theirs.roi_heads.box_head(rois)
+        assert torch.equal(mine_box, their_box)
+        assert torch.equal(ours.roi_heads.box_predictor(mine_box)[0],
+                           theirs.roi_heads.box_predictor(their_box)[0])  # fmt: skip
+        if arch == "maskrcnn":
+            rois = torch.randn(3, 256, 14, 14, generator=torch.Generator().manual_seed(5))
+            mask = ours.roi_heads.mask_predictor(ours.roi_heads.mask_head(rois))
+            assert torch.equal(
+                mask, theirs.roi_heads.mask_predictor(theirs.roi_heads.mask_head(rois))
+            )
+
+
+def test_v2_heads_put_a_norm_after_every_fpn_and_head_conv_and_train():
+    model, _ = build_model(tiny_cfg(heads="v2", fpn_channels=32, mask_head_channels=32))
+    fpn, heads = model.backbone.fpn, model.roi_heads
+    assert all(isinstance(b[1], nn.BatchNorm2d) for b in [*fpn.inner_blocks, *fpn.layer_blocks])
+    assert len(model.rpn.head.conv) == 2  # two RPN convs, no norm (torchvision's v2)
+    assert [type(b[1]) for b in list(heads.box_head)[:4]] == [nn.BatchNorm2d] * 4
+    assert heads.box_head[5].out_features == 1024 and heads.box_predictor.cls_score.in_features
+    assert [type(b[1]) for b in heads.mask_head] == [nn.BatchNorm2d] * 4
+    model.train()
+    images, targets = sample()
+    losses = model(images, targets)
+    sum(losses.values()).backward()
+    assert all(torch.isfinite(v) for v in losses.values())
+
+
+@pytest.mark.slow
+def test_group_norm_body_and_heads_and_dropit_converts_them():
+    cfg = tiny_cfg(
+        norm="gn",
+        heads="v2",
+        head_norm="gn",
+        fpn_channels=32,
+        mask_head_channels=32,
+        dropit={"enabled": True, "strategy": "quant", "options": {"bits": 4}, "norm": True},
+    )
+    model, record = build_model(cfg)
+    norms = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    assert norms and not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert all(type(m).__name__ == "DropITGroupNorm" for m in norms)
+    assert model.backbone.body.bn1.num_groups == 32
+    converted = {layer.path for layer in record}
+    assert {"roi_heads.box_head.0.1", "roi_heads.mask_head.0.1"} <= converted
+    assert "backbone.fpn.inner_blocks.0.1" in converted
+    model.train()
+    images, targets = sample()
+    sum(model(images, targets).values()).backward()
+
+
+def test_group_norm_refuses_imagenet_weights_and_widths_it_cannot_split():
+    with pytest.raises(UsageError, match="model.pretrained_backbone: .*gn"):
+        build_model(tiny_cfg(norm="gn", pretrained_backbone=True))
+    with pytest.raises(UsageError, match="48 channels do not split into 32 groups"):
+        build_model(tiny_cfg(heads="v2", head_norm="gn", fpn_channels=48))
+
+
+def test_sync_bn_comes_before_dropit_so_the_synchronised_norms_are_dropits():
+    from dropit_core.norm import DropITSyncBatchNorm
+
+    dropit = {"enabled": True, "strategy": "quant", "options": {"bits": 4}, "norm": True}
+    model, record = build_model(tiny_cfg(heads="v2", dropit=dropit), sync_bn=True)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert norms and all(type(m) is DropITSyncBatchNorm for m in norms)
+    assert sum(1 for layer in record if layer.kind == "SyncBatchNorm") == len(norms)
