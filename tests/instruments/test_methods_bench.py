@@ -418,6 +418,7 @@ OTHER_BLOCKS = {
     "methods-bench-bf16": "methods_bench_bf16.json",
     "methods-bench-scratch": "methods_bench_scratch.json",
     "methods-bench-speed": "methods_bench_speed.json",
+    "methods-bench-v2": "methods_bench_v2.json",
 }
 
 
