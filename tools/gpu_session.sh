@@ -55,6 +55,9 @@ stage tests_kernels "$tier" python3 -m pytest -rs -p no:cacheprovider -n 6 \
 wait
 grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"$summary" 2>/dev/null
 
+# 1b. The host's cost of one launch: an aten op, a bare Triton launch, each DropIT wrapper.
+stage probe_launch 90 python3 tools/gpu_probe.py --what launch
+
 # 2. The GPU table (make bench-gpu, smaller), alone on the GPU.
 settings="baseline baseline_torchvision_bn baseline_torchvision_fpn quant_4bit quant_2bit"
 settings="$settings mink_0.8 threshold_0.8 checkpoint_stages checkpoint_stages_quant_4bit"
@@ -82,8 +85,13 @@ stage ops $(($(left) - 60)) python3 tools/bench.py --ops --device cuda
 # with the toolkit's FPN and torchvision's, and the Python a quant step spends.
 stage probe_memory $(($(left) - 30)) python3 tools/gpu_probe.py --images 8 --what memory \
   --settings baseline baseline_torchvision_fpn quant_4bit
-stage probe_python $(($(left) - 5)) python3 tools/gpu_probe.py --images 2 --what python \
+stage probe_python $(($(left) - 90)) python3 tools/gpu_probe.py --images 2 --what python \
   --settings quant_4bit --top 40
+# 6. torchvision's v2 heads (a BatchNorm after every FPN and head conv) on the COCO recipe's body.
+stage bench_v2_gpu $(($(left) - 5)) python3 tools/bench.py --gpu-table --heads v2 \
+  --device cuda --amp fp16 --image-size 800 --images 4 --repeats 5 --draws 1 \
+  --batch-limit 0 --quiet-machine --settings baseline quant_4bit quant_4bit_all \
+  checkpoint_stages --json "$OUT/bench_v2_gpu.json"
 echo "done in $(($(date +%s) - start)) s" >>"$summary"
 if compgen -G "$OUT/*.log" >/dev/null; then (cd "$OUT" && tar czf logs.tgz ./*.log && rm ./*.log); fi
 cat "$summary"

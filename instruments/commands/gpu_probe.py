@@ -5,7 +5,8 @@
 For each setting and batch (the bench's R50-FPN Mask R-CNN, AMP fp16, 800 px; --scratch: with
 BatchNorm, every stage trainable): the allocations alive at the step's CUDA peak (--what
 memory), host against kernel time and the ops with the most host time (time), or the Python
-functions with the most time of their own (python). Needs CUDA; prints text
+functions with the most time of their own (python); or, once, the host's cost of a launch:
+an aten op, a bare Triton launch and each DropIT wrapper (launch). Needs CUDA; prints text
 (instruments/measure/gpu_probe.py; docs/gpu.md says what a run of it showed on an H200).
 """
 
@@ -34,6 +35,11 @@ from rcnn_dropit.errors import UsageError
 def _probe(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise UsageError("gpu_probe needs a CUDA device; none is available here")
+    if args.what == "launch":
+        print("host microseconds per call, fastest of 5 rounds of 2000 (not synchronised)")
+        for row in probe.launch_costs("cuda"):
+            print(f"  {row['host_us']:8.2f}  {row['call']}")
+        return
     base = recipe_config(args.scratch, 800)
     for setting in plan_settings(args.plan, args.settings):
         model = detector(setting_config(base, setting)).cuda().train()
@@ -63,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--scratch", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="lines per list")
-    parser.add_argument("--what", choices=["both", "memory", "time", "python"], default="both")
+    parser.add_argument(
+        "--what", choices=["both", "memory", "time", "python", "launch"], default="both"
+    )
     args = parser.parse_args(argv)
     return run_cli(lambda: _probe(args))

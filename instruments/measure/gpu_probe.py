@@ -5,6 +5,8 @@ its kernel time waits on the host), the ops with the most host time (torch.profi
 Python functions with the most time of their own (cProfile), and the allocations alive at the
 step's CUDA peak (the caching allocator's trace), summed by the frame of our code or
 torchvision's that asked for them, with whether the peak falls in the forward or backward.
+And the host's cost of one launch: an aten op's, a bare Triton launch's and each DropIT
+wrapper's, on a tiny tensor (:func:`launch_costs`).
 """
 
 from __future__ import annotations
@@ -126,3 +128,55 @@ def python_time(model, batch, top: int) -> None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
         print(out.getvalue()[-12000:])
+
+
+def launch_costs(
+    device: str = "cuda", reps: int = 2000, rounds: int = 5, n: int = 4096
+) -> list[dict[str, float | str]]:
+    """Host microseconds per call, on an ``n``-element fp16 tensor (fp32 off CUDA): an aten op
+    (``torch.relu``, one kernel), a bare Triton launch (the ReLU kernel, grid and arguments
+    ready), and the DropIT wrappers (the masked ReLU, quant 4-bit pack and rebuild, the pack
+    with zero and sign flags), each the fastest of ``rounds`` rounds of ``reps`` calls. The
+    calls are not synchronised: on a GPU that is the host's time to launch, while the tiny
+    kernels keep up. Separates Triton's launcher from our Python in a step that waits on the
+    host (docs/gpu.md)."""
+    from dropit_core.kernels import quant as kq
+    from dropit_core.kernels import relu as kr
+
+    dev = torch.device(device)
+    dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    x = torch.randn(n, device=dev, dtype=dtype)
+    out = torch.empty_like(x)
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev)
+    packed = kq.quant_pack(x, 4, 256, 1)
+    grid = (-(-n // kr.RELU_BLOCK),)
+    keep_neg_zero = dev.type != "cuda"
+    calls: dict[str, Callable[[], object]] = {
+        "torch.relu (aten, one kernel)": lambda: torch.relu(x),
+        "Triton launch alone (ReLU kernel)": lambda: kr._relu_mask_kernel[grid](
+            x, out, bits, n, BLOCK=kr.RELU_BLOCK, KEEP_NEG_ZERO=keep_neg_zero
+        ),
+        "relu_mask (wrapper + launch)": lambda: kr.relu_mask(x),
+        "quant_pack 4-bit": lambda: kq.quant_pack(x, 4, 256, 1),
+        "quant_rebuild 4-bit": lambda: kq.quant_rebuild(*packed, n, 4, 256, dtype),
+        "quant_pack_signed 4-bit": lambda: kq.quant_pack_signed(x, 4, 256, 1),
+    }
+    rows = []
+    for name, call in calls.items():
+        for _ in range(min(reps, 20)):  # compiles the specialisation, warms the caches
+            call()
+        _sync(dev)
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                call()
+            best = min(best, time.perf_counter() - t0)
+            _sync(dev)
+        rows.append({"call": name, "host_us": round(best / reps * 1e6, 2)})
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

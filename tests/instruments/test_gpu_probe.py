@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from instruments.commands.gpu_probe import main as probe_main
-from instruments.measure.gpu_probe import frame_of, live_at_peak
+from instruments.measure.gpu_probe import frame_of, launch_costs, live_at_peak
 
 TV = {"filename": "/site/torchvision/ops/feature_pyramid_network.py", "line": 194, "name": "fwd"}
 OURS = {"filename": "/work/main/dropit_core/ops.py", "line": 200, "name": "conv"}
@@ -50,3 +50,17 @@ def test_the_probe_without_cuda_says_so_in_one_line(capsys) -> None:
         pytest.skip("on a GPU machine the probe runs (docs/gpu.md)")
     assert probe_main(["--settings", "baseline", "--what", "memory"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_launch_costs_time_each_call_on_the_kernel_path() -> None:
+    # Without a GPU the kernels run under the interpreter (tests/conftest.py): a few calls only.
+    pytest.importorskip("triton")
+    from tests.core.kernel_env import DEVICE, NEEDS_KERNELS
+
+    if NEEDS_KERNELS.args[0]:  # no GPU and no interpreter
+        pytest.skip(NEEDS_KERNELS.kwargs["reason"])
+    rows = launch_costs(DEVICE.type, reps=2, rounds=1, n=512)
+    assert [r["call"].split(" ")[0] for r in rows] == [
+        "torch.relu", "Triton", "relu_mask", "quant_pack", "quant_rebuild", "quant_pack_signed",
+    ]  # fmt: skip
+    assert all(r["host_us"] > 0 for r in rows)
