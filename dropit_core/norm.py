@@ -52,11 +52,11 @@ class _BatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, cache):
         ctx.eps, ctx.update, ctx.channels = eps, running_mean is not None, x.shape[1]
         if ctx.update:  # the op F.batch_norm dispatches to (cuDNN's on CUDA), stats updated
-            out, mean, invstd, reserve = torch.ops.aten._batch_norm_with_update(
+            out, mean, invstd, reserve = torch.ops.aten._batch_norm_with_update.default(
                 x, weight, bias, running_mean, running_var, momentum, eps
             )
         else:  # no running statistics (track_running_stats=False)
-            out, mean, invstd = torch.ops.aten.native_batch_norm(
+            out, mean, invstd = torch.ops.aten.native_batch_norm.default(
                 x, weight, bias, None, None, True, momentum, eps
             )
             reserve = None
@@ -69,14 +69,14 @@ class _BatchNormFunction(torch.autograd.Function):
         need = list(ctx.needs_input_grad[:3])
         grad = grad.contiguous()
         if not ctx.update:
-            gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            gx, gw, gb = torch.ops.aten.native_batch_norm_backward.default(
                 grad, x_hat, weight, None, None, mean, invstd, True, ctx.eps, need
             )
             return gx, gw, gb, None, None, None, None, None
         if weight is None:  # the op wants a weight even without affine parameters
             weight = torch.ones(ctx.channels, device=grad.device, dtype=torch.float32)
             need[1] = need[2] = False
-        gx, gw, gb = torch.ops.aten.batch_norm_backward(
+        gx, gw, gb = torch.ops.aten.batch_norm_backward.default(
             grad, x_hat, weight, None, None, mean, invstd, True, ctx.eps, need, reserve
         )
         return gx, gw, gb, None, None, None, None, None
@@ -89,7 +89,9 @@ class _GroupNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, groups, eps, cache):
         n, c = x.shape[:2]
         hw = x[0, 0].numel() if n and c else 0
-        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, hw, groups, eps)
+        out, mean, rstd = torch.ops.aten.native_group_norm.default(
+            x, weight, bias, n, c, hw, groups, eps
+        )
         ctx.dims = (n, c, hw, groups)
         _save_pack(ctx, cache, x, weight, mean, rstd)
         return out
@@ -100,7 +102,7 @@ class _GroupNormFunction(torch.autograd.Function):
         need = list(ctx.needs_input_grad[:3])
         if weight is None:
             need[1] = need[2] = False
-        gx, gw, gb = torch.ops.aten.native_group_norm_backward(
+        gx, gw, gb = torch.ops.aten.native_group_norm_backward.default(
             grad.contiguous(), x_hat, mean, rstd, weight, *ctx.dims, need
         )
         return gx, gw, gb, None, None, None

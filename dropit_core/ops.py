@@ -19,7 +19,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from . import dispatch
 from .base import Packed, Strategy
 from .packing import pack_bits, zero_flagged
-from .seeds import mix_seed
+from .seeds import mix_state
 
 
 class InputCache:
@@ -45,6 +45,7 @@ class InputCache:
         self.step = 0
         self.rank = 0
         self.position = 0
+        self._prefix = mix_state(0, self.rank, self.stream, self.step)
         self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.dropped: torch.Tensor | None = None
@@ -55,11 +56,13 @@ class InputCache:
         Packs of earlier steps are forgotten: a tensor fed again (a fixed input) packs afresh.
         """
         self.step, self.rank, self.position = step, rank, 0
+        self._prefix = mix_state(0, rank, self.stream, step)
         self._packs = WeakTensorKeyDictionary()
 
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""
-        key = mix_seed(self.rank, self.stream, self.step, self.position)
+        # mix_seed(rank, stream, step, position), its first three parts folded in set_step
+        key = mix_state(self._prefix, self.position) >> 2
         self.position += 1
         return key
 
@@ -130,7 +133,8 @@ class InputCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["strategy"], state["stream"])
-        self.step, self.rank, self.position = state["step"], state["rank"], state["position"]
+        self.set_step(state["step"], state["rank"])
+        self.position = state["position"]
 
 
 class ConvArgs(NamedTuple):
@@ -197,7 +201,7 @@ class DropITConvFunction(torch.autograd.Function):
         ctx.args = args
 
         def conv(used: torch.Tensor) -> torch.Tensor:
-            return torch.ops.aten.convolution(used, weight, bias, *args)
+            return torch.convolution(used, weight, bias, *args)
 
         return _forward_and_save(ctx, conv, x, dtype, weight, cache, "conv")
 
@@ -211,7 +215,7 @@ class DropITConvFunction(torch.autograd.Function):
             x_hat = _zeros_like_shape(grad, ctx.x_shape)
         args = ctx.args
         out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
-        gx, gw, gb = torch.ops.aten.convolution_backward(
+        gx, gw, gb = torch.ops.aten.convolution_backward.default(
             grad.contiguous(),  # a no-op when it already is
             x_hat,
             weight,

@@ -23,7 +23,7 @@ def _window_origin(out_size: int, stride: int, padding: int, device: torch.devic
 class _MaxPoolFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode):
-        out, index = torch.ops.aten.max_pool2d_with_indices(
+        out, index = torch.ops.aten.max_pool2d_with_indices.default(
             x, kernel, stride, padding, dilation, ceil_mode
         )
         width = x.shape[-1]
@@ -51,7 +51,7 @@ class _MaxPoolFunction(torch.autograd.Function):
         index = (rows + kh * dilation[0]) * width + (cols + kw * dilation[1])
         # the backward reads only the input's shape (and dtype): a zero-stride stand-in
         shape_of_x = grad.new_zeros((), dtype=ctx.x_dtype).expand(ctx.x_shape)
-        gx = torch.ops.aten.max_pool2d_with_indices_backward(
+        gx = torch.ops.aten.max_pool2d_with_indices_backward.default(
             grad.contiguous(), shape_of_x, kernel, stride, padding, dilation, ceil_mode, index
         )
         return gx, None, None, None, None, None

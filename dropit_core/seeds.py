@@ -31,10 +31,16 @@ def mix_seed(*parts: int) -> int:
     Below 2**62 so that a slice offset (a few billion at most) can be added and the sum still
     fits ``torch.Generator.manual_seed``.
     """
-    h = 0
+    return mix_state(0, *parts) >> 2
+
+
+def mix_state(state: int, *parts: int) -> int:
+    """The 64-bit state :func:`mix_seed` folds its parts into, from ``state`` on:
+    ``mix_seed(a, b, c) == mix_state(mix_state(0, a, b), c) >> 2``. A caller that mixes many
+    seeds with one prefix folds the prefix once (every layer's pack, every step: host time)."""
     for part in parts:
-        h = _splitmix64(h ^ (part & _MASK64))
-    return h >> 2
+        state = _splitmix64(state ^ (part & _MASK64))
+    return state
 
 
 # The 32-bit mixer: two xorshift-multiply rounds (hash-prospector's best two-round constants).

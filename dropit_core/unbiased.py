@@ -41,7 +41,7 @@ from .packing import (
     unpack_codes,
 )
 from .registry import Option
-from .seeds import UNIFORM_BITS, hash_bits, hash_key, hash_uniform, mix_seed
+from .seeds import UNIFORM_BITS, hash_bits, hash_key, hash_uniform, mix_seed, mix_state
 from .select import sample_size, sample_stride, tiny
 
 
@@ -174,6 +174,7 @@ class Quant(Strategy):
         self.seed = seed
         self._levels = (1 << bits) - 1
         self._inv_levels = inv_levels(bits)
+        self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
 
     def slice_len(self) -> int:
         """Elements per slice: whole groups and whole code bytes."""
@@ -190,7 +191,7 @@ class Quant(Strategy):
     def _pack_as(self, x: torch.Tensor, key: int, dtype: torch.dtype) -> Packed:
         """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower)."""
         flat = x.reshape(-1)
-        seed = mix_seed(self.seed, key)
+        seed = mix_state(self._seed_state, key) >> 2
         cast = None if dtype == flat.dtype else dtype
         if dispatch.use_kernels(flat) and quant_kernels_take(self.bits, self.group):
             from .kernels.quant import quant_pack
@@ -364,7 +365,7 @@ class Quant(Strategy):
         if self._signed_kernels(flat):
             from .kernels.quant import quant_pack_signed
 
-            seed = mix_seed(self.seed, key)
+            seed = mix_state(self._seed_state, key) >> 2
             codes, mins, scales, zero, negative = quant_pack_signed(
                 flat, self.bits, self.group, seed
             )

@@ -220,3 +220,27 @@ def test_set_step_on_a_plain_model_does_nothing() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     set_step(model, 3)
     assert not hasattr(model[0], "dropit_cache")
+
+
+def test_a_caches_keys_are_mix_seed_of_rank_stream_step_and_position() -> None:
+    # The prefix (rank, stream, step) is folded once per step; the keys stay mix_seed's, also
+    # after a copy (a checkpointed model) and for the quant packs' seeds.
+    import pickle
+
+    from dropit_core import build_strategy
+    from dropit_core.ops import InputCache
+    from dropit_core.seeds import mix_seed, mix_state
+
+    assert mix_state(mix_state(0, 3, 4), 5) >> 2 == mix_seed(3, 4, 5)
+    cache = InputCache(build_strategy("quant", 0.8), stream=7)
+    assert [cache.next_key() for _ in range(2)] == [mix_seed(0, 7, 0, p) for p in range(2)]
+    cache.set_step(11, rank=2)
+    assert [cache.next_key() for _ in range(3)] == [mix_seed(2, 7, 11, p) for p in range(3)]
+    copy = pickle.loads(pickle.dumps(cache))
+    assert copy.next_key() == cache.next_key() == mix_seed(2, 7, 11, 3)
+    quant = build_strategy("quant", 0.8, seed=99)
+    x = torch.randn(1000)
+    codes, mins, scales = quant._pack_eager(x, mix_seed(99, 5), None)
+    packed = quant.pack(x, "linear", 5)
+    assert torch.equal(packed.values, codes) and torch.equal(packed.mins, mins)
+    assert torch.equal(packed.scales, scales)
