@@ -83,6 +83,7 @@ def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts()
     "block, source",
     [
         ("bench-host-before", "bench_host_cpu_before"),
+        ("bench-host-e941dbe", "bench_host_cpu_e941dbe"),
         ("bench-host", "bench_host_cpu"),
         ("bench-host-saved-before", "bench_host_cpu_saved_before"),
     ],
