@@ -149,13 +149,9 @@ def launch_costs(
     out = torch.empty_like(x)
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev)
     packed = kq.quant_pack(x, 4, 256, 1)
-    grid = (-(-n // kr.RELU_BLOCK),)
-    keep_neg_zero = dev.type != "cuda"
     calls: dict[str, Callable[[], object]] = {
         "torch.relu (aten, one kernel)": lambda: torch.relu(x),
-        "Triton launch alone (ReLU kernel)": lambda: kr._relu_mask_kernel[grid](
-            x, out, bits, n, BLOCK=kr.RELU_BLOCK, KEEP_NEG_ZERO=keep_neg_zero
-        ),
+        "Triton launch alone (ReLU kernel)": lambda: kr.relu_mask_launch(x, out, bits),
         "relu_mask (wrapper + launch)": lambda: kr.relu_mask(x),
         "quant_pack 4-bit": lambda: kq.quant_pack(x, 4, 256, 1),
         "quant_rebuild 4-bit": lambda: kq.quant_rebuild(*packed, n, 4, 256, dtype),
