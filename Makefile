@@ -21,8 +21,8 @@ demo: setup
 	$(PY) tools/infer.py --run outputs/maskrcnn_shapes_quant4 --val 4
 
 # Every tier (CI). test-fast: the inner loop, without the tests marked slow (training runs,
-# fresh interpreters, multi-process jobs, tiny benches of a whole model): 78 s on 2 quiet cores
-# with these marks (`time pytest -m "not slow"`, 2026-11-25, the study paused).
+# fresh interpreters, multi-process jobs, tiny benches of a whole model): 80 s on 2 quiet cores
+# with these marks (`time pytest -m "not slow"`, 2026-11-26, the study paused).
 test: setup
 	$(PY) -m pytest
 

@@ -49,6 +49,7 @@ def test_the_setting_guide_names_every_strategy() -> None:
         assert f"`{name}`" in section, name
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_python_m_dropit_core_prints_the_tables() -> None:
     out = subprocess.run(  # from the repository root: this checkout's dropit_core
         [sys.executable, "-m", "dropit_core"],

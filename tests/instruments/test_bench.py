@@ -329,6 +329,7 @@ def test_step_time_comparison_of_widths(tiny_shapes, monkeypatch):
     assert rows[0]["overrides"] == list(TORCHVISION_WIDTHS) and rows[1]["images"] == 2
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_bench_tool_says_when_cuda_is_missing() -> None:
     import subprocess
     import sys

@@ -15,6 +15,7 @@ def setup(tiny_shapes):
     return cfg, training_batches(cfg, 2)
 
 
+@pytest.mark.slow  # a whole model's gradients, four times
 def test_group_fidelity_is_exact_at_gamma_0_and_bent_at_0_8(setup) -> None:
     cfg, batches = setup
     result = group_fidelity(

@@ -145,6 +145,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # two processes
 def test_two_process_gloo_matches_single_process(tmp_path):
     context = mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False)
     deadline = time.monotonic() + 120
