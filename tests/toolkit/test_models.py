@@ -494,3 +494,14 @@ def test_sync_bn_comes_before_dropit_so_the_synchronised_norms_are_dropits():
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     assert norms and all(type(m) is DropITSyncBatchNorm for m in norms)
     assert sum(1 for layer in record if layer.kind == "SyncBatchNorm") == len(norms)
+
+
+def test_sync_bn_applies_where_a_batch_norm_trains():
+    from rcnn_dropit.models.build import trainable_batch_norm
+
+    def trains(**model):
+        return trainable_batch_norm(tiny_cfg(**model).model)
+
+    assert trains(norm="bn") and trains(norm="frozen_bn", heads="v2")
+    assert not trains(norm="frozen_bn") and not trains(norm="gn")
+    assert not trains(norm="frozen_bn", heads="v2", head_norm="gn")
