@@ -382,11 +382,11 @@ class Quant(Strategy):
         shape, dtype = packed.meta
         n = math.prod(shape)
         if self._signed_kernels(packed.values):
-            from .kernels.quant import quant_rebuild_signed
+            from .kernels.quant import quant_rebuild
 
-            return quant_rebuild_signed(
-                packed.values, packed.mins, packed.scales, zero, negative,
-                n, self.bits, self.group, dtype,
+            return quant_rebuild(
+                packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
+                signs=(zero, negative),
             ).view(shape)  # fmt: skip
         values = self._unpack(packed).reshape(-1)
         magnitude = values.abs().clamp_min_(tiny(values.dtype))

@@ -22,6 +22,7 @@ PACK_BLOCK = 2048  # elements per program (whole groups: at least one group)
 REBUILD_BLOCK = 2048
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 TINY = torch.finfo(torch.float32).tiny
+_TINY = {dtype: torch.finfo(dtype).tiny for dtype in FLOATS}  # looked up per rebuild
 
 assert UNIFORM_BITS <= 24  # the draws are exact in fp32
 
@@ -235,63 +236,34 @@ def quant_rebuild(
     group: int,
     dtype: torch.dtype,
     block: int = REBUILD_BLOCK,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The flat ``dtype`` tensor of n values a quant pack rebuilds to, one launch.
 
     Bytes per element: reads ``bits / 8`` of codes and ``8 / group`` of minima and steps,
-    writes the output once (2 or 4).
+    writes the output once (2 or 4). ``signs``: the (zero, negative) flag bytes of
+    :func:`quant_pack_signed`, restored in the same launch: flagged zeros are +0.0, every other
+    value has at least the magnitude of ``dtype``'s smallest normal and the flagged sign
+    (reference: ``Quant.unpack_signed``' eager path).
     """
-    return _launch_rebuild(codes, mins, scales, None, n, bits, group, dtype, block)
-
-
-def quant_rebuild_signed(
-    codes: torch.Tensor,
-    mins: torch.Tensor,
-    scales: torch.Tensor,
-    zero: torch.Tensor,
-    negative: torch.Tensor,
-    n: int,
-    bits: int,
-    group: int,
-    dtype: torch.dtype,
-    block: int = REBUILD_BLOCK,
-) -> torch.Tensor:
-    """:func:`quant_rebuild` of a :func:`quant_pack_signed` pack with the original's zeros and
-    signs, in one launch: flagged zeros are +0.0, every other value has at least the magnitude
-    of ``dtype``'s smallest normal and the flagged sign (reference:
-    ``dropit_core.saved.CompressSaved``' eager unpack)."""
-    if zero.dtype != torch.uint8 or negative.dtype != torch.uint8:
-        raise ValueError("quant_rebuild_signed takes uint8 flag bytes")
-    if zero.numel() != (n + 7) // 8 or negative.numel() != (n + 7) // 8:
-        raise ValueError(f"quant_rebuild_signed: the flags do not hold {n} values")
-    return _launch_rebuild(codes, mins, scales, (zero, negative), n, bits, group, dtype, block)
-
-
-def _launch_rebuild(
-    codes: torch.Tensor,
-    mins: torch.Tensor,
-    scales: torch.Tensor,
-    flags: tuple[torch.Tensor, torch.Tensor] | None,
-    n: int,
-    bits: int,
-    group: int,
-    dtype: torch.dtype,
-    block: int,
-) -> torch.Tensor:
     if codes.dtype != torch.uint8 or mins.dtype != torch.float32 or dtype not in FLOATS:
         raise ValueError("quant_rebuild takes uint8 codes, fp32 minima and steps, a float dtype")
     if codes.numel() != (n * bits + 7) // 8 or mins.numel() != -(-n // group):
         raise ValueError(f"quant_rebuild: the pack does not hold {n} values of group {group}")
+    if signs is not None and any(
+        f.dtype != torch.uint8 or f.numel() != (n + 7) // 8 for f in signs
+    ):
+        raise ValueError(f"quant_rebuild: signs must be two uint8 tensors of {n} flags")
     out = torch.empty(n, dtype=dtype, device=codes.device)
     if n == 0:
         return out
     width, rows = tile(group, block)
     grid = (cdiv(mins.numel(), rows),)
     bf16 = dtype == torch.bfloat16
-    zero, negative = (codes, codes) if flags is None else flags  # unread without flags
+    zero, negative = (codes, codes) if signs is None else signs  # unread without flags
     _quant_rebuild_kernel[grid](
         codes, mins, scales, zero, negative, out.view(torch.int16) if bf16 else out, n,
         mins.numel(), GROUP=group, WIDTH=width, ROWS=rows, BITS=bits, BF16=bf16,
-        SIGNS=flags is not None, TINY_OUT=torch.finfo(dtype).tiny, enable_fp_fusion=False,
+        SIGNS=signs is not None, TINY_OUT=_TINY[dtype], enable_fp_fusion=False,
     )  # fmt: skip
     return out
