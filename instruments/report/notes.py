@@ -31,6 +31,11 @@ gain TARGET FAMILY A B     AP gained from iteration A to B, mean over seeds    `
                            with its 95% interval (each seed against itself)
 gainseeds TARGET FAMILY    the per-seed gain from iteration A to B             ``+0.5, +1.7, -0.2``
   A B
+converged TARGET FAMILY    whether the gain from A to B is below the study's   ``not shown``
+  A B                      convergence bound, read from its interval
+state TARGET FAMILY        the verdict table's state of the paired Δ           ``inconclusive``
+meets TARGET FAMILY        whether the paired interval's lower end is at or    ``misses``
+                           above minus the verdict's tolerance (AP kept)
 vs TARGET OTHER FAMILY     paired Δ of TARGET against OTHER (any two)          ``-1.1``
 saved TARGET               saved activations / the baseline's, mean per seed   ``0.55x``
 n TARGET                   seeds paired with the baseline                      ``3``
@@ -66,6 +71,12 @@ from instruments.report.seeded import (
     paired_text,
     saved_ratio,
     seed_diffs,
+)
+from instruments.report.verdict import (
+    CONVERGED_GAIN,
+    ONE_SEED,
+    family_state,
+    rules_out_loss,
 )
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.report.paired import PairedDiff, paired_diff, spread, t95
@@ -343,6 +354,30 @@ def _gainseeds(sources: Sources, target: str, word: str, start: str, end: str) -
     return ", ".join(f"{late[s] - early[s]:+.1f}" for s in sorted(late) if s in early)
 
 
+def _converged(sources: Sources, target: str, word: str, start: str, end: str) -> str:
+    """The convergence criterion read from the gain's interval: "converged" when its upper end
+    is below the bound, "not converged" when its lower end is at or above it, else "not shown"
+    (the seeds hold gains on both sides of the bound)."""
+    d = _gains(sources, target, word, start, end)
+    if d.low is None or d.high is None:
+        return f"not shown ({ONE_SEED})"
+    if d.high < CONVERGED_GAIN:
+        return "converged"
+    return "not converged" if d.low >= CONVERGED_GAIN else "not shown"
+
+
+def _state(sources: Sources, target: str, word: str) -> str:
+    return family_state(_paired(sources, target, word))
+
+
+def _meets(sources: Sources, target: str, word: str) -> str:
+    """The study's target: AP kept when the interval rules out a loss beyond the tolerance."""
+    state = _state(sources, target, word)
+    if state == ONE_SEED:
+        return f"cannot say ({ONE_SEED})"
+    return "meets" if rules_out_loss(state) else "misses"
+
+
 def _vs(sources: Sources, target: str, other: str, word: str) -> str:
     t, o = _target(target, sources.found), _target(other, sources.found)
     d = paired(_runs(sources.found, t), _runs(sources.found, o), _family(word))
@@ -475,6 +510,9 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "apat": (_apat, ("TARGET", "FAMILY", "ITER")),
     "gain": (_gain, ("TARGET", "FAMILY", "A", "B")),
     "gainseeds": (_gainseeds, ("TARGET", "FAMILY", "A", "B")),
+    "converged": (_converged, ("TARGET", "FAMILY", "A", "B")),
+    "state": (_state, ("TARGET", "FAMILY")),
+    "meets": (_meets, ("TARGET", "FAMILY")),
     "vs": (_vs, ("TARGET", "OTHER", "FAMILY")),
     "saved": (_saved, ("TARGET",)),
     "n": (_n, ("TARGET",)),

@@ -20,6 +20,8 @@ from instruments.report.seeded import Found, Seeds, baseline_of, paired, paired_
 from rcnn_dropit.report.paired import PairedDiff
 
 TOLERANCE = 1.0  # AP points: "keeps AP" means the interval lies within this of the baseline
+# AP points: a schedule has converged when its last quarter gains less than this
+CONVERGED_GAIN = 0.5
 KEEPS, LOSES, GAINS, INCONCLUSIVE = "keeps", "loses", "gains", "inconclusive"
 ONE_SEED = "1 seed: no interval"
 NO_LOSS = f"{INCONCLUSIVE}, no loss beyond"  # + the tolerance

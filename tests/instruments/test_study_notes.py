@@ -83,7 +83,19 @@ FOUND = {
         },
         "baseline_2x": {1: run(83.0, 74.0, 10.0)},
         "mink_2x": {1: run(82.0, 73.0, 5.0), 2: run(81.0, 72.0, 5.0)},
-    }
+    },
+    # A longer schedule: box gains 0, +0.1, 0 from 100 to 200 (interval +0.0 [-0.1, +0.2]);
+    # 4-bit box Δ -0.5, -0.8, -0.2 (interval -0.5 [-1.2, +0.2]), mask Δ +0.2, 0, -0.2.
+    "long": {
+        "baseline": {
+            s: run(80.0 + s, 70.0, 10.0, {100: (80.0, 70.0), 200: (80.0 + g, 70.0)})
+            for s, g in ((1, 0.0), (2, 0.1), (3, 0.0))
+        },
+        "quant": {
+            s: run(80.0 + s + db, 70.0 + dm, 2.0, dropit=ALL_LAYERS)
+            for s, db, dm in ((1, -0.5, 0.2), (2, -0.8, 0.0), (3, -0.2, -0.2))
+        },
+    },
 }
 
 
@@ -135,6 +147,16 @@ def sources(tmp_path: Path) -> Sources:
         ("gain ft/baseline box 100 200", "+20.0 [-4.8, +44.8]"),
         ("gain ft/mink_s3 mask 100 200", "+10.0"),
         ("gainseeds ft/mink box 100 200", "+39.0, +25.0, +21.0"),
+        ("converged long/baseline box 100 200", "converged"),  # upper end +0.18 < 0.5
+        ("converged ft/mink box 100 200", "not converged"),  # 28.3 [+4.9, +51.8]: all >= 0.5
+        ("converged ft/baseline box 100 200", "not shown"),  # +20.0 [-4.8, +44.8] holds 0.5
+        ("converged ft/mink_s3 mask 100 200", "not shown (1 seed: no interval)"),
+        ("state ft/mink box", "inconclusive, below 0"),  # [-2.7, -0.3] crosses -1
+        ("state long/quant mask", "keeps"),
+        ("state ft/mink_s1 box", "1 seed: no interval"),
+        ("meets long/quant box", "misses"),  # the lower end -1.2 < -1
+        ("meets long/quant mask", "meets"),
+        ("meets ft/mink_s1 box", "cannot say (1 seed: no interval)"),
         ("vs ft/mink_2x_s1 ft/mink box", "+4.0"),  # seed 1 only: 82 - 78
         ("vs ft/mink_2x ft/mink box", "+2.5 [-16.6, +21.6]"),  # seeds 1 and 2: 4 and 1
         ("d ft/mink_2x box", "-1.0"),  # against baseline_2x (83), not the 1x baseline
@@ -168,7 +190,8 @@ def test_every_placeholder_renders_its_figure(
 def test_every_function_is_tested() -> None:
     tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow", "nabove", "dat"}
     tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench", "same", "dhalf"}
-    tested |= {"dlow", "dhigh", "seedlist", "apat", "gain", "gainseeds"}
+    tested |= {"dlow", "dhigh", "seedlist", "apat", "gain", "gainseeds", "converged", "state"}
+    tested |= {"meets"}
     assert set(FUNCTIONS) == tested
 
 
