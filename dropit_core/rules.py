@@ -1,7 +1,8 @@
 """Which layers get which DropIT setting: module-path patterns, per-group rules, and their checks.
 
 A rule is a dict with any of ``include``, ``exclude``, ``strategy``, ``gamma``, ``relu``,
-``norm``, ``pool`` and ``options``; a key it leaves out falls back to ``to_dropit``'s argument of
+``norm``, ``pool`` and ``options`` (which may hold ``relu``, ``norm`` and ``pool`` too, as a
+config's ``dropit.options`` does); a key it leaves out falls back to ``to_dropit``'s argument of
 the same name (the ``options`` dict as a whole), and ``to_dropit``'s own ``exclude`` applies to
 every rule. Without rules, ``to_dropit``'s arguments are the one rule. :func:`check_rules` validates
 rules without a model (configs call it on load); :func:`assign_layers` matches them against a
@@ -119,8 +120,14 @@ def check_rules(
         if not isinstance(rule_options, Mapping):
             raise ValueError(f"{label} options must be a dict, got {rule_options!r}")
         settings = (rule.get("strategy", strategy), rule.get("gamma", gamma))
-        rule_relu = rule.get("relu", relu)
-        rule_norm, rule_pool = rule.get("norm", norm), rule.get("pool", pool)
+        # relu, norm and pool may sit in options too, as in a config's dropit.options
+        rule_options = dict(rule_options)
+        flags = []
+        for name, fallback in (("relu", relu), ("norm", norm), ("pool", pool)):
+            if name in rule and name in rule_options:
+                raise ValueError(f"{label} gives {name} twice, as a key and in options: keep one")
+            flags.append(rule[name] if name in rule else rule_options.pop(name, fallback))
+        rule_relu, rule_norm, rule_pool = flags
         try:
             built = check_options(*settings, rule_relu, rule_norm, rule_pool, **rule_options)
         except ValueError as err:

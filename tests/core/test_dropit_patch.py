@@ -435,6 +435,10 @@ def test_a_rule_falls_back_to_the_call_for_what_it_leaves_out() -> None:
         to_dropit(_model(), include=["roi_heads.box_head"], rules=[{"gamma": 0.5}])
     )
     assert [r.path for r in record] == [p for p in HEADS if ".box_head." in p]
+    # relu in a rule's options is the rule's relu, as in a config's dropit.options
+    options = {"relu": False, "values": "int8"}
+    (rule,) = check_rules([{"include": ["roi_heads"], "options": options}])
+    assert rule.relu is False and rule.options == {"values": "int8"}
 
 
 @pytest.mark.parametrize(
@@ -484,6 +488,16 @@ def test_a_rule_falls_back_to_the_call_for_what_it_leaves_out() -> None:
         ([{"include": "backbone"}], {}, "DropIT rules\\[0\\] include must be a list of patterns"),
         ([{"include": ["backbone"], "options": [1]}], {}, "rules\\[0\\] options must be a dict"),
         ([{"include": ["backbone"], "relu": "no"}], {}, "rules\\[0\\]: DropIT option relu='no'"),
+        (
+            [{"include": ["backbone"], "relu": False, "options": {"relu": True}}],
+            {},
+            r"DropIT rules\[0\] gives relu twice, as a key and in options: keep one",
+        ),
+        (
+            [{"include": ["backbone"], "options": {"norm": True}}],
+            {},  # norm in options is the flag, checked as a rule key is: mink keeps too few
+            r"DropIT rules\[0\]: DropIT option norm=true packs normalisation inputs",
+        ),
         ({"include": ["backbone"]}, {}, "DropIT rules must be a list of rule dicts"),
         ([], {}, "DropIT rules is empty"),
         (["backbone"], {}, "DropIT rules\\[0\\] must be a dict"),
