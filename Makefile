@@ -104,8 +104,8 @@ bench-host: setup
 # 2 and 8 images, kernel launches and host syncs per step (torch.profiler), and the largest batch
 # each trains in BUDGET_MB (default 16000), searched up to BATCH_LIMIT images (meant to be above
 # what any setting reaches; a row at the limit says so). Writes docs/results/bench_gpu.json (with
-# the GPU's name and the torch, CUDA and triton versions) and its table into
-# docs/results/memory.md.
+# the GPU's name and the torch, CUDA and triton versions), its table into
+# docs/results/memory.md and its lines into docs/gpu.md.
 BUDGET_MB ?= 16000
 BATCH_LIMIT ?= 512
 GPU_METHODS := baseline baseline_torchvision_bn baseline_torchvision_fpn quant_4bit quant_2bit \
@@ -116,6 +116,8 @@ bench-gpu: setup
 		--batch-limit $(BATCH_LIMIT) --json docs/results/bench_gpu.json
 	$(PY) tools/bench.py --markdown docs/results/bench_gpu.json --into docs/results/memory.md \
 		--block bench-gpu
+	$(PY) tools/bench.py --markdown docs/results/bench_gpu.json --summary --into docs/gpu.md \
+		--block gpu-summary
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -125,8 +127,9 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# The accuracy study (configs/study/plan.yaml: two regimes, ~40 CPU runs, two at a time, about
-# 4 hours here) in the background; resumable: run it again to continue where it stopped.
+# The accuracy study (configs/study/plan.yaml: a pretraining run and five regimes, about 120 CPU
+# runs, two at a time; tens of hours here, docs/results/shapes.md's time account) in the
+# background; resumable: run it again to continue where it stopped.
 study: setup
 	mkdir -p outputs/study
 	nohup $(PY) tools/study.py --plan configs/study/plan.yaml --jobs 2 >> outputs/study/study.log 2>&1 &
