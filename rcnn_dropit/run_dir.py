@@ -2,7 +2,8 @@
 
 `outputs/<run>/`: config.yaml, metrics.jsonl, checkpoints/, eval.json, memory.json,
 coco_results_{bbox,segm}.json, log.txt (log.rank<N>.txt for other ranks' warnings and errors),
-TensorBoard event files with train.tensorboard.
+TensorBoard event files with train.tensorboard; during a run started with --overwrite, the run it
+replaces, in .replaced/.
 Its writing methods are called on every rank: rank 0 writes, and an error it meets there is
 raised on every rank (distributed.run_on_main).
 """
@@ -38,6 +39,7 @@ RUN_ARTIFACTS = (
     "log.txt",
 )
 _OTHER_ARTIFACTS = ("log.rank*.txt", "events.out.tfevents.*")  # other ranks' logs, TensorBoard
+REPLACED = ".replaced"  # the run --overwrite replaces, until the new one can stand alone
 log = logging.getLogger(LOGGER_NAME)
 
 
@@ -163,9 +165,16 @@ class RunDir:
         return self.root / f"coco_results_{iou_type}.json"
 
     # ---- the folder -------------------------------------------------------------------------
+    @property
+    def replaced(self) -> Path:
+        """Where --overwrite keeps the run it replaces until the new one can stand alone."""
+        return self.root / REPLACED
+
     def check(self, resume: str | None, overwrite: bool, clear: bool = True) -> None:
-        """Refuse to mix a new run into a used folder; --overwrite clears our own files first
-        (unless clear=False: check only, so nothing is lost if a later check fails)."""
+        """Refuse to mix a new run into a used folder; --overwrite sets our own files aside first
+        (unless clear=False: check only, so nothing is touched if a later check fails).
+
+        ``resume`` is what the run resumes from, None for a fresh start."""
         out = self.root
         if out.exists() and not out.is_dir():
             raise UsageError(f"output dir '{out}' exists and is not a folder")
@@ -177,17 +186,55 @@ class RunDir:
                 "--overwrite to replace it, or --output-dir to choose another folder"
             )
         if clear:
-            self.remove_artifacts()
+            self.set_aside()
+
+    def holds_a_run(self) -> bool:
+        """Whether the folder holds a finished run (eval.json) or checkpoint files: what a fresh
+        start must not replace unasked."""
+        ckpts = self.checkpoints
+        return (self.root / "eval.json").exists() or (ckpts.is_dir() and any(ckpts.iterdir()))
+
+    def _artifacts(self) -> list[Path]:
+        paths = [self.root / name for name in RUN_ARTIFACTS]
+        paths += [path for pattern in _OTHER_ARTIFACTS for path in self.root.glob(pattern)]
+        return [path for path in paths if path.exists()]
 
     def remove_artifacts(self) -> None:
         """Delete the files a run writes from the folder, nothing else."""
-        paths = [self.root / name for name in RUN_ARTIFACTS]
-        paths += [path for pattern in _OTHER_ARTIFACTS for path in self.root.glob(pattern)]
-        for path in paths:
+        for path in self._artifacts():
             if path.is_dir():
                 shutil.rmtree(path)
-            elif path.exists():
+            else:
                 path.unlink()
+
+    def set_aside(self) -> None:
+        """Move the run files into :attr:`replaced`, from where a new run that fails before it
+        can stand alone puts them back (:meth:`restore_replaced`). A folder that already has one
+        keeps it: it holds the run an earlier --overwrite set out to replace, and what is here
+        now is that attempt's."""
+        if self.replaced.exists():
+            self.remove_artifacts()
+            return
+        paths = self._artifacts()
+        if paths:
+            self.replaced.mkdir()
+            for path in paths:
+                path.rename(self.replaced / path.name)
+
+    def restore_replaced(self) -> bool:
+        """Put the replaced run back in place of this one's files; whether there was one."""
+        if not self.replaced.is_dir():
+            return False
+        self.remove_artifacts()
+        for path in self.replaced.iterdir():
+            path.rename(self.root / path.name)
+        self.replaced.rmdir()
+        return True
+
+    def drop_replaced(self) -> None:
+        """Delete the replaced run: the new one has a checkpoint or has finished."""
+        if self.replaced.is_dir():
+            shutil.rmtree(self.replaced)
 
     def create(self, config_yaml: str) -> None:
         """Make the folder and write config.yaml (rank 0; every rank calls it)."""

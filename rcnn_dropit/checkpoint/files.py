@@ -136,8 +136,10 @@ def find_last_checkpoint(ckpt_dir: Path | str) -> Path | None:
 
 def resolve_resume(resume: str | Path | None, ckpt_dir: Path | str) -> Path | None:
     """Checkpoint to resume from: None, 'auto' (last in ckpt_dir, if any) or an existing path."""
-    if resume is None or str(resume) == "":
+    if resume is None:
         return None
+    if str(resume).strip() == "":
+        raise UsageError("--resume: give 'auto' (the newest checkpoint) or a checkpoint's path")
     if str(resume) == "auto":
         return find_last_checkpoint(ckpt_dir)
     path = Path(resume)

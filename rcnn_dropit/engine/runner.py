@@ -149,29 +149,42 @@ def train(
     created = not run_dir.root.exists()
     run_dir.start_logging()
     try:
-        return _train(cfg, info, run_dir, resume, overwrite)
+        result = _train(cfg, info, run_dir, resume, overwrite)
     except Exception as err:
         log_error(err)
-        if isinstance(err, UsageError) and created:
-            main_only(lambda: discard_unfinished_run(run_dir))
+        usage = isinstance(err, UsageError)
+        main_only(lambda: settle_failed_run(run_dir, created, usage))
         raise
     finally:
         run_dir.stop_logging()
         cleanup()
+    main_only(run_dir.drop_replaced)
+    return result
 
 
-def discard_unfinished_run(run_dir: RunDir) -> None:
-    """Remove a run folder this invocation made if it holds no checkpoint yet.
-
-    A bad input found only once training runs (e.g. an unreadable image) then leaves no
-    half-made run directory behind.
-    """
+def settle_failed_run(run_dir: RunDir, created: bool, usage: bool) -> None:
+    """What a failed run leaves: nothing of itself, when a bad input (found only once training
+    runs, e.g. an unreadable image) stopped it before its first checkpoint, and the run an
+    --overwrite set out to replace put back; after a checkpoint, the new run, to resume. A bug
+    before the first checkpoint leaves its files (log.txt holds the traceback) and the replaced
+    run where it is, and says where."""
     out = run_dir.root
-    if not out.is_dir() or find_last_checkpoint(run_dir.checkpoints) is not None:
+    if not out.is_dir():
         return
-    run_dir.remove_artifacts()
-    if not any(out.iterdir()):
-        out.rmdir()
+    if find_last_checkpoint(run_dir.checkpoints) is not None:
+        run_dir.drop_replaced()
+        return
+    if not usage:
+        if run_dir.replaced.is_dir():
+            say(f"note: the run this one was to replace is kept in '{run_dir.replaced}'")
+        return
+    if run_dir.restore_replaced():
+        say(f"note: '{out}' holds the run it held before, untouched")
+        return
+    if created:
+        run_dir.remove_artifacts()
+        if not any(out.iterdir()):
+            out.rmdir()
 
 
 def _train(
@@ -182,10 +195,14 @@ def _train(
     scaler = make_scaler(cfg.solver.amp, info.device)
     if cfg.train.tensorboard:
         require_tensorboard()  # on every rank, before anything is built or written
-    run_on_main(lambda: run_dir.check(resume, overwrite, clear=False))
     ckpt_path = run_on_main(lambda: resolve_resume(resume, run_dir.checkpoints))
     if resume is not None and ckpt_path is None:
+        run_on_main(lambda: _fresh_start_allowed(run_dir, overwrite))
         say(f"note: no checkpoint in '{run_dir.checkpoints}'; starting from scratch")
+        # a fresh start over what a run stopped before its first checkpoint left (or, asked
+        # with --overwrite, over a whole run): its files are set aside like --overwrite's
+        resume, overwrite = None, True
+    run_on_main(lambda: run_dir.check(resume, overwrite, clear=False))
     run_on_main(lambda: ensure_dataset(cfg))
     parts = build(cfg, info, scaler, run_dir)
     start = parts.checkpointer.load(ckpt_path) if ckpt_path is not None else None
@@ -194,6 +211,17 @@ def _train(
     run_on_main(lambda: run_dir.check(resume, overwrite))  # --overwrite clears only now
     run_dir.create(config_yaml(cfg))
     return run(cfg, info, parts, run_dir, start, resumed=resume is not None)
+
+
+def _fresh_start_allowed(run_dir: RunDir, overwrite: bool) -> None:
+    """--resume auto found nothing to resume: starting over is right for a run stopped before its
+    first checkpoint, not over a finished run or checkpoint files that cannot be read."""
+    if run_dir.holds_a_run() and not overwrite:
+        raise UsageError(
+            f"--resume auto: output dir '{run_dir.root}' holds a run (eval.json or checkpoint "
+            f"files) but no readable checkpoint in '{run_dir.checkpoints}'; pass --overwrite to "
+            "replace it, or --output-dir to choose another folder"
+        )
 
 
 def build(cfg: Config, info: DistInfo, scaler, run_dir: RunDir) -> Parts:

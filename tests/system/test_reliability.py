@@ -311,8 +311,32 @@ def test_used_output_dir_is_never_overwritten(tmp_path, tiny_shapes, coco) -> No
     line = error_line(proc)
     assert f"output dir '{out}' is not empty" in line and "--overwrite" in line
     assert snapshot(out) == before
-    # --overwrite with a bad input: the old run must survive the rejected new one
+    # an empty --resume is refused (it once started a fresh run over this one)
+    proc = run_tool(
+        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--resume", "",
+        "--opts", *opts, cwd=tmp_path,
+    )  # fmt: skip
+    assert "--resume: give 'auto'" in error_line(proc)
+    assert snapshot(out) == before
+    # --resume auto over a run whose checkpoints cannot be read: refused, not started afresh
+    (out / "checkpoints/last_checkpoint").write_text("garbage")
+    before = snapshot(out)
+    proc = run_tool(
+        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--resume", "auto",
+        "--opts", *opts, cwd=tmp_path,
+    )  # fmt: skip
+    assert "holds a run (eval.json or checkpoint files) but no readable" in error_line(proc)
+    assert snapshot(out) == before
+    # --overwrite with a bad input: the old run must survive the rejected new one, whether the
+    # input is found bad before the folder is touched or only once training reads an image
     root, opts = coco
+    extra = _unreadable_images(root)
+    proc = run_tool(
+        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--overwrite",
+        "--opts", *opts, *extra, cwd=tmp_path,
+    )  # fmt: skip
+    assert ".png' cannot be read" in error_line(proc)
+    assert snapshot(out) == before
     _missing_ann(root)
     proc = run_tool(
         TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--overwrite",

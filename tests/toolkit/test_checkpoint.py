@@ -16,6 +16,7 @@ from rcnn_dropit.checkpoint.files import (
     resolve_resume,
     save_checkpoint,
 )
+from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models.weights import check_model_compat
 from rcnn_dropit.rng import capture_rng_state, restore_rng_state
 
@@ -190,6 +191,9 @@ def test_resolve_resume(tmp_path):
     assert resolve_resume(str(path), tmp_path / "elsewhere") == path
     with pytest.raises(FileNotFoundError, match="missing.pth"):
         resolve_resume(str(tmp_path / "missing.pth"), tmp_path)
+    # an empty --resume is neither: it once started a fresh run over a used folder
+    with pytest.raises(UsageError, match="--resume: give 'auto'"):
+        resolve_resume("", tmp_path)
 
 
 def test_rng_state_survives_a_checkpoint(tmp_path):

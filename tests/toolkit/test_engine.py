@@ -311,8 +311,39 @@ def test_used_output_dir_is_refused(tmp_path) -> None:
         RunDir(run).check(resume=None, overwrite=False)
     RunDir(run).check(resume="auto", overwrite=False)  # resuming is allowed
     RunDir(run).check(resume=None, overwrite=True)
-    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]  # only our files removed
+    # only our files set aside (until the new run can stand alone)
+    assert sorted(p.name for p in run.iterdir()) == [".replaced", "notes.txt"]
     RunDir(tmp_path / "new").check(resume=None, overwrite=False)
+
+
+def test_overwrite_replaces_the_old_run_once_the_new_one_finishes(tmp_path, tiny_shapes) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints/model_0000009.pth").write_bytes(b"old weights")
+    (run / "eval.json").write_text('{"old": true}')
+    (run / "notes.txt").write_text("mine")
+    opts = tiny_opts(tiny_shapes, "solver.max_iters=1")
+    train(MASK_CFG, opts, output_dir=run, overwrite=True)
+    assert not (run / ".replaced").exists()  # gone with the new run's success
+    assert "old" not in json.loads((run / "eval.json").read_text())
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "last_checkpoint",
+        "model_0000001.pth",
+    ]
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+def test_resume_auto_starts_over_a_run_stopped_before_its_first_checkpoint(
+    tmp_path, tiny_shapes
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.txt").write_text("preempted at iteration 3\n")
+    (run / "metrics.jsonl").write_text('{"type": "train", "iter": 3}\n')
+    train(MASK_CFG, tiny_opts(tiny_shapes, "solver.max_iters=1"), output_dir=run, resume="auto")
+    assert [r["iter"] for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"] == [1]
+    assert "preempted" not in (run / "log.txt").read_text()
+    assert not (run / ".replaced").exists()
 
 
 def test_train_refuses_used_output_dir(tmp_path, tiny_shapes) -> None:

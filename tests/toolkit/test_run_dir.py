@@ -33,17 +33,60 @@ def test_failed_atomic_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["eval.json"]
 
 
-def test_overwrite_removes_exactly_the_run_files(tmp_path):
-    run = RunDir(tmp_path / "run")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.json", "log.txt", "log.rank3.txt")
+
+
+def _old_run(root) -> RunDir:
+    run = RunDir(root)
     (run.checkpoints).mkdir(parents=True)
-    for name in ("config.yaml", "metrics.jsonl", "eval.json", "log.txt", "log.rank3.txt"):
-        (run.root / name).write_text("x")
-    (run.root / "events.out.tfevents.1.host").write_text("x")
+    (run.checkpoints / "model_0000004.pth").write_text("old weights")
+    for name in (*RUN_FILES, "events.out.tfevents.1.host"):
+        (run.root / name).write_text("old")
     (run.root / "notes.txt").write_text("mine")
+    return run
+
+
+def _files(root) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_sets_exactly_the_run_files_aside_and_puts_them_back(tmp_path):
+    run = _old_run(tmp_path / "run")
+    before = _files(run.root)
     with pytest.raises(ValueError, match="is not empty; pass --resume auto"):
         run.check(resume=None, overwrite=False)
     run.check(resume=None, overwrite=True)
-    assert [p.name for p in run.root.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in run.root.iterdir()) == [".replaced", "notes.txt"]
+    # a new run writes, then fails before it can stand alone: the old one comes back, whole
+    (run.root / "config.yaml").write_text("new")
+    (run.root / "log.txt").write_text("new")
+    assert run.restore_replaced()
+    assert _files(run.root) == before
+    assert not run.restore_replaced()  # nothing set aside any more
+
+
+def test_a_second_overwrite_keeps_the_run_the_first_set_out_to_replace(tmp_path):
+    run = _old_run(tmp_path / "run")
+    run.check(resume=None, overwrite=True)
+    (run.root / "log.txt").write_text("first attempt, crashed")
+    run.check(resume=None, overwrite=True)  # the first attempt's files go, the old run stays
+    assert not (run.root / "log.txt").exists()
+    assert (run.replaced / "log.txt").read_text() == "old"
+    run.drop_replaced()  # the new run stands alone
+    assert sorted(p.name for p in run.root.iterdir()) == ["notes.txt"]
+
+
+def test_a_folder_holds_a_run_with_its_evaluation_or_checkpoint_files(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    (run.root / "log.txt").write_text("stopped before its first checkpoint")
+    run.checkpoints.mkdir()
+    assert not run.holds_a_run()
+    (run.checkpoints / "last_checkpoint").write_text("garbage")
+    assert run.holds_a_run()
+    (run.checkpoints / "last_checkpoint").unlink()
+    (run.root / "eval.json").write_text("{}")
+    assert run.holds_a_run()
 
 
 def test_console_lines_and_warnings_reach_log_txt_once_the_folder_exists(tmp_path, capsys):
