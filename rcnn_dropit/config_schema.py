@@ -100,7 +100,7 @@ class ShapesConfig:
 
     num_train: int = _f(200, ge=1)
     num_val: int = _f(50, ge=1)
-    image_size: int = _f(128, ge=16)
+    image_size: int = _f(128, ge=32)  # the generator's smallest (data/shapes.py)
     num_classes: int = _f(3, ge=1)
     seed: int = 0
     first_class: int = _f(0, ge=0, le=5)  # classes are the shape names from this index on

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rcnn_dropit.cli import run_cli
 from rcnn_dropit.data import make_shapes
+from rcnn_dropit.errors import UsageError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def go() -> None:
+        root = Path(args.root)
+        if root.exists() and not root.is_dir():
+            raise UsageError(f"--root '{root}' exists and is not a folder")
+        if root.is_dir() and any(root.iterdir()):  # a set of other sizes would mix with it
+            raise UsageError(f"--root '{root}' is not empty; give a new or empty folder")
         make_shapes(
             args.root, args.num_train, args.num_val, args.image_size, args.num_classes, args.seed
         )

@@ -3,7 +3,8 @@
 import argparse
 import sys
 
-from rcnn_dropit.report import NoUsableRuns, build_report
+from rcnn_dropit.cli import run_cli
+from rcnn_dropit.report import build_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,18 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     out = None if args.out == "-" else args.out
-    try:
+
+    def go() -> None:
         markdown = build_report(
             args.run_dirs, baseline=args.baseline, out=out, group_seeds=args.group_seeds
         )
-    except NoUsableRuns as err:
-        print(f"report: {err}", file=sys.stderr)
-        return 2
-    if out is None:
-        sys.stdout.write(markdown)
-    else:
-        print(f"wrote {out}")
-    return 0
+        if out is None:
+            sys.stdout.write(markdown)
+        else:
+            print(f"wrote {out}")
+
+    return run_cli(go)
 
 
 if __name__ == "__main__":

@@ -43,20 +43,27 @@ def _load_all(
             return runs, found, skipped, "given with --baseline"
         try:
             base_run = load_run(baseline)
-        except RunNotUsable as err:
-            skipped.append((str(baseline), f"--baseline not usable: {err}"))
-            return runs, None, skipped, ""
+        except RunNotUsable as err:  # asked for by name: a report without it is not what was asked
+            raise NoUsableRuns(f"--baseline '{baseline}' is not usable: {err}") from None
         return [base_run, *runs], base_run, skipped, "given with --baseline"
     base_run = next((r for r in runs if not r.dropit_enabled), None)
     return runs, base_run, skipped, "first run with dropit.enabled false"
 
 
-def _baseline_line(base_row: Row | None, how: str, baseline_arg: object) -> str:
+def _check_out(out: Path) -> None:
+    """The report's file can be written: a bad --out is one message before any work."""
+    if out.is_dir():
+        raise UsageError(f"--out '{out}' is a folder; give the report's file name, e.g. report.md")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out '{out}': its folder cannot be made ({err.strerror or err})") from None
+
+
+def _baseline_line(base_row: Row | None, how: str) -> str:
     if base_row is not None:
         where = ", ".join(f"`{r.path}`" for r in base_row.runs)
         return f"Baseline: **{base_row.label}** ({where}), {how}. Deltas and ratios are against it."
-    if baseline_arg is not None:
-        return "No baseline: the run given with --baseline is not usable (see below), so no deltas."
     return (
         "No baseline: no run has dropit.enabled false and none was given with --baseline, "
         "so no deltas or ratios are shown."
@@ -111,7 +118,7 @@ def build_report(
     base_row = next((row for row in rows if any(r is base_run for r in row.runs)), None)
     out_path = Path(out) if out is not None else None
     if out_path is not None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
+        _check_out(out_path)
 
     counted = f"{len(runs)} runs" + (
         f" in {len(rows)} settings (seeds grouped)" if group_seeds else ""
@@ -121,7 +128,7 @@ def build_report(
         "",
         f"{counted}. AP is COCO AP x100; in parentheses the difference to the baseline as shown.",
         "",
-        _baseline_line(base_row, how, baseline),
+        _baseline_line(base_row, how),
         "",
     ]
     for family, title in (("bbox", "Box AP (bbox)"), ("segm", "Mask AP (segm)")):

@@ -196,6 +196,21 @@ def test_make_shapes_rejects_bad_args(tmp_path):
         make_shapes(tmp_path, 2, 2, 64, 1, 0, first_class=6)
 
 
+def test_make_shapes_command_refuses_a_used_root(tmp_path, capsys):
+    from rcnn_dropit.commands.make_shapes import main
+
+    small = ["--num-train", "2", "--num-val", "1", "--image-size", "32"]
+    assert main(["--root", str(tmp_path / "set"), *small]) == 0
+    before = sorted(p.name for p in (tmp_path / "set/train").iterdir())
+    capsys.readouterr()
+    assert main(["--root", str(tmp_path / "set")]) == 2  # would write 200 images over 2
+    assert "is not empty; give a new or empty folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "set/train").iterdir()) == before
+    (tmp_path / "file").write_text("x")
+    assert main(["--root", str(tmp_path / "file"), *small]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
+
+
 def test_shapes_first_class_draws_other_objects(tmp_path):
     """A set from first_class 3 has the last three shape kinds only, labelled 1..3."""
     make_shapes(tmp_path / "other", 6, 2, 64, 3, seed=5, first_class=3)

@@ -232,6 +232,26 @@ def test_truncated_metrics_line_and_coco_minus_one(tmp_path: Path) -> None:
 def test_no_usable_run_raises(tmp_path: Path) -> None:
     with pytest.raises(NoUsableRuns, match="directory does not exist"):
         build_report([tmp_path / "nope"])
+    # a --baseline named but not usable: not a report without the baseline that was asked for
+    run = make_run(tmp_path, "run", dropit=True)
+    with pytest.raises(NoUsableRuns, match=r"--baseline '.*nope' is not usable: .*does not exist"):
+        build_report([run], baseline=tmp_path / "nope")
+
+
+def test_report_command_bad_out_is_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    from rcnn_dropit.commands.report import main
+
+    run = make_run(tmp_path, "base")
+    (tmp_path / "file").write_text("x")
+    for out, message in (
+        (tmp_path, "is a folder; give the report's file name"),
+        (tmp_path / "file/report.md", "its folder cannot be made"),
+    ):
+        assert main([str(run), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --out '") and message in err and "Traceback" not in err
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "error: no usable run directory" in capsys.readouterr().err
 
 
 def test_ten_runs_with_long_logs_are_each_one_row(tmp_path: Path) -> None:
