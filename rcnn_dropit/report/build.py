@@ -57,7 +57,8 @@ def _check_out(out: Path) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UsageError(f"--out '{out}': its folder cannot be made ({err.strerror or err})") from None
+        reason = err.strerror or err
+        raise UsageError(f"--out '{out}': its folder cannot be made ({reason})") from None
 
 
 def _baseline_line(base_row: Row | None, how: str) -> str:
