@@ -11,7 +11,7 @@ import signal
 import sys
 
 from instruments.measure.study import run_study
-from instruments.measure.study_plan import load_plan, plan_runs
+from instruments.measure.study_plan import check_runs, load_plan, plan_runs
 from rcnn_dropit.cli import run_cli
 
 
@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> None:
         if args.list:
             plan = load_plan(args.plan)
-            for run in plan_runs(plan):
+            runs = plan_runs(plan)
+            check_runs(runs)
+            for run in runs:
                 done = (plan.out / run.name / "eval.json").is_file()
                 print(f"{'done ' if done else 'todo '} {run.name}  {' '.join(run.overrides)}")
             return

@@ -33,6 +33,7 @@ from instruments.measure.study_plan import (
     Plan,
     PlanError,
     StudyRun,
+    check_runs,
     load_plan,
     plan_runs,
 )
@@ -59,6 +60,7 @@ def run_study(
     if regimes:  # the pretraining only when a chosen regime loads its backbone
         wanted = {*regimes, *([PRETRAIN] if set(regimes) & set(plan.pretrain_for) else [])}
         runs = [r for r in runs if r.name.split("/")[0] in wanted]
+    check_runs(runs)
     todo = []
     for i, run in enumerate(runs, 1):
         run_dir = plan.out / run.name

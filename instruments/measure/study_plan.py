@@ -10,12 +10,14 @@ any at seed 2. A regime may start from a backbone the study pretrains itself (``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from rcnn_dropit.errors import UsageError
+from rcnn_dropit.errors import UsageError, one_line
 
 PRETRAIN = "pretrain"  # folder and run name of the study's own backbone pretraining
 TIMES_FILE = "study_times.jsonl"  # a record per finished or failed attempt (resumed: its last part)
@@ -69,7 +71,12 @@ def load_plan(path: str | Path) -> Plan:
     path = Path(path)
     if not path.is_file():
         raise PlanError(f"study plan: file '{path}' does not exist")
-    data = yaml.safe_load(path.read_text())
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise PlanError(f"study plan '{path}'{where}: invalid YAML ({one_line(err)})") from None
     if not isinstance(data, dict):
         raise PlanError(f"study plan '{path}': must be a mapping")
     known = {
@@ -89,10 +96,13 @@ def load_plan(path: str | Path) -> Plan:
     regimes = _mapping(data, "regimes", path)
     settings = {k: tuple(map(str, v or ())) for k, v in _mapping(data, "settings", path).items()}
     groups = []
-    for i, g in enumerate(data.get("groups") or []):
-        group = Group(
-            tuple(g.get("regimes", ())), tuple(g.get("settings", ())), tuple(g.get("seeds", ()))
+    listed = data.get("groups") or []
+    if not isinstance(listed, list):
+        raise PlanError(
+            f"study plan '{path}': groups must be a list of mappings ({', '.join(GROUP)})"
         )
+    for i, g in enumerate(listed):
+        group = Group(*(_group_list(g, key, f"study plan '{path}': groups[{i}]") for key in GROUP))
         for kind, names, allowed in (
             ("regime", group.regimes, regimes),
             ("setting", group.settings, settings),
@@ -110,6 +120,11 @@ def load_plan(path: str | Path) -> Plan:
     pretrain_for = tuple(pre.get("for", ()))
     if any(r not in regimes for r in pretrain_for):
         raise PlanError(f"study plan '{path}': pretrain.for {list(pretrain_for)}: unknown regime")
+    for regime, config in regimes.items():
+        if not Path(str(config)).is_file():
+            raise PlanError(
+                f"study plan '{path}': regimes.{regime}: file '{config}' does not exist"
+            )
     configs = {str(k): Path(str(v)) for k, v in (data.get("configs") or {}).items()}
     for setting, config in configs.items():
         if setting not in settings:
@@ -133,6 +148,30 @@ def load_plan(path: str | Path) -> Plan:
         readme=Path(data["readme"]) if data.get("readme") else None,
         configs=configs,
     )
+
+
+GROUP = ("regimes", "settings", "seeds")  # a group's keys, in Group's order
+
+
+def _group_list(group: Any, key: str, label: str) -> tuple:
+    if not isinstance(group, dict) or set(group) - set(GROUP):
+        raise PlanError(f"{label}: must be a mapping with keys {', '.join(GROUP)}, got {group!r}")
+    value = group.get(key, ())
+    if not isinstance(value, (list, tuple)):
+        raise PlanError(f"{label} {key}: must be a list, got {value!r}")
+    return tuple(value)
+
+
+def check_runs(runs: Sequence[StudyRun]) -> None:
+    """Load each run's config with its overrides, so that a bad setting stops the study before
+    any training, not when its run's turn comes hours later."""
+    from rcnn_dropit.config import load_config
+
+    for run in runs:
+        try:
+            load_config(run.config, run.overrides)
+        except UsageError as err:
+            raise PlanError(f"study run {run.name}: {one_line(err)}") from None
 
 
 def _mapping(data: dict, key: str, path: Path) -> dict:

@@ -78,11 +78,30 @@ def test_runs_start_with_pretraining_then_go_group_by_group_seed_major(tmp_path:
         ("groups: []\nbudget: 4\n", "unknown key"),
         ("groups: []\nconfigs: {mink_0.9: configs/maskrcnn_g0.8.yaml}\n", "configs: 'mink_0.9'"),
         ("groups: []\nconfigs: {mink_0.8: configs/nothing.yaml}\n", "'configs/nothing.yaml'"),
+        ("groups: [scratch]\n", r"groups\[0\]: must be a mapping with keys regimes"),
+        ("groups:\n  - {regimes: [scratch], settings: [baseline], seed: [1]}\n", "groups\\[0\\]"),
+        ("groups:\n  - {regimes: [scratch], settings: [baseline], seeds: 1}\n", "seeds: must be"),
+        ("groups: {a: 1}\n", "groups must be a list of mappings"),
+        ("groups: [\n", "line 1.: invalid YAML"),
     ],
 )
 def test_bad_plans_name_the_problem(tmp_path: Path, groups: str, message: str) -> None:
     with pytest.raises(PlanError, match=message):
         load_plan(write_plan(tmp_path, groups))
+
+
+def test_a_bad_setting_stops_the_study_before_any_run(tmp_path: Path, monkeypatch) -> None:
+    plan = write_plan(tmp_path, "groups:\n  - {regimes: [scratch], settings: [typo], seeds: [1]}\n")
+    plan.write_text(
+        plan.read_text().replace("settings:\n", "settings:\n  typo: [dropit.gama=0.8]\n")
+    )
+    monkeypatch.setattr(study, "_schedule", lambda *a: pytest.fail("a run was scheduled"))
+    with pytest.raises(PlanError, match=r"study run scratch/typo_s1: .*dropit.gama.*dropit.gamma"):
+        run_study(plan)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(plan.read_text().replace("configs/study/scratch.yaml", "configs/nope.yaml"))
+    with pytest.raises(PlanError, match="regimes.scratch: file .*nope.yaml' does not exist"):
+        load_plan(broken)
 
 
 def _fake_run(run: StudyRun, run_dir: Path, ap: float, evals: tuple[int, ...] = ()) -> None:
