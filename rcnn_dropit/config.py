@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import operator
 import types
 import typing
@@ -46,6 +47,10 @@ BASE_KEY = "_base_"
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config with its `_base_` files, apply `a.b=value` overrides, and validate."""
+    if isinstance(overrides, str):  # a string is a sequence too, of one-character "overrides"
+        raise UsageError(
+            f"overrides: give a list of 'key=value' strings, not the string {overrides!r}"
+        )
     path = Path(path)
     merged = _load_tree(path, stack=())
     for item in overrides:
@@ -257,14 +262,17 @@ def _to_int(value: Any, key: str, source: str) -> int:
 
 
 def _to_float(value: Any, key: str, source: str) -> float:
+    number = None
     try:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as text
-            return float(value.strip())
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as text
+            number = float(value.strip())
     except (ValueError, OverflowError):  # text that is no number; an int beyond float range
         pass
-    _wrong(key, value, "a number", source)
+    if number is None or not math.isfinite(number):  # inf or nan would train to nan
+        _wrong(key, value, "a finite number", source)
+    return number
 
 
 def _wrong(key: str, value: Any, expected: str, source: str) -> typing.NoReturn:

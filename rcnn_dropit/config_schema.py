@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,10 +196,18 @@ class Config:
         return dataclasses.asdict(self)
 
 
+NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]*")
+
+
 def cross_check(cfg: Config) -> list[str]:
     """Problems that involve more than one key; each item is one error message."""
     errors = []
     m, s = cfg.model, cfg.solver
+    if cfg.name and not NAME.fullmatch(cfg.name):  # outputs/<name>: one folder in outputs/
+        errors.append(
+            f"name {cfg.name!r}: must be a folder name of letters, digits, '.', '_' and '-' "
+            "(not starting with '.'); choose the folder itself with --output-dir"
+        )
     sizes = m.anchor_sizes
     if len(sizes) != 5 or any(a <= 0 for a in sizes) or sorted(sizes) != sizes:
         errors.append(

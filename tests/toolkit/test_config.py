@@ -121,17 +121,24 @@ def test_unknown_key_in_base_names_the_base(tree: Path):
 def test_bad_override_keys(override: str, pattern: str):
     with pytest.raises(ValueError, match=pattern):
         load_config(CONFIGS / "maskrcnn_baseline.yaml", [override])
+    # a string where the list goes is one message, not one "override" per character
+    with pytest.raises(ValueError, match="give a list of 'key=value' strings, not the string"):
+        load_config(CONFIGS / "maskrcnn_baseline.yaml", "solver.lr=0.1")
 
 
 @pytest.mark.parametrize(
     ("override", "pattern"),
     [
-        ("solver.lr=fast", r"solver\.lr = 'fast'.*expected a number"),
+        ("solver.lr=fast", r"solver\.lr = 'fast'.*expected a finite number"),
         ("dropit.enabled=1", r"dropit\.enabled = 1.*expected true or false"),
         ("model.trainable_layers=2.5", r"model\.trainable_layers = 2\.5.*expected an integer"),
         ("solver.lr_steps=[1, x]", r"solver\.lr_steps\[1\] = 'x'.*expected an integer"),
         ("dropit.options=3", r"dropit\.options = 3.*mapping"),
         ("model=resnet", r"model = 'resnet'.*mapping"),
+        # non-finite numbers: inf passed every range check and trained to nan
+        ("solver.lr=inf", r"solver\.lr = 'inf'.*expected a finite number"),
+        ("solver.weight_decay=.nan", r"solver\.weight_decay = nan.*expected a finite number"),
+        ("solver.clip_grad_norm=1e400", r"solver\.clip_grad_norm.*expected a finite number"),
     ],
 )
 def test_wrong_types(override: str, pattern: str):
@@ -162,6 +169,10 @@ def test_wrong_types(override: str, pattern: str):
         ("train.device=tpu", r"train\.device"),
         ("data.dataset=voc", r"data\.dataset"),
         ("model.max_size=100", r"model\.max_size \(100\) must be >= model\.min_size \(800\)"),
+        # outputs/<name> must stay one folder inside outputs/
+        ("name=/tmp/elsewhere", r"name '/tmp/elsewhere': must be a folder name"),
+        ("name=../up", r"name '\.\./up'"),
+        ("name=.hidden", r"name '\.hidden'"),
     ],
 )
 def test_validation(override: str, pattern: str):
