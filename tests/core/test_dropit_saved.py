@@ -123,6 +123,23 @@ def test_compress_saved_packs_each_training_forward_of_a_model_it_did_not_build(
     assert not torch.equal(other_rank["conv1.weight"], approx["conv1.weight"])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bits": 3}, "bits=3"),
+        ({"min_bytes": -1}, "min_bytes=-1: allowed a whole number >= 0"),
+        ({"min_bytes": 1.5}, "min_bytes=1.5"),
+        ({"min_bytes": "64k"}, "min_bytes='64k'"),  # once found only at the first forward
+    ],
+)
+def test_compress_saved_checks_its_options_when_called(kwargs: dict, message: str) -> None:
+    model = _Functional()
+    with pytest.raises(ValueError, match=message):
+        compress_saved(model, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        CompressSaved(**kwargs)
+
+
 def test_compress_saved_leaves_eval_and_a_raising_forward_alone_and_detaches() -> None:
     model, x = _Functional(), torch.randn(2, 3, 16, 16)
     handle = compress_saved(model, min_bytes=1024)
