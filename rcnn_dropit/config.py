@@ -25,7 +25,7 @@ from rcnn_dropit.config_schema import (
     TrainConfig,
     cross_check,
 )
-from rcnn_dropit.errors import MissingPathError, UsageError
+from rcnn_dropit.errors import MissingPathError, UsageError, require_path
 
 __all__ = [
     "Config",
@@ -88,8 +88,7 @@ def config_yaml(cfg: Config) -> str:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise MissingPathError(f"config file '{path}' does not exist")
+    require_path(path, "file", "config file")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:

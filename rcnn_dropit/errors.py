@@ -9,6 +9,9 @@ those before still catches them.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 
 def one_line(err: BaseException) -> str:
     """An error's message on one line (messages naming files or YAML may span several)."""
@@ -21,6 +24,29 @@ class UsageError(ValueError):
 
 class MissingPathError(UsageError, FileNotFoundError):
     """A file or folder the user named (in a config, an argument, a run) does not exist."""
+
+
+def require_path(path: Path | str, kind: str, label: str) -> Path:
+    """``path`` as a ``kind`` ("file" or "folder") that exists; else one message naming it: it
+    does not exist, or something of the other kind stands there."""
+    path = Path(path)
+    if path.is_file() if kind == "file" else path.is_dir():
+        return path
+    if not path.exists():
+        raise MissingPathError(f"{label} '{path}' does not exist")
+    other = "folder" if path.is_dir() else "file" if path.is_file() else "special file"
+    raise UsageError(f"{label} '{path}' is a {other}, not a {kind}")
+
+
+def load_failure(err: Exception) -> str:
+    """What torch.load's error says about a file: for one the safe loader refuses, the refusal
+    itself, without torch's advice to load it unsafely (never taken here); else its first
+    paragraph, on one line."""
+    text = str(err)
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", text, re.S)
+    if found:
+        return f"the weights_only loader refused it: {' '.join(found.group(1).split())}"
+    return " ".join(text.split("\n\n")[0].split())
 
 
 class CheckpointWriteError(RuntimeError):

@@ -18,7 +18,7 @@ from rcnn_dropit.data import build_dataset, dataset_paths, ensure_dataset, load_
 from rcnn_dropit.data.coco import read_json_file
 from rcnn_dropit.distributed import resolve_device
 from rcnn_dropit.engine.evaluator_loop import iou_types_for
-from rcnn_dropit.errors import MissingPathError, UsageError
+from rcnn_dropit.errors import MissingPathError, UsageError, require_path
 from rcnn_dropit.evaluation import coco_results
 from rcnn_dropit.models import build_model
 from rcnn_dropit.models.weights import check_detector_kind, load_state_dict_file, load_strict
@@ -67,9 +67,7 @@ def resolve_model_files(
         if config is None or checkpoint is None:
             raise UsageError("give --run DIR (a run directory), or both --config and --checkpoint")
         return Path(config), Path(checkpoint)
-    run = Path(run)
-    if not run.is_dir():
-        raise MissingPathError(f"--run: folder '{run}' does not exist")
+    run = require_path(run, "folder", "--run: folder")
     if not (run / "config.yaml").is_file():
         raise MissingPathError(
             f"--run: '{run}' has no config.yaml; expected a run directory such as outputs/NAME"
@@ -112,8 +110,7 @@ def load_predictor(
 ) -> Predictor:
     """The detector of a run directory or of config + checkpoint, weights loaded, in eval mode."""
     config_path, ckpt = resolve_model_files(run, config, checkpoint)
-    if not config_path.is_file():
-        raise MissingPathError(f"--config: file '{config_path}' does not exist")
+    require_path(config_path, "file", "--config: file")
     cfg = load_config(config_path, overrides)
     weights = load_state_dict_file(ckpt, "--checkpoint")
     check_detector_kind(weights, cfg.model.arch, cfg.model.num_classes, ckpt)

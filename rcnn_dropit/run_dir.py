@@ -240,17 +240,27 @@ class RunDir:
         """Make the folder and write config.yaml (rank 0; every rank calls it)."""
 
         def make() -> None:
+            self.make_folder("output dir")
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
                 write_atomic(self.config, lambda f: f.write(config_yaml.encode()))
-            except OSError as err:  # e.g. a file where a parent folder should be, no permission
-                raise UsageError(
-                    f"output dir '{self.root}' cannot be written ({err.strerror or err}); "
-                    "choose another with --output-dir"
-                ) from None
+            except OSError as err:  # no permission, say
+                raise self._unwritable("output dir", err) from None
 
         run_on_main(make)
         self.attach_log()
+
+    def make_folder(self, label: str) -> None:
+        """Make the folder; a path that cannot be one is one message naming ``label``."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # e.g. a file where a parent folder should be, no permission
+            raise self._unwritable(label, err) from None
+
+    def _unwritable(self, label: str, err: OSError) -> UsageError:
+        return UsageError(
+            f"{label} '{self.root}' cannot be written ({err.strerror or err}); "
+            "choose another with --output-dir"
+        )
 
     def attach_log(self) -> None:
         """Start writing this rank's log file in the folder (which must exist by now)."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rcnn_dropit.atomic import write_atomic
-from rcnn_dropit.errors import CheckpointWriteError, MissingPathError, UsageError
+from rcnn_dropit.errors import CheckpointWriteError, UsageError, load_failure, require_path
 
 POINTER_NAME = "last_checkpoint"
 _NUMBERED = re.compile(r"model_(\d+)\.pth")
@@ -102,13 +102,12 @@ def save_checkpoint(ckpt_dir: Path | str, name: str, state: dict, keep_last: int
 
 def load_checkpoint(path: Path | str, map_location: Any = "cpu") -> dict:
     """Load a checkpoint dict with torch.load(weights_only=True)."""
-    path = Path(path)
-    if not path.is_file():
-        raise MissingPathError(f"checkpoint '{path}' does not exist")
+    path = require_path(path, "file", "checkpoint")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises many types for truncated or foreign files
-        raise UsageError(f"checkpoint '{path}' is unreadable or corrupt: {err}") from err
+        why = load_failure(err)
+        raise UsageError(f"checkpoint '{path}' is unreadable or corrupt: {why}") from err
     if not isinstance(state, dict):
         raise UsageError(f"checkpoint '{path}' holds a {type(state).__name__}, not a dict")
     return state
@@ -142,7 +141,4 @@ def resolve_resume(resume: str | Path | None, ckpt_dir: Path | str) -> Path | No
         raise UsageError("--resume: give 'auto' (the newest checkpoint) or a checkpoint's path")
     if str(resume) == "auto":
         return find_last_checkpoint(ckpt_dir)
-    path = Path(resume)
-    if not path.is_file():
-        raise MissingPathError(f"resume: checkpoint '{path}' does not exist")
-    return path
+    return require_path(resume, "file", "resume: checkpoint")

@@ -99,6 +99,8 @@ def run(args: argparse.Namespace) -> None:
         ids = image_ids_for(paths, args.image_ids) if args.json else None
     elif args.json or args.image_ids:
         raise UsageError("--json and --image-ids go with --input, not --val")
+    if args.output is not None:  # checked before the model loads, as the inputs are
+        _check_output(Path(args.output))
     predictor = load_predictor(args.run, args.config, args.checkpoint, args.opts)
     run_dir = Path(args.run) if args.run else resolve_output_dir(predictor.cfg)
     if args.val is not None:
@@ -121,6 +123,16 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {len(result.pictures)} picture(s) to '{out}'")
     for path in result.results_files:
         print(f"COCO results: {path}")
+
+
+def _check_output(out: Path) -> None:
+    """--output names a folder that is, or can be made."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output '{out}' is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--output '{out}' cannot be made ({err.strerror or err})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rcnn_dropit.errors import MissingPathError, UsageError
+from rcnn_dropit.errors import UsageError, require_path
 
 from ..distributed import rank_and_world_size
 from .coco import CocoDetection
@@ -78,14 +78,11 @@ def ensure_dataset(cfg: Any) -> None:
         _ensure_shapes(dataset_root(cfg), _shapes_params(cfg))
     elif dataset == "coco":
         root = dataset_root(cfg)
-        if not root.is_dir():
-            raise MissingPathError(f"data.root: folder '{root}' does not exist")
+        require_path(root, "folder", "data.root: folder")
         for split in ("train", "val"):
             images, ann, images_key, ann_key = dataset_paths(cfg, split)
-            if not images.is_dir():
-                raise MissingPathError(f"{images_key}: folder '{images}' does not exist")
-            if not ann.is_file():
-                raise MissingPathError(f"{ann_key}: annotation file '{ann}' does not exist")
+            require_path(images, "folder", f"{images_key}: folder")
+            require_path(ann, "file", f"{ann_key}: annotation file")
     else:
         raise UsageError(f"data.dataset: '{dataset}' is not one of 'coco', 'shapes'")
 

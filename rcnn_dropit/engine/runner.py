@@ -38,7 +38,7 @@ from rcnn_dropit.engine.optim import (
     total_iterations,
 )
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
-from rcnn_dropit.errors import MissingPathError, UsageError, one_line
+from rcnn_dropit.errors import UsageError, one_line, require_path
 from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.models import build_model
 from rcnn_dropit.models.build import trainable_batch_norm
@@ -354,15 +354,15 @@ def test(
     cfg = load_config(config, overrides)
     info = init_distributed(cfg.train.device)
     run_dir = RunDir(Path(output_dir) if output_dir else resolve_output_dir(cfg) / "test")
+    created = not run_dir.root.exists()
     run_dir.start_logging()
     try:
         ckpt = Path(checkpoint)
+        if not created and not run_dir.root.is_dir():
+            raise UsageError(f"--output-dir '{run_dir.root}' is a file, not a folder")
 
-        def check_checkpoint() -> None:
-            if not ckpt.is_file():
-                raise MissingPathError(f"--checkpoint: file '{ckpt}' does not exist")
-
-        run_on_main(check_checkpoint)  # rank 0 decides, so no rank fails alone
+        # rank 0 decides, so no rank fails alone
+        run_on_main(lambda: require_path(ckpt, "file", "--checkpoint: file"))
         run_on_main(lambda: ensure_dataset(cfg))
         net, _record = build_model(cfg)
         state = load_on_every_rank(ckpt)
@@ -371,7 +371,7 @@ def test(
         net.to(info.device)
         val_loader = build_val_loader(cfg, info.distributed, info.device)
         # made only once the checkpoint and the data are known to be good
-        run_on_main(lambda: run_dir.root.mkdir(parents=True, exist_ok=True))
+        run_on_main(lambda: run_dir.make_folder("--output-dir"))
         run_dir.attach_log()
         metrics, results = evaluate(
             net, val_loader, info.device, iou_types_for(cfg.model.arch), progress=info.is_main
@@ -383,6 +383,8 @@ def test(
         return metrics
     except Exception as err:
         log_error(err)
+        usage = isinstance(err, UsageError)  # e.g. an unreadable image: no folder left behind
+        main_only(lambda: settle_failed_run(run_dir, created, usage))
         raise
     finally:
         run_dir.stop_logging()

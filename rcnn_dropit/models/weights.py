@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from rcnn_dropit.atomic import write_atomic
-from rcnn_dropit.errors import MissingPathError, UsageError
+from rcnn_dropit.errors import UsageError, load_failure, require_path
 
 _SHOW = 8  # key names listed in an error message
 _CLS_SCORE = "roi_heads.box_predictor.cls_score.weight"  # (num_classes, features)
@@ -19,13 +19,12 @@ _MASK_HEAD = "roi_heads.mask_predictor."
 
 def load_state_dict_file(path: str | Path, key: str) -> dict[str, torch.Tensor]:
     """Tensors from a raw state_dict file or from a checkpoint dict holding one under "model"."""
-    path = Path(path)
-    if not path.is_file():
-        raise MissingPathError(f"{key}: file '{path}' does not exist")
+    path = require_path(path, "file", f"{key}: file")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise UsageError(f"{key}: '{path}' is not a loadable torch file ({err})") from err
+        why = load_failure(err)
+        raise UsageError(f"{key}: '{path}' is not a loadable torch file ({why})") from err
     for nested in ("model", "state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(nested), dict):
             obj = obj[nested]

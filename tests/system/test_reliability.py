@@ -97,8 +97,9 @@ def error_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
     """The single `error: ...` line of a failed tool, checked for exit code and no traceback."""
     assert proc.returncode == code, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    # the training progress bar may stand before the error, nothing else
-    lines = [s for s in proc.stderr.splitlines() if s.strip() and not s.startswith("train:")]
+    # the training or evaluation progress bar may stand before the error, nothing else
+    bars = ("train:", "eval:")
+    lines = [s for s in proc.stderr.splitlines() if s.strip() and not s.startswith(bars)]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
     return lines[0]
 
@@ -375,6 +376,35 @@ def test_test_tool_rejects_a_checkpoint_of_another_model(tmp_path, tiny_shapes, 
     )  # fmt: skip
     line = error_line(proc)
     assert str(faster_checkpoint) in line and "checkpoint is from another model" in line
+    assert not out.exists()
+
+
+def test_test_tool_bad_output_or_images_leave_no_folder(tmp_path, coco):
+    root, opts = coco
+    faster_checkpoint = tmp_path / "ckpt/model_0000001.pth"
+    proc = multiprocessing.get_context("fork").Process(
+        target=_child,
+        args=(_save_training_checkpoint, (FASTER_CFG, opts, faster_checkpoint), tmp_path / "log"),
+    )
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0, Path(f"{tmp_path / 'log'}.err").read_text()
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    proc = run_tool(
+        TEST, "--config", str(FASTER_CFG), "--checkpoint", str(faster_checkpoint),
+        "--output-dir", str(taken), "--opts", *opts, cwd=tmp_path,
+    )  # fmt: skip
+    assert f"--output-dir '{taken}' is a file, not a folder" in error_line(proc)
+    assert taken.read_text() == "a file"
+    for png in (root / "val").glob("*.png"):  # met only while evaluating, after the folder
+        png.write_bytes(b"not a png")
+    out = tmp_path / "eval"
+    proc = run_tool(
+        TEST, "--config", str(FASTER_CFG), "--checkpoint", str(faster_checkpoint),
+        "--output-dir", str(out), "--opts", *opts, cwd=tmp_path,
+    )  # fmt: skip
+    assert ".png' cannot be read" in error_line(proc)
     assert not out.exists()
 
 

@@ -121,6 +121,9 @@ def test_unknown_key_in_base_names_the_base(tree: Path):
 def test_bad_override_keys(override: str, pattern: str):
     with pytest.raises(ValueError, match=pattern):
         load_config(CONFIGS / "maskrcnn_baseline.yaml", [override])
+    # a path of the wrong kind is named as what it is, not as missing
+    with pytest.raises(ValueError, match="config file '.*configs' is a folder, not a file"):
+        load_config(CONFIGS)
     # a string where the list goes is one message, not one "override" per character
     with pytest.raises(ValueError, match="give a list of 'key=value' strings, not the string"):
         load_config(CONFIGS / "maskrcnn_baseline.yaml", "solver.lr=0.1")

@@ -266,6 +266,8 @@ def test_bad_inputs_get_one_line_and_exit_2(tiny_run, tmp_path, capsys) -> None:
         ),
         ((*run, "--input", image, "--json", "--image-ids", str(fake)), ("not valid JSON",)),
         ((*run, "--val", "0"), ("--val", ">= 1")),
+        ((*run, "--input", image, "--output", str(fake)), (str(fake), "is a file, not a folder")),
+        ((*run, "--checkpoint", str(empty), "--input", image), (str(empty), "is a folder")),
     ]
     for args, fragments in cases:
         proc = call_tool("infer.py", *args, capsys=capsys)
