@@ -54,7 +54,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     path = Path(path)
     merged = _load_tree(path, stack=())
     for item in overrides:
-        _merge(merged, _parse_override(item))
+        _apply_override(merged, item)
     if not merged.get("name"):
         merged["name"] = path.stem  # the run name defaults to the config file's stem
     source = f"{path} (with overrides)" if overrides else str(path)
@@ -75,7 +75,7 @@ def with_overrides(cfg: Config, overrides: Sequence[str], source: str = "config"
     ``source`` names where the overrides come from in error messages."""
     merged = cfg.to_dict()
     for item in overrides:
-        _merge(merged, _parse_override(item))
+        _apply_override(merged, item)
     return _build(Config, merged, prefix="", source=f"{source} (with overrides)")
 
 
@@ -143,6 +143,23 @@ def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 
 
 # --- overrides -------------------------------------------------------------------------------
+
+
+def _apply_override(tree: dict[str, Any], item: str) -> None:
+    """Merge one override into the config tree. A section given as a mapping merges key by key,
+    as a `_base_` file does; a mapping-valued key (`dropit.options`) takes the value as written,
+    so that `dropit.options={}` clears what a base config set."""
+    parsed = _parse_override(item)
+    parts = item.split("=", 1)[0].strip().split(".")
+    if not _is_dict_type(_field_type(Config, parts)):
+        _merge(tree, parsed)
+        return
+    for part in parts[:-1]:
+        parsed = parsed[part]
+        if not isinstance(tree.get(part), dict):
+            tree[part] = {}
+        tree = tree[part]
+    tree[parts[-1]] = parsed[parts[-1]]
 
 
 def _parse_override(item: str) -> dict[str, Any]:

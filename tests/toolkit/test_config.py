@@ -286,6 +286,21 @@ def test_each_config_the_study_plan_names_trains_its_setting():
         assert {**shipped.to_dict(), "name": None} == {**expected.to_dict(), "name": None}, setting
 
 
+def test_a_mapping_valued_key_takes_the_override_as_written():
+    quant4 = CONFIGS / "maskrcnn_quant4.yaml"  # dropit.options: {bits: 4}
+    # the options of another strategy: what a base set no longer applies, and {} clears it
+    cfg = load_config(quant4, ["dropit.strategy=mink", "dropit.options={}"])
+    assert (cfg.dropit.strategy, cfg.dropit.options) == ("mink", {})
+    assert load_config(quant4, ["dropit.options={group: 64}"]).dropit.options == {"group": 64}
+    # one key inside it, and a whole section, still merge
+    assert load_config(quant4, ["dropit.options.group=64"]).dropit.options == {
+        "bits": 4,
+        "group": 64,
+    }
+    section = load_config(quant4, ["dropit={gamma: 0.5}"]).dropit
+    assert (section.strategy, section.options, section.gamma) == ("quant", {"bits": 4}, 0.5)
+
+
 def test_dump_and_reload_round_trip(tmp_path: Path):
     cfg = load_config(
         CONFIGS / "maskrcnn_g0.8.yaml",
