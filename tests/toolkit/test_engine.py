@@ -316,6 +316,7 @@ def test_used_output_dir_is_refused(tmp_path) -> None:
     RunDir(tmp_path / "new").check(resume=None, overwrite=False)
 
 
+@pytest.mark.slow  # a training run
 def test_overwrite_replaces_the_old_run_once_the_new_one_finishes(tmp_path, tiny_shapes) -> None:
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -333,6 +334,7 @@ def test_overwrite_replaces_the_old_run_once_the_new_one_finishes(tmp_path, tiny
     assert (run / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow  # a training run
 def test_resume_auto_starts_over_a_run_stopped_before_its_first_checkpoint(
     tmp_path, tiny_shapes
 ) -> None:
