@@ -223,3 +223,20 @@ class Strategy:
     def _describe_params(self) -> tuple[str, ...]:
         """The strategy's own settings worth showing in :meth:`describe`."""
         return ()
+
+
+DOUBLE_BACKWARD = (
+    "DropIT does not support double backward (create_graph=True, e.g. a gradient penalty): the "
+    "backward reads a compressed copy of the input, which has no graph to differentiate; use "
+    "the plain model (from_dropit) for such a loss"
+)
+
+
+def refuse_double_backward() -> None:
+    """Raise in a backward run with ``create_graph=True`` (grad mode on): its second-order
+    gradients would be silently wrong, not merely approximate."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD)
+
+
+PACK_TAG = "_dropit_pack"  # on a DropIT pack's float tensors: compress_saved leaves them alone

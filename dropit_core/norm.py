@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from .base import Packed
+from .base import Packed, refuse_double_backward
 from .ops import InputCache
 
 
 def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
-    # Batch statistics with a graph to keep: otherwise the plain layer, untouched.
-    return module.training and torch.is_grad_enabled() and x.requires_grad
+    # Batch statistics with a graph to keep: otherwise the plain layer, untouched (an empty
+    # batch, e.g. a mask head without positive RoIs, keeps nothing either way).
+    return module.training and torch.is_grad_enabled() and x.requires_grad and x.numel() > 0
 
 
 def _save_pack(ctx, cache: InputCache, x: torch.Tensor, *rest: torch.Tensor | None) -> None:
@@ -40,6 +42,7 @@ def _save_pack(ctx, cache: InputCache, x: torch.Tensor, *rest: torch.Tensor | No
 
 def _saved(ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(the tensors saved besides the pack, the rebuilt input)."""
+    refuse_double_backward()
     saved = ctx.saved_tensors
     rest, tensors = list(saved[: ctx.rest]), saved[ctx.rest :]
     return rest, ctx.cache.unpack(Packed(ctx.meta, *tensors))
@@ -142,6 +145,7 @@ class DropITBatchNorm2d(nn.BatchNorm2d):
         if not _training_step(self, x):
             return super().forward(x)
         self._check_input_dim(x)
+        F._verify_batch_size(x.size())  # one value per channel: no variance, as the plain layer
         return _batch_norm(self, x)
 
 
@@ -155,6 +159,7 @@ class DropITSyncBatchNorm(nn.SyncBatchNorm):
             return super().forward(x)
         if not _synchronised(self):
             self._check_input_dim(x)
+            F._verify_batch_size(x.size())
             return _batch_norm(self, x)
         # Across processes: torch's own function (its backward all-reduces), its input packed.
         with _pack_saved(self.dropit_cache, x):
@@ -178,7 +183,10 @@ class _pack_saved(torch.autograd.graph.saved_tensors_hooks):
             return cache.pack(t, "conv")
 
         def unpack(saved):
-            return saved if isinstance(saved, torch.Tensor) else cache.unpack(saved)
+            if isinstance(saved, torch.Tensor):
+                return saved
+            refuse_double_backward()
+            return cache.unpack(saved)
 
         super().__init__(pack, unpack)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import dispatch
-from .base import Packed, Strategy
+from .base import PACK_TAG, Packed, Strategy, refuse_double_backward
 from .packing import pack_bits, zero_flagged
 from .seeds import mix_state
 
@@ -103,7 +103,9 @@ class InputCache:
         dtype = x.dtype if dtype is None else dtype
         hit = self._packs.get(key)
         if hit is not None and hit[:3] == (key._version, layout, dtype):
-            return hit[3]
+            shared = _held_pack(hit[3], hit[4])
+            if shared is not None:
+                return shared
         draw = self.next_key() if self.strategy.draws else 0
         if dtype == x.dtype:  # the usual call (strategies that override pack take it)
             packed = self.strategy.pack(x, layout, draw)
@@ -111,7 +113,7 @@ class InputCache:
             packed = self.strategy.pack(x, layout, draw, dtype)
         if packed.dropped is not None:  # a device-side sum: reading it is the caller's choice
             self.dropped = packed.dropped if self.dropped is None else self.dropped + packed.dropped
-        self._packs[key] = (key._version, layout, dtype, packed)
+        self._packs[key] = (key._version, layout, dtype, packed.meta, _weak_pack(packed))
         return packed
 
     def reads_through_cast(self) -> bool:
@@ -135,6 +137,33 @@ class InputCache:
         self.__init__(state["strategy"], state["stream"])
         self.set_step(state["step"], state["rank"])
         self.position = state["position"]
+
+
+def _weak_pack(packed: Packed) -> tuple[weakref.ref | None, ...]:
+    """The pack's tensors, held weakly: shared while the graph that saved them lives, not kept
+    past its backward (a tensor fed again in a later step packs afresh, with a new draw, even
+    without ``set_step``). Its float tensors are tagged on the way, so that ``compress_saved``
+    does not compress this cache a second time."""
+    refs: list[weakref.ref | None] = []
+    for t in packed[1:]:
+        if t is None:
+            refs.append(None)
+            continue
+        if t.is_floating_point():
+            setattr(t, PACK_TAG, True)
+        refs.append(weakref.ref(t))
+    return tuple(refs)
+
+
+def _held_pack(meta, refs: tuple[weakref.ref | None, ...]) -> Packed | None:
+    """The pack :func:`_weak_pack` holds, or None once any of its tensors is gone."""
+    tensors = []
+    for ref in refs:
+        t = None if ref is None else ref()
+        if t is None and ref is not None:
+            return None
+        tensors.append(t)
+    return Packed(meta, *tensors)
 
 
 class ConvArgs(NamedTuple):
@@ -207,6 +236,7 @@ class DropITConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward()
         weight, packed = _saved_pack(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if need_w:
@@ -238,6 +268,7 @@ class DropITLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward()
         weight, packed = _saved_pack(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])
@@ -278,6 +309,7 @@ class MaskedReLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward()
         (bits,) = ctx.saved_tensors
         if dispatch.use_kernels(grad):
             from .kernels.relu import relu_mask_grad

@@ -44,6 +44,7 @@ def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
         module.training
         and torch.is_grad_enabled()
         and (module.weight.requires_grad or x.requires_grad)
+        and x.numel() > 0  # an empty batch (a head without RoIs) keeps nothing either way
     )
 
 
@@ -55,6 +56,8 @@ class DropITConv2d(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _training_step(self, x):
             return super().forward(x)
+        if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.Conv2d takes
+            return self.forward(x.unsqueeze(0)).squeeze(0)
         padding = self.padding
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
@@ -86,6 +89,8 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if not _training_step(self, x):
             return super().forward(x, output_size)
+        if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.ConvTranspose2d takes
+            return self.forward(x.unsqueeze(0), output_size).squeeze(0)
         output_padding = self._output_padding(
             x, output_size, list(self.stride), list(self.padding), list(self.kernel_size), 2,
             list(self.dilation),
@@ -241,6 +246,13 @@ def to_dropit(
     a :class:`DropITRecord`, a list of :class:`ConvertedLayer` that also says which settings were
     applied (``record.settings``, ``record.summary()``).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"to_dropit takes an nn.Module, got {type(model).__name__}")
+    if type(model) in _DROPIT_CLASS or type(model) in NORM_CLASSES:
+        raise ValueError(
+            f"to_dropit converts the layers inside a model, not the model itself: wrap this "
+            f"{type(model).__name__}, e.g. nn.Sequential(layer)"
+        )
     checked = check_rules(rules, strategy, gamma, include, exclude, relu, norm, pool, **options)
     named = [(p, m) for p, m in model.named_modules() if p]
     already = [p for p, m in named if type(m) in _PLAIN_CLASS]

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _pair
 
+from .base import refuse_double_backward
+
 
 def _window_origin(out_size: int, stride: int, padding: int, device: torch.device):
     """The first input row (or column) each output row (column) reads."""
@@ -40,6 +42,7 @@ class _MaxPoolFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward()
         (local,) = ctx.saved_tensors
         kernel, stride, padding, dilation, ceil_mode = ctx.args
         width = ctx.x_shape[-1]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .base import Packed
+from .base import PACK_TAG, Packed, refuse_double_backward
 from .seeds import mix_seed
 from .strategies import build_strategy
 from .unbiased import Quant
@@ -97,6 +97,8 @@ class CompressSaved:
         views of either (a linear layer saves ``weight.t()`` for its input gradient)."""
         if not t.is_floating_point() or t.numel() * t.element_size() < self.min_bytes:
             return True
+        if getattr(t, PACK_TAG, False):  # a converted layer's cache: compressed already
+            return True
         base = t if t._base is None else t._base
         if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
             return True
@@ -129,6 +131,7 @@ class CompressSaved:
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
+        refuse_double_backward()
         rebuilt = self.quant.unpack_signed(saved.packed, saved.zero, saved.negative)
         return rebuilt.view(saved.shape)
 
