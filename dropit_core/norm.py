@@ -43,6 +43,7 @@ def _save_pack(ctx, cache: InputCache, x: torch.Tensor, *rest: torch.Tensor | No
 def _saved(ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(the tensors saved besides the pack, the rebuilt input)."""
     refuse_double_backward()
+    ctx.cache.end_forward()
     saved = ctx.saved_tensors
     rest, tensors = list(saved[: ctx.rest]), saved[ctx.rest :]
     return rest, ctx.cache.unpack(Packed(ctx.meta, *tensors))

@@ -103,9 +103,7 @@ class InputCache:
         dtype = x.dtype if dtype is None else dtype
         hit = self._packs.get(key)
         if hit is not None and hit[:3] == (key._version, layout, dtype):
-            shared = _held_pack(hit[3], hit[4])
-            if shared is not None:
-                return shared
+            return hit[3]
         draw = self.next_key() if self.strategy.draws else 0
         if dtype == x.dtype:  # the usual call (strategies that override pack take it)
             packed = self.strategy.pack(x, layout, draw)
@@ -113,8 +111,16 @@ class InputCache:
             packed = self.strategy.pack(x, layout, draw, dtype)
         if packed.dropped is not None:  # a device-side sum: reading it is the caller's choice
             self.dropped = packed.dropped if self.dropped is None else self.dropped + packed.dropped
-        self._packs[key] = (key._version, layout, dtype, packed.meta, _weak_pack(packed))
+        _tag(packed)
+        self._packs[key] = (key._version, layout, dtype, packed)
         return packed
+
+    def end_forward(self) -> None:
+        """Forget this forward's packs: a backward has begun, so the forward that shares them is
+        over. A tensor fed again in a later step then packs afresh, with a new draw, even without
+        ``set_step``, and the cache does not keep a pack past the graph that saved it."""
+        if len(self._packs):
+            self._packs = WeakTensorKeyDictionary()
 
     def reads_through_cast(self) -> bool:
         """Whether a pack of an autocast input is made from the uncast tensor (so the cast the
@@ -139,31 +145,12 @@ class InputCache:
         self.position = state["position"]
 
 
-def _weak_pack(packed: Packed) -> tuple[weakref.ref | None, ...]:
-    """The pack's tensors, held weakly: shared while the graph that saved them lives, not kept
-    past its backward (a tensor fed again in a later step packs afresh, with a new draw, even
-    without ``set_step``). Its float tensors are tagged on the way, so that ``compress_saved``
-    does not compress this cache a second time."""
-    refs: list[weakref.ref | None] = []
+def _tag(packed: Packed) -> None:
+    """Mark the pack's float tensors, so that ``compress_saved`` does not compress this cache a
+    second time (its values, minima and steps are compressed already)."""
     for t in packed[1:]:
-        if t is None:
-            refs.append(None)
-            continue
-        if t.is_floating_point():
+        if t is not None and t.is_floating_point():
             setattr(t, PACK_TAG, True)
-        refs.append(weakref.ref(t))
-    return tuple(refs)
-
-
-def _held_pack(meta, refs: tuple[weakref.ref | None, ...]) -> Packed | None:
-    """The pack :func:`_weak_pack` holds, or None once any of its tensors is gone."""
-    tensors = []
-    for ref in refs:
-        t = None if ref is None else ref()
-        if t is None and ref is not None:
-            return None
-        tensors.append(t)
-    return Packed(meta, *tensors)
 
 
 class ConvArgs(NamedTuple):
@@ -218,6 +205,7 @@ def _forward_and_save(
 
 def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
     """(weight, the packed input or None) from what :func:`_forward_and_save` kept."""
+    ctx.cache.end_forward()
     weight, *tensors = ctx.saved_tensors
     return weight, (Packed(ctx.meta, *tensors) if ctx.meta is not None else None)
 

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from dropit_core import REGISTRY, STRATEGIES, build_strategy
+from dropit_core import REGISTRY, STRATEGIES, build_strategy, to_dropit
 from dropit_core import base as base_mod
 from dropit_core.ops import InputCache
 
@@ -490,18 +491,23 @@ def test_input_cache_shares_packs_until_the_tensor_changes() -> None:
     assert torch.equal(cache.unpack(first) * 2.0, cache.unpack(second))
 
 
-def test_input_cache_lets_a_pack_go_with_the_graph_that_saved_it() -> None:
-    # Without set_step, a tensor fed again once the step's graph is gone (a fixed input, one
-    # batch trained on repeatedly) is packed afresh, with the next draw: the cache held the old
-    # pack weakly, not for as long as the input lives.
+def test_a_backward_ends_the_forward_whose_packs_are_shared() -> None:
+    # Without set_step, a tensor fed again in a later step (a fixed input, one batch trained on
+    # repeatedly) is packed afresh, with the next draw: the cache forgets its packs once a
+    # backward begins, and holds none past the graph that saved it.
     cache = InputCache(build_strategy("quant", 0.0, bits=2))
     x = _x(CONV_SHAPE, seed=18)
     first = cache.pack(x, "conv")
-    codes = first.values.clone()
-    assert _same(cache.pack(x, "conv"), first)  # while something holds it: shared
-    del first  # the graph that saved it is freed
-    again = cache.pack(x, "conv")
-    assert not torch.equal(again.values, codes)  # a new draw of the same values
+    assert _same(cache.pack(x, "conv"), first)  # within one forward: shared
+    cache.end_forward()
+    assert not torch.equal(cache.pack(x, "conv").values, first.values)  # a new draw
+    model = to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3)), strategy="quant", bits=2, strict=False)
+    grads = []
+    for _ in range(2):  # the same tensor object twice, no set_step between
+        model.zero_grad()
+        model(x).sum().backward()
+        grads.append(model[0].weight.grad.clone())
+    assert not torch.equal(*grads)
 
 
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if "values" in REGISTRY.options(n)])
