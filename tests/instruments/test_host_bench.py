@@ -84,6 +84,7 @@ def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts()
     [
         ("bench-host-before", "bench_host_cpu_before"),
         ("bench-host-e941dbe", "bench_host_cpu_e941dbe"),
+        ("bench-host-cc74af4", "bench_host_cpu_cc74af4"),
         ("bench-host", "bench_host_cpu"),
         ("bench-host-saved-before", "bench_host_cpu_saved_before"),
     ],
