@@ -68,6 +68,7 @@ call ``dropit_core.set_step(model, step)`` before each forward and a resumed run
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -559,7 +560,7 @@ def build_strategy(name: str | type, gamma: float, **options: Any) -> Strategy:
     ``REGISTRY``; return the strategy."""
     cls = REGISTRY.get(name)
     name = cls.name
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
+    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):  # numpy floats too
         raise ValueError(f"DropIT gamma={gamma!r} is not a number: allowed 0 <= gamma < 1")
     gamma = float(gamma)
     if not 0.0 <= gamma < 1.0:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import compress_saved, to_dropit
+from dropit_core import compress_saved, dropit_record, to_dropit
 from dropit_core.base import DOUBLE_BACKWARD
 
 
@@ -90,6 +90,12 @@ def test_to_dropit_names_what_it_cannot_convert() -> None:
         to_dropit(nn.Conv2d(3, 4, 3))
     with pytest.raises(TypeError, match="takes an nn.Module, got str"):
         to_dropit("model")
+    with pytest.raises(ValueError, match="strict='no' must be True or False"):
+        to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3)), strict="no")
+    # a numpy float is a number (a gamma read from an array or a sweep)
+    np = pytest.importorskip("numpy")
+    record = dropit_record(to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3)), gamma=np.float32(0.5)))
+    assert record.settings[0].gamma == 0.5
 
 
 def test_compress_saved_leaves_a_converted_layers_cache_as_it_is() -> None:
