@@ -304,47 +304,32 @@ def test_used_output_dir_is_never_overwritten(tmp_path, tiny_shapes, coco) -> No
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints/model_0000004.pth").write_bytes(b"old weights")
     (out / "metrics.jsonl").write_text('{"type": "train", "iter": 4}\n')
-    before = snapshot(out)
+
+    def refused(*args: str) -> str:
+        """The error line of a train run into ``out`` that must leave it as it was."""
+        before = snapshot(out)
+        proc = run_tool(
+            TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), *args, cwd=tmp_path
+        )  # fmt: skip
+        assert snapshot(out) == before
+        return error_line(proc)
+
     opts = tiny_opts(tiny_shapes)
-    proc = run_tool(
-        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--opts", *opts, cwd=tmp_path
-    )  # fmt: skip
-    line = error_line(proc)
+    line = refused("--opts", *opts)
     assert f"output dir '{out}' is not empty" in line and "--overwrite" in line
-    assert snapshot(out) == before
     # an empty --resume is refused (it once started a fresh run over this one)
-    proc = run_tool(
-        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--resume", "",
-        "--opts", *opts, cwd=tmp_path,
-    )  # fmt: skip
-    assert "--resume: give 'auto'" in error_line(proc)
-    assert snapshot(out) == before
+    assert "--resume: give 'auto'" in refused("--resume", "", "--opts", *opts)
     # --resume auto over a run whose checkpoints cannot be read: refused, not started afresh
     (out / "checkpoints/last_checkpoint").write_text("garbage")
-    before = snapshot(out)
-    proc = run_tool(
-        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--resume", "auto",
-        "--opts", *opts, cwd=tmp_path,
-    )  # fmt: skip
-    assert "holds a run (eval.json or checkpoint files) but no readable" in error_line(proc)
-    assert snapshot(out) == before
+    line = refused("--resume", "auto", "--opts", *opts)
+    assert "holds a run (eval.json or checkpoint files) but no readable" in line
     # --overwrite with a bad input: the old run must survive the rejected new one, whether the
-    # input is found bad before the folder is touched or only once training reads an image
+    # input is found bad only once training reads an image or before the folder is touched
     root, opts = coco
     extra = _unreadable_images(root)
-    proc = run_tool(
-        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--overwrite",
-        "--opts", *opts, *extra, cwd=tmp_path,
-    )  # fmt: skip
-    assert ".png' cannot be read" in error_line(proc)
-    assert snapshot(out) == before
+    assert ".png' cannot be read" in refused("--overwrite", "--opts", *opts, *extra)
     _missing_ann(root)
-    proc = run_tool(
-        TRAIN, "--config", str(FASTER_CFG), "--output-dir", str(out), "--overwrite",
-        "--opts", *opts, cwd=tmp_path,
-    )  # fmt: skip
-    assert "data.val_ann" in error_line(proc)
-    assert snapshot(out) == before
+    assert "data.val_ann" in refused("--overwrite", "--opts", *opts)
 
 
 def test_resume_from_missing_or_foreign_checkpoint(
