@@ -199,9 +199,8 @@ def _train(
     if resume is not None and ckpt_path is None:
         run_on_main(lambda: _fresh_start_allowed(run_dir, overwrite))
         say(f"note: no checkpoint in '{run_dir.checkpoints}'; starting from scratch")
-        # a fresh start over what a run stopped before its first checkpoint left (or, asked
-        # with --overwrite, over a whole run): its files are set aside like --overwrite's
-        resume, overwrite = None, True
+        if overwrite:  # over a whole run, as asked: its files set aside as a fresh start's
+            resume = None
     run_on_main(lambda: run_dir.check(resume, overwrite, clear=False))
     run_on_main(lambda: ensure_dataset(cfg))
     parts = build(cfg, info, scaler, run_dir)

@@ -344,8 +344,8 @@ def test_resume_auto_starts_over_a_run_stopped_before_its_first_checkpoint(
     (run / "metrics.jsonl").write_text('{"type": "train", "iter": 3}\n')
     train(MASK_CFG, tiny_opts(tiny_shapes, "solver.max_iters=1"), output_dir=run, resume="auto")
     assert [r["iter"] for r in read_metrics(run / "metrics.jsonl") if r["type"] == "train"] == [1]
-    assert "preempted" not in (run / "log.txt").read_text()
-    assert not (run / ".replaced").exists()
+    assert "no checkpoint in" in (run / "log.txt").read_text()  # said where it is read later
+    assert (run / "eval.json").is_file() and not (run / ".replaced").exists()
 
 
 def test_train_refuses_used_output_dir(tmp_path, tiny_shapes) -> None:
