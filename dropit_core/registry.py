@@ -95,6 +95,11 @@ class Registry:
         ``to_dropit`` and the rules take it by name; returns it, so it also works as a class
         decorator. A name already taken, or an option declared twice, is a ValueError."""
         common_names = {o.name for o in self.common}
+        methods = ("pack", "unpack", "_pack", "_unpack")
+        if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in methods):
+            raise ValueError(
+                f"register_strategy takes a dropit_core.Strategy subclass, got {cls!r}"
+            )
         if not isinstance(getattr(cls, "name", None), str) or not cls.name:
             raise ValueError(f"strategy {cls.__name__}: declare its name (a class attribute)")
         if cls.name in self._classes:

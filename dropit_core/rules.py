@@ -131,7 +131,8 @@ def check_rules(
         try:
             built = check_options(*settings, rule_relu, rule_norm, rule_pool, **rule_options)
         except ValueError as err:
-            raise ValueError(f"{label}: {err}") from None
+            # the rule's label in place of the message's own "DropIT" prefix, not before it
+            raise ValueError(f"{label}: {str(err).removeprefix('DropIT ')}") from None
         own_include = _patterns(label, "include", rule.get("include", include))
         own_exclude = _patterns(label, "exclude", rule.get("exclude", ()))
         checked.append(

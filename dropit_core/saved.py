@@ -68,8 +68,9 @@ class CompressSaved:
     ) -> None:
         quant = build_strategy("quant", 0.0, bits=bits, group=group, seed=seed)
         assert isinstance(quant, Quant)
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise ValueError(f"compress_saved min_bytes={min_bytes!r}: allowed a whole number >= 0")
+        for name, value in (("min_bytes", min_bytes), ("step", step), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"compress_saved {name}={value!r}: allowed a whole number >= 0")
         self.quant: Quant = quant
         self.min_bytes = min_bytes
         self.step = step

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import compress_saved, dropit_record, to_dropit
+from dropit_core import compress_saved, dropit_record, register_strategy, to_dropit
 from dropit_core.base import DOUBLE_BACKWARD
 
 
@@ -92,6 +92,8 @@ def test_to_dropit_names_what_it_cannot_convert() -> None:
         to_dropit("model")
     with pytest.raises(ValueError, match="strict='no' must be True or False"):
         to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3)), strict="no")
+    with pytest.raises(ValueError, match="register_strategy takes a dropit_core.Strategy"):
+        register_strategy(int)
     # a numpy float is a number (a gamma read from an array or a sweep)
     np = pytest.importorskip("numpy")
     record = dropit_record(to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3)), gamma=np.float32(0.5)))

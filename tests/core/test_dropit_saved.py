@@ -138,6 +138,8 @@ def test_compress_saved_checks_its_options_when_called(kwargs: dict, message: st
         compress_saved(model, **kwargs)
     with pytest.raises(ValueError, match=message):
         CompressSaved(**kwargs)
+    with pytest.raises(ValueError, match="step=-1: allowed a whole number >= 0"):
+        CompressSaved(step=-1)
 
 
 def test_compress_saved_leaves_eval_and_a_raising_forward_alone_and_detaches() -> None:
