@@ -333,7 +333,9 @@ def _applied(rule: Rule, chosen: list[tuple[str, nn.Module, Rule]]) -> AppliedSe
 
 def from_dropit(model: M) -> M:
     """Turn every DropIT layer of ``model`` back into its plain class, in place; its record
-    (:func:`dropit_record`) goes too."""
+    (:func:`dropit_record`) goes too. Give it the module ``to_dropit`` converted: a part of it
+    turns back all the same, but the record of the whole, which it cannot reach, still lists the
+    part's layers."""
     for module in model.modules():
         module.__dict__.pop(_RECORD_ATTRIBUTE, None)  # to_dropit may have converted a submodule
         plain = _PLAIN_CLASS.get(type(module))
