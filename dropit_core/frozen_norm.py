@@ -75,6 +75,8 @@ def lean_frozen_batchnorm(model: nn.Module) -> nn.Module:
     A model that is itself a frozen norm comes back as a new module. Layers already lean, and
     every other module, are left as they are.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"lean_frozen_batchnorm takes an nn.Module, got {type(model).__name__}")
     if is_frozen_batchnorm(model) and not isinstance(model, FrozenBatchNorm2d):
         return _lean(model)
     for name, child in list(model.named_children()):

@@ -205,6 +205,8 @@ def compress_saved(
     ``set_step(model, step, rank)`` seeds the draws as it does the layers'; without it the step
     counts the training forwards from 0. Returns the handle (also ``model.dropit_saved``).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compress_saved takes an nn.Module, got {type(model).__name__}")
     attached = saved_compression(model)
     if attached is not None:
         raise ValueError(

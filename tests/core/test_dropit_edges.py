@@ -7,7 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import compress_saved, dropit_record, register_strategy, to_dropit
+from dropit_core import (
+    compress_saved,
+    dropit_record,
+    lean_frozen_batchnorm,
+    register_strategy,
+    to_dropit,
+)
 from dropit_core.base import DOUBLE_BACKWARD
 
 
@@ -88,8 +94,9 @@ def test_double_backward_is_refused_not_silently_wrong(norm: bool) -> None:
 def test_to_dropit_names_what_it_cannot_convert() -> None:
     with pytest.raises(ValueError, match="not the model itself: wrap this Conv2d"):
         to_dropit(nn.Conv2d(3, 4, 3))
-    with pytest.raises(TypeError, match="takes an nn.Module, got str"):
-        to_dropit("model")
+    for convert in (to_dropit, compress_saved, lean_frozen_batchnorm):
+        with pytest.raises(TypeError, match="takes an nn.Module, got str"):
+            convert("model")
     with pytest.raises(ValueError, match="strict='no' must be True or False"):
         to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3)), strict="no")
     with pytest.raises(ValueError, match="register_strategy takes a dropit_core.Strategy"):
