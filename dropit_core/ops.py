@@ -204,7 +204,9 @@ def _forward_and_save(
 
 
 def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
-    """(weight, the packed input or None) from what :func:`_forward_and_save` kept."""
+    """(weight, the packed input or None) from what :func:`_forward_and_save` kept, for a
+    backward: one that would be differentiated again is refused, and the forward is over."""
+    refuse_double_backward()
     ctx.cache.end_forward()
     weight, *tensors = ctx.saved_tensors
     return weight, (Packed(ctx.meta, *tensors) if ctx.meta is not None else None)
@@ -224,7 +226,6 @@ class DropITConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        refuse_double_backward()
         weight, packed = _saved_pack(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if need_w:
@@ -256,7 +257,6 @@ class DropITLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        refuse_double_backward()
         weight, packed = _saved_pack(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])

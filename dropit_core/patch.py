@@ -250,7 +250,7 @@ def to_dropit(
         raise TypeError(f"to_dropit takes an nn.Module, got {type(model).__name__}")
     if not isinstance(strict, bool):
         raise ValueError(f"to_dropit strict={strict!r} must be True or False")
-    if type(model) in _DROPIT_CLASS or type(model) in NORM_CLASSES:
+    if type(model) in _DROPIT_CLASS:  # the norms and the max-pool included
         raise ValueError(
             f"to_dropit converts the layers inside a model, not the model itself: wrap this "
             f"{type(model).__name__}, e.g. nn.Sequential(layer)"
