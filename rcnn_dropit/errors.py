@@ -38,6 +38,24 @@ def require_path(path: Path | str, kind: str, label: str) -> Path:
     raise UsageError(f"{label} '{path}' is a {other}, not a {kind}")
 
 
+def make_folder(path: Path | str, label: str, hint: str = "") -> Path:
+    """A folder the user named, made where missing; one message naming ``label`` (and ``hint``,
+    what to do instead) when a file stands there or it cannot be made."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{label} '{path}' is a file, not a folder{hint}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file where a parent folder should be, no permission
+        raise cannot_write(label, path, err, hint) from None
+    return path
+
+
+def cannot_write(label: str, path: Path, err: OSError, hint: str = "") -> UsageError:
+    """The message for a folder or file the user named that cannot be written."""
+    return UsageError(f"{label} '{path}' cannot be written ({err.strerror or err}){hint}")
+
+
 def load_failure(err: Exception) -> str:
     """What torch.load's error says about a file: for one the safe loader refuses, the refusal
     itself, without torch's advice to load it unsafely (never taken here); else its first

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from rcnn_dropit.atomic import write_atomic, write_json_atomic
 from rcnn_dropit.distributed import get_rank, is_main_process, run_on_main
-from rcnn_dropit.errors import UsageError
+from rcnn_dropit.errors import UsageError, cannot_write, make_folder
 from rcnn_dropit.metrics_file import MetricsWriter, NullWriter, read_metrics
 from rcnn_dropit.tensorboard import TensorBoardWriter
 
@@ -39,6 +39,7 @@ RUN_ARTIFACTS = (
     "log.txt",
 )
 _OTHER_ARTIFACTS = ("log.rank*.txt", "events.out.tfevents.*")  # other ranks' logs, TensorBoard
+_ELSEWHERE = "; choose another with --output-dir"
 REPLACED = ".replaced"  # the run --overwrite replaces, until the new one can stand alone
 log = logging.getLogger(LOGGER_NAME)
 
@@ -244,23 +245,14 @@ class RunDir:
             try:
                 write_atomic(self.config, lambda f: f.write(config_yaml.encode()))
             except OSError as err:  # no permission, say
-                raise self._unwritable("output dir", err) from None
+                raise cannot_write("output dir", self.root, err, _ELSEWHERE) from None
 
         run_on_main(make)
         self.attach_log()
 
     def make_folder(self, label: str) -> None:
         """Make the folder; a path that cannot be one is one message naming ``label``."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as err:  # e.g. a file where a parent folder should be, no permission
-            raise self._unwritable(label, err) from None
-
-    def _unwritable(self, label: str, err: OSError) -> UsageError:
-        return UsageError(
-            f"{label} '{self.root}' cannot be written ({err.strerror or err}); "
-            "choose another with --output-dir"
-        )
+        make_folder(self.root, label, _ELSEWHERE)
 
     def attach_log(self) -> None:
         """Start writing this rank's log file in the folder (which must exist by now)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rcnn_dropit.cli import add_opts_argument, run_cli
 from rcnn_dropit.engine.runner import resolve_output_dir
-from rcnn_dropit.errors import UsageError
+from rcnn_dropit.errors import UsageError, make_folder
 from rcnn_dropit.inference import (
     find_images,
     image_ids_for,
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> None:
     elif args.json or args.image_ids:
         raise UsageError("--json and --image-ids go with --input, not --val")
     if args.output is not None:  # checked before the model loads, as the inputs are
-        _check_output(Path(args.output))
+        make_folder(args.output, "--output")
     predictor = load_predictor(args.run, args.config, args.checkpoint, args.opts)
     run_dir = Path(args.run) if args.run else resolve_output_dir(predictor.cfg)
     if args.val is not None:
@@ -123,16 +123,6 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote {len(result.pictures)} picture(s) to '{out}'")
     for path in result.results_files:
         print(f"COCO results: {path}")
-
-
-def _check_output(out: Path) -> None:
-    """--output names a folder that is, or can be made."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--output '{out}' is a file, not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UsageError(f"--output '{out}' cannot be made ({err.strerror or err})") from None
 
 
 def main(argv: list[str] | None = None) -> int:
