@@ -43,6 +43,7 @@ from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.models import build_model
 from rcnn_dropit.models.build import trainable_batch_norm
 from rcnn_dropit.models.weights import check_model_compat
+from rcnn_dropit.provenance import describe_code
 from rcnn_dropit.rng import seed_all
 from rcnn_dropit.run_dir import RunDir
 from rcnn_dropit.tensorboard import require_tensorboard
@@ -319,6 +320,7 @@ def run(
         f"{accumulating}, "
         f"{info.world_size} process(es) on {info.device.type}) into '{run_dir.root}'"
     )
+    log.info(describe_code(), extra={"file_only": True})  # which code made this run's figures
     try:
         if eval_missing and parts.schedule.should_eval(start_iter):
             trainer.run_eval(start_iter)

@@ -31,6 +31,7 @@ from rcnn_dropit.engine.runner import train
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, step_scheduler
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.metrics_file import NullWriter, read_metrics
+from rcnn_dropit.provenance import source_roots
 from rcnn_dropit.run_dir import RunDir, truncate_metrics
 from tests.helpers import (
     FASTER_CFG,
@@ -181,6 +182,8 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, tiny_shapes) -> None:
     log = (run / "log.txt").read_text()  # the console lines, also in the run's log file
     assert "INFO training maskrcnn for 2 iterations (4 per epoch, 1 process(es) on cpu)" in log
     assert "INFO final evaluation (4 images)" in log
+    code = next(line for line in log.splitlines() if "INFO code: rcnn_dropit" in line)
+    assert f" from '{source_roots()[0]}' (" in code and f"torch {torch.__version__}" in code
     summary = (
         f"DropIT mink(gamma=0.8); activations kept for backward in one step: "
         f"{memory['saved_mb']:.1f} MB, {memory['saved_mb_without_dropit']:.1f} MB without DropIT "
@@ -264,6 +267,8 @@ def test_resume_matches_uninterrupted(tmp_path, tiny_shapes, faster_straight, mo
         json.loads((run / "eval.json").read_text())["bbox"]
         == json.loads((faster_straight / "eval.json").read_text())["bbox"]
     )
+    # each start records the code it ran (a resume may run other code than the start did)
+    assert (run / "log.txt").read_text().count("INFO code: rcnn_dropit") == 2
 
 
 @pytest.mark.slow

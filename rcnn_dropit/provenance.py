@@ -1,0 +1,78 @@
+"""Which code a run ran: the package's version and folder, its git commit, and the libraries.
+
+An editable install imports the package from wherever it was installed, not from the folder a
+script is started in (a second checkout or worktree runs the first one's code unless PYTHONPATH
+names it), and a checkout can hold uncommitted edits: log.txt records both at every start and
+resume, so a run's figures can be traced to the code that made them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+PACKAGES = ("rcnn_dropit", "dropit_core")  # the code a run's numbers depend on
+
+
+def source_roots() -> list[Path]:
+    """The folders the running packages were imported from: one for a checkout, two when
+    PYTHONPATH and an editable install each supply one of them."""
+    roots: list[Path] = []
+    for name in PACKAGES:
+        root = Path(importlib.import_module(name).__file__).resolve().parent.parent
+        if root not in roots:
+            roots.append(root)
+    return roots
+
+
+def git_state(root: Path, timeout: float = 5.0) -> str:
+    """'commit abc1234', with ' + uncommitted changes' when the packages differ from it, or why
+    there is no commit to name (not a git checkout, git missing or too slow)."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(root), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", *PACKAGES)
+    except FileNotFoundError:
+        return "git not found"
+    except subprocess.TimeoutExpired:
+        return "git did not answer"
+    except subprocess.CalledProcessError:
+        return "not a git checkout"
+    return f"commit {commit}" + (" + uncommitted changes" if changed else "")
+
+
+def library_versions() -> str:
+    """torch, torchvision, triton (where installed) and python versions, one string."""
+    parts = [f"torch {torch.__version__}"]
+    for name in ("torchvision", "triton"):
+        try:
+            parts.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    parts.append(f"python {platform.python_version()}")
+    return ", ".join(parts)
+
+
+def describe_code() -> str:
+    """One line for log.txt: what code and libraries this process runs."""
+    try:
+        version = metadata.version("rcnn-dropit")
+    except metadata.PackageNotFoundError:
+        version = "not installed"
+    where = " and ".join(f"'{root}' ({git_state(root)})" for root in source_roots())
+    return f"code: rcnn_dropit {version} from {where}; {library_versions()}"
