@@ -79,23 +79,26 @@ def build_model(cfg: Config, sync_bn: bool = False) -> tuple[nn.Module, DropITRe
 
 def _heads(m: ModelConfig, channels: int) -> dict[str, nn.Module]:
     """The RPN, box and mask heads of ``model.heads`` (built here because torchvision fixes
-    their widths: 1024 and 256), with ``m``'s widths."""
+    their widths: 1024 and 256), with ``m``'s widths.
+
+    Built in one fixed order (box head, box predictor, then a Mask R-CNN's mask head and
+    predictor, nothing more) because each draws its initial weights from the global generator:
+    a seed gives the weights it gave the runs committed under docs/results.
+    """
     width = m.mask_head_channels
-    if m.heads == "v2":  # torchvision's *_resnet50_fpn_v2, its norm from model.head_norm
-        norm = HEAD_NORMS[m.head_norm]
-        heads: dict[str, nn.Module] = {
-            "rpn_head": RPNHead(channels, len(_ASPECT_RATIOS), conv_depth=2),
-            "box_head": FastRCNNConvFCHead(
-                (channels, _ROI_SIZE, _ROI_SIZE), [channels] * 4, [m.box_head_width], norm
-            ),
-        }
-        mask_head = MaskRCNNHeads(channels, [width] * m.mask_head_convs, 1, norm_layer=norm)
+    norm = HEAD_NORMS[m.head_norm] if m.heads == "v2" else None
+    heads: dict[str, nn.Module] = {}
+    if norm is not None:  # torchvision's *_resnet50_fpn_v2, its norm from model.head_norm
+        heads["rpn_head"] = RPNHead(channels, len(_ASPECT_RATIOS), conv_depth=2)
+        heads["box_head"] = FastRCNNConvFCHead(
+            (channels, _ROI_SIZE, _ROI_SIZE), [channels] * 4, [m.box_head_width], norm
+        )
     else:
-        heads = {"box_head": MLPHead(channels * _ROI_SIZE**2, m.box_head_width)}
-        mask_head = MaskRCNNHeads(channels, [width] * m.mask_head_convs, dilation=1)
+        heads["box_head"] = MLPHead(channels * _ROI_SIZE**2, m.box_head_width)
     heads["box_predictor"] = FastRCNNPredictor(m.box_head_width, m.num_classes)
     if m.arch == "maskrcnn":
-        heads["mask_head"] = mask_head
+        convs = [width] * m.mask_head_convs
+        heads["mask_head"] = MaskRCNNHeads(channels, convs, dilation=1, norm_layer=norm)
         heads["mask_predictor"] = MaskRCNNPredictor(width, width, m.num_classes)
     return heads
 
