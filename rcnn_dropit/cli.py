@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable
 
 from rcnn_dropit.errors import CheckpointWriteError, UsageError, one_line
+from rcnn_dropit.provenance import note_other_checkout
 
 
 def add_opts_argument(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,7 @@ def run_cli(fn: Callable[[], object]) -> int:
     full disk is one line too, exit code 1: the message says all there is to say. Anything else
     is a bug: its full traceback, exit code 1. (A run's log.txt keeps the traceback either way.)
     """
+    note_other_checkout(sys.argv[0])  # tools/X.py of one checkout running another's code
     try:
         fn()
     except UsageError as err:

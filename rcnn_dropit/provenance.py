@@ -9,8 +9,10 @@ resume, so a run's figures can be traced to the code that made them.
 from __future__ import annotations
 
 import importlib
+import os
 import platform
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -76,3 +78,19 @@ def describe_code() -> str:
         version = "not installed"
     where = " and ".join(f"'{root}' ({git_state(root)})" for root in source_roots())
     return f"code: rcnn_dropit {version} from {where}; {library_versions()}"
+
+
+def note_other_checkout(script: str) -> None:
+    """A tools/ script of one checkout that imports another's packages (an editable install of
+    that one) says so on stderr, once per job (rank 0): its run is the other checkout's code."""
+    checkout = Path(script).resolve().parent.parent
+    if os.environ.get("RANK", "0") != "0" or not (checkout / "rcnn_dropit").is_dir():
+        return
+    if checkout in source_roots():
+        return
+    where = ", ".join(f"'{root}'" for root in source_roots())
+    print(
+        f"note: this is the checkout '{checkout}', but the packages are imported from {where}; "
+        f"run with PYTHONPATH={checkout} to use this checkout's code",
+        file=sys.stderr,
+    )

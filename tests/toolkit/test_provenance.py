@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,14 @@ import torch
 
 import dropit_core
 import rcnn_dropit
-from rcnn_dropit.provenance import describe_code, git_state, library_versions, source_roots
+from rcnn_dropit.cli import run_cli
+from rcnn_dropit.provenance import (
+    describe_code,
+    git_state,
+    library_versions,
+    note_other_checkout,
+    source_roots,
+)
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
 
@@ -61,3 +69,33 @@ def test_describe_code_names_the_imported_folders_and_libraries() -> None:
     assert f"from '{roots[0]}' (" in line
     assert f"torch {torch.__version__}" in library_versions()
     assert line.endswith(library_versions())
+
+
+def test_a_script_of_another_checkout_says_whose_code_it_runs(tmp_path, capsys) -> None:
+    (tmp_path / "rcnn_dropit").mkdir()
+    (tmp_path / "tools").mkdir()
+    note_other_checkout(str(tmp_path / "tools" / "train.py"))
+    err = capsys.readouterr().err
+    assert f"this is the checkout '{tmp_path.resolve()}'" in err
+    assert f"imported from '{source_roots()[0]}'" in err
+    assert f"PYTHONPATH={tmp_path.resolve()}" in err
+
+
+def test_a_script_of_the_imported_checkout_or_elsewhere_says_nothing(tmp_path, capsys) -> None:
+    note_other_checkout(str(source_roots()[0] / "tools" / "train.py"))
+    note_other_checkout(str(tmp_path / "tools" / "train.py"))  # a copy outside any checkout
+    assert capsys.readouterr().err == ""
+
+
+def test_only_rank_0_says_it(tmp_path, capsys, monkeypatch) -> None:
+    (tmp_path / "rcnn_dropit").mkdir()
+    monkeypatch.setenv("RANK", "1")
+    note_other_checkout(str(tmp_path / "tools" / "train.py"))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_tool_started_from_another_checkout_says_so_before_it_runs(tmp_path, capsys, monkeypatch):
+    (tmp_path / "rcnn_dropit").mkdir()
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "tools" / "train.py")])
+    assert run_cli(lambda: None) == 0
+    assert "PYTHONPATH=" in capsys.readouterr().err
