@@ -320,7 +320,8 @@ def run(
         f"{accumulating}, "
         f"{info.world_size} process(es) on {info.device.type}) into '{run_dir.root}'"
     )
-    log.info(describe_code(), extra={"file_only": True})  # which code made this run's figures
+    if info.is_main:  # which code made this run's figures (rank 0's log.txt; git asked once)
+        log.info(describe_code(), extra={"file_only": True})
     try:
         if eval_missing and parts.schedule.should_eval(start_iter):
             trainer.run_eval(start_iter)
