@@ -8,15 +8,13 @@ resume, so a run's figures can be traced to the code that made them.
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import os
 import platform
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-
-import torch
 
 PACKAGES = ("rcnn_dropit", "dropit_core")  # the code a run's numbers depend on
 
@@ -26,7 +24,9 @@ def source_roots() -> list[Path]:
     PYTHONPATH and an editable install each supply one of them."""
     roots: list[Path] = []
     for name in PACKAGES:
-        root = Path(importlib.import_module(name).__file__).resolve().parent.parent
+        module = sys.modules.get(name)  # where it was imported from, else where it would be
+        origin = module.__file__ if module is not None else importlib.util.find_spec(name).origin
+        root = Path(origin).resolve().parent.parent
         if root not in roots:
             roots.append(root)
     return roots
@@ -60,6 +60,8 @@ def git_state(root: Path, timeout: float = 5.0) -> str:
 
 def library_versions() -> str:
     """torch, torchvision, triton (where installed) and python versions, one string."""
+    import torch  # here: the tools that read no tensors (dropit-report) import no torch
+
     parts = [f"torch {torch.__version__}"]
     for name in ("torchvision", "triton"):
         try:

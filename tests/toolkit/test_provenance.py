@@ -99,3 +99,16 @@ def test_a_tool_started_from_another_checkout_says_so_before_it_runs(tmp_path, c
     monkeypatch.setattr(sys, "argv", [str(tmp_path / "tools" / "train.py")])
     assert run_cli(lambda: None) == 0
     assert "PYTHONPATH=" in capsys.readouterr().err
+
+
+def test_the_note_imports_no_torch(tmp_path) -> None:
+    # run_cli calls it for every tool, dropit-report too, which reads no tensors
+    code = (
+        "import sys; from rcnn_dropit.provenance import note_other_checkout; "
+        f"note_other_checkout({str(tmp_path / 'tools' / 'report.py')!r}); "
+        "print('torch' in sys.modules)"
+    )
+    (tmp_path / "rcnn_dropit").mkdir()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
+    assert "PYTHONPATH=" in done.stderr  # it did look up where the packages are
