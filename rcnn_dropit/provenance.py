@@ -47,6 +47,8 @@ def git_state(root: Path, timeout: float = 5.0) -> str:
         return done.stdout.strip()
 
     try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            return "not a git checkout"  # e.g. an installed copy in a .venv inside a checkout
         commit = git("rev-parse", "--short", "HEAD")
         changed = git("status", "--porcelain", "--untracked-files=no", "--", *PACKAGES)
     except FileNotFoundError:

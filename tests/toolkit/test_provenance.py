@@ -53,6 +53,14 @@ def test_git_state_names_the_commit_and_uncommitted_edits_of_the_packages(tmp_pa
 @needs_git
 def test_git_state_outside_a_checkout(tmp_path) -> None:
     assert git_state(tmp_path) == "not a git checkout"
+    # an installed copy inside a checkout (a .venv's site-packages) is not that checkout's code
+    (tmp_path / "README").write_text("a checkout\n")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "first")
+    site = tmp_path / ".venv" / "site-packages"
+    (site / "rcnn_dropit").mkdir(parents=True)
+    assert git_state(site) == "not a git checkout"
 
 
 def test_git_state_without_git(tmp_path, monkeypatch) -> None:
