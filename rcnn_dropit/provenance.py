@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -32,9 +33,23 @@ def source_roots() -> list[Path]:
     return roots
 
 
-def git_state(root: Path, timeout: float = 5.0) -> str:
-    """'commit abc1234', with ' + uncommitted changes' when the packages differ from it, or why
-    there is no commit to name (not a git checkout, git missing or too slow)."""
+COMMIT_ENV = "RCNN_DROPIT_COMMIT"  # names the commit of a tree whose .git is not its own
+
+
+class NoCommit(Exception):
+    """Why no commit can be named: the message says (not a checkout, git missing or slow)."""
+
+
+def read_commit(
+    root: Path, paths: Sequence[str] = (), digits: int = 7, timeout: float = 5.0
+) -> tuple[str, bool]:
+    """The commit of the checkout whose top is ``root``, and whether tracked files (under
+    ``paths``, all when empty) differ from it. ``$RCNN_DROPIT_COMMIT`` wins when set: a copy of a
+    working tree (a GPU lease's) reads another tree's .git, and its caller knows better.
+    Raises NoCommit with the reason when there is none."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given:
+        return given, False
 
     def git(*args: str) -> str:
         done = subprocess.run(
@@ -48,15 +63,27 @@ def git_state(root: Path, timeout: float = 5.0) -> str:
 
     try:
         if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
-            return "not a git checkout"  # e.g. an installed copy in a .venv inside a checkout
-        commit = git("rev-parse", "--short", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no", "--", *PACKAGES)
+            raise NoCommit("not a git checkout")  # e.g. an installed copy in a checkout's .venv
+        commit = git("rev-parse", f"--short={digits}", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", *paths)
     except FileNotFoundError:
-        return "git not found"
+        raise NoCommit("git not found") from None
     except subprocess.TimeoutExpired:
-        return "git did not answer"
+        raise NoCommit("git did not answer") from None
     except subprocess.CalledProcessError:
-        return "not a git checkout"
+        raise NoCommit("not a git checkout") from None
+    return commit, bool(changed)
+
+
+def git_state(root: Path, timeout: float = 5.0) -> str:
+    """'commit abc1234', with ' + uncommitted changes' when the packages differ from it, or why
+    there is no commit to name (not a git checkout, git missing or too slow)."""
+    try:
+        commit, changed = read_commit(root, PACKAGES, timeout=timeout)
+    except NoCommit as why:
+        return str(why)
+    if os.environ.get(COMMIT_ENV, "").strip():
+        return f"commit {commit} (from ${COMMIT_ENV})"
     return f"commit {commit}" + (" + uncommitted changes" if changed else "")
 
 

@@ -11,9 +11,9 @@
 # finished stage's log; the GPU table writes its step columns before its batch search. If the
 # table fails within a minute (a kernel that does not compile), it runs again with
 # DROPIT_KERNELS=eager, into bench_gpu_eager.json. A copy whose .git is not the tree's own (a
-# lease's) names the tree's commit with RCNN_DROPIT_COMMIT=<hash> for the JSON files. Into $OUT
-# (default gpu_out): summary.txt, the JSON files and logs.tgz (every stage's log), fewer than
-# the 8 files a lease hands back. docs/gpu.md shows the call that ran it on an H200.
+# lease's) names the tree's commit with RCNN_DROPIT_COMMIT=<hash> for the JSON files and the
+# log.txt of a training. Into $OUT (default gpu_out): summary.txt, the JSON files and logs.tgz
+# (every stage's log), fewer than the 8 files a lease hands back. docs/gpu.md shows the call that ran it on an H200.
 set -u
 budget=${1:-540}
 OUT=${OUT:-gpu_out}

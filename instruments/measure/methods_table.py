@@ -14,12 +14,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rcnn_dropit.errors import UsageError
+from rcnn_dropit.provenance import NoCommit, read_commit
 
 # A record's key, and the bench row's key it is taken from.
 METHOD_KEYS: dict[str, str] = {
@@ -84,34 +84,17 @@ _COLUMNS: tuple[tuple[str, str, int | None], ...] = (
 )
 
 
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", *args],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-COMMIT_ENV = "RCNN_DROPIT_COMMIT"
+CHECKOUT = Path(__file__).resolve().parents[2]  # the tree whose commit the figures name
 
 
 def _commit() -> str:
-    """The checkout's commit, ``-dirty`` when tracked files differ from it; ``$RCNN_DROPIT_COMMIT``
-    when set (a copy of a working tree whose .git is not the tree's own: a GPU lease's copy
-    read the session's first commit there, tools/gpu_session.sh)."""
-    given = os.environ.get(COMMIT_ENV, "").strip()
-    if given:
-        return given
-    head = _git("rev-parse", "--short=12", "HEAD")
-    if head is None:
-        return "unknown (not a git checkout)"
-    return head + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+    """The checkout's commit, ``-dirty`` when tracked files differ from it, or
+    ``$RCNN_DROPIT_COMMIT`` when set (rcnn_dropit.provenance.read_commit)."""
+    try:
+        head, changed = read_commit(CHECKOUT, digits=12, timeout=30)
+    except NoCommit as why:
+        return f"unknown ({why})"
+    return head + ("-dirty" if changed else "")
 
 
 def _cpu_name() -> str:

@@ -50,6 +50,7 @@ from instruments.measure.workload import (
     setting_config,
     step_loss,
 )
+from rcnn_dropit import provenance
 from rcnn_dropit.errors import UsageError
 from tests.helpers import REPO
 
@@ -480,9 +481,9 @@ def test_provenance_names_the_run() -> None:
 
 
 def test_provenance_takes_the_commit_it_is_given(monkeypatch) -> None:
-    monkeypatch.setenv(methods_table.COMMIT_ENV, "c8deef3")  # a copy whose .git is not its own
+    monkeypatch.setenv(provenance.COMMIT_ENV, "c8deef3")  # a copy whose .git is not its own
     assert methods_table.provenance("python tools/bench.py", quiet=True)["commit"] == "c8deef3"
-    monkeypatch.setenv(methods_table.COMMIT_ENV, "")
+    monkeypatch.setenv(provenance.COMMIT_ENV, "")
     assert methods_table.provenance("python tools/bench.py", quiet=True)["commit"] != ""
 
 

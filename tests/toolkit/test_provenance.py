@@ -14,10 +14,13 @@ import dropit_core
 import rcnn_dropit
 from rcnn_dropit.cli import run_cli
 from rcnn_dropit.provenance import (
+    COMMIT_ENV,
+    NoCommit,
     describe_code,
     git_state,
     library_versions,
     note_other_checkout,
+    read_commit,
     source_roots,
 )
 
@@ -51,6 +54,25 @@ def test_git_state_names_the_commit_and_uncommitted_edits_of_the_packages(tmp_pa
 
 
 @needs_git
+def test_read_commit_with_all_tracked_files_or_a_given_commit(tmp_path, monkeypatch) -> None:
+    (tmp_path / "notes.txt").write_text("tracked\n")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "first")
+    commit = git(tmp_path, "rev-parse", "--short=12", "HEAD")
+    assert read_commit(tmp_path, digits=12) == (commit, False)
+    (tmp_path / "notes.txt").write_text("edited\n")
+    assert read_commit(tmp_path, digits=12) == (commit, True)  # no paths: every tracked file
+    assert read_commit(tmp_path, ("rcnn_dropit",)) == (commit[:7], False)
+    # a GPU lease's copy of a tree reads another tree's .git: the caller names the commit
+    monkeypatch.setenv(COMMIT_ENV, "c8deef3")
+    assert read_commit(tmp_path) == ("c8deef3", False)
+    assert git_state(tmp_path) == f"commit c8deef3 (from ${COMMIT_ENV})"
+    monkeypatch.setenv(COMMIT_ENV, " ")
+    assert read_commit(tmp_path, digits=12) == (commit, True)
+
+
+@needs_git
 def test_git_state_outside_a_checkout(tmp_path) -> None:
     assert git_state(tmp_path) == "not a git checkout"
     # an installed copy inside a checkout (a .venv's site-packages) is not that checkout's code
@@ -61,6 +83,8 @@ def test_git_state_outside_a_checkout(tmp_path) -> None:
     site = tmp_path / ".venv" / "site-packages"
     (site / "rcnn_dropit").mkdir(parents=True)
     assert git_state(site) == "not a git checkout"
+    with pytest.raises(NoCommit, match="not a git checkout"):
+        read_commit(site)
 
 
 def test_git_state_without_git(tmp_path, monkeypatch) -> None:
