@@ -10,7 +10,7 @@ Conversion swaps the class of matching ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -138,6 +138,7 @@ _DROPIT_CLASS: dict[type, type] = {
 }
 _PLAIN_CLASS = {v: k for k, v in _DROPIT_CLASS.items()}
 _DROPIT_NORMS = frozenset(NORM_CLASSES.values())
+_NORM_KINDS = frozenset(plain.__name__ for plain in NORM_CLASSES)  # as ConvertedLayer.kind
 # Layers that keep what their backward reads without a strategy's pack: how the record names it.
 _UNCACHED = {nn.ReLU: "relu-mask", nn.MaxPool2d: "pool-winner-byte"}
 
@@ -287,7 +288,8 @@ _RECORD_ATTRIBUTE = "_dropit_record"
 
 
 def dropit_record(model: nn.Module) -> DropITRecord:
-    """What :func:`to_dropit` converted in ``model``: its layers in model order and settings."""
+    """What :func:`to_dropit` converted in ``model`` and is still converted: its layers in model
+    order and settings (a part turned back by :func:`from_dropit` is no longer counted)."""
     record = model.__dict__.get(_RECORD_ATTRIBUTE)
     if record is None:
         raise ValueError(
@@ -295,7 +297,24 @@ def dropit_record(model: nn.Module) -> DropITRecord:
             "from_dropit undid it (for a DistributedDataParallel or compiled model, pass the "
             "module that to_dropit converted)"
         )
-    return record
+    # from_dropit on a part turns its layers back without reaching the whole's record: read
+    # which layers are still DropIT ones instead of trusting the list made at conversion.
+    modules = dict(model.named_modules())
+    live = [layer for layer in record if type(modules.get(layer.path)) in _PLAIN_CLASS]
+    if len(live) == len(record):
+        return record
+    return DropITRecord(live, [_recount(s, live) for s in record.settings], record.skipped)
+
+
+def _recount(setting: AppliedSetting, layers: Sequence[ConvertedLayer]) -> AppliedSetting:
+    """``setting`` with its counts taken from ``layers`` (those its rule converted)."""
+    kinds = [layer.kind for layer in layers if layer.rule == (setting.rule or 0)]
+    relus = kinds.count(nn.ReLU.__name__)
+    pools = kinds.count(nn.MaxPool2d.__name__)
+    norms = sum(kind in _NORM_KINDS for kind in kinds)
+    return replace(
+        setting, layers=len(kinds) - relus - pools - norms, relus=relus, norms=norms, pools=pools
+    )
 
 
 # A module whose class sets this attribute to True runs its forward under activation
@@ -333,9 +352,8 @@ def _applied(rule: Rule, chosen: list[tuple[str, nn.Module, Rule]]) -> AppliedSe
 
 def from_dropit(model: M) -> M:
     """Turn every DropIT layer of ``model`` back into its plain class, in place; its record
-    (:func:`dropit_record`) goes too. Give it the module ``to_dropit`` converted: a part of it
-    turns back all the same, but the record of the whole, which it cannot reach, still lists the
-    part's layers."""
+    (:func:`dropit_record`) goes too. Given a part of the module ``to_dropit`` converted, it
+    turns that part back, and the whole's record no longer counts the part's layers."""
     for module in model.modules():
         module.__dict__.pop(_RECORD_ATTRIBUTE, None)  # to_dropit may have converted a submodule
         plain = _PLAIN_CLASS.get(type(module))

@@ -155,6 +155,13 @@ def test_record_counts_norms_and_pools() -> None:
     assert "2 normalisation layers, 1 max-pools" in record.summary()
     labels = {layer.path: layer.strategy for layer in record}
     assert labels["3"] == "pool-winner-byte" and labels["1"] == "quant(bits=4, group=256)"
+    # from_dropit on one of two halves: the whole's record counts the other half alone
+    whole = to_dropit(
+        nn.Sequential(_net(NORMS["bn"]), _net(NORMS["gn"])), "quant", norm=True, pool=True
+    )
+    from_dropit(whole[0])
+    (setting,) = dropit_core.dropit_record(whole).settings
+    assert (setting.layers, setting.norms, setting.pools, setting.relus) == (2, 2, 1, 2)
 
 
 def test_a_rule_of_norms_alone_is_allowed() -> None:

@@ -251,6 +251,24 @@ def test_state_dict_unchanged_and_from_dropit_restores() -> None:
     assert len(record) == 13
 
 
+def test_from_dropit_on_a_part_leaves_the_whole_record_counting_the_rest() -> None:
+    model = to_dropit(_model(), rules=MIXED)
+    whole = dropit_record(model)
+    before = whole.summary()
+    from_dropit(model.roi_heads)  # a part: its record is the whole's, out of its reach
+    record = dropit_record(model)
+    assert [r.path for r in record] == BACKBONE
+    assert [r.path for r in record] == _converted_paths(model)
+    backbone, heads = record.settings
+    assert (backbone.layers, backbone.relus) == (2, 2)
+    assert (heads.layers, heads.relus, heads.norms, heads.pools) == (0, 0, 0, 0)
+    assert "quant(bits=4, group=256): 0 conv/linear layers and 0 ReLUs" in record.summary()
+    assert whole.summary() == before  # a record already handed out is not changed under it
+    from_dropit(model)
+    with pytest.raises(ValueError, match="no DropIT record"):
+        dropit_record(model)
+
+
 def test_forward_unchanged_by_conversion() -> None:
     plain = _model()
     drop = copy.deepcopy(plain)
