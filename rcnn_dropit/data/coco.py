@@ -21,7 +21,7 @@ from torchvision.transforms.functional import pil_to_tensor
 
 from rcnn_dropit.errors import MissingPathError, UsageError
 
-from .coco_check import check_coco
+from .coco_check import check_coco, far_polygon_point
 
 Transform = Callable[[torch.Tensor, dict, random.Random], tuple[torch.Tensor, dict]]
 
@@ -60,6 +60,12 @@ def segmentation_to_mask(seg: Any, height: int, width: int) -> np.ndarray:
         polys = [p for p in seg if len(p) >= 6]
         if not polys:
             return np.zeros((height, width), dtype=np.uint8)
+        for poly in polys:  # before pycocotools: its memory grows with the polygon's extent
+            point = far_polygon_point(poly, width, height)
+            if point is not None:
+                raise ValueError(
+                    f"polygon point {point} lies far outside the image ({width}x{height})"
+                )
         rle = mask_utils.merge(mask_utils.frPyObjects(polys, height, width))
     elif isinstance(seg, dict) and "counts" in seg and "size" in seg:
         if list(seg["size"]) != [height, width]:

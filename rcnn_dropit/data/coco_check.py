@@ -108,6 +108,42 @@ def _check_annotation(ann: dict, bad: _Bad) -> None:
     _check_segmentation(ann.get("segmentation"), ann_id, bad)
 
 
+# pycocotools rasterises a polygon edge by edge at 5x its resolution, holding every edge point at
+# once: about 115 bytes per pixel of perimeter, so one coordinate of 2e8 asks for some 23 GB and
+# the kernel kills the process. Points of a real polygon lie on their image or next to it.
+FAR = 1.0  # how far beyond its image's edges, in image widths or heights, a point may lie
+
+
+def far_polygon_point(polygon: list, width: int, height: int) -> tuple[float, float] | None:
+    """The first point of ``polygon`` ([x1, y1, x2, y2, ...]) that lies more than ``FAR`` image
+    sizes beyond the image's edges, or None."""
+    xs, ys = polygon[0::2], polygon[1::2]
+    low_x, high_x = -FAR * width, (1 + FAR) * width
+    low_y, high_y = -FAR * height, (1 + FAR) * height
+    if not ys or (low_x <= min(xs) <= max(xs) <= high_x and low_y <= min(ys) <= max(ys) <= high_y):
+        return None  # the usual case, at C speed (COCO has over a million polygons)
+    for x, y in zip(xs, ys, strict=False):
+        if not (low_x <= x <= high_x and low_y <= y <= high_y):
+            return x, y
+    return None  # an odd-length list: its last x has no y, as pycocotools reads it
+
+
+def _check_polygons_on_images(data: dict, bad: _Bad) -> None:
+    sizes = {img["id"]: (img["width"], img["height"]) for img in data["images"]}
+    for ann in data["annotations"]:
+        seg, size = ann.get("segmentation"), sizes.get(ann["image_id"])
+        if not isinstance(seg, list) or size is None:
+            continue  # RLE carries its own size; an unknown image is reported where it is used
+        for polygon in seg:
+            point = far_polygon_point(polygon, *size)
+            if point is not None:
+                bad(
+                    f"annotation {ann['id']} has a polygon point {_short(point)} far outside "
+                    f"its image ({size[0]}x{size[1]}); expected points within one image size "
+                    "of it (pycocotools would need memory in proportion to the distance)"
+                )
+
+
 def check_coco(data: Any, where: str) -> None:
     """Raise UsageError('<where> is not a COCO file: ...') for the first bad entry of data."""
     bad = _Bad(where)
@@ -121,3 +157,4 @@ def check_coco(data: Any, where: str) -> None:
     _object_list(data, "categories", ("id",), bad)
     for ann in _object_list(data, "annotations", REQUIRED_ANN, bad, unique=False):
         _check_annotation(ann, bad)
+    _check_polygons_on_images(data, bad)

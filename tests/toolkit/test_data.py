@@ -349,6 +349,29 @@ def test_error_unknown_category(tmp_path):
         CocoDetection(images, ann, train=True)
 
 
+def test_a_polygon_far_outside_its_image_is_refused_before_pycocotools(tmp_path):
+    # pycocotools' memory grows with a polygon's extent (some 23 GB for a point at 2e8): such a
+    # file is refused at load, by the image's size, and a point next to the image still loads
+    images, ann = tiny_coco(tmp_path)
+    doc = json.loads(ann.read_text())
+    doc["annotations"][0]["segmentation"] = [[-20, -10, 40, 2, 40, 20, 15, 6]]  # one size out
+    ann.write_text(json.dumps(doc))
+    _, target = CocoDetection(images, ann, train=False)[0]
+    assert target["masks"][0].sum() > 0
+    doc["annotations"][0]["segmentation"] = [[15, 2, 20, 2, 2e8, 6, 15, 6]]
+    ann.write_text(json.dumps(doc))
+    with pytest.raises(
+        ValueError, match=r"annotation 10 has a polygon point \(200000000.0, 6\) far"
+    ):
+        CocoDetection(images, ann, train=False)
+    doc["annotations"][0]["segmentation"] = [[15, 2, 20, 2, 20, -10.5, 15, 6]]
+    ann.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"point \(20, -10.5\) far outside its image \(20x10\)"):
+        CocoDetection(images, ann, train=True)
+    with pytest.raises(ValueError, match=r"point \(15, 400000000.0\) lies far outside the image"):
+        segmentation_to_mask([[0, 0, 15, 4e8, 9, 9]], 10, 20)
+
+
 def test_missing_and_unreadable_images(tmp_path):
     images, ann = tiny_coco(tmp_path)
     (images / "a.png").unlink()

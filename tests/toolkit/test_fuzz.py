@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from tests.helpers import FASTER_CFG
 CLEAR_ERRORS = (ValueError, FileNotFoundError)
 FUZZ = settings(
     max_examples=200,
+    # The same 200 examples in every CI run, so that a run passes or fails by the code alone;
+    # RCNN_DROPIT_FUZZ=explore draws new ones (how a polygon at 2e8 that needed 23 GB was found).
+    derandomize=os.environ.get("RCNN_DROPIT_FUZZ") != "explore",
     deadline=None,
     database=None,  # nothing written into the checkout
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
