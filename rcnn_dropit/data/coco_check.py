@@ -109,8 +109,8 @@ def _check_annotation(ann: dict, bad: _Bad) -> None:
 
 
 # pycocotools rasterises a polygon edge by edge at 5x its resolution, holding every edge point at
-# once: about 115 bytes per pixel of perimeter, so one coordinate of 2e8 asks for some 23 GB and
-# the kernel kills the process. Points of a real polygon lie on their image or next to it.
+# once: about 115 bytes per pixel of extent (4.6 GB for a point at 4e7, measured), so a point at
+# 2e8 would ask for some 23 GB. Points of a real polygon lie on their image or next to it.
 FAR = 1.0  # how far beyond its image's edges, in image widths or heights, a point may lie
 
 
