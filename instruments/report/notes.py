@@ -36,6 +36,8 @@ converged TARGET FAMILY    whether the gain from A to B is below the study's   `
 state TARGET FAMILY        the verdict table's state of the paired Δ           ``inconclusive``
 meets TARGET FAMILY        whether the paired interval's lower end is at or    ``misses``
                            above minus the verdict's tolerance (AP kept)
+margin TARGET FAMILY       how far that lower end lies above (+) or below (-)  ``+0.002``
+                           minus the tolerance, to 3 decimals: a close call
 vs TARGET OTHER FAMILY     paired Δ of TARGET against OTHER (any two)          ``-1.1``
 saved TARGET               saved activations / the baseline's, mean per seed   ``0.55x``
 n TARGET                   seeds paired with the baseline                      ``3``
@@ -75,6 +77,7 @@ from instruments.report.seeded import (
 from instruments.report.verdict import (
     CONVERGED_GAIN,
     ONE_SEED,
+    TOLERANCE,
     family_state,
     rules_out_loss,
 )
@@ -378,6 +381,14 @@ def _meets(sources: Sources, target: str, word: str) -> str:
     return "meets" if rules_out_loss(state) else "misses"
 
 
+def _margin(sources: Sources, target: str, word: str) -> str:
+    """The lower end's distance from the target's bound, where one decimal would hide it."""
+    low = _paired(sources, target, word).low
+    if low is None:
+        raise _Bad("an interval needs 2 paired seeds or more")
+    return f"{low + TOLERANCE:+.3f}"
+
+
 def _vs(sources: Sources, target: str, other: str, word: str) -> str:
     t, o = _target(target, sources.found), _target(other, sources.found)
     d = paired(_runs(sources.found, t), _runs(sources.found, o), _family(word))
@@ -513,6 +524,7 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "converged": (_converged, ("TARGET", "FAMILY", "A", "B")),
     "state": (_state, ("TARGET", "FAMILY")),
     "meets": (_meets, ("TARGET", "FAMILY")),
+    "margin": (_margin, ("TARGET", "FAMILY")),
     "vs": (_vs, ("TARGET", "OTHER", "FAMILY")),
     "saved": (_saved, ("TARGET",)),
     "n": (_n, ("TARGET",)),

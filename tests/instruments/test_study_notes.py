@@ -125,6 +125,9 @@ def sources(tmp_path: Path) -> Sources:
         ("dmean ft/mink box", "-1.5"),
         ("dlow ft/mink box", "-2.7"),
         ("dhigh ft/mink mask", "+1.6"),
+        # lower ends -2.742 and -2.231 against the bound -1
+        ("margin ft/mink box", "-1.742"),
+        ("margin ft/mink mask", "-1.231"),
         # seeds 1-2 only, as the notes read a setting before more seeds came: box Δ -2, -1,
         # mean -1.5, sd 0.707, half-width t(1) 12.706 x 0.707 / sqrt(2) = 6.35
         ("d ft/mink_s1-2 box", "-1.5 [-7.9, +4.9]"),
@@ -191,7 +194,7 @@ def test_every_function_is_tested() -> None:
     tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow", "nabove", "dat"}
     tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench", "same", "dhalf"}
     tested |= {"dlow", "dhigh", "seedlist", "apat", "gain", "gainseeds", "converged", "state"}
-    tested |= {"meets"}
+    tested |= {"meets", "margin"}
     assert set(FUNCTIONS) == tested
 
 
@@ -214,6 +217,7 @@ def test_text_without_placeholders_is_unchanged(sources: Sources) -> None:
         ("{{d ft/mink_s3-1 box}}", "seed range '3-1' runs backwards"),
         ("{{dlow ft/mink_s1 box}}", "an interval needs 2 paired seeds"),
         ("{{dhigh ft/mink_2x mask}}", "an interval needs 2 paired seeds"),  # 1 paired of 2
+        ("{{margin ft/mink_s1 box}}", "an interval needs 2 paired seeds"),
         ("{{seedlist xx}}", "no regime 'xx'"),
         ("{{same ft/mink_s1-2 ft/baseline_s1}}", "names 2 runs; name one"),
         ("{{d ft/mink bx}}", "family 'bx' is not one of box, mask"),
