@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from instruments.measure.study_plan import PRETRAIN, TIMES_FILE, Plan, plan_runs
-from instruments.report.choice import choice_table, replace_block
+from instruments.report.choice import choice_table, other_regime_lines, replace_block
 from instruments.report.goal import (
     BENCH_FILE,
     Goal,
@@ -491,6 +491,8 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
         *goal_lines(found.get(GOAL.regime, {}), plan),
     ]
     choice = choice_lines(found.get(GOAL.regime, {}), plan)
+    others = other_regime_lines(found, GOAL.regime, GOAL.seeds)
+    choice += ["", *others] if others else []
     lines += ["## Choosing a method", "", *choice, ""]
     if plan.notes is not None and plan.notes.is_file():  # the analysis a person wrote
         lines += [render_notes(plan, found, f"{command} --report-only"), ""]

@@ -58,6 +58,40 @@ def choice_table(
     return lines
 
 
+def other_regime_lines(
+    found: Mapping[str, Mapping[str, Seeds]], goal_regime: str, min_seeds: int
+) -> list[str]:
+    """The settings of the other regimes that are paired with their baseline on ``min_seeds``
+    seeds or more, each family's interval with its state (a paragraph and a table; nothing when
+    there are none): what the study says outside the regime the goal is judged in."""
+    rows = []
+    for regime, settings in found.items():
+        if regime == goal_regime:
+            continue
+        for setting, runs in settings.items():
+            base = settings.get(baseline_of(setting, settings) or "", {})
+            n = len(set(runs) & set(base))
+            if is_reference(setting) or n < min_seeds:
+                continue
+            cells = [
+                "-" if f is None else f"{paired_text(f[0])} ({f[1]})"
+                for f in family_diffs(runs, base)
+            ]
+            iterations = max(run.iterations for run in runs.values())
+            rows.append(f"| {regime} | {setting} | {iterations} | {n} | {' | '.join(cells)} |")
+    if not rows:
+        return []
+    return [
+        f"**Other regimes, at {min_seeds} seeds or more** (each setting paired with its "
+        "regime's baseline; the same interval rule, box and mask apart; not judged against the "
+        "goal):",
+        "",
+        "| regime | setting | iterations | seeds | Δ box AP [95% CI] | Δ mask AP [95% CI] |",
+        "|---|---|---:|---:|---|---|",
+        *rows,
+    ]
+
+
 def replace_block(text: str, lines: Sequence[str], where: str) -> str:
     """``text`` with the lines between the BEGIN and END markers replaced by ``lines``."""
     start, end = text.find(BEGIN), text.find(END)

@@ -674,6 +674,19 @@ def test_choice_table_puts_the_interval_beside_the_bench() -> None:
     assert len(rows) == 4  # baselines are no rows
 
 
+def test_other_regimes_list_the_settings_paired_on_enough_seeds() -> None:
+    from instruments.report.choice import other_regime_lines
+
+    # "long": 3 seeds of 4-bit, box Δ -0.5 [-1.2, +0.2], mask Δ +0.0 [-0.5, +0.5]
+    lines = other_regime_lines(FOUND, "ft", 3)
+    assert lines[0].startswith("**Other regimes, at 3 seeds or more**")
+    assert lines[4] == (
+        "| long | quant | 8 | 3 | -0.5 [-1.2, +0.2] (inconclusive) | +0.0 [-0.5, +0.5] (keeps) |"
+    )
+    assert len(lines) == 5  # the goal's regime, baselines and fewer seeds are no rows
+    assert other_regime_lines(FOUND, "ft", 4) == []
+
+
 def test_choice_names_the_recommended_setting_and_its_config(tmp_path: Path) -> None:
     from instruments.measure.study_report import choice_lines
 
