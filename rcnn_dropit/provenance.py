@@ -117,9 +117,10 @@ def note_other_checkout(script: str) -> None:
     checkout = Path(script).resolve().parent.parent
     if os.environ.get("RANK", "0") != "0" or not (checkout / "rcnn_dropit").is_dir():
         return
-    if checkout in source_roots():
+    roots = source_roots()
+    if checkout in roots:
         return
-    where = ", ".join(f"'{root}'" for root in source_roots())
+    where = ", ".join(f"'{root}'" for root in roots)
     print(
         f"note: this is the checkout '{checkout}', but the packages are imported from {where}; "
         f"run with PYTHONPATH={checkout} to use this checkout's code",

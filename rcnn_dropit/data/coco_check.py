@@ -128,20 +128,18 @@ def far_polygon_point(polygon: list, width: int, height: int) -> tuple[float, fl
     return None  # an odd-length list: its last x has no y, as pycocotools reads it
 
 
-def _check_polygons_on_images(data: dict, bad: _Bad) -> None:
-    sizes = {img["id"]: (img["width"], img["height"]) for img in data["images"]}
-    for ann in data["annotations"]:
-        seg, size = ann.get("segmentation"), sizes.get(ann["image_id"])
-        if not isinstance(seg, list) or size is None:
-            continue  # RLE carries its own size; an unknown image is reported where it is used
-        for polygon in seg:
-            point = far_polygon_point(polygon, *size)
-            if point is not None:
-                bad(
-                    f"annotation {ann['id']} has a polygon point {_short(point)} far outside "
-                    f"its image ({size[0]}x{size[1]}); expected points within one image size "
-                    "of it (pycocotools would need memory in proportion to the distance)"
-                )
+def _check_polygons_on_image(ann: dict, size: tuple[int, int] | None, bad: _Bad) -> None:
+    seg = ann.get("segmentation")
+    if not isinstance(seg, list) or size is None:
+        return  # RLE carries its own size; an unknown image is reported where it is used
+    for polygon in seg:
+        point = far_polygon_point(polygon, *size)
+        if point is not None:
+            bad(
+                f"annotation {ann['id']} has a polygon point {_short(point)} far outside "
+                f"its image ({size[0]}x{size[1]}); expected points within one image size "
+                "of it (pycocotools would need memory in proportion to the distance)"
+            )
 
 
 def check_coco(data: Any, where: str) -> None:
@@ -152,9 +150,11 @@ def check_coco(data: Any, where: str) -> None:
     for name in REQUIRED_TOP:
         if name not in data:
             bad(f"missing key '{name}'")
-    for img in _object_list(data, "images", REQUIRED_IMAGE, bad):
+    images = _object_list(data, "images", REQUIRED_IMAGE, bad)
+    for img in images:
         _check_image(img, bad)
+    sizes = {img["id"]: (img["width"], img["height"]) for img in images}
     _object_list(data, "categories", ("id",), bad)
     for ann in _object_list(data, "annotations", REQUIRED_ANN, bad, unique=False):
         _check_annotation(ann, bad)
-    _check_polygons_on_images(data, bad)
+        _check_polygons_on_image(ann, sizes.get(ann["image_id"]), bad)
