@@ -26,12 +26,14 @@ store (normally 0). ``CompressSaved()`` keeps every large tensor autograd saves 
 for what ``to_dropit`` cannot convert; ``compress_saved(model)`` opens that block around each
 training forward, for a loop that cannot be edited. ``lean_frozen_batchnorm(model)`` swaps
 torchvision's ``FrozenBatchNorm2d`` for one that keeps its input's dtype under autocast
-(bit-equal in fp32).
+(bit-equal in fp32); ``lean_detector(model)`` does that and gives a torchvision R-CNN a forward
+that releases each large map after its last use (bit-equal in fp32 too).
 :mod:`dropit_core.memory` measures what autograd keeps and the memory of a training step.
 """
 
 from .base import Packed, Strategy
 from .frozen_norm import FrozenBatchNorm2d, is_frozen_batchnorm, lean_frozen_batchnorm
+from .lean import lean_detector
 from .packing import VALUE_FORMATS
 from .patch import (
     CHECKPOINTED_ATTRIBUTE,
@@ -81,6 +83,7 @@ __all__ = [
     "is_checkpointed",
     "is_dropit",
     "is_frozen_batchnorm",
+    "lean_detector",
     "lean_frozen_batchnorm",
     "register_strategy",
     "saved_compression",

@@ -55,6 +55,40 @@ def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+# Elements per slice of the ReLU mask's pack and apply: a multiple of 8 (whole bytes of flags);
+# the temporaries of a slice (a byte and a few int64 words per element) stay a few MB.
+MASK_SLICE = 1 << 20
+
+
+def pack_blocked(out: torch.Tensor) -> torch.Tensor:
+    """``pack_bits((out <= 0).reshape(-1))``, a slice at a time: the same bytes, with the
+    comparison's and the packing's temporaries a slice's, not a whole map's (at the RPN's P2
+    conv they were the largest transients of a DropIT forward)."""
+    flat = out.reshape(-1)
+    n = flat.numel()
+    if n <= MASK_SLICE:
+        return pack_bits(flat <= 0)
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=out.device)
+    for start in range(0, n, MASK_SLICE):
+        part = flat[start : start + MASK_SLICE]
+        pack_bits(part <= 0, out=bits[start // 8 : (start + part.numel() + 7) // 8])
+    return bits
+
+
+def zero_flagged_sliced(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """:func:`zero_flagged`, a slice at a time into one result: the same values, with the
+    flags' temporaries (a byte and a value's width per element) a slice's."""
+    n = values.numel()
+    if n <= MASK_SLICE:
+        return zero_flagged(values, bits)
+    flat = values.reshape(-1)
+    result = torch.empty(n, dtype=values.dtype, device=values.device)
+    for start in range(0, n, MASK_SLICE):
+        stop = min(start + MASK_SLICE, n)
+        result[start:stop] = zero_flagged(flat[start:stop], bits[start // 8 : (stop + 7) // 8])
+    return result.view(values.shape)
+
+
 def zero_flagged(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``values.masked_fill(flags, 0)`` for the flags packed in ``bits``, without a branch.
 

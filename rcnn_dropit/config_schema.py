@@ -46,7 +46,14 @@ class ModelConfig:
     # How the FPN's top-down path computes under CUDA autocast: "lean" upsamples in the
     # features' dtype (F.interpolate is on CUDA autocast's fp32 list); "torchvision" carries
     # that path in fp32, as torchvision's FPN does: kept only to measure against.
+    # The FPN's forward: "lean" also adds each top-down map into its lateral in place and lets
+    # every map go after its last use (dropit_core.lean_detection; bit-equal in fp32).
     fpn: str = _f("lean", choices=("lean", "torchvision"))
+    # The detector's, backbone's and RoI poolers' forward: "lean" hands the body's maps to the
+    # FPN and the pyramid to the heads, which release them after their last use (the mask head
+    # runs without P2-P6 alive); "torchvision" holds them to the end: kept only to measure
+    # against. Outputs, losses and gradients are the same bit for bit in fp32.
+    forward: str = _f("lean", choices=("lean", "torchvision"))
     num_classes: int = _f(91, ge=2)
     min_size: int = _f(800, ge=1)
     max_size: int = _f(1333, ge=1)

@@ -8,6 +8,12 @@ memory), host against kernel time and the ops with the most host time (time), or
 functions with the most time of their own (python); or, once, the host's cost of a launch:
 an aten op, a bare Triton launch and each DropIT wrapper (launch). Needs CUDA; prints text
 (instruments/measure/gpu_probe.py; docs/gpu.md says what a run of it showed on an H200).
+
+``--what live`` runs on any device (``--device cpu``, fp32 there): the tensors alive at the
+training forward's peak, by the line that made them, split into what backward keeps and the
+forward's working set (instruments/measure/live_probe.py):
+
+    python tools/gpu_probe.py --what live --device cpu --images 2 --settings baseline quant_4bit
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from pathlib import Path
 import torch
 
 from instruments.measure import gpu_probe as probe
+from instruments.measure import live_probe
 from instruments.measure.workload import (
     detector,
     make_batch,
@@ -32,7 +39,27 @@ from rcnn_dropit.cli import run_cli
 from rcnn_dropit.errors import UsageError
 
 
+def _live(args: argparse.Namespace) -> None:
+    """The forward's live tensors at its peak, per setting and batch (any device)."""
+    device = torch.device(args.device)
+    amp = args.amp or ("fp16" if device.type == "cuda" else "none")
+    base = recipe_config(args.scratch, args.image_size)
+    for setting in plan_settings(args.plan, args.settings):
+        model = detector(setting_config(base, setting)).to(device).train()
+        for n in args.images:
+            batch = make_batch(args.image_size, device, n)
+            print(f"== {setting.name}, {n} images of {args.image_size} px, {device} amp {amp}")
+            step_loss(model, batch, amp).backward()  # warm: lazy state, compiled packs
+            model.zero_grad(set_to_none=True)
+            report = live_probe.forward_report(model, batch, amp)
+            print("\n".join(report.lines(args.top)), flush=True)
+        del model
+
+
 def _probe(args: argparse.Namespace) -> None:
+    if args.what == "live":
+        _live(args)
+        return
     if not torch.cuda.is_available():
         raise UsageError("gpu_probe needs a CUDA device; none is available here")
     if args.what == "launch":
@@ -70,7 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="lines per list")
     parser.add_argument(
-        "--what", choices=["both", "memory", "time", "python", "launch"], default="both"
+        "--what", choices=["both", "memory", "time", "python", "launch", "live"], default="both"
+    )
+    parser.add_argument("--device", default="cuda", help="with --what live: any device")
+    parser.add_argument("--image-size", type=int, default=800, help="with --what live")
+    parser.add_argument(
+        "--amp",
+        choices=["none", "fp16", "bf16"],
+        help="with --what live (default: fp16 on CUDA, none elsewhere)",
     )
     args = parser.parse_args(argv)
     return run_cli(lambda: _probe(args))

@@ -33,6 +33,8 @@ PER_BATCH = {
     "peak_mb": "peak_mb",
     "peak_ratio": "peak_ratio",
     "peak_phase": "peak_phase",
+    "forward_peak_mb": "peak_forward_mb",
+    "working_set_mb": "forward_transient_mb",
     "saved_mb": "saved_mb",
     "launches_per_step": "launches_per_step",
     "syncs_per_step": "syncs_per_step",
@@ -209,6 +211,15 @@ def gpu_summary(table: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _forward_cell(row: Mapping[str, Any], n: int) -> str:
+    """The forward's peak and, in brackets, what of it the forward itself freed (its working
+    set: the peak less what it left alive for the backward)."""
+    peak, freed = row.get(f"forward_peak_mb_{n}img"), row.get(f"working_set_mb_{n}img")
+    if peak is None:
+        return "-"
+    return f"{peak:.0f} MB" + ("" if freed is None else f" ({freed:.0f})")
+
+
 def gpu_markdown(table: Mapping[str, Any]) -> str:
     """The Markdown table of a GPU table file's data, then the run that measured it."""
     if not is_gpu_table(table):
@@ -221,6 +232,7 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
     heads += [f"step, {n} img" for n in images]
     heads += [f"peak, {n} img" for n in images]
     heads += [f"saved, {n} img" for n in images]
+    heads += [f"forward peak (freed in it), {n} img" for n in images]
     if searched:
         heads += [f"largest batch in {budget:.0f} MB" if budget else "largest batch"]
     heads += [f"launches / step, {n} img" for n in images]
@@ -237,6 +249,8 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
         for n in images:
             saved = r.get(f"saved_mb_{n}img")
             cells.append(_cell(saved, ".0f", " MB", _ratio(r, "saved", n, base)))
+        for n in images:
+            cells.append(_forward_cell(r, n))
         if searched:
             batch = r.get("max_batch")
             if batch is not None and r.get("at_limit"):
@@ -252,7 +266,9 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
         "",
         f"Ratios to the baseline of the same run. Step: forward and backward, median of "
         f"{table.get('repeats')} after a warm-up round, synchronised. Peak: {source} peak over "
-        f"the step, above the model's own allocation. Saved: the bytes autograd keeps for the "
+        f"the step, above the model's own allocation. Forward peak: the same over the forward "
+        "alone, and in brackets what of it the forward freed before it ended (its working "
+        "set). Saved: the bytes autograd keeps for the "
         f"backward (packs counted as packs). Launches and host syncs: counted by "
         f"torch.profiler, {table.get('profile_steps')} profiled steps per setting (kernel "
         "launch calls of the runtime and the driver; stream, event and device synchronisations "

@@ -39,6 +39,8 @@ METHOD_KEYS: dict[str, str] = {
     "live_mb": "live_mb",
     "peak_mb": "peak_mb",
     "peak_phase": "peak_phase",
+    "forward_peak_mb": "peak_forward_mb",
+    "working_set_mb": "forward_transient_mb",
     "step_s": "step_s",
     "baseline_step_s": "baseline_step_s",
     "converted_layers": "converted_layers",
@@ -52,7 +54,7 @@ METHOD_KEYS: dict[str, str] = {
 }
 PROVENANCE_KEYS = ("command", "commit", "machine", "threads", "quiet", "date")
 # Keys added after records were first committed: a record made before lacks them (read as None).
-LATER_KEYS = ("norm_mb",)
+LATER_KEYS = ("norm_mb", "forward_peak_mb", "working_set_mb")
 BLOCK = "methods-bench"  # the default block's name; others hold tables of other runs (bf16)
 
 
@@ -74,6 +76,8 @@ _COLUMNS: tuple[tuple[str, str, int | None], ...] = (
     ("live_ratio", "live", 3),
     ("peak_ratio", "peak", 3),
     ("peak_phase", "peak in", None),
+    ("forward_peak_mb", "forward peak MB", 0),
+    ("working_set_mb", "of it freed in the forward MB", 0),
     ("step_ratio", "step time", 2),
     ("eval_ratio", "eval time", 2),
     ("cosine", "grad cosine", 3),

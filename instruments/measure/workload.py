@@ -33,7 +33,7 @@ from rcnn_dropit.models import build_model
 RECIPE_CLASSES = 81  # configs/maskrcnn_baseline.yaml: COCO's 80 and the background
 # The model keys a setting may change: the others would make a different model, not another
 # way to train the same one.
-SETTING_MODEL_KEYS = ("activation_checkpointing", "frozen_bn", "fpn")
+SETTING_MODEL_KEYS = ("activation_checkpointing", "frozen_bn", "fpn", "forward")
 
 
 @dataclass(frozen=True)
@@ -202,6 +202,7 @@ def describe(cfg: Config) -> dict[str, Any]:
         "activation_checkpointing": list(cfg.model.activation_checkpointing),
         "frozen_bn": cfg.model.frozen_bn,
         "fpn": cfg.model.fpn,
+        "forward": cfg.model.forward,
         "heads": cfg.model.heads,
         "accumulate": cfg.solver.accumulate,
         "saved_bits": d.saved_bits,

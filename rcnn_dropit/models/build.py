@@ -19,6 +19,7 @@ from dropit_core import (
     dropit_record,
     to_dropit,
 )
+from dropit_core.lean_detection import lean_forward
 from rcnn_dropit.config import Config
 from rcnn_dropit.config_schema import PAPER_EXCLUDE, ModelConfig
 from rcnn_dropit.errors import UsageError
@@ -68,6 +69,8 @@ def build_model(cfg: Config, sync_bn: bool = False) -> tuple[nn.Module, DropITRe
         ),
         box_score_thresh=cfg.test.score_thresh,
     )
+    if m.forward == "lean":  # the backbone's FPN is made lean (or not) by model.fpn
+        lean_forward(model, fpn=False)
     if m.weights is not None:
         state = load_state_dict_file(m.weights, "model.weights")
         load_strict(model, state, "model.weights", m.weights)

@@ -296,3 +296,20 @@ def test_pack_codes_order_is_low_bits_first() -> None:
     codes = torch.tensor([1, 2, 3, 0, 3], dtype=torch.uint8)
     assert pack_codes(codes, 2).tolist() == [1 | 2 << 2 | 3 << 4, 3]
     assert pack_codes(codes[:2], 4).tolist() == [1 | 2 << 4]
+
+
+def test_the_relu_mask_packed_and_applied_by_slices_is_the_whole_maps() -> None:
+    """pack_blocked and zero_flagged_sliced work a slice at a time (their temporaries stay a
+    slice's): the same bytes and values as the one-pass forms, a ragged last slice included."""
+    from dropit_core.packing import MASK_SLICE, pack_blocked, zero_flagged, zero_flagged_sliced
+
+    gen = torch.Generator().manual_seed(0)
+    n = 2 * MASK_SLICE + 13
+    out = torch.randn(n, generator=gen).relu_().view(1, -1, 1)
+    out[0, 5, 0] = float("nan")  # passes, as the plain ReLU's backward lets it
+    bits = pack_blocked(out)
+    assert torch.equal(bits, pack_bits((out <= 0).reshape(-1)))
+    grad = torch.randn(out.shape, generator=gen)
+    assert torch.equal(zero_flagged_sliced(grad, bits), zero_flagged(grad, bits))
+    small = out[:, :100]
+    assert torch.equal(pack_blocked(small), pack_bits((small <= 0).reshape(-1)))

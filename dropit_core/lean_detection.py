@@ -1,0 +1,264 @@
+"""A torchvision R-CNN forward that holds only what it needs: each map goes after its last use.
+
+The peak of a DropIT step is in the forward, and most of it is not what backward keeps but what
+the detector's Python still holds (docs/results/memory.md, "The forward's working set"): the
+backbone's C2-C5 through the whole FPN, the FPN's lateral, upsampled and summed maps at each
+level after their last reader, the pyramid P2-P6 through the mask head. The classes below are
+torchvision's own, with the same modules, parameters and ``state_dict`` keys; only ``forward``
+changes, and it computes the same ops in the same order, so outputs, losses and gradients are
+torchvision's bit for bit in fp32 (tests/toolkit/test_lean_forward.py), and DropIT's draws,
+keyed by the order of the packs, are the same too.
+
+- :class:`LeanBackboneWithFPN` hands the body's C2-C5 to the FPN as :class:`ConsumableMaps`: the
+  FPN drops each one as soon as its lateral conv has read it (what backward needs of it is that
+  conv's pack, or, without DropIT, the conv's own saved input).
+- :class:`LeanFeaturePyramidNetwork` adds the top-down map into the lateral in place, and where
+  the lateral is exactly twice the coarser map's size (always, for inputs padded to a multiple
+  of 32) it adds the nearest-upsampled map by broadcasting, without making it; its gradient is
+  the upsample's own backward. Its upsample runs outside autocast in the maps' dtype: CUDA
+  autocast would run it, and every sum after it, in fp32.
+- :class:`LeanGeneralizedRCNN` hands the pyramid to the heads as :class:`ConsumableMaps` whose
+  last reader, the last RoI pooler of the heads, empties it once it has pooled
+  (:class:`LeanMultiScaleRoIAlign`): the mask head runs without P2-P6 alive. The padded image
+  batch goes once the backbone has run: the heads read its shape alone.
+
+A dict is consumed only inside these forwards: a user who calls ``model.backbone.fpn(maps)`` or
+``model.roi_heads(features, ...)`` with a dict of their own gets it back untouched. TorchScript
+is not supported by these forwards (``torch.jit.script`` needs torchvision's own classes).
+
+This module needs torchvision; ``dropit_core`` imports it only when a model has torchvision's
+modules (:func:`dropit_core.lean.lean_detector`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.models.detection.backbone_utils import BackboneWithFPN
+from torchvision.models.detection.faster_rcnn import FasterRCNN
+from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
+from torchvision.models.detection.image_list import ImageList
+from torchvision.models.detection.keypoint_rcnn import KeypointRCNN
+from torchvision.models.detection.mask_rcnn import MaskRCNN
+from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
+from torchvision.ops.poolers import MultiScaleRoIAlign
+
+
+class ConsumableMaps(OrderedDict):
+    """Feature maps handed over: the reader may drop each map after its last use.
+
+    ``last_reader``: the module whose call is the dict's last use (it empties the dict); None:
+    the reader drops the maps it has used (the FPN's inputs).
+    """
+
+    def __init__(self, maps: dict[str, Tensor], last_reader: nn.Module | None = None) -> None:
+        super().__init__(maps)
+        self.last_reader = last_reader
+
+
+class _AddUpsampled2x(torch.autograd.Function):
+    """``lateral += nearest_upsample(top, 2x)`` in place, without the upsampled map.
+
+    Each sum is the same single add as ``lateral + F.interpolate(top, size, mode="nearest")``;
+    the top map's gradient is ``upsample_nearest2d_backward`` of the sum's, the kernel
+    torchvision's upsample's backward runs, so both are bit-equal to torchvision's.
+    """
+
+    @staticmethod
+    def forward(ctx, lateral: Tensor, top: Tensor) -> Tensor:
+        n, c, h, w = top.shape
+        ctx.sizes = (list(lateral.shape[-2:]), [n, c, h, w])
+        grid = lateral.unflatten(3, (w, 2)).unflatten(2, (h, 2))  # n, c, h, 2, w, 2: a view
+        grid.add_(top[:, :, :, None, :, None])
+        ctx.mark_dirty(lateral)
+        return lateral
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        out_size, in_size = ctx.sizes
+        top = torch.ops.aten.upsample_nearest2d_backward(grad, out_size, in_size, None, None)
+        return grad, top
+
+
+def add_top_down(lateral: Tensor, top: Tensor) -> Tensor:
+    """``lateral + F.interpolate(top, size=lateral's, mode="nearest")``, in place into
+    ``lateral`` (a fresh map nothing else reads), in ``top``'s dtype outside autocast."""
+    h, w = lateral.shape[-2:]
+    exact_2x = top.dim() == 4 and (h, w) == (2 * top.shape[-2], 2 * top.shape[-1])
+    if exact_2x and lateral.dtype == top.dtype and lateral.shape[:2] == top.shape[:2]:
+        return _AddUpsampled2x.apply(lateral, top)
+    with torch.autocast(lateral.device.type, enabled=False):
+        up = F.interpolate(top, size=(h, w), mode="nearest")
+    if up.dtype != lateral.dtype:  # what torchvision's out-of-place sum would promote to
+        return lateral + up
+    return lateral.add_(up)
+
+
+class LeanFeaturePyramidNetwork(FeaturePyramidNetwork):
+    """torchvision's FPN with the same modules and keys; the forward releases as it goes.
+
+    In fp32 and under CPU autocast its outputs and gradients are torchvision's bit for bit;
+    under CUDA autocast each level's top-down sum is an fp16/bf16 add where torchvision's
+    upsample promotes it to fp32 (the two largest blocks at an H200 step's peak were those
+    fp32 maps: docs/gpu.md).
+    """
+
+    def forward(self, x: dict[str, Tensor]) -> dict[str, Tensor]:
+        names = list(x)
+        feats: list[Tensor | None] = list(x.values())
+        if isinstance(x, ConsumableMaps):
+            x.clear()  # ``feats`` is now the maps' only holder here
+        else:
+            x = None  # the caller's dict stays as it is; only our list lets go
+        # Extra blocks other than torchvision's max pool may read the body's maps (P6/P7 read C5)
+        release = self.extra_blocks is None or type(self.extra_blocks) is LastLevelMaxPool
+        last = len(feats) - 1
+        inner = self.get_result_from_inner_blocks(feats[last], -1)
+        if release:
+            feats[last] = None
+        results = [self.get_result_from_layer_blocks(inner, -1)]
+        for idx in range(last - 1, -1, -1):
+            lateral = self.get_result_from_inner_blocks(feats[idx], idx)
+            if release:
+                feats[idx] = None
+            inner = add_top_down(lateral, inner)
+            del lateral
+            results.insert(0, self.get_result_from_layer_blocks(inner, idx))
+        del inner  # backward keeps what it needs of it (the layer conv's saved input or pack)
+        if self.extra_blocks is not None:
+            results, names = self.extra_blocks(results, feats, names)
+        return OrderedDict(zip(names, results, strict=True))
+
+
+class LeanBackboneWithFPN(BackboneWithFPN):
+    """torchvision's ResNet + FPN backbone; the body's maps are handed to the FPN to consume."""
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return self.fpn(ConsumableMaps(self.body(x)))
+
+
+class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
+    """torchvision's RoI pooler; when it is the last reader of handed-over maps, it empties them
+    once it has pooled."""
+
+    def forward(
+        self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]
+    ) -> Tensor:
+        out = super().forward(x, boxes, image_shapes)
+        if isinstance(x, ConsumableMaps) and x.last_reader is self:
+            x.clear()
+        return out
+
+
+def last_pooler(roi_heads: nn.Module) -> nn.Module | None:
+    """The RoI pooler that reads the pyramid last in torchvision's ``RoIHeads.forward`` (box,
+    then mask, then keypoint), or None when it is not a lean pooler or also pools earlier."""
+    poolers = [
+        getattr(roi_heads, name, None)
+        for name in ("box_roi_pool", "mask_roi_pool", "keypoint_roi_pool")
+    ]
+    poolers = [p for p in poolers if p is not None]
+    if not poolers or not isinstance(poolers[-1], LeanMultiScaleRoIAlign):
+        return None
+    last = poolers[-1]
+    return last if sum(p is last for p in poolers) == 1 else None
+
+
+class LeanGeneralizedRCNN(GeneralizedRCNN):
+    """torchvision's R-CNN wrapper (Faster, Mask, Keypoint R-CNN keep their classes' own
+    ``__init__``); its forward hands the pyramid to the heads, whose last pooler lets it go."""
+
+    def forward(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None):
+        if self.training:
+            _check_target_boxes(targets)
+        original_sizes = []
+        for image in images:
+            if image.dim() < 2:
+                raise ValueError(
+                    f"an image must have at least 2 dimensions (H, W last), got {image.shape}"
+                )
+            original_sizes.append((image.shape[-2], image.shape[-1]))
+        batch, targets = self.transform(images, targets)
+        _check_degenerate_boxes(targets)
+        features = self.backbone(batch.tensors)
+        if isinstance(features, Tensor):
+            features = OrderedDict([("0", features)])
+        features = ConsumableMaps(features, last_pooler(self.roi_heads))
+        # The heads read the padded batch's shape alone (the anchors' image size): a stand-in
+        # of that shape lets the pixels go (unless the stem conv trains and keeps them).
+        batch = ImageList(_shape_only(batch.tensors), batch.image_sizes)
+        proposals, proposal_losses = self.rpn(batch, features, targets)
+        detections, detector_losses = self.roi_heads(
+            features, proposals, batch.image_sizes, targets
+        )
+        del features
+        detections = self.transform.postprocess(detections, batch.image_sizes, original_sizes)
+        return self.eager_outputs({**detector_losses, **proposal_losses}, detections)
+
+
+def _shape_only(t: Tensor) -> Tensor:
+    """A tensor of ``t``'s shape, dtype and device holding one element (every stride 0)."""
+    return t.new_empty(()).expand(t.shape)
+
+
+def _check_target_boxes(targets: list[dict[str, Tensor]] | None) -> None:
+    """Training needs targets whose ``boxes`` are [N, 4] tensors."""
+    if targets is None:
+        raise ValueError("targets should not be None in training mode")
+    for target in targets:
+        boxes = target["boxes"]
+        if not isinstance(boxes, Tensor):
+            raise TypeError(f"target boxes must be a Tensor, got {type(boxes).__name__}")
+        if boxes.dim() != 2 or boxes.shape[-1] != 4:
+            raise ValueError(f"target boxes must have shape [N, 4], got {list(boxes.shape)}")
+
+
+def _check_degenerate_boxes(targets: list[dict[str, Tensor]] | None) -> None:
+    """Refuse a box of zero or negative width or height (after the transform's resize)."""
+    for index, target in enumerate(targets or []):
+        boxes = target["boxes"]
+        bad = boxes[:, 2:] <= boxes[:, :2]
+        if bad.any():
+            first = boxes[bad.any(dim=1)][0].tolist()
+            raise ValueError(
+                f"every box needs a positive width and height: target {index} has {first}"
+            )
+
+
+class LeanFasterRCNN(LeanGeneralizedRCNN, FasterRCNN):
+    """torchvision's Faster R-CNN with the lean forward."""
+
+
+class LeanMaskRCNN(LeanGeneralizedRCNN, MaskRCNN):
+    """torchvision's Mask R-CNN with the lean forward."""
+
+
+class LeanKeypointRCNN(LeanGeneralizedRCNN, KeypointRCNN):
+    """torchvision's Keypoint R-CNN with the lean forward."""
+
+
+# torchvision's class -> its lean form (a subclass: isinstance checks keep working)
+_LEAN: dict[type, type] = {
+    FeaturePyramidNetwork: LeanFeaturePyramidNetwork,
+    BackboneWithFPN: LeanBackboneWithFPN,
+    MultiScaleRoIAlign: LeanMultiScaleRoIAlign,
+    FasterRCNN: LeanFasterRCNN,
+    MaskRCNN: LeanMaskRCNN,
+    KeypointRCNN: LeanKeypointRCNN,
+    GeneralizedRCNN: LeanGeneralizedRCNN,
+}
+
+
+def lean_forward(model: nn.Module, fpn: bool = True) -> nn.Module:
+    """Give every torchvision detector, ResNet-FPN backbone, FPN and RoI pooler of ``model`` its
+    lean forward, in place (the same modules and parameters; only the class changes, to a
+    subclass); returns ``model``. ``fpn=False`` leaves the FPNs torchvision's. A subclass of
+    these of your own keeps its class."""
+    for module in model.modules():
+        cls = type(module)
+        if cls in _LEAN and (fpn or cls is not FeaturePyramidNetwork):
+            module.__class__ = _LEAN[cls]
+    return model

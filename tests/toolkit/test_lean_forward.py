@@ -1,0 +1,213 @@
+"""The lean forward (dropit_core.lean_detection): torchvision's detector bit for bit in fp32,
+losses, gradients and detections, with and without DropIT and checkpointing, while the maps it
+hands over are released after their last use."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchvision.models.detection import MaskRCNN
+from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
+
+from dropit_core import lean_detector, set_step
+from dropit_core.lean_detection import (
+    ConsumableMaps,
+    LeanFeaturePyramidNetwork,
+    LeanMaskRCNN,
+    LeanMultiScaleRoIAlign,
+    add_top_down,
+)
+from rcnn_dropit.config import config_from_dict
+from rcnn_dropit.models import build_model
+
+SIZE = 96  # a multiple of 32: every top-down step is an exact 2x
+MODEL = {
+    "backbone": "resnet18",
+    "trainable_layers": 3,
+    "num_classes": 4,
+    "min_size": SIZE,
+    "max_size": SIZE,
+    "fpn_channels": 32,
+    "box_head_width": 64,
+    "mask_head_channels": 16,
+    "mask_head_convs": 2,
+    "box_batch_size_per_image": 32,
+    "rpn_batch_size_per_image": 32,
+    "box_detections_per_img": 10,
+}
+TORCHVISION = {"forward": "torchvision", "fpn": "torchvision"}
+QUANT = {"enabled": True, "strategy": "quant", "options": {"bits": 4}}
+
+
+def _models(arch: str = "maskrcnn", dropit: dict | None = None, **model) -> tuple:
+    """(lean, torchvision's) detectors of the same random weights."""
+    pair = []
+    for forward in ({}, TORCHVISION):
+        cfg = config_from_dict(
+            {"model": {**MODEL, "arch": arch, **model, **forward}, "dropit": dropit or {}}
+        )
+        torch.manual_seed(0)
+        pair.append(build_model(cfg)[0].train())
+    return tuple(pair)
+
+
+def _batch(n: int = 2) -> tuple[list, list]:
+    gen = torch.Generator().manual_seed(3)
+    images, targets = [], []
+    for i in range(n):
+        images.append(torch.rand(3, SIZE, SIZE - 8 * i, generator=gen))
+        boxes = torch.tensor([[8.0, 10.0, 60.0, 50.0], [40.0, 30.0, 85.0, 80.0]])
+        masks = torch.zeros(2, SIZE, SIZE - 8 * i, dtype=torch.uint8)
+        masks[0, 10:50, 8:60] = 1
+        masks[1, 30:80, 40:85] = 1
+        targets.append({"boxes": boxes, "labels": torch.tensor([1, 3]), "masks": masks})
+    return images, targets
+
+
+def _step(model, step: int = 0) -> tuple[dict, dict]:
+    """(losses, weight gradients) of one training step, proposals sampled alike."""
+    set_step(model, step)
+    torch.manual_seed(1)
+    losses = model(*_batch())
+    model.zero_grad(set_to_none=True)
+    sum(losses.values()).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {k: v.detach() for k, v in losses.items()}, grads
+
+
+def _assert_same_step(lean, plain, steps: int = 1) -> None:
+    for step in range(steps):
+        (la, ga), (lb, gb) = _step(lean, step), _step(plain, step)
+        assert la.keys() == lb.keys() and all(torch.equal(la[k], lb[k]) for k in la), (la, lb)
+        assert ga.keys() == gb.keys() and len(ga) > 10
+        assert all(torch.equal(ga[k], gb[k]) for k in ga), [
+            k for k in ga if not torch.equal(ga[k], gb[k])
+        ]
+
+
+@pytest.mark.parametrize("arch", ["maskrcnn", "fasterrcnn"])
+def test_losses_and_gradients_are_torchvisions_bit_for_bit(arch: str) -> None:
+    lean, plain = _models(arch)
+    assert type(lean).__name__ == {"maskrcnn": "LeanMaskRCNN", "fasterrcnn": "LeanFasterRCNN"}[arch]
+    assert type(plain).__name__ == {"maskrcnn": "MaskRCNN", "fasterrcnn": "FasterRCNN"}[arch]
+    assert type(lean.backbone.fpn) is LeanFeaturePyramidNetwork
+    assert lean.state_dict().keys() == plain.state_dict().keys()
+    _assert_same_step(lean, plain)
+
+
+def test_with_dropit_the_draws_and_gradients_are_the_same() -> None:
+    """quant 4-bit draws by the order of its packs: the lean forward packs in the same order."""
+    lean, plain = _models(dropit=QUANT)
+    _assert_same_step(lean, plain, steps=2)
+
+
+def test_with_checkpointed_stages_the_gradients_are_the_same() -> None:
+    stages = ["backbone.body.layer3", "backbone.body.layer4"]
+    lean, plain = _models(activation_checkpointing=stages, dropit=QUANT)
+    _assert_same_step(lean, plain)
+
+
+def test_from_scratch_with_batchnorm_and_v2_heads_the_gradients_are_the_same() -> None:
+    lean, plain = _models(norm="bn", trainable_layers=5, heads="v2")
+    _assert_same_step(lean, plain)
+
+
+def test_eval_detections_are_torchvisions() -> None:
+    lean, plain = _models()
+    for model in (lean, plain):
+        _step(model)  # some training first: detections come from trained-a-little weights
+        model.eval()
+    with torch.no_grad():
+        a, b = lean(_batch()[0]), plain(_batch()[0])
+    assert len(a) == len(b) == 2
+    for da, db in zip(a, b, strict=True):
+        assert da.keys() == db.keys() == {"boxes", "labels", "scores", "masks"}
+        assert all(torch.equal(da[k], db[k]) for k in da)
+
+
+def test_lean_detector_makes_a_torchvision_model_lean_in_place() -> None:
+    from torchvision.models.detection import maskrcnn_resnet50_fpn
+
+    torch.manual_seed(0)
+    model = maskrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=3)
+    keys = model.state_dict().keys()
+    assert lean_detector(model) is model
+    assert type(model) is LeanMaskRCNN and isinstance(model, MaskRCNN)
+    assert isinstance(model.roi_heads.mask_roi_pool, LeanMultiScaleRoIAlign)
+    assert type(model.backbone).__name__ == "LeanBackboneWithFPN"
+    assert model.state_dict().keys() == keys
+    assert copy.deepcopy(model).__class__ is LeanMaskRCNN  # and it pickles by name
+    with pytest.raises(TypeError, match="nn.Module"):
+        lean_detector("model")
+
+
+def test_the_pyramid_is_released_before_the_mask_head_runs() -> None:
+    """At the mask head's call nothing holds P2-P6 but what backward keeps: the lean forward's
+    pyramid is gone but for P5, which the max pool making P6 saves; torchvision's is alive."""
+    alive = {}
+    for name, model in zip(("lean", "torchvision"), _models(dropit=QUANT), strict=True):
+        refs: dict = {}
+        model.backbone.fpn.register_forward_hook(
+            lambda m, a, out, refs=refs: refs.update((k, weakref.ref(v)) for k, v in out.items())
+        )
+        model.roi_heads.mask_head.register_forward_pre_hook(
+            lambda m, a, refs=refs, name=name: alive.__setitem__(
+                name, [k for k, r in refs.items() if r() is not None]
+            )
+        )
+        _step(model)
+    assert alive == {"lean": ["3"], "torchvision": ["0", "1", "2", "3", "pool"]}
+
+
+def test_the_fpn_drops_each_input_after_its_lateral_conv() -> None:
+    torch.manual_seed(0)
+    fpn = LeanFeaturePyramidNetwork([8, 16, 32], 8, extra_blocks=LastLevelMaxPool())
+    maps = OrderedDict(
+        (str(i), torch.randn(1, c, 32 >> i, 32 >> i)) for i, c in enumerate([8, 16, 32])
+    )
+    refs = [weakref.ref(v) for v in maps.values()]
+    seen = []
+    for block in fpn.layer_blocks:  # each output conv runs after its level's lateral conv
+        block.register_forward_pre_hook(
+            lambda m, a: seen.append(sum(r() is not None for r in refs))
+        )
+    handed = ConsumableMaps(maps)
+    del maps
+    with torch.no_grad():  # no conv saves its input: only Python could hold them
+        out = fpn(handed)
+    assert seen == [2, 1, 0] and len(handed) == 0 and list(out) == ["0", "1", "2", "pool"]
+    # a plain dict is the caller's: left whole
+    plain = OrderedDict(
+        (str(i), torch.randn(1, c, 32 >> i, 32 >> i)) for i, c in enumerate([8, 16, 32])
+    )
+    fpn(plain)
+    assert len(plain) == 3
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 8, 6), (1, 2, 7, 5)])
+def test_the_top_down_sum_is_the_upsample_and_add_bit_for_bit(shape) -> None:
+    """Exact 2x: broadcast in place; odd sizes: torchvision's upsample, added in place."""
+    gen = torch.Generator().manual_seed(0)
+    n, c, h, w = shape
+    top = torch.randn(n, c, (h + 1) // 2, (w + 1) // 2, generator=gen, requires_grad=True)
+    lateral_in = torch.randn(n, c, h, w, generator=gen, requires_grad=True)
+    grad = torch.randn(n, c, h, w, generator=gen)
+    ref = lateral_in * 1.0 + F.interpolate(top, size=(h, w), mode="nearest")
+    ga = torch.autograd.grad(ref, [lateral_in, top], grad)
+    ours = add_top_down(lateral_in * 1.0, top)
+    gb = torch.autograd.grad(ours, [lateral_in, top], grad)
+    assert torch.equal(ours, ref) and all(map(torch.equal, ga, gb))
+
+
+def test_a_torchvision_fpn_made_lean_keeps_its_class_for_other_extra_blocks() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(FeaturePyramidNetwork([8, 16], 8))
+    lean_detector(model)
+    assert type(model[0]) is LeanFeaturePyramidNetwork
+    gc.collect()
