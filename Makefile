@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host lint format study
+.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-forward bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host lint format study
 
 setup: $(STAMP)
 
@@ -42,7 +42,8 @@ bench: setup
 # docs/results/memory.md. A quarter hour on 2 quiet cores; QUIET=1 records that nothing else ran.
 METHODS := baseline mink_0.8 threshold_0.8 random_0.8 random_scaled_0.8 importance_0.8 \
 	quant_2bit quant_4bit quant_8bit mink_0.8_backbone mink_0.8_backbone_quant_4bit_heads \
-	checkpoint_stages checkpoint_stages_quant_4bit baseline_torchvision_bn accumulate_2
+	checkpoint_stages checkpoint_stages_quant_4bit baseline_torchvision_bn accumulate_2 \
+	baseline_torchvision_forward quant_4bit_torchvision_forward
 DRAWS ?= 4
 REPEATS ?= 2
 bench-methods: setup
@@ -55,13 +56,26 @@ bench-methods: setup
 
 # What autocast does to the baselines without a GPU: bf16 on the CPU, R50-FPN at 2 images of
 # 384 px, torchvision's FrozenBatchNorm2d (fp32 activations) against the lean one; a few minutes.
-BF16_METHODS := baseline baseline_torchvision_bn accumulate_2 quant_4bit checkpoint_stages
+BF16_METHODS := baseline baseline_torchvision_bn baseline_torchvision_forward accumulate_2 quant_4bit \
+	quant_2bit checkpoint_stages checkpoint_stages_quant_4bit
 bench-bf16: setup
 	$(PY) tools/bench.py --amp bf16 --image-size 384 --settings $(BF16_METHODS) --draws 2 \
 		--repeats 2 --json docs/results/bench_bf16_cpu.json \
 		--methods-json docs/results/methods_bench_bf16.json $(if $(QUIET),--quiet-machine)
 	$(PY) tools/bench.py --markdown docs/results/methods_bench_bf16.json \
 		--into docs/results/memory.md --block methods-bench-bf16
+
+# The forward's working set (issue 39's rows): the toolkit's lean forward against torchvision's,
+# with and without 4-bit DropIT, and the combinations, on the COCO recipe at 2 images of 800 px
+# (RSS that follows live memory: large blocks mmapped). About 20 minutes on 2 quiet cores.
+FORWARD_METHODS := baseline baseline_torchvision_forward quant_4bit quant_4bit_torchvision_forward \
+	quant_2bit checkpoint_stages checkpoint_stages_quant_4bit
+bench-forward: setup
+	$(PY) tools/bench.py --image-size 800 --settings $(FORWARD_METHODS) \
+		--draws 1 --repeats 3 --json docs/results/bench_forward_cpu.json \
+		--methods-json docs/results/methods_bench_forward.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py --markdown docs/results/methods_bench_forward.json \
+		--into docs/results/memory.md --block methods-bench-forward
 
 # From scratch (R50-FPN, BatchNorm, every stage trainable): the conv-only 4-bit setting against
 # every saved activation at 4 bits (norm inputs, one-byte max-pool, no layer excluded), and the
@@ -108,8 +122,9 @@ bench-host: setup
 # docs/results/memory.md and its lines into docs/gpu.md.
 BUDGET_MB ?= 16000
 BATCH_LIMIT ?= 512
-GPU_METHODS := baseline baseline_torchvision_bn baseline_torchvision_fpn quant_4bit quant_2bit \
-	mink_0.8 threshold_0.8 checkpoint_stages checkpoint_stages_quant_4bit accumulate_2 accumulate_4
+GPU_METHODS := baseline baseline_torchvision_forward quant_4bit quant_2bit checkpoint_stages \
+	checkpoint_stages_quant_4bit quant_4bit_torchvision_forward baseline_torchvision_bn \
+	baseline_torchvision_fpn mink_0.8 threshold_0.8 accumulate_2 accumulate_4
 bench-gpu: setup
 	$(PY) tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \
 		--settings $(GPU_METHODS) --repeats 8 --draws 2 --max-batch $(BUDGET_MB) \

@@ -8,6 +8,7 @@ from the rebuilt (dropped) input.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -212,6 +213,12 @@ def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
     return weight, (Packed(ctx.meta, *tensors) if ctx.meta is not None else None)
 
 
+# Inputs of at least this many bytes have their conv's weight and input gradients made in turn
+# (_conv_backward_split): the memory of a rebuilt map, for one more call (host time) per layer,
+# which smaller layers are not worth.
+SPLIT_BYTES = 8 << 20
+
+
 class DropITConvFunction(torch.autograd.Function):
     """Convolution (plain or transposed) whose weight gradient uses a dropped input cache."""
 
@@ -232,25 +239,31 @@ class DropITConvFunction(torch.autograd.Function):
         out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
         grad = grad.contiguous()  # a no-op when it already is
         bias_sizes = [out_channels] if need_b else None
-        gx = gw = gb = None
-        if need_w:
-            # The weight gradient first, and the rebuilt input goes before the input gradient
-            # is made: one map fewer alive at the backward's peak. Each gradient is computed
-            # by the kernel the joint call runs for it, so the values are the joint call's.
-            x_hat = ctx.cache.unpack(packed)
-            _, gw, gb = torch.ops.aten.convolution_backward.default(
-                grad, x_hat, weight, bias_sizes, *args, [False, True, need_b]
-            )
-            del x_hat
-        bias_left = need_b and not need_w
-        if need_x or bias_left:
-            # the input gradient reads the input's shape alone
-            gx, _, gb_left = torch.ops.aten.convolution_backward.default(
-                grad, _zeros_like_shape(grad, ctx.x_shape), weight,
-                bias_sizes if bias_left else None, *args, [need_x, False, bias_left],
-            )  # fmt: skip
-            gb = gb_left if bias_left else gb
+        if need_w and need_x and math.prod(ctx.x_shape) * grad.element_size() >= SPLIT_BYTES:
+            return _conv_backward_split(ctx, grad, weight, packed, bias_sizes) + (None,) * 3
+        x_hat = ctx.cache.unpack(packed) if need_w else _zeros_like_shape(grad, ctx.x_shape)
+        gx, gw, gb = torch.ops.aten.convolution_backward.default(
+            grad, x_hat, weight, bias_sizes, *args, [need_x, need_w, need_b]
+        )
         return gx, gw, gb, None, None, None
+
+
+def _conv_backward_split(
+    ctx, grad: torch.Tensor, weight: torch.Tensor, packed: Packed, bias_sizes: list[int] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input, weight, bias gradients) of a conv with a large input, in two calls: the weight's
+    (and bias's) first, then the rebuilt input goes, then the input gradient is made. One map
+    fewer is alive at the backward's peak (a P2-level conv's peak); each gradient is computed by
+    the kernel the joint call runs for it, so the values are the joint call's."""
+    x_hat = ctx.cache.unpack(packed)
+    _, gw, gb = torch.ops.aten.convolution_backward.default(
+        grad, x_hat, weight, bias_sizes, *ctx.args, [False, True, bias_sizes is not None]
+    )
+    del x_hat
+    gx = torch.ops.aten.convolution_backward.default(
+        grad, _zeros_like_shape(grad, ctx.x_shape), weight, None, *ctx.args, [True, False, False]
+    )[0]
+    return gx, gw, gb
 
 
 class DropITLinearFunction(torch.autograd.Function):

@@ -3,10 +3,11 @@
 #
 # Run from the checkout's root on a machine whose python3 already has torch, torchvision and
 # triton for its GPU: `bash tools/gpu_session.sh [SECONDS]` (default 540). In order of what
-# matters most: the GPU test tier and the kernels compiled for the GPU (side by side, both only
-# check values), then the GPU table (make bench-gpu, smaller: 5 timed steps, 1 draw, batches
-# searched up to 128 images), then the from-scratch rows on CUDA, the per-pass op costs and the
-# probes (tools/gpu_probe.py: the peak's blocks, a quant step's Python).
+# matters most now: the forward's live tensors at its peak (tools/gpu_probe.py --what live) and
+# the GPU table (make bench-gpu, smaller: 5 timed steps, 1 draw, batches searched up to 128
+# images; the current issue's rows first), then the GPU test tier and the kernels compiled for
+# the GPU (side by side, both only check values), then the from-scratch rows on CUDA, the
+# per-pass op costs and the other probes (the peak's blocks, a quant step's Python).
 # Each stage gets what is left of the deadline, so a lease that ends early still leaves every
 # finished stage's log; the GPU table writes its step columns before its batch search. If the
 # table fails within a minute (a kernel that does not compile), it runs again with
@@ -47,30 +48,34 @@ stage() {
   python3 -c 'import importlib.metadata as m; print("pycocotools", m.version("pycocotools"))' 2>&1 | tail -1
 } >"$summary" 2>&1
 
+# 0. The forward's floor (issue 39), first: the tensors alive at the forward's peak by the line
+# that made them, with the toolkit's forward and torchvision's, then the rows that compare them.
+stage probe_live 120 python3 tools/gpu_probe.py --what live --device cuda --images 8 --top 25 \
+  --settings baseline baseline_torchvision_forward quant_4bit quant_4bit_torchvision_forward
+settings="baseline baseline_torchvision_forward quant_4bit quant_2bit checkpoint_stages"
+settings="$settings checkpoint_stages_quant_4bit quant_4bit_torchvision_forward"
+settings="$settings baseline_torchvision_bn baseline_torchvision_fpn mink_0.8 threshold_0.8"
+settings="$settings accumulate_2 accumulate_4"  # make bench-gpu's GPU_METHODS, in its order
+table=(python3 tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8
+  --repeats 5 --draws 1 --max-batch 16000 --batch-limit 128 --quiet-machine)
+t0=$(date +%s)
+# shellcheck disable=SC2086  # the settings are words
+if ! stage bench_gpu $(($(left) * 60 / 100)) "${table[@]}" --settings $settings \
+  --json "$OUT/bench_gpu.json" && [ -f "$OUT/bench_gpu.log" ] && [ $(($(date +%s) - t0)) -lt 60 ]; then
+  DROPIT_KERNELS=eager stage bench_gpu_eager $(($(left) * 60 / 100)) "${table[@]}" \
+    --settings $settings --json "$OUT/bench_gpu_eager.json"
+fi
+
 # 1. Values: the GPU tier and the kernels compiled for this GPU, side by side.
-tier=$(($(left) * 30 / 100))
+tier=$(($(left) * 40 / 100))
 stage tests_gpu "$tier" python3 -m pytest -m gpu -rs -p no:cacheprovider tests &
 stage tests_kernels "$tier" python3 -m pytest -rs -p no:cacheprovider -n 6 \
   tests/core/test_dropit_kernels.py tests/core/test_dropit_compact.py &
 wait
 grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"$summary" 2>/dev/null
 
-# 1b. The host's cost of one launch: an aten op, a bare Triton launch, each DropIT wrapper.
+# 2. The host's cost of one launch: an aten op, a bare Triton launch, each DropIT wrapper.
 stage probe_launch 90 python3 tools/gpu_probe.py --what launch
-
-# 2. The GPU table (make bench-gpu, smaller), alone on the GPU.
-settings="baseline baseline_torchvision_bn baseline_torchvision_fpn quant_4bit quant_2bit"
-settings="$settings mink_0.8 threshold_0.8 checkpoint_stages checkpoint_stages_quant_4bit"
-settings="$settings accumulate_2 accumulate_4"  # make bench-gpu's GPU_METHODS
-table=(python3 tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8
-  --repeats 5 --draws 1 --max-batch 16000 --batch-limit 128 --quiet-machine)
-t0=$(date +%s)
-# shellcheck disable=SC2086  # the settings are words
-if ! stage bench_gpu $(($(left) * 70 / 100)) "${table[@]}" --settings $settings \
-  --json "$OUT/bench_gpu.json" && [ -f "$OUT/bench_gpu.log" ] && [ $(($(date +%s) - t0)) -lt 60 ]; then
-  DROPIT_KERNELS=eager stage bench_gpu_eager $(($(left) * 60 / 100)) "${table[@]}" \
-    --settings $settings --json "$OUT/bench_gpu_eager.json"
-fi
 
 # 3. From scratch (BatchNorm, issue 28's coverage) on CUDA: step columns only.
 stage bench_scratch_gpu $(($(left) - 40)) python3 tools/bench.py --gpu-table --scratch \

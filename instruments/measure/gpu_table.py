@@ -232,7 +232,12 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
     heads += [f"step, {n} img" for n in images]
     heads += [f"peak, {n} img" for n in images]
     heads += [f"saved, {n} img" for n in images]
-    heads += [f"forward peak (freed in it), {n} img" for n in images]
+    # a table measured before the forward's columns existed keeps its columns
+    forward = any(
+        r.get(f"forward_peak_mb_{n}img") is not None for r in table["rows"] for n in images
+    )
+    if forward:
+        heads += [f"forward peak (freed in it), {n} img" for n in images]
     if searched:
         heads += [f"largest batch in {budget:.0f} MB" if budget else "largest batch"]
     heads += [f"launches / step, {n} img" for n in images]
@@ -249,8 +254,8 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
         for n in images:
             saved = r.get(f"saved_mb_{n}img")
             cells.append(_cell(saved, ".0f", " MB", _ratio(r, "saved", n, base)))
-        for n in images:
-            cells.append(_forward_cell(r, n))
+        if forward:
+            cells += [_forward_cell(r, n) for n in images]
         if searched:
             batch = r.get("max_batch")
             if batch is not None and r.get("at_limit"):
@@ -266,9 +271,14 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
         "",
         f"Ratios to the baseline of the same run. Step: forward and backward, median of "
         f"{table.get('repeats')} after a warm-up round, synchronised. Peak: {source} peak over "
-        f"the step, above the model's own allocation. Forward peak: the same over the forward "
-        "alone, and in brackets what of it the forward freed before it ended (its working "
-        "set). Saved: the bytes autograd keeps for the "
+        f"the step, above the model's own allocation. "
+        + (
+            "Forward peak: the same over the forward alone, and in brackets what of it the "
+            "forward freed before it ended (its working set). "
+            if forward
+            else ""
+        )
+        + "Saved: the bytes autograd keeps for the "
         f"backward (packs counted as packs). Launches and host syncs: counted by "
         f"torch.profiler, {table.get('profile_steps')} profiled steps per setting (kernel "
         "launch calls of the runtime and the driver; stream, event and device synchronisations "

@@ -177,12 +177,18 @@ def _cell(value: Any, decimals: int | None) -> str:
 
 def methods_markdown(records: Sequence[Mapping[str, Any]]) -> str:
     """The table of the records (ratios to the baseline), then the runs that measured them."""
+    # Columns added later show only where a record has them: older files keep their tables.
+    columns = [
+        c
+        for c in _COLUMNS
+        if c[0] not in LATER_KEYS or any(r.get(c[0]) is not None for r in records)
+    ]
     lines = [
-        "| " + " | ".join(h for _, h, _ in _COLUMNS) + " |",
-        "|---|" + "---:|" * (len(_COLUMNS) - 1),
+        "| " + " | ".join(h for _, h, _ in columns) + " |",
+        "|---|" + "---:|" * (len(columns) - 1),
     ]
     for r in records:
-        lines.append("| " + " | ".join(_cell(r.get(k), d) for k, _, d in _COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(r.get(k), d) for k, _, d in columns) + " |")
     runs: list[dict[str, Any]] = []
     for r in records:
         run = {k: r.get(k) for k in PROVENANCE_KEYS}

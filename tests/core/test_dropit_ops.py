@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import to_dropit
+from dropit_core import set_step, to_dropit
 from dropit_core.ops import MaskedReLUFunction
 from tests.core.contracts import contract_layers
 
@@ -479,3 +479,26 @@ def test_rescale_norm_with_a_shared_pack_and_an_all_zero_input() -> None:
 def test_rescale_option_is_checked() -> None:
     with pytest.raises(ValueError, match=r"rescale='l2' is invalid: allowed \('none', 'norm'\)"):
         to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3)), rescale="l2")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_large_conv_makes_its_gradients_in_turn_with_the_joint_calls_values(
+    monkeypatch, bias: bool
+) -> None:
+    """Above ops.SPLIT_BYTES the weight gradient is made first and the rebuilt input freed
+    before the input gradient: the same gradients, bit for bit, as the one joint call."""
+    from dropit_core import ops
+
+    grads = []
+    for split in (1 << 62, 0):  # never, always
+        monkeypatch.setattr(ops, "SPLIT_BYTES", split)
+        torch.manual_seed(0)
+        conv = to_dropit(
+            nn.Sequential(nn.Conv2d(4, 6, 3, padding=1, bias=bias)), strategy="quant", bits=4
+        )
+        x = torch.randn(2, 4, 9, 7, requires_grad=True)
+        set_step(conv, 3)
+        conv(x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in conv.parameters())])
+    assert len(grads[0]) == 2 + bias
+    assert all(map(torch.equal, *grads))

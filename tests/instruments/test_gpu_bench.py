@@ -19,17 +19,19 @@ from instruments.measure.workload import plan_settings
 from tests.helpers import REPO
 
 PLAN = REPO / "configs/study/plan.yaml"
-# What issue 26 asks the GPU table to hold, in the Makefile's order.
+# What issues 26 and 39 ask the GPU table to hold, in the Makefile's order (issue 39's first).
 GPU_METHODS = [
     "baseline",
-    "baseline_torchvision_bn",
-    "baseline_torchvision_fpn",
+    "baseline_torchvision_forward",
     "quant_4bit",
     "quant_2bit",
-    "mink_0.8",
-    "threshold_0.8",
     "checkpoint_stages",
     "checkpoint_stages_quant_4bit",
+    "quant_4bit_torchvision_forward",
+    "baseline_torchvision_bn",
+    "baseline_torchvision_fpn",
+    "mink_0.8",
+    "threshold_0.8",
     "accumulate_2",
     "accumulate_4",
 ]
@@ -180,6 +182,8 @@ def _table() -> dict:
             "peak_mb_2img": 1500.0,
             "peak_ratio_2img": 1.0,
             "saved_mb_2img": 1000.0,
+            "forward_peak_mb_2img": 1300.0,
+            "working_set_mb_2img": 290.0,
             "launches_per_step_2img": 2100.0,
             "syncs_per_step_2img": 60.0,
             "max_batch": 21,
@@ -223,16 +227,17 @@ def test_gpu_markdown_rows_ratios_and_the_run_behind_them() -> None:
     text = gpu.gpu_markdown(_table())
     lines = text.splitlines()
     assert lines[0] == (
-        "| setting | step, 2 img | peak, 2 img | saved, 2 img | largest batch in 16000 MB "
-        "| launches / step, 2 img | host syncs / step, 2 img |"
+        "| setting | step, 2 img | peak, 2 img | saved, 2 img | forward peak (freed in it), "
+        "2 img | largest batch in 16000 MB | launches / step, 2 img | host syncs / step, 2 img |"
     )
     assert lines[2] == (
-        "| baseline | 84 ms (1.00x) | 1500 MB (1.00x) | 1000 MB (1.00x) | 21 | 2100 | 60.0 |"
+        "| baseline | 84 ms (1.00x) | 1500 MB (1.00x) | 1000 MB (1.00x) | 1300 MB (290) | 21 "
+        "| 2100 | 60.0 |"
     )
     assert lines[3] == (
-        "| mink_0.8 | 294 ms (3.50x) | 705 MB (0.47x) | 250 MB (0.25x) | >= 48 (the limit) "
+        "| mink_0.8 | 294 ms (3.50x) | 705 MB (0.47x) | 250 MB (0.25x) | - | >= 48 (the limit) "
         "| 9000 | 129.3 |"
-    )  # saved: its ratio to the baseline's saved bytes, computed from the two rows
+    )  # a table written before the forward's columns: "-"  # saved: its ratio to the baseline's saved bytes, computed from the two rows
     assert "the CUDA allocator's peak" in text and "3 profiled steps per setting" in text
     assert "NVIDIA H100 80GB HBM3; torch 2.11.0+cu130 (CUDA 13.0), triton 3.6.0" in text
     assert "Largest batch: one SGD step" in text
@@ -243,10 +248,14 @@ def test_gpu_markdown_rows_ratios_and_the_run_behind_them() -> None:
 def test_gpu_markdown_without_a_batch_search_has_no_batch_column() -> None:
     table = {**_table(), "batch_limit": 0}
     lines = gpu.gpu_markdown(table).splitlines()
-    assert "largest batch" not in lines[0] and lines[0].count("|") == 7
+    assert "largest batch" not in lines[0] and lines[0].count("|") == 8
     assert lines[3] == (
-        "| mink_0.8 | 294 ms (3.50x) | 705 MB (0.47x) | 250 MB (0.25x) | 9000 | 129.3 |"
+        "| mink_0.8 | 294 ms (3.50x) | 705 MB (0.47x) | 250 MB (0.25x) | - | 9000 | 129.3 |"
     )
+    for row in table["rows"]:  # measured before the forward's columns: the table keeps its own
+        row.pop("forward_peak_mb_2img", None), row.pop("working_set_mb_2img", None)
+    lines = gpu.gpu_markdown(table).splitlines()
+    assert "forward peak" not in lines[0] and lines[0].count("|") == 7
     assert "Largest batch" not in "\n".join(lines)
 
 

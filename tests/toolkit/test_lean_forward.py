@@ -101,6 +101,7 @@ def test_losses_and_gradients_are_torchvisions_bit_for_bit(arch: str) -> None:
     _assert_same_step(lean, plain)
 
 
+@pytest.mark.slow
 def test_with_dropit_the_draws_and_gradients_are_the_same() -> None:
     """quant 4-bit draws by the order of its packs: the lean forward packs in the same order."""
     lean, plain = _models(dropit=QUANT)
