@@ -237,7 +237,8 @@ def test_gpu_markdown_rows_ratios_and_the_run_behind_them() -> None:
     assert lines[3] == (
         "| mink_0.8 | 294 ms (3.50x) | 705 MB (0.47x) | 250 MB (0.25x) | - | >= 48 (the limit) "
         "| 9000 | 129.3 |"
-    )  # a table written before the forward's columns: "-"  # saved: its ratio to the baseline's saved bytes, computed from the two rows
+    )  # saved: its ratio to the baseline's saved bytes, computed from the two rows; a row
+    # without the forward's figures: "-"
     assert "the CUDA allocator's peak" in text and "3 profiled steps per setting" in text
     assert "NVIDIA H100 80GB HBM3; torch 2.11.0+cu130 (CUDA 13.0), triton 3.6.0" in text
     assert "Largest batch: one SGD step" in text

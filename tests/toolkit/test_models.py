@@ -65,8 +65,8 @@ def test_build_and_train_forward(arch: str, expected: set[str]):
     model, record = build_model(tiny_cfg(arch=arch))
     assert record == [] and record.settings == ()  # an empty DropITRecord, not a bare list
     # torchvision's class, with the toolkit's lean forward (dropit_core.lean_detection)
-    assert type(model).__name__ == {"maskrcnn": "LeanMaskRCNN", "fasterrcnn": "LeanFasterRCNN"}[arch]
-    assert type(model).__mro__[2].__name__ == {"maskrcnn": "MaskRCNN", "fasterrcnn": "FasterRCNN"}[arch]
+    plain = {"maskrcnn": "MaskRCNN", "fasterrcnn": "FasterRCNN"}[arch]
+    assert type(model).__name__ == "Lean" + plain and type(model).__mro__[2].__name__ == plain
     assert isinstance(model.roi_heads.box_head, MLPHead)
     assert model.roi_heads.box_predictor.cls_score.out_features == 3
     assert model.transform.min_size == (64,) and model.transform.max_size == 64
