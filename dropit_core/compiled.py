@@ -16,7 +16,9 @@ always pack eagerly: their compile would cost more than it saves."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -110,8 +112,31 @@ def compiled_quant_rows(bits: int) -> Callable:
     return _compiled(f"quant_rows_{bits}", rows_of_width)
 
 
+class _NoCudaRuntime(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No CUDA runtime is found" not in record.getMessage()
+
+
+def _import_cpp_extension_quietly() -> None:
+    """Import ``torch.utils.cpp_extension`` (inductor's compiler needs it) without its warning
+    "No CUDA runtime is found": true on a machine with a CUDA toolkit and no GPU, harmless for a
+    CPU pack, and it reads like an error on a CPU-only run. Other records pass."""
+    if "torch.utils.cpp_extension" in sys.modules:
+        return
+    log = logging.getLogger("torch.utils.cpp_extension")
+    quiet = _NoCudaRuntime()
+    log.addFilter(quiet)
+    try:
+        import torch.utils.cpp_extension  # noqa: F401  (imported for its side effect)
+    finally:
+        log.removeFilter(quiet)
+
+
 def _compiled(name: str, fn: Callable) -> Callable:
     if name not in _COMPILED:
+        _import_cpp_extension_quietly()
         # emulate_precision_casts: inductor would otherwise drop the rounding of a cast to
         # bf16/fp16 followed by one back (the autocast cast quant_rows reads its rows as).
         options = {"emulate_precision_casts": True}

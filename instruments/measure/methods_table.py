@@ -226,6 +226,7 @@ SUMMARY = {
     "checkpoint_stages_quant_4bit": "checkpointed stages 2-4 and 4-bit on the layers outside them",
     "accumulate_2": "gradient accumulation, two micro-batches (exact for frozen norms)",
     "baseline_torchvision_bn": "torchvision's FrozenBatchNorm2d instead of the lean one",
+    "baseline_torchvision_forward": "torchvision's forward, each map held to its end (not lean)",
 }
 
 

@@ -45,6 +45,7 @@ def test_it_imports_and_converts_with_torch_alone() -> None:
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(),
                               nn.LazyLinear(2))
         model(torch.randn(1, 3, 8, 8))
+        assert dropit_core.lean_detector(model) is model  # nothing of torchvision's: no import
         converted = dropit_core.to_dropit(model, strategy="quant",
                                           exclude=dropit_core.PAPER_EXCLUDE, strict=False)
         assert converted is model and len(dropit_core.dropit_record(model)) == 4

@@ -417,6 +417,7 @@ def test_memory_md_holds_the_generated_table_or_its_placeholder() -> None:
 # Every other generated table of memory.md, with the file it is generated from
 OTHER_BLOCKS = {
     "methods-bench-bf16": "methods_bench_bf16.json",
+    "methods-bench-forward": "methods_bench_forward.json",
     "methods-bench-scratch": "methods_bench_scratch.json",
     "methods-bench-speed": "methods_bench_speed.json",
     "methods-bench-v2": "methods_bench_v2.json",
