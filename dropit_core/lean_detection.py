@@ -252,6 +252,15 @@ _LEAN: dict[type, type] = {
 }
 
 
+def lean_fpn(model: nn.Module) -> nn.Module:
+    """Make every torchvision ``FeaturePyramidNetwork`` of ``model`` lean, in place (only the
+    class changes); returns ``model``."""
+    for module in model.modules():
+        if type(module) is FeaturePyramidNetwork:
+            module.__class__ = LeanFeaturePyramidNetwork
+    return model
+
+
 def lean_forward(model: nn.Module, fpn: bool = True) -> nn.Module:
     """Give every torchvision detector, ResNet-FPN backbone, FPN and RoI pooler of ``model`` its
     lean forward, in place (the same modules and parameters; only the class changes, to a

@@ -43,11 +43,10 @@ class ModelConfig:
     # whose fp32 scale promotes every activation to fp32 (about twice the activation memory
     # under AMP): kept only to measure against.
     frozen_bn: str = _f("lean", choices=("lean", "torchvision"))
-    # How the FPN's top-down path computes under CUDA autocast: "lean" upsamples in the
-    # features' dtype (F.interpolate is on CUDA autocast's fp32 list); "torchvision" carries
-    # that path in fp32, as torchvision's FPN does: kept only to measure against.
-    # The FPN's forward: "lean" also adds each top-down map into its lateral in place and lets
-    # every map go after its last use (dropit_core.lean_detection; bit-equal in fp32).
+    # The FPN's forward: "lean" upsamples in the features' dtype under CUDA autocast
+    # (F.interpolate is on its fp32 list), adds each top-down map into its lateral in place and
+    # lets every map go after its last use (dropit_core.lean_detection; bit-equal in fp32);
+    # "torchvision" is torchvision's FPN: kept only to measure against.
     fpn: str = _f("lean", choices=("lean", "torchvision"))
     # The detector's, backbone's and RoI poolers' forward: "lean" hands the body's maps to the
     # FPN and the pyramid to the heads, which release them after their last use (the mask head

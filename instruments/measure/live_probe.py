@@ -114,11 +114,6 @@ class LiveReport:
             )
         return out
 
-    def as_dict(self, top: int = 15) -> dict[str, Any]:
-        """Plain numbers for JSON, the ``top`` groups included."""
-        head = {k: v for k, v in self.__dict__.items() if k != "groups"}
-        return {**head, "groups": [g.__dict__ for g in self.groups[:top]]}
-
 
 class _Tracker(TorchDispatchMode):
     """Records every op output's storage and retires the dead ones (see the module's doc)."""
