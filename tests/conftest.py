@@ -28,6 +28,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test-fast` runs a pytest-xdist worker per core: one thread each, or the workers' thread
+# pools would share the cores between them and every test would wait on the other's threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def pytest_configure(config) -> None:
     """Register the tier markers."""
@@ -61,3 +66,20 @@ def shapes_set(tmp_path_factory) -> Callable[..., Path]:
 def tiny_shapes(shapes_set) -> Path:
     """The shapes set tiny_opts(root) reads (tests/helpers.py)."""
     return shapes_set()
+
+
+@pytest.fixture(autouse=True)
+def _eager_packs_in_the_quick_tier(request):
+    """Unmarked tests pack eagerly: the compiled CPU pack writes the same bytes (checked by
+    tests/core/test_dropit_kernels.py's slow tests) but costs each process seconds to load
+    per bit width, more than the quick tests it would serve together."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    from dropit_core import compiled
+
+    compiled.set_compile(False)
+    try:
+        yield
+    finally:
+        compiled.set_compile(None)
