@@ -61,15 +61,11 @@ def tiny_opts(root: Path, *extra: str, num_val: int = 4, batch_size: int = 2) ->
 
 
 def coco_opts(root: Path, *extra: str) -> list[str]:
-    """tiny_opts for a shapes set read as data.dataset=coco from ``root`` (split folders and
-    annotations/instances_{train,val}.json)."""
+    """tiny_opts for a shapes set read as data.dataset=coco from ``root``: COCO 2017's layout,
+    so the default paths (train2017/, annotations/instances_train2017.json, ...)."""
     return tiny_opts(
         root,
         "data.dataset=coco",
-        "data.train_images=train",
-        "data.train_ann=annotations/instances_train.json",
-        "data.val_images=val",
-        "data.val_ann=annotations/instances_val.json",
         "model.num_classes=4",
         *extra,
     )

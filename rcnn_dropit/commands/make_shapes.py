@@ -1,6 +1,7 @@
-"""Write the synthetic shapes set to a folder: train/ and val/ images with
-annotations/instances_train.json and annotations/instances_val.json in COCO's instances format
-(not COCO's *2017 names; data.dataset=shapes reads these)."""
+"""Write the synthetic shapes set to a folder in COCO 2017's layout: train2017/ and val2017/
+images with annotations/instances_train2017.json and annotations/instances_val2017.json (COCO's
+instances format), so that data.dataset=coco with its default paths, or any COCO reader, reads
+it as it reads COCO; data.dataset=shapes reads it too."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
             args.root, args.num_train, args.num_val, args.image_size, args.num_classes, args.seed
         )
         print(
-            f"wrote the shapes set to {args.root}: train/, val/ and "
-            "annotations/instances_{train,val}.json (COCO instances format)"
+            f"wrote the shapes set to {args.root}: train2017/, val2017/ and "
+            "annotations/instances_{train,val}2017.json (COCO 2017's layout)"
         )
 
     return run_cli(go)

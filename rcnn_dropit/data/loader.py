@@ -19,7 +19,7 @@ from rcnn_dropit.errors import UsageError, require_path
 from ..distributed import rank_and_world_size
 from .coco import CocoDetection
 from .samplers import GroupedBatchSampler, ShardSampler, aspect_ratio_groups
-from .shapes import make_shapes, shapes_info
+from .shapes import make_shapes, shapes_info, split_paths
 from .transforms import build_transforms
 
 _SHAPES_DEFAULT_ROOT = "datasets/shapes"
@@ -55,13 +55,8 @@ def dataset_paths(cfg: Any, split: str) -> tuple[Path, Path, str, str]:
         raise ValueError(f"split: '{split}' is not one of 'train', 'val'")
     root = dataset_root(cfg)
     if cfg.data.dataset == "shapes":
-        # fixed layout written by make_shapes; the COCO file-name keys do not apply
-        return (
-            root / split,
-            root / "annotations" / f"instances_{split}.json",
-            "data.root",
-            "data.root",
-        )
+        # the layout make_shapes writes (COCO 2017's names); the COCO path keys do not apply
+        return (*split_paths(root, split), "data.root", "data.root")
     images_key, ann_key = f"data.{split}_images", f"data.{split}_ann"
     return (
         root / getattr(cfg.data, f"{split}_images"),
@@ -89,12 +84,12 @@ def ensure_dataset(cfg: Any) -> None:
 
 def _ensure_shapes(root: Path, params: dict) -> None:
     """Generate into a temporary sibling folder and rename it, so no half dataset is ever seen."""
-    marker = root / "annotations" / "instances_val.json"
+    marker = split_paths(root, "val")[1]
     if not marker.is_file():
         if root.exists() and any(root.iterdir()):
             raise UsageError(
                 f"data.root: folder '{root}' exists but holds no shapes dataset "
-                "(annotations/instances_val.json); remove it or choose another data.root"
+                f"({marker.relative_to(root)}); remove it or choose another data.root"
             )
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))

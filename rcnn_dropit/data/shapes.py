@@ -18,6 +18,22 @@ CLASS_NAMES = ("circle", "square", "triangle", "ellipse", "diamond", "hexagon")
 _ROUND_SHAPES = ("circle", "ellipse")  # stored as RLE; the others as polygons when fully visible
 _MIN_VISIBLE = 0.6  # an occluded object keeps at least this fraction of its pixels
 FORMAT_VERSION = 1
+# COCO 2017's folder and file names, so that a COCO reader (this toolkit's `data.dataset: coco`
+# with its default paths, torchvision's reference scripts) reads the set where it lies.
+SPLIT_NAMES = {"train": "train2017", "val": "val2017"}
+
+
+def split_paths(root: str | Path, split: str) -> tuple[Path, Path]:
+    """(image folder, annotation file) of a shapes set's 'train' or 'val' split. A set written
+    before the COCO names (train/, val/, annotations/instances_{train,val}.json) is read where
+    it lies: nothing is moved or made again."""
+    root = Path(root)
+    name = SPLIT_NAMES[split]
+    images, ann = root / name, root / "annotations" / f"instances_{name}.json"
+    old_ann = root / "annotations" / f"instances_{split}.json"
+    if not ann.is_file() and old_ann.is_file():
+        return root / split, old_ann
+    return images, ann
 
 
 def make_shapes(
@@ -29,7 +45,7 @@ def make_shapes(
     seed: int,
     first_class: int = 0,
 ) -> None:
-    """Write root/{train,val}/*.png and root/annotations/instances_{train,val}.json.
+    """Write root/{train,val}2017/*.png and root/annotations/instances_{train,val}2017.json.
 
     The classes are CLASS_NAMES[first_class : first_class + num_classes]: a set made with another
     first_class (and seed) has other objects, e.g. to pretrain a backbone for the fine-tune study.
@@ -57,14 +73,15 @@ def make_shapes(
         {"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(names)
     ]
     for split_id, (split, count) in enumerate((("train", num_train), ("val", num_val))):
-        (root / split).mkdir(exist_ok=True)
+        folder = root / SPLIT_NAMES[split]
+        folder.mkdir(exist_ok=True)
         empty = _empty_images(count, seed, split_id)
         images, annotations = [], []
         for i in range(count):
             rng = np.random.default_rng([seed, split_id, i])
             pixels, objects = _render(rng, image_size, names, empty=i in empty)
             file_name = f"{i:06d}.png"
-            Image.fromarray(pixels).save(root / split / file_name, format="PNG")
+            Image.fromarray(pixels).save(folder / file_name, format="PNG")
             h, w = pixels.shape[:2]
             images.append({"id": i + 1, "file_name": file_name, "width": w, "height": h})
             for obj in objects:
@@ -76,7 +93,8 @@ def make_shapes(
             "annotations": annotations,
             "categories": categories,
         }
-        (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(doc))
+        ann_file = root / "annotations" / f"instances_{SPLIT_NAMES[split]}.json"
+        ann_file.write_text(json.dumps(doc))
 
 
 def shapes_info(

@@ -55,14 +55,15 @@ def _checkpoint_write_fails(tmp: Path, tiny_shapes: Path) -> tuple[list[str], st
 def _corrupt_annotations(tmp: Path, tiny_shapes: Path) -> tuple[list[str], str, int]:
     root = tmp / "coco"
     root.mkdir()
-    for split in ("train", "val"):
+    for split in ("train2017", "val2017"):
         (root / split).symlink_to(tiny_shapes / split)
     (root / "annotations").mkdir()
-    train_ann = root / "annotations/instances_train.json"
-    train_ann.write_bytes((tiny_shapes / "annotations/instances_train.json").read_bytes())
-    (root / "annotations/instances_val.json").write_text('{"images": [')  # cut off mid-write
+    train_ann = root / "annotations/instances_train2017.json"
+    train_ann.write_bytes((tiny_shapes / "annotations/instances_train2017.json").read_bytes())
+    val_ann = root / "annotations/instances_val2017.json"
+    val_ann.write_text('{"images": [')  # cut off mid-write
     opts = coco_opts(root, "solver.max_iters=1")
-    message = f"error: data.val_ann: '{root / 'annotations/instances_val.json'}' is not valid JSON"
+    message = f"error: data.val_ann: '{val_ann}' is not valid JSON"
     return ["--output-dir", str(tmp / "run"), "--opts", *opts], message, 2
 
 

@@ -218,23 +218,23 @@ def _missing_root(root: Path) -> list[str]:
 
 
 def _missing_ann(root: Path) -> list[str]:
-    (root / "annotations/instances_val.json").unlink()
+    (root / "annotations/instances_val2017.json").unlink()
     return []
 
 
 def _not_coco(root: Path) -> list[str]:
-    (root / "annotations/instances_train.json").write_text('{"images": [], "annotations": []}')
+    (root / "annotations/instances_train2017.json").write_text('{"images": [], "annotations": []}')
     return []
 
 
 def _missing_image(root: Path) -> list[str]:
-    (root / "train/000003.png").unlink()
+    (root / "train2017/000003.png").unlink()
     return []
 
 
 def _bad_category(root: Path) -> list[str]:
     edit_json(
-        root / "annotations/instances_train.json",
+        root / "annotations/instances_train2017.json",
         lambda d: d["annotations"][0].update(category_id=99),
     )
     return []
@@ -242,21 +242,21 @@ def _bad_category(root: Path) -> list[str]:
 
 def _unreadable_images(root: Path) -> list[str]:
     # every training image: the first batch meets one, after the run dir was made
-    for png in (root / "train").glob("*.png"):
+    for png in (root / "train2017").glob("*.png"):
         png.write_bytes(b"not a png")
     return ["solver.max_iters=1"]
 
 
 DATA_CASES = {
     "missing_root": (_missing_root, ["data.root: folder", "/coco'", "does not exist"]),
-    "missing_ann": (_missing_ann, ["data.val_ann", "instances_val.json' does not exist"]),
+    "missing_ann": (_missing_ann, ["data.val_ann", "instances_val2017.json' does not exist"]),
     "not_coco": (_not_coco, ["data.train_ann", "not a COCO file", "missing key 'categories'"]),
     "missing_image": (_missing_image, ["000003.png' does not exist", "skip_missing_images=true"]),
     "bad_category": (
         _bad_category,
         ["category_id 99", "not among the file's categories [1, 2, 3]"],
     ),
-    "unreadable_image": (_unreadable_images, ["train/0000", ".png' cannot be read"]),
+    "unreadable_image": (_unreadable_images, ["train2017/0000", ".png' cannot be read"]),
 }
 
 
@@ -278,9 +278,9 @@ def test_bad_data_is_one_error_line_and_no_run_dir(case, tmp_path, coco) -> None
 
 def test_skipped_images_and_degenerate_boxes_are_counted(tmp_path, coco) -> None:
     root, opts = coco
-    (root / "train/000001.png").unlink()
-    (root / "train/000002.png").write_bytes(b"")
-    ann = root / "annotations/instances_train.json"
+    (root / "train2017/000001.png").unlink()
+    (root / "train2017/000002.png").write_bytes(b"")
+    ann = root / "annotations/instances_train2017.json"
     doc = json.loads(ann.read_text())
     kept = [a for a in doc["annotations"] if a["image_id"] > 3]
     kept[0]["bbox"][2] = 0.0  # zero width
@@ -382,7 +382,7 @@ def test_test_tool_bad_output_or_images_leave_no_folder(tmp_path, coco):
     )  # fmt: skip
     assert f"--output-dir '{taken}' is a file, not a folder" in error_line(proc)
     assert taken.read_text() == "a file"
-    for png in (root / "val").glob("*.png"):  # met only while evaluating, after the folder
+    for png in (root / "val2017").glob("*.png"):  # met only while evaluating, after the folder
         png.write_bytes(b"not a png")
     out = tmp_path / "eval"
     proc = run_tool(

@@ -112,7 +112,7 @@ def twin_root(tmp_path_factory, shapes_root) -> Path:
     """
     root = tmp_path_factory.mktemp("data") / "twin"
     (root / "annotations").mkdir(parents=True)
-    doc = json.loads((shapes_root / "annotations/instances_train.json").read_text())
+    doc = json.loads((shapes_root / "annotations/instances_train2017.json").read_text())
     image = next(
         im for im in doc["images"] if any(a["image_id"] == im["id"] for a in doc["annotations"])
     )
@@ -120,7 +120,7 @@ def twin_root(tmp_path_factory, shapes_root) -> Path:
     (root / "train").mkdir()
     images, annotations = [], []
     for twin in (1, 2):
-        shutil.copy(shapes_root / "train" / image["file_name"], root / "train" / f"{twin}.png")
+        shutil.copy(shapes_root / "train2017" / image["file_name"], root / "train" / f"{twin}.png")
         images.append({**image, "id": twin, "file_name": f"{twin}.png"})
         for ann in anns:
             category = ann["category_id"] if twin == 1 else ann["category_id"] % 3 + 1
@@ -171,10 +171,8 @@ def test_two_process_maskrcnn_dropit_run(mask_run, shapes_root) -> None:
     assert [(r["type"], r["iter"]) for r in records] == [("train", 1), ("train", 2), ("eval", 2)]
     assert records[0]["images_per_sec"] > 0 and records[0]["loss_mask"] > 0
     # Every validation image evaluated exactly once over the two ranks.
-    val_ids = {
-        im["id"]
-        for im in json.loads((shapes_root / "annotations/instances_val.json").read_text())["images"]
-    }
+    val_doc = json.loads((shapes_root / "annotations/instances_val2017.json").read_text())
+    val_ids = {im["id"] for im in val_doc["images"]}
     final = json.loads((run / "eval.json").read_text())
     assert final["num_images"] == len(val_ids) == 3 and final["iter"] == 2
     assert {

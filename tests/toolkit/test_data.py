@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from rcnn_dropit.data import (
     build_train_loader,
     build_transforms,
     build_val_loader,
+    dataset_paths,
     ensure_dataset,
     hflip,
     images_to_device,
@@ -68,8 +70,8 @@ def mask_box(mask: torch.Tensor) -> list[int]:
 
 def test_shapes_load_consistent(shapes_root):
     ds = CocoDetection(
-        shapes_root / "train",
-        shapes_root / "annotations/instances_train.json",
+        shapes_root / "train2017",
+        shapes_root / "annotations/instances_train2017.json",
         train=True,
         transforms=build_transforms(False, 0.0),
     )
@@ -96,7 +98,7 @@ def test_shapes_load_consistent(shapes_root):
 
 
 def test_shapes_json_has_both_segmentation_kinds(shapes_root):
-    doc = json.loads((shapes_root / "annotations/instances_train.json").read_text())
+    doc = json.loads((shapes_root / "annotations/instances_train2017.json").read_text())
     kinds = {type(a["segmentation"]).__name__ for a in doc["annotations"]}
     assert kinds == {"list", "dict"}
     for ann in doc["annotations"]:
@@ -111,7 +113,7 @@ def _shapes_digest(root: Path) -> str:
     """SHA-256 over every annotation's decoded mask bits, box, area and ids, and every image."""
     h = hashlib.sha256()
     for split in ("train", "val"):
-        doc = json.loads((root / "annotations" / f"instances_{split}.json").read_text())
+        doc = json.loads((root / "annotations" / f"instances_{split}2017.json").read_text())
         sizes = {im["id"]: (im["height"], im["width"]) for im in doc["images"]}
         for ann in doc["annotations"]:
             mask = segmentation_to_mask(ann["segmentation"], *sizes[ann["image_id"]])
@@ -119,7 +121,7 @@ def _shapes_digest(root: Path) -> str:
             fields = ("bbox", "area", "category_id", "image_id", "id", "iscrowd")
             h.update(json.dumps([ann[k] for k in fields]).encode())
         for im in doc["images"]:
-            h.update((root / split / im["file_name"]).read_bytes())
+            h.update((root / f"{split}2017" / im["file_name"]).read_bytes())
     return h.hexdigest()
 
 
@@ -152,7 +154,7 @@ def _reference_masks(segmentations: list, height: int, width: int) -> list[torch
 
 def test_torchvisions_reference_reads_every_shapes_annotation(shapes_root):
     for split in ("train", "val"):
-        doc = json.loads((shapes_root / "annotations" / f"instances_{split}.json").read_text())
+        doc = json.loads((shapes_root / "annotations" / f"instances_{split}2017.json").read_text())
         for img in doc["images"]:
             anns = [a for a in doc["annotations"] if a["image_id"] == img["id"]]
             h, w = img["height"], img["width"]
@@ -201,11 +203,11 @@ def test_make_shapes_command_refuses_a_used_root(tmp_path, capsys):
 
     small = ["--num-train", "2", "--num-val", "1", "--image-size", "32"]
     assert main(["--root", str(tmp_path / "set"), *small]) == 0
-    before = sorted(p.name for p in (tmp_path / "set/train").iterdir())
+    before = sorted(p.name for p in (tmp_path / "set/train2017").iterdir())
     capsys.readouterr()
     assert main(["--root", str(tmp_path / "set")]) == 2  # would write 200 images over 2
     assert "is not empty; give a new or empty folder" in capsys.readouterr().err
-    assert sorted(p.name for p in (tmp_path / "set/train").iterdir()) == before
+    assert sorted(p.name for p in (tmp_path / "set/train2017").iterdir()) == before
     (tmp_path / "file").write_text("x")
     assert main(["--root", str(tmp_path / "file"), *small]) == 2
     assert "exists and is not a folder" in capsys.readouterr().err
@@ -214,13 +216,13 @@ def test_make_shapes_command_refuses_a_used_root(tmp_path, capsys):
 def test_shapes_first_class_draws_other_objects(tmp_path):
     """A set from first_class 3 has the last three shape kinds only, labelled 1..3."""
     make_shapes(tmp_path / "other", 6, 2, 64, 3, seed=5, first_class=3)
-    doc = json.loads((tmp_path / "other/annotations/instances_train.json").read_text())
+    doc = json.loads((tmp_path / "other/annotations/instances_train2017.json").read_text())
     assert [c["name"] for c in doc["categories"]] == ["ellipse", "diamond", "hexagon"]
     assert {a["category_id"] for a in doc["annotations"]} <= {1, 2, 3}
     assert doc["info"]["shapes"]["first_class"] == 3
     # the default set records no first_class, as sets made before the option did
     make_shapes(tmp_path / "plain", 2, 2, 64, 3, seed=5)
-    plain = json.loads((tmp_path / "plain/annotations/instances_val.json").read_text())
+    plain = json.loads((tmp_path / "plain/annotations/instances_val2017.json").read_text())
     assert "first_class" not in plain["info"]["shapes"]
 
 
@@ -391,7 +393,8 @@ def test_missing_and_unreadable_images(tmp_path):
 
 
 def test_hflip_moves_boxes_and_masks_together(shapes_root):
-    ds = CocoDetection(shapes_root / "val", shapes_root / "annotations/instances_val.json", False)
+    ann = shapes_root / "annotations/instances_val2017.json"
+    ds = CocoDetection(shapes_root / "val2017", ann, False)
     image, target = ds[0]
     flipped_image, flipped = hflip(image, target)
     w = image.shape[-1]
@@ -514,15 +517,39 @@ def test_ensure_dataset_generates_shapes_once(tmp_path):
     root = tmp_path / "ds" / "shapes"
     cfg = make_cfg(root)
     ensure_dataset(cfg)
-    assert (root / "annotations/instances_val.json").is_file()
+    assert (root / "annotations/instances_val2017.json").is_file()
     assert sorted(p.name for p in root.parent.iterdir()) == ["shapes"]  # no temp folder left
-    stamp = (root / "train/000000.png").stat().st_mtime_ns
+    stamp = (root / "train2017/000000.png").stat().st_mtime_ns
     ensure_dataset(cfg)
-    assert (root / "train/000000.png").stat().st_mtime_ns == stamp
+    assert (root / "train2017/000000.png").stat().st_mtime_ns == stamp
     other = make_cfg(root)
     other.data.shapes.num_train = 7
     with pytest.raises(ValueError, match="generated with"):
         ensure_dataset(other)
+
+
+def test_shapes_are_in_coco_2017_layout_and_an_older_set_is_read_where_it_lies(
+    tmp_path, shapes_root
+):
+    """The set reads as COCO with the COCO keys' defaults; one written with the names used
+    before (train/, instances_train.json) is found as it is, nothing moved or made again."""
+    coco = make_cfg(shapes_root, dataset="coco")
+    assert [dataset_paths(coco, s)[:2] for s in ("train", "val")] == [
+        (shapes_root / "train2017", shapes_root / "annotations/instances_train2017.json"),
+        (shapes_root / "val2017", shapes_root / "annotations/instances_val2017.json"),
+    ]
+    assert len(build_dataset(coco, "train")) == 5
+    old = tmp_path / "old"
+    shutil.copytree(shapes_root, old)
+    for split in ("train", "val"):
+        (old / f"{split}2017").rename(old / split)
+        ann = old / "annotations" / f"instances_{split}2017.json"
+        ann.rename(old / "annotations" / f"instances_{split}.json")
+    cfg = make_cfg(old)
+    ensure_dataset(cfg)
+    assert sorted(p.name for p in old.iterdir()) == ["annotations", "train", "val"]
+    assert dataset_paths(cfg, "val")[:2] == (old / "val", old / "annotations/instances_val.json")
+    assert len(build_dataset(cfg, "train")) == 5
 
 
 def test_loaders_on_shapes(shapes_root):

@@ -144,7 +144,8 @@ def tiny_run(tmp_path_factory, tiny_shapes) -> Path:
 def _val_images(run: Path) -> tuple[Path, dict]:
     """The shapes val folder and its COCO annotations."""
     shapes = Path(load_config(run / "config.yaml").data.root)
-    return shapes / "val", json.loads((shapes / "annotations/instances_val.json").read_text())
+    doc = json.loads((shapes / "annotations/instances_val2017.json").read_text())
+    return shapes / "val2017", doc
 
 
 def test_infer_folder_writes_pictures_and_coco_results(tiny_run, tmp_path, capsys) -> None:
@@ -155,7 +156,7 @@ def test_infer_folder_writes_pictures_and_coco_results(tiny_run, tmp_path, capsy
         shutil.copy(val_dir / im["file_name"], folder / im["file_name"])
     (folder / "notes.txt").write_text("not an image, skipped: only image suffixes are read")
     out = tmp_path / "out"
-    ann = val_dir.parent / "annotations/instances_val.json"
+    ann = val_dir.parent / "annotations/instances_val2017.json"
     proc = call_tool(
         "infer.py",
         "--run", str(tiny_run), "--input", str(folder), "--output", str(out),
