@@ -59,6 +59,12 @@ class ModelConfig:
     box_detections_per_img: int = _f(100, ge=1)
     box_batch_size_per_image: int = _f(512, ge=1)
     rpn_batch_size_per_image: int = _f(256, ge=1)
+    # Proposals per FPN level before the RPN's NMS and per image after it, in training and in
+    # test (torchvision's and detectron2's defaults: 2000/2000 and 1000/1000, made for 800 px).
+    rpn_pre_nms_top_n_train: int = _f(2000, ge=1)
+    rpn_post_nms_top_n_train: int = _f(2000, ge=1)
+    rpn_pre_nms_top_n_test: int = _f(1000, ge=1)
+    rpn_post_nms_top_n_test: int = _f(1000, ge=1)
     # One anchor size per FPN level (P2..P6), 3 aspect ratios each, as torchvision's default.
     anchor_sizes: list[int] = _f(factory=lambda: [32, 64, 128, 256, 512])
     # Widths of the parts built on the backbone; torchvision's values by default. Narrower parts

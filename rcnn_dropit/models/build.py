@@ -64,6 +64,10 @@ def build_model(cfg: Config, sync_bn: bool = False) -> tuple[nn.Module, DropITRe
         box_detections_per_img=m.box_detections_per_img,
         box_batch_size_per_image=m.box_batch_size_per_image,
         rpn_batch_size_per_image=m.rpn_batch_size_per_image,
+        rpn_pre_nms_top_n_train=m.rpn_pre_nms_top_n_train,
+        rpn_post_nms_top_n_train=m.rpn_post_nms_top_n_train,
+        rpn_pre_nms_top_n_test=m.rpn_pre_nms_top_n_test,
+        rpn_post_nms_top_n_test=m.rpn_post_nms_top_n_test,
         rpn_anchor_generator=AnchorGenerator(
             tuple((size,) for size in m.anchor_sizes), (_ASPECT_RATIOS,) * len(m.anchor_sizes)
         ),

@@ -34,6 +34,8 @@ TINY = {
     "box_batch_size_per_image": 32,
     "rpn_batch_size_per_image": 32,
     "box_detections_per_img": 7,
+    "rpn_pre_nms_top_n_train": 300,
+    "rpn_post_nms_top_n_test": 50,
 }
 LOSSES = {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"}
 
@@ -73,6 +75,8 @@ def test_build_and_train_forward(arch: str, expected: set[str]):
     assert model.roi_heads.detections_per_img == 7
     assert model.roi_heads.fg_bg_sampler.batch_size_per_image == 32
     assert model.rpn.fg_bg_sampler.batch_size_per_image == 32
+    assert model.rpn._pre_nms_top_n == {"training": 300, "testing": 1000}
+    assert model.rpn._post_nms_top_n == {"training": 2000, "testing": 50}
     assert model.roi_heads.score_thresh == 0.05
     model.train()
     losses = model(*sample())
