@@ -27,6 +27,8 @@ from pathlib import Path
 from rcnn_dropit.cli import run_cli
 from rcnn_dropit.errors import UsageError
 
+# make demo's training config: its DropIT section against none (tools/bench.py --demo)
+DEMO_CONFIG = "configs/demo/maskrcnn_shapes_quant4.yaml"
 DEFAULT_VARIANTS = [
     "mink:0.8",
     "parallel_mink:0.8",
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_cli(lambda: _markdown(args.markdown, args.into, args.block, args.summary))
     if args.widths:
         return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
+    if args.demo:
+        return run_cli(lambda: _demo(args.demo, args.repeats, args.json, args.quiet_machine))
     if args.ops:
         return run_cli(lambda: _ops(args.device, args.repeats, args.json))
     if args.host:
@@ -170,6 +174,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="CONFIG",
         help="instead: train-step time of CONFIG's model (default: the study's narrow model) "
         "against the same model with torchvision's FPN and head widths, on one shapes batch",
+    )
+    parser.add_argument(
+        "--demo",
+        nargs="?",
+        const=DEMO_CONFIG,
+        metavar="CONFIG",
+        help="instead: train-step time of the demo's model (CONFIG, default: %(const)s) with its "
+        "DropIT section against the same model without DropIT, on one batch of its data",
     )
     parser.add_argument(
         "--ops",
@@ -389,6 +401,19 @@ def _widths(config: str, repeats: int, out: Path | None) -> None:
     variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
     rows = compare_step_time(config, variants, repeats=max(repeats, 5))
     for row in rows:
+        print(json.dumps(row), flush=True)
+    if out:
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _demo(config: str, repeats: int, out: Path | None, quiet: bool) -> None:
+    """Step time of the demo with DropIT against the demo without: JSON lines (baseline = 1x)."""
+    from instruments.measure.width_bench import compare_step_time
+
+    variants = [("baseline", ("dropit.enabled=false",)), ("dropit", ())]
+    rows = compare_step_time(config, variants, repeats=max(repeats, 5))
+    for row in rows:
+        row.update(config=config, quiet=quiet, command=_command_line())
         print(json.dumps(row), flush=True)
     if out:
         out.write_text(json.dumps(rows, indent=2) + "\n")

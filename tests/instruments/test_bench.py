@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 
@@ -327,6 +330,34 @@ def test_step_time_comparison_of_widths(tiny_shapes, monkeypatch):
     assert [r["step_ratio"] for r in rows] == [1.0, 0.15]
     assert rows[1]["params_m"] < rows[0]["params_m"] - 10  # 1024-wide fc6 over 256x7x7 features
     assert rows[0]["overrides"] == list(TORCHVISION_WIDTHS) and rows[1]["images"] == 2
+
+
+def test_demo_mode_times_the_demo_against_itself_without_dropit(monkeypatch, capsys, tmp_path):
+    """--demo: the demo's config with its DropIT section and with `dropit.enabled=false`, side
+    by side; the rows say the config, whether the machine was quiet and the command."""
+    from instruments.commands import bench
+    from instruments.measure import width_bench
+
+    calls = []
+
+    def fake(config, variants, repeats):
+        calls.append((config, variants, repeats))
+        return [
+            {"model": label, "step_ratio": 1.0 + i / 10} for i, (label, _) in enumerate(variants)
+        ]
+
+    monkeypatch.setattr(width_bench, "compare_step_time", fake)
+    out = tmp_path / "demo.json"
+    args = ["--demo", "--repeats", "3", "--quiet-machine", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", ["tools/bench.py", *args])  # the command the rows record
+    assert bench.main(args) == 0
+    [(config, variants, repeats)] = calls
+    assert config == bench.DEMO_CONFIG and repeats == 5  # at least 5 timed rounds
+    assert variants == [("baseline", ("dropit.enabled=false",)), ("dropit", ())]
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["model"] for r in rows] == ["baseline", "dropit"]
+    assert all(r["quiet"] and r["config"] == config and "--demo" in r["command"] for r in rows)
+    assert json.loads(out.read_text()) == rows
 
 
 @pytest.mark.slow  # a fresh interpreter
