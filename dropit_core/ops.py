@@ -239,8 +239,12 @@ class DropITConvFunction(torch.autograd.Function):
         out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
         grad = grad.contiguous()  # a no-op when it already is
         bias_sizes = [out_channels] if need_b else None
-        if need_w and need_x and math.prod(ctx.x_shape) * grad.element_size() >= SPLIT_BYTES:
-            return _conv_backward_split(ctx, grad, weight, packed, bias_sizes) + (None,) * 3
+        if need_w and math.prod(ctx.x_shape) * grad.element_size() >= SPLIT_BYTES:
+            split = _conv_backward_split(ctx, grad, weight, packed, bias_sizes, need_x)
+            return split + (None,) * 3
+        if not need_w and not need_b:
+            gx = _input_grad(grad, weight, ctx.x_shape, args) if need_x else None
+            return gx, None, None, None, None, None
         x_hat = ctx.cache.unpack(packed) if need_w else _zeros_like_shape(grad, ctx.x_shape)
         gx, gw, gb = torch.ops.aten.convolution_backward.default(
             grad, x_hat, weight, bias_sizes, *args, [need_x, need_w, need_b]
@@ -249,21 +253,78 @@ class DropITConvFunction(torch.autograd.Function):
 
 
 def _conv_backward_split(
-    ctx, grad: torch.Tensor, weight: torch.Tensor, packed: Packed, bias_sizes: list[int] | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(input, weight, bias gradients) of a conv with a large input, in two calls: the weight's
-    (and bias's) first, then the rebuilt input goes, then the input gradient is made. One map
-    fewer is alive at the backward's peak (a P2-level conv's peak); each gradient is computed by
-    the kernel the joint call runs for it, so the values are the joint call's."""
+    ctx,
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    packed: Packed,
+    bias_sizes: list[int] | None,
+    need_x: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """(input, weight, bias gradients) of a conv with a large input, in turn: the weight's (and
+    bias's) first, then the rebuilt input goes, then the input gradient (if needed) is made.
+    One map fewer is alive at the backward's peak (a P2-level conv's); the input gradient is the
+    joint call's bit for bit, the weight's is summed over images (_weight_grad_by_images)."""
     x_hat = ctx.cache.unpack(packed)
-    _, gw, gb = torch.ops.aten.convolution_backward.default(
-        grad, x_hat, weight, bias_sizes, *ctx.args, [False, True, bias_sizes is not None]
-    )
+    gw, gb = _weight_grad_by_images(grad, x_hat, weight, bias_sizes, ctx.args)
     del x_hat
-    gx = torch.ops.aten.convolution_backward.default(
-        grad, _zeros_like_shape(grad, ctx.x_shape), weight, None, *ctx.args, [True, False, False]
+    if not need_x:
+        return None, gw, gb
+    return _input_grad(grad, weight, ctx.x_shape, ctx.args), gw, gb
+
+
+def _input_grad(
+    grad: torch.Tensor, weight: torch.Tensor, x_shape: torch.Size, args: ConvArgs
+) -> torch.Tensor:
+    """A conv's input gradient without its input. On the CPU a 2-D conv's is the transposed
+    conv of ``grad``: the backward's kernel would first make its input argument contiguous (a
+    whole map of zeros for the zero-stride stand-in); the same values."""
+    if grad.device.type == "cpu" and not args.transposed and grad.dim() == 4:
+        k = weight.shape[2:]
+        pad = [
+            x_shape[2 + i]
+            - ((grad.shape[2 + i] - 1) * args.stride[i] - 2 * args.padding[i]
+               + args.dilation[i] * (k[i] - 1) + 1)
+            for i in range(2)
+        ]  # fmt: skip
+        # the rows and columns the forward's stride skipped at the end (what torch allows)
+        if all(0 <= p < max(s, d) for p, s, d in zip(pad, args.stride, args.dilation, strict=True)):
+            return F.conv_transpose2d(
+                grad, weight, None, args.stride, args.padding, pad, args.groups, args.dilation
+            )
+    return torch.ops.aten.convolution_backward.default(
+        grad, _zeros_like_shape(grad, x_shape), weight, None, *args, [True, False, False]
     )[0]
-    return gx, gw, gb
+
+
+def _weight_grad_by_images(
+    grad: torch.Tensor,
+    x_hat: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: list[int] | None,
+    args: ConvArgs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight (and bias) gradient of a conv as a sum over chunks of images of at most
+    SPLIT_BYTES of input each (one image where an image is larger): the CPU kernel's copies of
+    its input and output gradient in its own layout are then a chunk's, not the batch's. Each
+    chunk's part is summed in fp32 (in the order of the images): the same value as one call up
+    to float rounding, not bit for bit where the batch takes more than one chunk."""
+    per_image = x_hat[0].numel() * x_hat.element_size()
+    chunk = max(1, SPLIT_BYTES // max(per_image, 1))
+    mask = [False, True, bias_sizes is not None]
+    if chunk >= x_hat.shape[0]:
+        _, gw, gb = torch.ops.aten.convolution_backward.default(
+            grad, x_hat, weight, bias_sizes, *args, mask
+        )
+        return gw, gb
+    gw = gb = None
+    for i in range(0, x_hat.shape[0], chunk):
+        _, w_i, b_i = torch.ops.aten.convolution_backward.default(
+            grad[i : i + chunk], x_hat[i : i + chunk], weight, bias_sizes, *args, mask
+        )
+        gw = w_i.float() if gw is None else gw.add_(w_i)
+        if b_i is not None:
+            gb = b_i.float() if gb is None else gb.add_(b_i)
+    return gw.to(weight.dtype), (None if gb is None else gb.to(weight.dtype))
 
 
 class DropITLinearFunction(torch.autograd.Function):

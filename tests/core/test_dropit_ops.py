@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import set_step, to_dropit
+from dropit_core import is_dropit, set_step, to_dropit
 from dropit_core.ops import MaskedReLUFunction
 from tests.core.contracts import contract_layers
 
@@ -481,24 +481,62 @@ def test_rescale_option_is_checked() -> None:
         to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3)), rescale="l2")
 
 
+CONVS = [  # (in, out, kernel, stride, padding, dilation, groups)
+    (4, 6, 3, 1, 1, 1, 1),
+    (4, 6, 3, 2, 1, 1, 1),  # odd sizes: the transposed conv's output padding
+    (4, 6, 1, 2, 0, 1, 1),
+    (4, 6, 3, 1, 2, 2, 2),
+]
+
+
+@pytest.mark.parametrize("conv_args", CONVS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_large_conv_makes_its_gradients_in_turn_with_the_joint_calls_values(
-    monkeypatch, bias: bool
+    monkeypatch, bias: bool, conv_args: tuple
 ) -> None:
-    """Above ops.SPLIT_BYTES the weight gradient is made first and the rebuilt input freed
-    before the input gradient: the same gradients, bit for bit, as the one joint call."""
+    """Above ops.SPLIT_BYTES the weight gradient is made first, image chunk by image chunk, and
+    the rebuilt input freed before the input gradient: the joint call's gradients bit for bit
+    when one chunk holds the batch; by single images the input gradient still is, the weight's
+    and bias's are its sum over images, equal up to float rounding."""
     from dropit_core import ops
 
+    x = torch.randn(2, 4, 9, 7)
     grads = []
-    for split in (1 << 62, 0):  # never, always
+    # never split; split with the batch in one chunk; split with one image per chunk
+    for split in (1 << 62, x.numel() * 4, 1):
         monkeypatch.setattr(ops, "SPLIT_BYTES", split)
         torch.manual_seed(0)
-        conv = to_dropit(
-            nn.Sequential(nn.Conv2d(4, 6, 3, padding=1, bias=bias)), strategy="quant", bits=4
-        )
-        x = torch.randn(2, 4, 9, 7, requires_grad=True)
+        c_in, c_out, k, stride, pad, dil, groups = conv_args
+        plain = nn.Conv2d(c_in, c_out, k, stride, pad, dil, groups, bias=bias)
+        conv = to_dropit(nn.Sequential(plain), strategy="quant", bits=4)
+        xi = x.clone().requires_grad_()
         set_step(conv, 3)
-        conv(x).square().sum().backward()
-        grads.append([x.grad, *(p.grad for p in conv.parameters())])
-    assert len(grads[0]) == 2 + bias
-    assert all(map(torch.equal, *grads))
+        conv(xi).square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in conv.parameters())])
+    joint, whole, by_image = grads
+    assert len(joint) == 2 + bias
+    assert all(map(torch.equal, joint, whole))
+    assert torch.equal(joint[0], by_image[0])
+    for a, b in zip(joint[1:], by_image[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(a, torch.zeros_like(a))
+
+
+@pytest.mark.parametrize("conv_args", CONVS)
+def test_a_conv_with_a_frozen_weight_gives_the_plain_input_gradient(conv_args: tuple) -> None:
+    """Only the input gradient: made without the input (a transposed conv on the CPU), the
+    plain layer's bit for bit."""
+    c_in, c_out, k, stride, pad, dil, groups = conv_args
+    torch.manual_seed(0)
+    plain = nn.Conv2d(c_in, c_out, k, stride, pad, dil, groups, bias=False).requires_grad_(False)
+    x = torch.randn(2, 4, 9, 7)
+    grads = []
+    converted = to_dropit(nn.Sequential(copy.deepcopy(plain)), strategy="quant")
+    assert is_dropit(converted[0])
+    for model in (plain, converted):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        out.square().sum().backward()
+        grads.append(xi.grad)
+    assert type(out.grad_fn).__name__ == "DropITConvFunctionBackward"
+    assert torch.equal(*grads)
