@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-forward bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host lint format study
+.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-forward bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host bench-demo lint format study
 
 setup: $(STAMP)
 
@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 
 # Trains the shapes Mask R-CNN with DropIT (data generated on first use) and prints the AP table,
 # then draws 4 validation images, prediction next to ground truth, into the run's predictions.png.
+# DROPIT_COMPILE=0: the compiled CPU pack pays on COCO-sized maps; on the demo's 96 px ones it
+# stepped no faster, and its one-off compile takes 10-30 s of a fresh machine's demo.
 demo: setup
-	$(PY) tools/train.py --config configs/demo/maskrcnn_shapes_quant4.yaml --overwrite
+	DROPIT_COMPILE=0 $(PY) tools/train.py --config configs/demo/maskrcnn_shapes_quant4.yaml --overwrite
 	$(PY) tools/infer.py --run outputs/maskrcnn_shapes_quant4 --val 4
 
 # Every tier (CI). test-fast: the inner loop, without the tests marked slow (training runs,
@@ -108,6 +110,12 @@ bench-speed: setup
 		--methods-json docs/results/methods_bench_speed.json $(if $(QUIET),--quiet-machine)
 	$(PY) tools/bench.py --markdown docs/results/methods_bench_speed.json \
 		--into docs/results/memory.md --block methods-bench-speed
+
+# make demo's step with its DropIT section against the same model without DropIT, side by side
+# on one batch of its data, 10 rounds (a minute or two): docs/results/bench_demo_cpu.json.
+bench-demo: setup
+	$(PY) tools/bench.py --demo --repeats 10 --json docs/results/bench_demo_cpu.json \
+		$(if $(QUIET),--quiet-machine)
 
 # Host time per DropIT layer on the GPU path, with the Triton launches stubbed (any machine; run
 # it on a quiet one): docs/results/bench_host_cpu.json and its table in docs/results/memory.md.
