@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from . import dispatch
+from . import dispatch, traced
 from .base import PACK_TAG, Packed, Strategy, refuse_double_backward
 from .packing import pack_blocked, zero_flagged_sliced
 from .seeds import mix_state
@@ -50,6 +50,7 @@ class InputCache:
         self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.dropped: torch.Tensor | None = None
+        self.number = traced.register(self)  # how the operators name it (torch.compile)
 
     def set_step(self, step: int, rank: int = 0) -> None:
         """Start the random streams of training step ``step`` (on process ``rank``).

@@ -1,0 +1,324 @@
+"""The DropIT layers as ``torch.library`` operators: what a converted layer runs under
+``torch.compile``.
+
+Eager layers run the autograd Functions of :mod:`dropit_core.ops` (the fastest path on the host).
+Dynamo cannot trace those: their packs are shared through weak dictionaries and seeded from
+Python integers up to 2**64, which Inductor cannot hold as constants. While compiling
+(``torch.compiler.is_compiling()``) a converted layer calls the operators below instead; each is
+opaque to Dynamo and Inductor, with a fake (shape-only) implementation and an autograd formula,
+so that ``torch.compile(model, fullgraph=True)`` traces the whole model into one graph and no
+seed ever becomes a graph constant:
+
+- ``dropit::pack`` packs a layer input with its cache's strategy. Its real implementation runs
+  the eager strategy code itself, drawn with the cache's next key
+  (:meth:`~dropit_core.ops.InputCache.next_key`, the step's Python counter that ``set_step``
+  resets): a compiled pack is byte-equal to the eager pack of the same step and layer, as long
+  as the compiled graph packs in program order (Inductor keeps the order of its opaque calls;
+  tests/core/test_dropit_compile.py checks the bytes).
+- ``dropit::unpack`` rebuilds the input in backward.
+- ``dropit::conv`` / ``dropit::linear``: the plain op forward; backward reads the pack.
+- ``dropit::relu_mask`` / ``dropit::relu_mask_grad``: the ReLU that keeps a 1-bit mask.
+
+A tensor fed to several layers of one cache is packed once, as eagerly: each layer calls
+``dropit::pack`` with the same arguments, and the compiler merges identical calls of a functional
+operator. Only strategies whose pack sizes follow from the input's shape are traced (``quant``);
+the others pack eagerly behind a graph break (``patch._conv_behind_break``), as the CPU's
+element-wise packs are sized by their data. The max-pool's autograd Function traces as it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .base import Packed, QuantMeta
+from .packing import code_bytes, pack_blocked, zero_flagged_sliced
+
+if TYPE_CHECKING:
+    from .ops import ConvArgs, InputCache
+
+# The caches by number: an operator takes plain values, and a cache is named by its number.
+_CACHES: weakref.WeakValueDictionary[int, InputCache] = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count(1)
+
+
+def register(cache: InputCache) -> int:
+    """A number that names ``cache`` to the operators (for as long as the cache lives)."""
+    number = next(_NUMBERS)
+    _CACHES[number] = cache
+    return number
+
+
+def _cache(number: int) -> InputCache:
+    cache = _CACHES.get(number)
+    if cache is None:
+        raise RuntimeError(f"DropIT: the input cache #{number} of a compiled graph is gone")
+    return cache
+
+
+def traceable(cache: InputCache) -> bool:
+    """Whether the packs of ``cache`` are traced (sizes from the shape alone) rather than made
+    behind a graph break."""
+    return _static_fields(cache, (1,), torch.float32) is not None
+
+
+def _static_fields(
+    cache: InputCache, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...] | None:
+    """(field, shape, dtype) of each tensor of the pack of a ``shape`` input in ``dtype``, in
+    ``Packed`` order, or None where the sizes depend on the data."""
+    from .unbiased import Quant
+
+    strategy = cache.strategy
+    if type(strategy) is not Quant or strategy.rescale != "none":
+        return None
+    n = math.prod(shape)
+    groups = -(-n // strategy.group)
+    return (
+        ("values", (code_bytes(n, strategy.bits),), torch.uint8),
+        ("scales", (groups,), torch.float32),
+        ("mins", (groups,), torch.float32),
+    )
+
+
+def _packed(cache: InputCache, fields: list[Tensor], shape: list[int], dtype) -> Packed:
+    """The eager ``Packed`` of a traced pack's tensors."""
+    names = [name for name, _, _ in _static_fields(cache, tuple(shape), dtype)]
+    return Packed(QuantMeta(tuple(shape), dtype), **dict(zip(names, fields, strict=True)))
+
+
+@torch.library.custom_op("dropit::pack", mutates_args=())
+def pack_op(x: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
+    """The tensors of ``cache``'s pack of ``x`` read as ``dtype``: the eager pack, drawn with
+    the cache's next key."""
+    owner = _cache(cache)
+    draw = owner.next_key() if owner.strategy.draws else 0
+    if dtype == x.dtype:
+        packed = owner.strategy.pack(x, layout, draw)
+    else:
+        packed = owner.strategy.pack(x, layout, draw, dtype)
+    return [t for t in packed[1:] if t is not None]
+
+
+@pack_op.register_fake
+def _(x: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
+    fields = _static_fields(_cache(cache), tuple(x.shape), dtype)
+    return [x.new_empty(shape, dtype=kind) for _, shape, kind in fields]
+
+
+@torch.library.custom_op("dropit::unpack", mutates_args=())
+def unpack_op(fields: list[Tensor], cache: int, shape: list[int], dtype: torch.dtype) -> Tensor:
+    """The input rebuilt from a traced pack's tensors."""
+    owner = _cache(cache)
+    return owner.unpack(_packed(owner, fields, shape, dtype))
+
+
+@unpack_op.register_fake
+def _(fields: list[Tensor], cache: int, shape: list[int], dtype: torch.dtype) -> Tensor:
+    return fields[0].new_empty(shape, dtype=dtype)
+
+
+def pack(cache: InputCache, x: Tensor, layout: str, dtype: torch.dtype) -> list[Tensor]:
+    """``cache``'s pack of ``x`` read as ``dtype``.
+
+    Layers fed one tensor call this with the same arguments, and the compiler merges the
+    identical calls (common subexpressions): one pack, one draw, as ``InputCache.pack`` shares
+    one eagerly."""
+    return torch.ops.dropit.pack(x.detach(), cache.number, layout, dtype)
+
+
+def autocast_inputs(
+    x: Tensor, weight: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor | None, torch.dtype | None]:
+    """``ops.autocast_inputs`` while tracing: the casts are plain ones (the compiler shares the
+    copies that the eager cache shares)."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return weight, bias, None
+    dtype = torch.get_autocast_dtype(device_type)
+    return weight.to(dtype), None if bias is None else bias.to(dtype), dtype
+
+
+# Convolution ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dropit::conv", mutates_args=())
+def conv_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    fields: list[Tensor],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    transposed: bool,
+    output_padding: list[int],
+    groups: int,
+    cache: int,
+) -> Tensor:
+    """``torch.convolution``; its backward's weight gradient reads the pack ``fields``."""
+    return torch.convolution(
+        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
+
+
+@conv_op.register_fake
+def _(
+    x, weight, bias, fields, stride, padding, dilation, transposed, output_padding, groups, cache
+):
+    return torch.convolution(
+        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
+
+
+def _conv_setup(ctx, inputs, output) -> None:
+    x, weight, bias, fields, *args, cache = inputs
+    ctx.args, ctx.cache = args, cache
+    ctx.x_shape, ctx.x_dtype = list(x.shape), x.dtype
+    ctx.save_for_backward(weight, *fields)
+
+
+def _conv_backward(ctx, grad):
+    weight, *fields = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    stride, padding, dilation, transposed, output_padding, groups = ctx.args
+    out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
+    if need_w and fields:
+        x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+    else:  # the input gradient reads only the input's shape
+        x_hat = grad.new_zeros((), dtype=ctx.x_dtype).expand(ctx.x_shape)
+    gx, gw, gb = torch.ops.aten.convolution_backward.default(
+        grad.contiguous(), x_hat, weight, [out_channels] if need_b else None,
+        stride, padding, dilation, transposed, output_padding, groups,
+        [need_x, need_w and bool(fields), need_b],
+    )  # fmt: skip
+    # a gradient per input: the pack's list gets a list of Nones
+    return gx, gw, gb, [None] * len(fields), None, None, None, None, None, None, None
+
+
+conv_op.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+def conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    args: ConvArgs,
+    cache: InputCache,
+    dtype: torch.dtype | None,
+) -> Tensor:
+    """The traced form of ``DropITConvFunction.apply``: the same output, pack and gradients."""
+    used = x if dtype is None else x.to(dtype)
+    fields = pack(cache, x, "conv", used.dtype) if weight.requires_grad else []
+    return torch.ops.dropit.conv(used, weight, bias, fields, *args, cache.number)
+
+
+# Linear --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dropit::linear", mutates_args=())
+def linear_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, fields: list[Tensor], cache: int
+) -> Tensor:
+    """``F.linear``; its backward's weight gradient reads the pack ``fields``."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@linear_op.register_fake
+def _(x, weight, bias, fields, cache):
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, weight, bias, fields, cache = inputs
+    ctx.cache, ctx.x_shape, ctx.x_dtype = cache, list(x.shape), x.dtype
+    ctx.save_for_backward(weight, *fields)
+
+
+def _linear_backward(ctx, grad):
+    weight, *fields = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gx = gw = gb = None
+    if need_w and fields:
+        x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+        gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
+    if need_x:
+        gx = (g2 @ weight).view(ctx.x_shape)
+    if need_b:
+        gb = g2.sum(0)
+    return gx, gw, gb, [None] * len(fields), None
+
+
+linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, cache: InputCache, dtype: torch.dtype | None
+) -> Tensor:
+    """The traced form of ``DropITLinearFunction.apply``."""
+    used = x if dtype is None else x.to(dtype)
+    fields = pack(cache, x, "linear", used.dtype) if weight.requires_grad else []
+    return torch.ops.dropit.linear(used, weight, bias, fields, cache.number)
+
+
+# ReLU ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dropit::relu_mask", mutates_args=())
+def relu_mask_op(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(relu(x), the packed flags of ``relu(x) <= 0``), as ``MaskedReLUFunction`` keeps them."""
+    from . import dispatch
+
+    if dispatch.use_kernels(x) and x.is_floating_point():
+        from .kernels.relu import relu_mask as kernel
+
+        return kernel(x, False)
+    out = torch.relu(x)
+    return out, pack_blocked(out)
+
+
+@relu_mask_op.register_fake
+def _(x: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("dropit::relu_mask_grad", mutates_args=())
+def relu_mask_grad_op(grad: Tensor, bits: Tensor) -> Tensor:
+    """The ReLU's input gradient from its output gradient and mask."""
+    from . import dispatch
+
+    if dispatch.use_kernels(grad):
+        from .kernels.relu import relu_mask_grad
+
+        return relu_mask_grad(grad, bits)
+    return zero_flagged_sliced(grad, bits)
+
+
+@relu_mask_grad_op.register_fake
+def _(grad: Tensor, bits: Tensor) -> Tensor:
+    return torch.empty_like(grad)
+
+
+def _relu_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1])
+
+
+def _relu_backward(ctx, grad, _bits_grad):
+    (bits,) = ctx.saved_tensors
+    return torch.ops.dropit.relu_mask_grad(grad, bits)
+
+
+relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)
+
+
+def relu(x: Tensor, inplace: bool) -> Tensor:
+    """The traced form of ``MaskedReLUFunction.apply`` (in place: the result copied into x,
+    which the compiler turns back into one buffer)."""
+    out = torch.ops.dropit.relu_mask(x)[0]
+    return x.copy_(out) if inplace else out

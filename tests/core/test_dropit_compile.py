@@ -1,0 +1,120 @@
+"""A converted model under ``torch.compile``: one graph, and training equal to eager.
+
+The DropIT layers call ``torch.library`` operators while compiling (dropit_core.traced): the
+packs are the eager code's, drawn with the same keys, so the packs of a step are byte-equal to
+eager ones; the compiler reorders float sums of its own (the linear bias gradient, a sum over
+rows), so gradients agree to a few ulps (TOLERANCE), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dropit_core import FrozenBatchNorm2d, set_step, to_dropit
+
+# Relative tolerance of compiled gradients and losses against eager ones: fp32 sums in another
+# order differ by a few ulps (2**-23 ~ 1.2e-7 each); 1e-5 leaves room for two steps.
+TOLERANCE = 1e-5
+
+
+class _Net(nn.Module):
+    """Conv, frozen norm, ReLU (in place), max-pool, conv, ReLU, then two linear heads fed the
+    same features (one pack for both, eagerly and compiled): maps of ~1e3-1e4 values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            FrozenBatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
+        self.head_a = nn.Linear(8 * 8 * 8, 10)
+        self.head_b = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.body(x)
+        return self.head_a(features) + self.head_b(features)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = _Net()
+    norm = model.body[1]
+    with torch.no_grad():  # a norm that is not the identity
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+        norm.running_mean.uniform_(-0.2, 0.2)
+        norm.running_var.uniform_(0.5, 2.0)
+    return to_dropit(model, strategy="quant", bits=4, pool=True)
+
+
+def _record_packs(model: nn.Module) -> list[tuple[int, bytes]]:
+    """Every pack the model's strategy makes from now on, as (key, its bytes)."""
+    made: list[tuple[int, bytes]] = []
+    cache = model.body[0].dropit_cache
+    strategy = cache.strategy
+    plain = strategy.pack
+
+    def pack(x, layout, key=0, dtype=None):
+        packed = plain(x, layout, key, dtype)
+        made.append((key, b"".join(t.numpy().tobytes() for t in packed.stored())))
+        return packed
+
+    strategy.pack = pack  # an instance attribute: both paths call strategy.pack
+    return made
+
+
+def _train(model: nn.Module, run, x: torch.Tensor, y: torch.Tensor, steps: int = 2):
+    """(losses, gradients of each step) of SGD steps; the loss is eager, outside ``run``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(steps):
+        set_step(model, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(run(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return losses, grads
+
+
+def test_a_converted_model_compiles_in_one_graph():
+    model = _model()
+    explained = torch._dynamo.explain(model)(torch.randn(2, 3, 16, 16))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.slow  # Inductor's C++ compile: ~20 s on one core
+def test_compiled_training_matches_eager_and_packs_the_same_bytes():
+    x = torch.randn(4, 3, 16, 16)
+    y = torch.randint(0, 10, (4,))
+    eager = _model()
+    compiled_model = copy.deepcopy(eager)
+    eager_packs = _record_packs(eager)
+    compiled_packs = _record_packs(compiled_model)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, fullgraph=True)
+
+    eager_losses, eager_grads = _train(eager, eager, x, y)
+    losses, grads = _train(compiled_model, compiled, x, y)
+
+    # three packs a step (two convs, the heads' shared input): the same keys and bytes, in order
+    assert len(eager_packs) == 6
+    assert [k for k, _ in compiled_packs] == [k for k, _ in eager_packs]
+    assert compiled_packs == eager_packs
+    for got, want in zip(losses, eager_losses, strict=True):
+        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=0)
+    for step_got, step_want in zip(grads, eager_grads, strict=True):
+        for got, want in zip(step_got, step_want, strict=True):
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE * scale)
