@@ -28,37 +28,14 @@ element-wise packs are sized by their data. The max-pool's autograd Function tra
 
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .base import Packed, QuantMeta
+from .ops import ConvArgs, InputCache, cache_by_number
 from .packing import code_bytes, pack_blocked, zero_flagged_sliced
-
-if TYPE_CHECKING:
-    from .ops import ConvArgs, InputCache
-
-# The caches by number: an operator takes plain values, and a cache is named by its number.
-_CACHES: weakref.WeakValueDictionary[int, InputCache] = weakref.WeakValueDictionary()
-_NUMBERS = itertools.count(1)
-
-
-def register(cache: InputCache) -> int:
-    """A number that names ``cache`` to the operators (for as long as the cache lives)."""
-    number = next(_NUMBERS)
-    _CACHES[number] = cache
-    return number
-
-
-def _cache(number: int) -> InputCache:
-    cache = _CACHES.get(number)
-    if cache is None:
-        raise RuntimeError(f"DropIT: the input cache #{number} of a compiled graph is gone")
-    return cache
 
 
 def traceable(cache: InputCache) -> bool:
@@ -96,7 +73,7 @@ def _packed(cache: InputCache, fields: list[Tensor], shape: list[int], dtype) ->
 def pack_op(x: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
     """The tensors of ``cache``'s pack of ``x`` read as ``dtype``: the eager pack, drawn with
     the cache's next key."""
-    owner = _cache(cache)
+    owner = cache_by_number(cache)
     draw = owner.next_key() if owner.strategy.draws else 0
     if dtype == x.dtype:
         packed = owner.strategy.pack(x, layout, draw)
@@ -107,14 +84,14 @@ def pack_op(x: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tens
 
 @pack_op.register_fake
 def _(x: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
-    fields = _static_fields(_cache(cache), tuple(x.shape), dtype)
+    fields = _static_fields(cache_by_number(cache), tuple(x.shape), dtype)
     return [x.new_empty(shape, dtype=kind) for _, shape, kind in fields]
 
 
 @torch.library.custom_op("dropit::unpack", mutates_args=())
 def unpack_op(fields: list[Tensor], cache: int, shape: list[int], dtype: torch.dtype) -> Tensor:
     """The input rebuilt from a traced pack's tensors."""
-    owner = _cache(cache)
+    owner = cache_by_number(cache)
     return owner.unpack(_packed(owner, fields, shape, dtype))
 
 
