@@ -299,3 +299,159 @@ def relu(x: Tensor, inplace: bool) -> Tensor:
     which the compiler turns back into one buffer)."""
     out = torch.ops.dropit.relu_mask(x)[0]
     return x.copy_(out) if inplace else out
+
+
+# Normalisation layers (norm=True) ---------------------------------------------------------------
+
+
+@torch.library.custom_op("dropit::batch_norm", mutates_args=())
+def batch_norm_op(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    fields: list[Tensor],
+    momentum: float,
+    eps: float,
+    cache: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Training-mode batch norm as ``norm._BatchNormFunction`` runs it: (output, mean, invstd,
+    reserve, the updated running mean and variance). Functional: the statistics are updated in
+    copies, which the caller writes back (an operator with an autograd formula mutates nothing).
+    """
+    if running_mean is None:
+        out, mean, invstd = torch.ops.aten.native_batch_norm.default(
+            x, weight, bias, None, None, True, momentum, eps
+        )
+        empty = x.new_empty(0)
+        return out, mean, invstd, empty, empty.clone(), empty.clone()
+    new_mean, new_var = running_mean.clone(), running_var.clone()
+    out, mean, invstd, reserve = torch.ops.aten._batch_norm_with_update.default(
+        x, weight, bias, new_mean, new_var, momentum, eps
+    )
+    return out, mean, invstd, reserve, new_mean, new_var
+
+
+@batch_norm_op.register_fake
+def _(x, weight, bias, running_mean, running_var, fields, momentum, eps, cache):
+    channels = x.shape[1]
+    stats = x.new_empty(channels, dtype=torch.float32)
+    if running_mean is None:
+        empty = x.new_empty(0)
+        return torch.empty_like(x), stats, stats.clone(), empty, empty.clone(), empty.clone()
+    return (
+        torch.empty_like(x),
+        stats,
+        stats.clone(),
+        x.new_empty(0, dtype=torch.uint8),
+        torch.empty_like(running_mean),
+        torch.empty_like(running_var),
+    )
+
+
+def _batch_norm_setup(ctx, inputs, output) -> None:
+    x, weight, bias, running_mean, _, fields, _, eps, cache = inputs
+    ctx.eps, ctx.cache, ctx.update = eps, cache, running_mean is not None
+    ctx.x_shape, ctx.x_dtype, ctx.affine = list(x.shape), x.dtype, weight is not None
+    _, mean, invstd, reserve, _, _ = output
+    ctx.save_for_backward(weight, mean, invstd, reserve, *fields)
+
+
+def _batch_norm_backward(ctx, grad, *_):
+    weight, mean, invstd, reserve, *fields = ctx.saved_tensors
+    x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+    need = list(ctx.needs_input_grad[:3])
+    grad = grad.contiguous()
+    if not ctx.update:
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward.default(
+            grad, x_hat, weight, None, None, mean, invstd, True, ctx.eps, need
+        )
+    else:
+        if not ctx.affine:  # the op wants a weight even without affine parameters
+            weight = torch.ones(ctx.x_shape[1], device=grad.device, dtype=torch.float32)
+            need[1] = need[2] = False
+        gx, gw, gb = torch.ops.aten.batch_norm_backward.default(
+            grad, x_hat, weight, None, None, mean, invstd, True, ctx.eps, need, reserve
+        )
+    return gx, gw, gb, None, None, [None] * len(fields), None, None, None
+
+
+batch_norm_op.register_autograd(_batch_norm_backward, setup_context=_batch_norm_setup)
+
+
+def batch_norm(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    momentum: float,
+    eps: float,
+    cache: InputCache,
+) -> Tensor:
+    """The traced form of ``norm._BatchNormFunction.apply`` (running statistics updated alike)."""
+    fields = pack(cache, x, "conv", x.dtype)
+    out, _, _, _, new_mean, new_var = torch.ops.dropit.batch_norm(
+        x, weight, bias, running_mean, running_var, fields, momentum, eps, cache.number
+    )
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.copy_(new_mean)
+            running_var.copy_(new_var)
+    return out
+
+
+@torch.library.custom_op("dropit::group_norm", mutates_args=())
+def group_norm_op(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    fields: list[Tensor],
+    groups: int,
+    eps: float,
+    cache: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Group norm as ``norm._GroupNormFunction`` runs it: (output, mean, rstd)."""
+    n, c = x.shape[:2]
+    hw = x[0, 0].numel() if n and c else 0
+    return torch.ops.aten.native_group_norm.default(x, weight, bias, n, c, hw, groups, eps)
+
+
+@group_norm_op.register_fake
+def _(x, weight, bias, fields, groups, eps, cache):
+    n = x.shape[0]
+    stats = x.new_empty((n, groups))
+    return torch.empty_like(x), stats, stats.clone()
+
+
+def _group_norm_setup(ctx, inputs, output) -> None:
+    x, weight, _, fields, groups, _, cache = inputs
+    n, c = x.shape[:2]
+    ctx.dims = (n, c, math.prod(x.shape[2:]), groups)
+    ctx.cache, ctx.x_shape, ctx.x_dtype = cache, list(x.shape), x.dtype
+    ctx.affine = weight is not None
+    ctx.save_for_backward(weight, output[1], output[2], *fields)
+
+
+def _group_norm_backward(ctx, grad, *_):
+    weight, mean, rstd, *fields = ctx.saved_tensors
+    x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+    need = list(ctx.needs_input_grad[:3])
+    if not ctx.affine:
+        need[1] = need[2] = False
+    gx, gw, gb = torch.ops.aten.native_group_norm_backward.default(
+        grad.contiguous(), x_hat, mean, rstd, weight, *ctx.dims, need
+    )
+    return gx, gw, gb, [None] * len(fields), None, None, None
+
+
+group_norm_op.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
+
+
+def group_norm(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int, eps: float, cache
+) -> Tensor:
+    """The traced form of ``norm._GroupNormFunction.apply``."""
+    fields = pack(cache, x, "conv", x.dtype)
+    return torch.ops.dropit.group_norm(x, weight, bias, fields, groups, eps, cache.number)[0]
