@@ -22,8 +22,10 @@ seed ever becomes a graph constant:
 A tensor fed to several layers of one cache is packed once, as eagerly: each layer calls
 ``dropit::pack`` with the same arguments, and the compiler merges identical calls of a functional
 operator. Only strategies whose pack sizes follow from the input's shape are traced (``quant``);
-the others pack eagerly behind a graph break (``patch._conv_behind_break``), as the CPU's
-element-wise packs are sized by their data. The max-pool's autograd Function traces as it is.
+the others run their eager autograd Function through ``torch.compiler.disable``
+(``patch._conv_behind_break``: a graph break, which torch 2.14's Dynamo turns into an opaque call
+in the graph), as the CPU's element-wise packs are sized by their data. The max-pool's
+autograd Function traces as it is.
 """
 
 from __future__ import annotations

@@ -161,3 +161,25 @@ def test_compiled_dropit_norms_train_as_eager():
     for name, buffer in eager.bn.named_buffers():  # the running statistics, updated alike
         got = getattr(compiled_model.bn, name)
         torch.testing.assert_close(got, buffer, rtol=TOLERANCE, atol=1e-7)
+
+
+def test_a_data_sized_strategy_packs_eagerly_behind_a_graph_break():
+    """mink's CPU packs are sized by their data: each such layer runs its autograd Function
+    behind ``torch.compiler.disable`` (torch 2.14's Dynamo keeps such a call in the graph as an
+    opaque call, so ``explain`` counts no break), and the compiled model trains as eager."""
+    torch.manual_seed(0)
+    eager = to_dropit(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 14 * 14, 3)),
+        strategy="mink",
+        gamma=0.8,
+    )
+    compiled_model = copy.deepcopy(eager)
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 3, (2,))
+    torch._dynamo.reset()
+    eager_losses, eager_grads = _train(eager, eager, x, y)
+    run = torch.compile(compiled_model, backend="eager")  # the breaks, without Inductor's time
+    losses, grads = _train(compiled_model, run, x, y)
+    assert torch.equal(torch.stack(losses), torch.stack(eager_losses))
+    for step_got, step_want in zip(grads, eager_grads, strict=True):
+        for got, want in zip(step_got, step_want, strict=True):
+            assert torch.equal(got, want)
