@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import traced
 from .base import Packed, refuse_double_backward
 from .ops import InputCache
 
@@ -125,6 +126,17 @@ def _momentum(module: nn.modules.batchnorm._BatchNorm) -> float:
 def _batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
     factor = _momentum(module)
     track = module.track_running_stats
+    if torch.compiler.is_compiling() and traced.traceable(module.dropit_cache):
+        return traced.batch_norm(
+            x,
+            module.weight,
+            module.bias,
+            module.running_mean if track else None,
+            module.running_var if track else None,
+            factor,
+            module.eps,
+            module.dropit_cache,
+        )
     return _BatchNormFunction.apply(
         x,
         module.weight,
@@ -204,6 +216,10 @@ class DropITGroupNorm(nn.GroupNorm):
             # CUDA autocast runs group_norm in fp32 (the plain layer's output dtype): cast outside
             # the Function, as autocast would, so that autograd sees the cast.
             x = x.float()
+        if torch.compiler.is_compiling() and traced.traceable(self.dropit_cache):
+            return traced.group_norm(
+                x, self.weight, self.bias, self.num_groups, self.eps, self.dropit_cache
+            )
         return _GroupNormFunction.apply(
             x, self.weight, self.bias, self.num_groups, self.eps, self.dropit_cache
         )

@@ -8,6 +8,7 @@ from the rebuilt (dropped) input.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Callable
@@ -21,6 +22,25 @@ from . import dispatch
 from .base import PACK_TAG, Packed, Strategy, refuse_double_backward
 from .packing import pack_blocked, zero_flagged_sliced
 from .seeds import mix_state
+
+# The caches by number: a torch.library operator takes plain values (dropit_core.traced), and
+# names a cache by its number, for as long as the cache lives.
+_CACHES: weakref.WeakValueDictionary[int, InputCache] = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count(1)
+
+
+def _number(cache: InputCache) -> int:
+    number = next(_NUMBERS)
+    _CACHES[number] = cache
+    return number
+
+
+def cache_by_number(number: int) -> InputCache:
+    """The live :class:`InputCache` numbered ``number`` (its ``number`` attribute)."""
+    cache = _CACHES.get(number)
+    if cache is None:
+        raise RuntimeError(f"DropIT: the input cache #{number} of a compiled graph is gone")
+    return cache
 
 
 class InputCache:
@@ -50,6 +70,7 @@ class InputCache:
         self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.dropped: torch.Tensor | None = None
+        self.number = _number(self)  # how the torch.library operators name it (traced.py)
 
     def set_step(self, step: int, rank: int = 0) -> None:
         """Start the random streams of training step ``step`` (on process ``rank``).

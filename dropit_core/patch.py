@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import traced
 from .norm import NORM_CLASSES
 from .ops import (
     ConvArgs,
@@ -64,11 +65,51 @@ class DropITConv2d(nn.Conv2d):
             padding = (0, 0)
         elif isinstance(padding, str):
             x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
-        w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         args = ConvArgs(
             list(self.stride), list(padding), list(self.dilation), False, [0, 0], self.groups
         )
+        if torch.compiler.is_compiling():
+            return _compiling_conv(x, self.weight, self.bias, args, self.dropit_cache)
+        w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, dtype)
+
+
+def _compiling_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    cache: InputCache,
+) -> torch.Tensor:
+    """The DropIT convolution while compiling: the traced operators (strategies whose pack sizes
+    depend on the data: the autograd Function, behind a graph break)."""
+    if traced.traceable(cache):
+        w, b, dtype = traced.autocast_inputs(x, weight, bias)
+        return traced.conv(x, w, b, args, cache, dtype)
+    return _conv_behind_break(x, weight, bias, args, cache)
+
+
+def _compiling_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: InputCache
+) -> torch.Tensor:
+    """The DropIT linear layer while compiling (as :func:`_compiling_conv`)."""
+    if traced.traceable(cache):
+        w, b, dtype = traced.autocast_inputs(x, weight, bias)
+        return traced.linear(x, w, b, cache, dtype)
+    return _linear_behind_break(x, weight, bias, cache)
+
+
+# A graph break, stated in dropit_core.traced (decorated copies: the eager path pays no wrapper).
+@torch.compiler.disable
+def _conv_behind_break(x, weight, bias, args: ConvArgs, cache: InputCache) -> torch.Tensor:
+    w, b, dtype = autocast_inputs(x, weight, bias, cache)
+    return DropITConvFunction.apply(x, w, b, args, cache, dtype)
+
+
+@torch.compiler.disable
+def _linear_behind_break(x, weight, bias, cache: InputCache) -> torch.Tensor:
+    w, b, dtype = autocast_inputs(x, weight, bias, cache)
+    return DropITLinearFunction.apply(x, w, b, cache, dtype)
 
 
 def _explicit_padding(x, padding: str, kernel_size, dilation) -> tuple[torch.Tensor, tuple]:
@@ -95,7 +136,6 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
             x, output_size, list(self.stride), list(self.padding), list(self.kernel_size), 2,
             list(self.dilation),
         )  # fmt: skip
-        w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         args = ConvArgs(
             list(self.stride),
             list(self.padding),
@@ -104,6 +144,9 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
             list(output_padding),
             self.groups,
         )
+        if torch.compiler.is_compiling():
+            return _compiling_conv(x, self.weight, self.bias, args, self.dropit_cache)
+        w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, dtype)
 
 
@@ -115,6 +158,8 @@ class DropITLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _training_step(self, x):
             return super().forward(x)
+        if torch.compiler.is_compiling():
+            return _compiling_linear(x, self.weight, self.bias, self.dropit_cache)
         w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         return DropITLinearFunction.apply(x, w, b, self.dropit_cache, dtype)
 
@@ -125,6 +170,8 @@ class DropITReLU(nn.ReLU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled() and x.requires_grad):
             return super().forward(x)
+        if torch.compiler.is_compiling():
+            return traced.relu(x, self.inplace)
         return MaskedReLUFunction.apply(x, self.inplace)
 
 

@@ -178,6 +178,9 @@ class TrainConfig:
     checkpoint_every_iters: int = _f(0, ge=0)
     keep_last: int = _f(3, ge=0)
     sync_bn: bool = False
+    # torch.compile: none, the backbone (body + FPN: one graph with DropIT's quant layers), or
+    # the whole model (the heads break the graph where they are data-dependent)
+    compile: str = _f("none", choices=("none", "backbone", "model"))
     measure_memory: bool = True
     tensorboard: bool = False  # scalars next to metrics.jsonl; needs the 'tensorboard' extra
 

@@ -30,6 +30,7 @@ from rcnn_dropit.distributed import (
     run_on_main,
 )
 from rcnn_dropit.engine.amp import make_scaler
+from rcnn_dropit.engine.compiling import compile_model
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
 from rcnn_dropit.engine.memory_report import dropit_summary, measure_memory
 from rcnn_dropit.engine.optim import (
@@ -94,6 +95,7 @@ def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
             "training differs from one batch of solver.batch_size (exact with model.norm=frozen_bn)"
         )
     net.to(info.device)
+    compile_model(net, cfg.train.compile)  # in place: the same parameters and state_dict
     if not info.distributed:
         return net, net
     device_ids = [info.device.index] if info.device.type == "cuda" else None

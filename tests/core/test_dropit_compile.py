@@ -1,0 +1,185 @@
+"""A converted model under ``torch.compile``: one graph, and training equal to eager.
+
+The DropIT layers call ``torch.library`` operators while compiling (dropit_core.traced): the
+packs are the eager code's, drawn with the same keys, so the packs of a step are byte-equal to
+eager ones; the compiler reorders float sums of its own (the linear bias gradient, a sum over
+rows), so gradients agree to a few ulps (TOLERANCE), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dropit_core import FrozenBatchNorm2d, set_step, to_dropit
+
+# Relative tolerance of compiled gradients and losses against eager ones: fp32 sums in another
+# order differ by a few ulps (2**-23 ~ 1.2e-7 each); 1e-5 leaves room for two steps.
+TOLERANCE = 1e-5
+# The norms' backward (aten's batch/group norm backward) is decomposed by Inductor into sums of
+# its own: a conv bias feeding a BatchNorm has a gradient that cancels to ~0, where that order
+# shows most (measured 3.3e-5 of the largest element; the other parameters 5e-7).
+NORM_TOLERANCE = 1e-4
+
+
+class _Net(nn.Module):
+    """Conv, frozen norm, ReLU (in place), max-pool, conv, ReLU, then two linear heads fed the
+    same features (one pack for both, eagerly and compiled): maps of ~1e3-1e4 values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            FrozenBatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
+        self.head_a = nn.Linear(8 * 8 * 8, 10)
+        self.head_b = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.body(x)
+        return self.head_a(features) + self.head_b(features)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = _Net()
+    norm = model.body[1]
+    with torch.no_grad():  # a norm that is not the identity
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+        norm.running_mean.uniform_(-0.2, 0.2)
+        norm.running_var.uniform_(0.5, 2.0)
+    return to_dropit(model, strategy="quant", bits=4, pool=True)
+
+
+def _record_packs(model: nn.Module) -> list[tuple[int, bytes]]:
+    """Every pack the model's strategy makes from now on, as (key, its bytes)."""
+    made: list[tuple[int, bytes]] = []
+    cache = model.body[0].dropit_cache
+    strategy = cache.strategy
+    plain = strategy.pack
+
+    def pack(x, layout, key=0, dtype=None):
+        packed = plain(x, layout, key, dtype)
+        made.append((key, b"".join(t.numpy().tobytes() for t in packed.stored())))
+        return packed
+
+    strategy.pack = pack  # an instance attribute: both paths call strategy.pack
+    return made
+
+
+def _train(model: nn.Module, run, x: torch.Tensor, y: torch.Tensor, steps: int = 2):
+    """(losses, gradients of each step) of SGD steps; the loss is eager, outside ``run``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(steps):
+        set_step(model, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(run(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return losses, grads
+
+
+def test_a_converted_model_compiles_in_one_graph():
+    model = _model()
+    explained = torch._dynamo.explain(model)(torch.randn(2, 3, 16, 16))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.slow  # Inductor's C++ compile: ~20 s on one core
+def test_compiled_training_matches_eager_and_packs_the_same_bytes():
+    x = torch.randn(4, 3, 16, 16)
+    y = torch.randint(0, 10, (4,))
+    eager = _model()
+    compiled_model = copy.deepcopy(eager)
+    eager_packs = _record_packs(eager)
+    compiled_packs = _record_packs(compiled_model)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, fullgraph=True)
+
+    eager_losses, eager_grads = _train(eager, eager, x, y)
+    losses, grads = _train(compiled_model, compiled, x, y)
+
+    # three packs a step (two convs, the heads' shared input): the same keys and bytes, in order
+    assert len(eager_packs) == 6
+    assert [k for k, _ in compiled_packs] == [k for k, _ in eager_packs]
+    assert compiled_packs == eager_packs
+    for got, want in zip(losses, eager_losses, strict=True):
+        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=0)
+    for step_got, step_want in zip(grads, eager_grads, strict=True):
+        for got, want in zip(step_got, step_want, strict=True):
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE * scale)
+
+
+class _NormNet(nn.Module):
+    """Trainable norms that keep a quant pack of their input (``norm=True``), and a transposed
+    convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.gn = nn.GroupNorm(2, 8)
+        self.up = nn.ConvTranspose2d(8, 2, 2, stride=2)
+        self.head = nn.Linear(2 * 32 * 32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.up(self.gn(self.relu(self.bn(self.conv(x))))).flatten(1))
+
+
+@pytest.mark.slow  # Inductor's C++ compile
+def test_compiled_dropit_norms_train_as_eager():
+    torch.manual_seed(0)
+    eager = to_dropit(_NormNet(), strategy="quant", bits=4, norm=True)
+    compiled_model = copy.deepcopy(eager)
+    explained = torch._dynamo.explain(copy.deepcopy(eager))(torch.randn(2, 3, 16, 16))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    torch._dynamo.reset()
+    eager_losses, eager_grads = _train(eager, eager, x, y)
+    losses, grads = _train(compiled_model, torch.compile(compiled_model, fullgraph=True), x, y)
+    for got, want in zip(losses, eager_losses, strict=True):
+        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=0)
+    for step_got, step_want in zip(grads, eager_grads, strict=True):
+        for got, want in zip(step_got, step_want, strict=True):
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=NORM_TOLERANCE, atol=NORM_TOLERANCE * scale)
+    for name, buffer in eager.bn.named_buffers():  # the running statistics, updated alike
+        got = getattr(compiled_model.bn, name)
+        torch.testing.assert_close(got, buffer, rtol=TOLERANCE, atol=1e-7)
+
+
+def test_a_data_sized_strategy_packs_eagerly_behind_a_graph_break():
+    """mink's CPU packs are sized by their data: each such layer runs its autograd Function
+    behind ``torch.compiler.disable`` (torch 2.14's Dynamo keeps such a call in the graph as an
+    opaque call, so ``explain`` counts no break), and the compiled model trains as eager."""
+    torch.manual_seed(0)
+    eager = to_dropit(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 14 * 14, 3)),
+        strategy="mink",
+        gamma=0.8,
+    )
+    compiled_model = copy.deepcopy(eager)
+    x, y = torch.randn(2, 3, 16, 16), torch.randint(0, 3, (2,))
+    torch._dynamo.reset()
+    eager_losses, eager_grads = _train(eager, eager, x, y)
+    run = torch.compile(compiled_model, backend="eager")  # the breaks, without Inductor's time
+    losses, grads = _train(compiled_model, run, x, y)
+    assert torch.equal(torch.stack(losses), torch.stack(eager_losses))
+    for step_got, step_want in zip(grads, eager_grads, strict=True):
+        for got, want in zip(step_got, step_want, strict=True):
+            assert torch.equal(got, want)
