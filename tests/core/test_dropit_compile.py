@@ -183,3 +183,19 @@ def test_a_data_sized_strategy_packs_eagerly_behind_a_graph_break():
     for step_got, step_want in zip(grads, eager_grads, strict=True):
         for got, want in zip(step_got, step_want, strict=True):
             assert torch.equal(got, want)
+
+
+@pytest.mark.slow  # traces a whole R50 body and FPN (tens of seconds on 2 cores)
+def test_the_r50_fpn_backbone_with_4_bit_dropit_traces_in_one_graph():
+    """Issue 40's target: torchvision's R50-FPN body and FPN, lean (dropit_core.lean_detector),
+    every conv and ReLU at 4 bits: ``torch._dynamo.explain`` finds one graph, no break."""
+    from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+
+    from dropit_core import lean_detector
+
+    torch.manual_seed(0)
+    backbone = lean_detector(resnet_fpn_backbone(backbone_name="resnet50", weights=None))
+    to_dropit(backbone, strategy="quant", bits=4)
+    explained = torch._dynamo.explain(backbone)(torch.randn(1, 3, 64, 64))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
