@@ -126,18 +126,10 @@ def _momentum(module: nn.modules.batchnorm._BatchNorm) -> float:
 def _batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
     factor = _momentum(module)
     track = module.track_running_stats
-    if torch.compiler.is_compiling() and traced.traceable(module.dropit_cache):
-        return traced.batch_norm(
-            x,
-            module.weight,
-            module.bias,
-            module.running_mean if track else None,
-            module.running_var if track else None,
-            factor,
-            module.eps,
-            module.dropit_cache,
-        )
-    return _BatchNormFunction.apply(
+    # while compiling, the traced operator; eagerly, the autograd Function (the same arguments)
+    compiling = torch.compiler.is_compiling() and traced.traceable(module.dropit_cache)
+    batch_norm = traced.batch_norm if compiling else _BatchNormFunction.apply
+    return batch_norm(
         x,
         module.weight,
         module.bias,
