@@ -98,6 +98,17 @@ def test_a_converted_model_compiles_in_one_graph():
     assert explained.graph_count == 1
 
 
+def _assert_trains_alike(losses, grads, eager_losses, eager_grads, tolerance: float) -> None:
+    """Losses within TOLERANCE of eager ones; each gradient within ``tolerance`` relative, and
+    of its largest element absolute."""
+    for got, want in zip(losses, eager_losses, strict=True):
+        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=0)
+    for step_got, step_want in zip(grads, eager_grads, strict=True):
+        for got, want in zip(step_got, step_want, strict=True):
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * scale)
+
+
 @pytest.mark.slow  # Inductor's C++ compile: ~20 s on one core
 def test_compiled_training_matches_eager_and_packs_the_same_bytes():
     x = torch.randn(4, 3, 16, 16)
@@ -116,12 +127,7 @@ def test_compiled_training_matches_eager_and_packs_the_same_bytes():
     assert len(eager_packs) == 6
     assert [k for k, _ in compiled_packs] == [k for k, _ in eager_packs]
     assert compiled_packs == eager_packs
-    for got, want in zip(losses, eager_losses, strict=True):
-        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=0)
-    for step_got, step_want in zip(grads, eager_grads, strict=True):
-        for got, want in zip(step_got, step_want, strict=True):
-            scale = want.abs().max().item()
-            torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE * scale)
+    _assert_trains_alike(losses, grads, eager_losses, eager_grads, TOLERANCE)
 
 
 class _NormNet(nn.Module):
@@ -152,12 +158,7 @@ def test_compiled_dropit_norms_train_as_eager():
     torch._dynamo.reset()
     eager_losses, eager_grads = _train(eager, eager, x, y)
     losses, grads = _train(compiled_model, torch.compile(compiled_model, fullgraph=True), x, y)
-    for got, want in zip(losses, eager_losses, strict=True):
-        torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=0)
-    for step_got, step_want in zip(grads, eager_grads, strict=True):
-        for got, want in zip(step_got, step_want, strict=True):
-            scale = want.abs().max().item()
-            torch.testing.assert_close(got, want, rtol=NORM_TOLERANCE, atol=NORM_TOLERANCE * scale)
+    _assert_trains_alike(losses, grads, eager_losses, eager_grads, NORM_TOLERANCE)
     for name, buffer in eager.bn.named_buffers():  # the running statistics, updated alike
         got = getattr(compiled_model.bn, name)
         torch.testing.assert_close(got, buffer, rtol=TOLERANCE, atol=1e-7)
