@@ -407,11 +407,28 @@ def _widths(config: str, repeats: int, out: Path | None) -> None:
 
 
 def _demo(config: str, repeats: int, out: Path | None, quiet: bool) -> None:
-    """Step time of the demo with DropIT against the demo without: JSON lines (baseline = 1x)."""
+    """Step time of the demo with DropIT against the demo without: JSON lines (baseline = 1x).
+    A third row packs with eager torch instead of the C loops (dropit_core.native): what they
+    save, in the same rounds."""
+    from dropit_core import native
     from instruments.measure.width_bench import compare_step_time
 
-    variants = [("baseline", ("dropit.enabled=false",)), ("dropit", ())]
-    rows = compare_step_time(config, variants, repeats=max(repeats, 5))
+    variants = [
+        ("baseline", ("dropit.enabled=false",)),
+        ("dropit", ()),
+        ("dropit_eager_packs", ()),
+    ]
+    setups = {
+        "baseline": lambda: native.set_native(None),
+        "dropit": lambda: native.set_native(None),
+        "dropit_eager_packs": lambda: native.set_native(False),
+    }
+    try:
+        rows = compare_step_time(config, variants, repeats=max(repeats, 5), setups=setups)
+    finally:
+        native.set_native(None)
+    for row in rows:
+        row["c_packs"] = row["model"] == "dropit" and native.library() is not None
     for row in rows:
         row.update(config=config, quiet=quiet, command=_command_line())
         print(json.dumps(row), flush=True)

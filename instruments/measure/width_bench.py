@@ -7,7 +7,7 @@ widths the first shapes study used, measured in one process, alternating, on the
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,10 +31,13 @@ def compare_step_time(
     common: Sequence[str] = (),
     repeats: int = 10,
     warmup: int = 2,
+    setups: Mapping[str, Callable[[], None]] | None = None,
 ) -> list[dict[str, Any]]:
     """Median train-step seconds of each (label, overrides) model of ``config``; first = 1x.
 
     ``common`` overrides apply to every model and to the data the shared batch comes from.
+    ``setups``: by label, a call made before each of that model's steps, untimed (a process-wide
+    switch such as the C packs'; give every label one when any changes state).
     """
     from rcnn_dropit.config import load_config
     from rcnn_dropit.data.loader import build_train_loader, ensure_dataset
@@ -64,7 +67,10 @@ def compare_step_time(
     with training_allocator(torch.device("cpu")) as allocator:
         # in rounds, one step of each model per round: noise falls on every model alike
         rounds = timed_rounds(
-            [lambda m=m, o=o: step(m, o) for *_, m, o in models], repeats, warmup=warmup
+            [lambda m=m, o=o: step(m, o) for *_, m, o in models],
+            repeats,
+            warmup=warmup,
+            before=[(setups or {}).get(label) for label, *_ in models],
         )
     times = {label: t for (label, *_), t in zip(models, rounds, strict=True)}
     first = statistics.median(times[models[0][0]])

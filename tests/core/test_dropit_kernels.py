@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import build_strategy, compiled, dispatch, seeds, set_step, to_dropit
+from dropit_core import build_strategy, compiled, dispatch, native, seeds, set_step, to_dropit
 from dropit_core.ops import MaskedReLUFunction
 from dropit_core.packing import unpack_codes
 from dropit_core.unbiased import quant_kernels_take
@@ -418,6 +418,14 @@ def test_only_the_kernels_package_imports_triton() -> None:
 # ------------------------------------------------------------------- the compiled CPU pack
 
 
+@pytest.fixture
+def no_native():
+    """The C loops off: fp32 packs would take them before the compiled loop."""
+    native.set_native(False)
+    yield
+    native.set_native(None)
+
+
 def _large(dtype: torch.dtype) -> torch.Tensor:
     """Above compiled.COMPILE_MIN, with a last partial group; on the CPU (the compiled path's)."""
     gen = torch.Generator().manual_seed(5)
@@ -427,7 +435,9 @@ def _large(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits,group", [(4, 256), (2, 100), (8, 256)])
-def test_compiled_cpu_pack_is_the_eager_one_bit_for_bit(dtype, bits: int, group: int) -> None:
+def test_compiled_cpu_pack_is_the_eager_one_bit_for_bit(
+    dtype, bits: int, group: int, no_native
+) -> None:
     # Compiles (10-30 s the first time, then from inductor's disk cache).
     x = _large(dtype)
     strategy = build_strategy("quant", 0.8, bits=bits, group=group)
@@ -477,7 +487,7 @@ def test_compiled_cpu_pack_writes_once_into_the_final_buffers(
     assert made.peak - packed.nbytes() < 8 * base.SLICE < x.numel() / 2
 
 
-def test_a_failed_compile_warns_once_and_packs_eagerly(monkeypatch) -> None:
+def test_a_failed_compile_warns_once_and_packs_eagerly(monkeypatch, no_native) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 

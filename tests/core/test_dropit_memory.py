@@ -209,6 +209,12 @@ def test_timed_rounds_alternates_and_drops_the_warmup_rounds(monkeypatch) -> Non
     assert timed_rounds(fns, repeats=1, warmup=2) == [[1.0], [2.0]]
     _clock(monkeypatch, [1.0, 2.0])
     assert timed_rounds(fns, repeats=1, warmup=0) == [[1.0], [2.0]]
+    # `before`: an untimed call ahead of each call of its function, every round
+    calls.clear()
+    _clock(monkeypatch, [9.0, 8.0, 1.0, 2.0])
+    before = [lambda: calls.append("switch"), None]
+    assert timed_rounds(fns, repeats=1, before=before) == [[1.0], [2.0]]
+    assert calls == ["switch", "a", "b"] * 2
 
 
 def _fake_allocator(monkeypatch) -> dict[str, float]:

@@ -334,14 +334,19 @@ def test_step_time_comparison_of_widths(tiny_shapes, monkeypatch):
 
 def test_demo_mode_times_the_demo_against_itself_without_dropit(monkeypatch, capsys, tmp_path):
     """--demo: the demo's config with its DropIT section and with `dropit.enabled=false`, side
-    by side; the rows say the config, whether the machine was quiet and the command."""
+    by side, and DropIT again with eager packs instead of the C loops (switched before each of
+    its steps); the rows say the config, whether the machine was quiet and the command."""
+    from dropit_core import native
     from instruments.commands import bench
     from instruments.measure import width_bench
 
-    calls = []
+    calls, switched = [], {}
 
-    def fake(config, variants, repeats):
+    def fake(config, variants, repeats, setups):
         calls.append((config, variants, repeats))
+        for label, setup in setups.items():
+            setup()
+            switched[label] = native.native_enabled()
         return [
             {"model": label, "step_ratio": 1.0 + i / 10} for i, (label, _) in enumerate(variants)
         ]
@@ -353,9 +358,13 @@ def test_demo_mode_times_the_demo_against_itself_without_dropit(monkeypatch, cap
     assert bench.main(args) == 0
     [(config, variants, repeats)] = calls
     assert config == bench.DEMO_CONFIG and repeats == 5  # at least 5 timed rounds
-    assert variants == [("baseline", ("dropit.enabled=false",)), ("dropit", ())]
+    assert variants == [
+        ("baseline", ("dropit.enabled=false",)), ("dropit", ()), ("dropit_eager_packs", ())
+    ]  # fmt: skip
+    assert switched == {"baseline": True, "dropit": True, "dropit_eager_packs": False}
+    assert native.native_enabled()  # back as it was
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["model"] for r in rows] == ["baseline", "dropit"]
+    assert [r["model"] for r in rows] == ["baseline", "dropit", "dropit_eager_packs"]
     assert all(r["quiet"] and r["config"] == config and "--demo" in r["command"] for r in rows)
     assert json.loads(out.read_text()) == rows
 

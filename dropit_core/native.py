@@ -1,0 +1,191 @@
+"""DropIT's CPU packs as C loops (``native.c``), built once with the system C compiler.
+
+Eager torch makes a pass over memory, with a temporary, per operation: a 4-bit pack of a map is
+about ten passes and thirty operator calls, the ReLU mask's pack and apply a few more. On the
+CPU those dominate DropIT's share of a step on small models (the demo's: 59 packs of 4k-2M
+values per step). Here each is one C call that reads a value once and writes its code once.
+
+The loops compute what the eager path computes, bit for bit (the same fp32 operations in the
+same order, no fused multiply-add: tests/core/test_dropit_native.py compares every byte), so a
+pack made here rebuilds eagerly or with the Triton kernels and the committed runs reproduce.
+
+Built on first use with ``$CC`` (default ``cc``) into ``$DROPIT_CACHE_DIR`` (default
+``~/.cache/dropit_core``), about a second, once per source version and machine; loaded with
+ctypes (no Python headers, no ninja). Where no compiler works, one warning is given and the eager
+path packs. ``DROPIT_NATIVE=0`` or :func:`set_native` turns it off; ``DROPIT_KERNELS=eager``
+(pure torch) bypasses it too. Only contiguous fp32 CPU tensors take it; others pack eagerly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import dispatch
+
+ENV = "DROPIT_NATIVE"
+SOURCE = Path(__file__).with_name("native.c")
+# No -march=native: a cache directory shared by machines of different kinds (a cluster's home)
+# must not hand one an instruction another lacks. -ffp-contract=off: no fused multiply-add, so
+# every rounding is the eager path's.
+FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+
+_enabled: bool | None = None  # set_native's choice; None: the environment's
+_lib: ctypes.CDLL | None = None
+_failed = False
+
+_i64, _u32, _f32, _ptr = ctypes.c_int64, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "dropit_quant_pack": (_ptr, _i64, _i64, _i64, _u32, _u32, _f32, _ptr, _ptr, _ptr),
+    "dropit_quant_rebuild": (_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr),
+    "dropit_relu_mask": (_ptr, _i64, _ptr),
+    "dropit_relu_apply": (_ptr, _ptr, _i64, _ptr),
+}
+
+
+def set_native(enabled: bool | None) -> None:
+    """Use the C loops (True), never (False), or as ``$DROPIT_NATIVE`` says (None; default on)."""
+    global _enabled
+    _enabled = enabled
+
+
+def native_enabled() -> bool:
+    """Whether the C loops are wanted (built or not)."""
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def ready(device: torch.device) -> bool:
+    """Whether tensors on ``device`` go through the C loops: the CPU, the loops wanted and
+    built (built here on the first call that asks)."""
+    return (
+        device.type == "cpu"
+        and native_enabled()
+        and dispatch.kernel_mode() == "auto"
+        and library() is not None
+    )
+
+
+def takes(t: torch.Tensor) -> bool:
+    """Whether ``t`` is packed by the C loops: a contiguous fp32 tensor where :func:`ready`."""
+    return t.dtype == torch.float32 and t.is_contiguous() and ready(t.device)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded loops, building them on first use; None where that failed (warned once)."""
+    global _lib, _failed
+    if _lib is not None or _failed:
+        return _lib
+    try:
+        lib = ctypes.CDLL(str(_build()))
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+        _lib = lib
+    except Exception as err:  # no compiler, a read-only home, a foreign platform
+        _failed = True
+        warnings.warn(
+            f"DropIT: the C CPU packs are unavailable ({type(err).__name__}: {err}); "
+            "packing with eager torch (same bytes, slower)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return _lib
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DROPIT_CACHE_DIR")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dropit_core"
+
+
+def _build() -> Path:
+    """The shared library for this source, compiler and machine, compiled unless cached."""
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise FileNotFoundError(f"no C compiler {compiler!r} on PATH (set CC)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        source + " ".join((compiler, *FLAGS, platform.machine(), platform.system())).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"dropit_native_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: processes building at once (test
+    # workers, DDP ranks) each load a whole file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _addr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def quant_pack(
+    flat: torch.Tensor,
+    bits: int,
+    group: int,
+    keys: tuple[int, int],
+    inv_levels: float,
+    codes: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """Pack the flat fp32 ``flat`` into the final buffers (``packing.quant_buffers``) with draw
+    keys ``keys`` (``seeds.hash_key(seed, 0)`` and ``(seed, 1)``); element 0 is the pack's
+    element 0. ``group`` must hold whole bytes of codes."""
+    library().dropit_quant_pack(
+        _addr(flat), flat.numel(), group, bits, keys[0], keys[1], inv_levels,
+        _addr(codes), _addr(mins), _addr(scales),
+    )  # fmt: skip
+
+
+def quant_rebuild(
+    codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, n: int, bits: int, group: int
+) -> torch.Tensor:
+    """The n fp32 values of a quant pack (flat)."""
+    out = torch.empty(n, dtype=torch.float32)
+    codes, mins, scales = codes.contiguous(), mins.contiguous(), scales.contiguous()
+    library().dropit_quant_rebuild(
+        _addr(codes), _addr(mins), _addr(scales), n, group, bits, _addr(out)
+    )
+    return out
+
+
+def relu_mask(out: torch.Tensor) -> torch.Tensor:
+    """``packing.pack_bits((out <= 0).reshape(-1))``."""
+    n = out.numel()
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    library().dropit_relu_mask(_addr(out), n, _addr(bits))
+    return bits
+
+
+def relu_apply(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``packing.zero_flagged(grad, bits)``: ``grad`` with +0.0 where a flag is set."""
+    result = torch.empty_like(grad)
+    bits = bits.contiguous()  # held: a temporary's memory would go before the call reads it
+    library().dropit_relu_apply(_addr(grad), _addr(bits), grad.numel(), _addr(result))
+    return result

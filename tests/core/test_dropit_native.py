@@ -1,0 +1,165 @@
+"""The C loops of the CPU packs (dropit_core/native.c) against eager torch, byte for byte: the
+quant pack and rebuild, the ReLU's mask and its gradient; the build, its cache and the fallback
+where no compiler works."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+from dropit_core import build_strategy, dispatch, native, set_step, to_dropit
+from dropit_core.packing import pack_blocked, zero_flagged_sliced
+
+
+@pytest.fixture
+def loops():
+    """The C loops built (skipped where no C compiler works: the eager path then packs)."""
+    native.set_native(True)
+    if native.library() is None:
+        native.set_native(None)
+        pytest.skip("no C compiler here: the eager path packs")
+    yield
+    native.set_native(None)
+
+
+def _eager(fn):
+    native.set_native(False)
+    try:
+        return fn()
+    finally:
+        native.set_native(True)
+
+
+def _values(n: int, seed: int) -> torch.Tensor:
+    """Signed values with a constant run (a group of one value: the smallest step) and zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * 3
+    x[n // 3 : n // 3 + 300] = 1.5
+    x[::11] = 0.0
+    return x
+
+
+# Sizes: under a group, a last partial group, several of the draw table's 4096-element rows.
+SIZES = (1, 7, 257, 4095, 4097, 20011)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 256), (2, 100), (8, 256), (4, 4096), (4, 6000)])
+def test_quant_pack_and_rebuild_are_the_eager_ones_bit_for_bit(loops, bits, group) -> None:
+    strategy = build_strategy("quant", 0.0, bits=bits, group=group, seed=3)
+    for n in SIZES:
+        x = _values(n, n)
+        assert native.takes(x)
+        packed = strategy.pack(x, "linear", 11)
+        eager = _eager(lambda: strategy.pack(x, "linear", 11))  # noqa: B023
+        for mine, theirs in zip(packed.stored(), eager.stored(), strict=True):
+            assert torch.equal(mine, theirs), (bits, group, n)
+        rebuilt = strategy.unpack(packed)
+        assert torch.equal(rebuilt, _eager(lambda: strategy.unpack(packed)))  # noqa: B023
+        # and close to x: one step of its group at most
+        step = packed.scales.repeat_interleave(group)[:n]
+        assert ((rebuilt - x).abs() <= step * (1 + 1e-6)).all()
+
+
+def test_a_narrower_packs_rebuild_is_the_eager_one(loops) -> None:
+    # A bf16 input packs eagerly (the loops take fp32); its rebuild is fp32 values rounded by
+    # the cast the eager path makes.
+    strategy = build_strategy("quant", 0.0, bits=4, seed=1)
+    x = _values(5000, 2).to(torch.bfloat16)
+    packed = strategy.pack(x, "linear", 4)
+    rebuilt = strategy.unpack(packed)
+    assert rebuilt.dtype == torch.bfloat16
+    assert torch.equal(rebuilt, _eager(lambda: strategy.unpack(packed)))
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 1000, 12347])
+def test_relu_mask_and_gradient_are_the_eager_ones(loops, n) -> None:
+    gen = torch.Generator().manual_seed(n)
+    out = torch.randn(n, generator=gen).relu()
+    out[::7] = -0.0  # flagged like +0.0
+    out[1::13] = float("nan")  # not <= 0: passes
+    grad = torch.randn(n, generator=gen)
+    grad[2::5] = float("inf")
+    grad[3::17] = float("nan")
+    bits = pack_blocked(out)
+    assert torch.equal(bits, _eager(lambda: pack_blocked(out)))
+    result = zero_flagged_sliced(grad, bits)
+    eager = _eager(lambda: zero_flagged_sliced(grad, bits))
+    assert torch.equal(result.view(torch.int32), eager.view(torch.int32))  # +0.0, NaN bits
+    assert torch.equal(result == 0, (out <= 0) | (grad == 0))
+
+
+def test_a_training_step_is_the_eager_one(loops) -> None:
+    # conv -> BatchNorm -> ReLU -> max-pool -> linear, every input 4-bit: the same gradients.
+    def step(use: bool) -> list[torch.Tensor]:
+        native.set_native(use)
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 8 * 8, 5),
+        )  # fmt: skip
+        to_dropit(model, strategy="quant", bits=4, norm=True, pool=True, exclude=[])
+        set_step(model, 7)
+        x = torch.randn(4, 3, 16, 16)
+        model(x).square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    for mine, theirs in zip(step(True), step(False), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_only_contiguous_fp32_cpu_tensors_take_the_loops(loops) -> None:
+    x = torch.randn(4, 6)
+    assert native.takes(x)
+    assert not native.takes(x.t())
+    assert not native.takes(x.half())
+    dispatch.set_kernels("eager")  # pure torch, for comparisons with the kernels
+    try:
+        assert not native.takes(x)
+    finally:
+        dispatch.set_kernels(None)
+
+
+def test_the_environment_turns_the_loops_off(monkeypatch) -> None:
+    native.set_native(None)
+    monkeypatch.setenv(native.ENV, "0")
+    assert not native.native_enabled()
+    assert not native.takes(torch.randn(8))
+    monkeypatch.setenv(native.ENV, "1")
+    assert native.native_enabled()
+
+
+def test_the_build_is_cached_per_source(loops, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DROPIT_CACHE_DIR", str(tmp_path))
+    built = native._build()
+    assert built.parent == tmp_path and built.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary left
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert native._build() == built
+
+
+def test_without_a_compiler_one_warning_and_eager_packs(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_failed", False)
+    monkeypatch.setenv("DROPIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    native.set_native(True)
+    strategy = build_strategy("quant", 0.0, bits=4)
+    x = _values(3000, 1)
+    try:
+        with pytest.warns(RuntimeWarning, match="no-such-cc"):
+            packed = strategy.pack(x, "linear", 2)
+        again = strategy.pack(x, "linear", 2)  # no second warning, no second try
+        assert not native.takes(x)
+        native.set_native(False)
+        eager = strategy.pack(x, "linear", 2)
+    finally:
+        native.set_native(None)
+    for pack in (packed, again):
+        assert all(torch.equal(a, b) for a, b in zip(pack.stored(), eager.stored(), strict=True))
