@@ -105,11 +105,12 @@ UNPACK_CODES(4)
 /* Quant's pack of n fp32 values: groups of `group` values (the last may be shorter), each as
  * its minimum, its step ((max - min) * inv_levels, at least the smallest normal) and `bits`-bit
  * codes floor(min((x - min) / step + u, levels)), u = 24-bit draw * 2^-24 of element i:
- * (mix32(i mod 4096 + k0) ^ mix32(i / 4096 + k1)) >> 8 (seeds.hash_bits). Codes are packed
- * 8 / bits per byte, the first in the low bits; a group's codes start on a byte (the caller
- * checks group % (8 / bits) == 0) and the last byte is padded with zero codes. */
-void dropit_quant_pack(const float *x, int64_t n, int64_t group, int64_t bits, uint32_t k0,
-                       uint32_t k1, float inv_levels, uint8_t *codes, float *mins,
+ * (mix32(i mod 4096 + k0) ^ mix32(i / 4096 + k1)) >> 8 (seeds.hash_bits), i = start + the
+ * element's place in x (a range of a larger pack starts where its first group lies). Codes are
+ * packed 8 / bits per byte, the first in the low bits; a group's codes start on a byte (the
+ * caller checks group % (8 / bits) == 0) and the last byte is padded with zero codes. */
+void dropit_quant_pack(const float *x, int64_t n, int64_t start, int64_t group, int64_t bits,
+                       uint32_t k0, uint32_t k1, float inv_levels, uint8_t *codes, float *mins,
                        float *scales) {
     uint32_t low[TABLE];
     for (uint32_t j = 0; j < TABLE; j++) low[j] = mix32(j + k0) >> 8;
@@ -128,17 +129,18 @@ void dropit_quant_pack(const float *x, int64_t n, int64_t group, int64_t bits, u
         uint8_t *out = codes + first / per_byte;
         /* a chunk at a time within one 4096-row of the draw table: one `high` per chunk, and
          * every chunk but a group's last starts and ends on a byte of codes */
-        for (int64_t start = first; start < end;) {
-            const int64_t row_end = (start / TABLE + 1) * TABLE;
+        for (int64_t at = first; at < end;) {
+            const int64_t index = start + at;
+            const int64_t row_end = at + (TABLE - index % TABLE);
             const int64_t stop = end < row_end ? end : row_end;
-            const int64_t len = stop - start;
-            const uint32_t high = mix32((uint32_t)(start / TABLE) + k1) >> 8;
+            const int64_t len = stop - at;
+            const uint32_t high = mix32((uint32_t)(index / TABLE) + k1) >> 8;
             uint8_t *dst = bits == 8 ? out : code;
-            codes_of(x + start, low + start % TABLE, high, len, lo, step, levels, dst);
+            codes_of(x + at, low + index % TABLE, high, len, lo, step, levels, dst);
             if (bits == 4) pack_4(code, len, out);
             if (bits == 2) pack_2(code, len, out);
             out += (len + per_byte - 1) / per_byte;
-            start = stop;
+            at = stop;
         }
     }
 }

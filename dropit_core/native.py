@@ -14,6 +14,8 @@ Built on first use with ``$CC`` (default ``cc``) into ``$DROPIT_CACHE_DIR`` (def
 ctypes (no Python headers, no ninja). Where no compiler works, one warning is given and the eager
 path packs. ``DROPIT_NATIVE=0`` or :func:`set_native` turns it off; ``DROPIT_KERNELS=eager``
 (pure torch) bypasses it too. Only contiguous fp32 CPU tensors take it; others pack eagerly.
+A call over at least :data:`PARALLEL_MIN` values per thread is split into ranges of whole groups
+(or flag bytes) run on up to ``torch.get_num_threads()`` threads; the bytes do not depend on it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,7 +49,7 @@ _failed = False
 
 _i64, _u32, _f32, _ptr = ctypes.c_int64, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "dropit_quant_pack": (_ptr, _i64, _i64, _i64, _u32, _u32, _f32, _ptr, _ptr, _ptr),
+    "dropit_quant_pack": (_ptr, _i64, _i64, _i64, _i64, _u32, _u32, _f32, _ptr, _ptr, _ptr),
     "dropit_quant_rebuild": (_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr),
     "dropit_relu_mask": (_ptr, _i64, _ptr),
     "dropit_relu_apply": (_ptr, _ptr, _i64, _ptr),
@@ -140,8 +144,44 @@ def _build() -> Path:
     return target
 
 
-def _addr(t: torch.Tensor) -> int:
-    return t.data_ptr()
+# Values per thread below which a call runs on the calling thread alone: a split costs tens of
+# microseconds, and large maps are where one thread leaves memory bandwidth unused (a 20M-value
+# rebuild or ReLU gradient ran slower on one thread than eager torch's two).
+PARALLEL_MIN = 1 << 20
+
+_pool: ThreadPoolExecutor | None = None
+_pool_key: tuple[int, int] | None = None  # (process, workers) the pool was made for
+
+
+def _parts(n: int) -> int:
+    """How many threads share a call over n values: torch's intra-op count at most."""
+    return max(1, min(torch.get_num_threads(), n // PARALLEL_MIN))
+
+
+def _run(calls: list[Callable[[], None]]) -> None:
+    """Run the calls, the first on this thread and the others on a pool's (ctypes releases the
+    GIL during a C call, so they run at once); return when all are done."""
+    global _pool, _pool_key
+    if len(calls) > 1:
+        key = (os.getpid(), len(calls) - 1)  # a forked child has no threads of its parent's
+        if _pool_key != key:
+            _pool = ThreadPoolExecutor(max_workers=key[1], thread_name_prefix="dropit-native")
+            _pool_key = key
+        futures = [_pool.submit(call) for call in calls[1:]]
+        calls[0]()
+        for future in futures:
+            future.result()
+    else:
+        calls[0]()
+
+
+def _ranges(units: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` consecutive ranges of ``units`` (the last ones one shorter)."""
+    per, extra = divmod(units, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + per + (i < extra))
+    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
 def quant_pack(
@@ -156,36 +196,63 @@ def quant_pack(
 ) -> None:
     """Pack the flat fp32 ``flat`` into the final buffers (``packing.quant_buffers``) with draw
     keys ``keys`` (``seeds.hash_key(seed, 0)`` and ``(seed, 1)``); element 0 is the pack's
-    element 0. ``group`` must hold whole bytes of codes."""
-    library().dropit_quant_pack(
-        _addr(flat), flat.numel(), group, bits, keys[0], keys[1], inv_levels,
-        _addr(codes), _addr(mins), _addr(scales),
-    )  # fmt: skip
+    element 0. ``group`` must hold whole bytes of codes. Large inputs: a range of whole groups
+    per thread."""
+    lib, n, per_byte = library(), flat.numel(), 8 // bits
+    x, c, lo, st = flat.data_ptr(), codes.data_ptr(), mins.data_ptr(), scales.data_ptr()
+
+    def part(g0: int, g1: int) -> Callable[[], None]:
+        first, count = g0 * group, min(n, g1 * group) - g0 * group
+        return lambda: lib.dropit_quant_pack(
+            x + 4 * first, count, first, group, bits, keys[0], keys[1], inv_levels,
+            c + first // per_byte, lo + 4 * g0, st + 4 * g0,
+        )  # fmt: skip
+
+    _run([part(a, b) for a, b in _ranges(mins.numel(), _parts(n))])
 
 
 def quant_rebuild(
     codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, n: int, bits: int, group: int
 ) -> torch.Tensor:
     """The n fp32 values of a quant pack (flat)."""
+    lib, per_byte = library(), 8 // bits
     out = torch.empty(n, dtype=torch.float32)
     codes, mins, scales = codes.contiguous(), mins.contiguous(), scales.contiguous()
-    library().dropit_quant_rebuild(
-        _addr(codes), _addr(mins), _addr(scales), n, group, bits, _addr(out)
-    )
+    c, lo, st, o = codes.data_ptr(), mins.data_ptr(), scales.data_ptr(), out.data_ptr()
+
+    def part(g0: int, g1: int) -> Callable[[], None]:
+        first, count = g0 * group, min(n, g1 * group) - g0 * group
+        return lambda: lib.dropit_quant_rebuild(
+            c + first // per_byte, lo + 4 * g0, st + 4 * g0, count, group, bits, o + 4 * first
+        )
+
+    _run([part(a, b) for a, b in _ranges(mins.numel(), _parts(n))])
     return out
 
 
 def relu_mask(out: torch.Tensor) -> torch.Tensor:
     """``packing.pack_bits((out <= 0).reshape(-1))``."""
-    n = out.numel()
+    lib, n = library(), out.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
-    library().dropit_relu_mask(_addr(out), n, _addr(bits))
+    x, b = out.data_ptr(), bits.data_ptr()
+
+    def part(b0: int, b1: int) -> Callable[[], None]:
+        return lambda: lib.dropit_relu_mask(x + 32 * b0, min(n, 8 * b1) - 8 * b0, b + b0)
+
+    _run([part(a, c) for a, c in _ranges(bits.numel(), _parts(n))])
     return bits
 
 
 def relu_apply(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``packing.zero_flagged(grad, bits)``: ``grad`` with +0.0 where a flag is set."""
+    lib, n = library(), grad.numel()
     result = torch.empty_like(grad)
     bits = bits.contiguous()  # held: a temporary's memory would go before the call reads it
-    library().dropit_relu_apply(_addr(grad), _addr(bits), grad.numel(), _addr(result))
+    g, b, r = grad.data_ptr(), bits.data_ptr(), result.data_ptr()
+
+    def part(b0: int, b1: int) -> Callable[[], None]:
+        count = min(n, 8 * b1) - 8 * b0
+        return lambda: lib.dropit_relu_apply(g + 32 * b0, b + b0, count, r + 32 * b0)
+
+    _run([part(a, c) for a, c in _ranges((n + 7) // 8, _parts(n))])
     return result

@@ -63,6 +63,29 @@ def test_quant_pack_and_rebuild_are_the_eager_ones_bit_for_bit(loops, bits, grou
         assert ((rebuilt - x).abs() <= step * (1 + 1e-6)).all()
 
 
+def test_threads_split_a_call_into_the_same_bytes(loops, monkeypatch) -> None:
+    # Ranges of whole groups (pack, rebuild) and whole flag bytes (ReLU) per thread: each
+    # element's draw and code do not depend on the range it falls in.
+    monkeypatch.setattr(native, "PARALLEL_MIN", 1000)
+    threads = torch.get_num_threads()
+    strategy = build_strategy("quant", 0.0, bits=4, group=100, seed=5)
+    x = _values(10007, 7)  # 101 groups, the last of 7 values; 3 parts of 34, 34 and 33 groups
+    out, grad = x.relu(), _values(10007, 8)
+    try:
+        torch.set_num_threads(3)
+        assert native._parts(x.numel()) == 3
+        packed, bits = strategy.pack(x, "linear", 9), pack_blocked(out)
+        rebuilt, result = strategy.unpack(packed), zero_flagged_sliced(grad, bits)
+    finally:
+        torch.set_num_threads(threads)
+    eager = _eager(lambda: strategy.pack(x, "linear", 9))
+    for mine, theirs in zip(packed.stored(), eager.stored(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(rebuilt, _eager(lambda: strategy.unpack(packed)))
+    assert torch.equal(bits, _eager(lambda: pack_blocked(out)))
+    assert torch.equal(result, _eager(lambda: zero_flagged_sliced(grad, bits)))
+
+
 def test_a_narrower_packs_rebuild_is_the_eager_one(loops) -> None:
     # A bf16 input packs eagerly (the loops take fp32); its rebuild is fp32 values rounded by
     # the cast the eager path makes.
