@@ -87,6 +87,12 @@ def add_top_down(lateral: Tensor, top: Tensor) -> Tensor:
     """``lateral + F.interpolate(top, size=lateral's, mode="nearest")``, in place into
     ``lateral`` (a fresh map nothing else reads), in ``top``'s dtype outside autocast."""
     h, w = lateral.shape[-2:]
+    if torch.compiler.is_compiling():
+        # The compiler fuses the upsample into the add (no map is made either way), and the
+        # in-place add into a strided view of the lateral broke Inductor's layout code under
+        # dynamic shapes (torch 2.14: "cannot determine truth value of Relational").
+        with torch.autocast(lateral.device.type, enabled=False):
+            return lateral + F.interpolate(top, size=(h, w), mode="nearest")
     exact_2x = top.dim() == 4 and (h, w) == (2 * top.shape[-2], 2 * top.shape[-1])
     if exact_2x and lateral.dtype == top.dtype and lateral.shape[:2] == top.shape[:2]:
         return _AddUpsampled2x.apply(lateral, top)

@@ -27,6 +27,7 @@ from dropit_core import build_strategy
 from rcnn_dropit.config import Config, config_from_dict, with_overrides
 from rcnn_dropit.config_schema import dropit_rules
 from rcnn_dropit.engine.amp import autocast
+from rcnn_dropit.engine.compiling import compile_model
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models import build_model
 
@@ -206,14 +207,17 @@ def describe(cfg: Config) -> dict[str, Any]:
         "heads": cfg.model.heads,
         "accumulate": cfg.solver.accumulate,
         "saved_bits": d.saved_bits,
+        "compile": cfg.train.compile,
     }
 
 
 def detector(cfg: Config) -> nn.Module:
     """The model of ``cfg`` as training builds it, with the bench's random weights (seed 0):
-    every setting of one recipe starts from the same weights."""
+    every setting of one recipe starts from the same weights; compiled as ``train.compile``
+    says (in place: it compiles in the first, untimed, step)."""
     torch.manual_seed(0)
     model, _ = build_model(cfg)
+    compile_model(model, cfg.train.compile)
     return model
 
 
