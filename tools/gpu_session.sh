@@ -66,6 +66,13 @@ if ! stage bench_gpu $(($(left) * 60 / 100)) "${table[@]}" --settings $settings 
     --settings $settings --json "$OUT/bench_gpu_eager.json"
 fi
 
+# 0b. Issue 40's compiled rows: the backbone through Inductor, plain and 4-bit, beside the eager
+# ones (no largest-batch search: each batch size would compile again).
+stage bench_gpu_compiled $(($(left) * 25 / 100)) python3 tools/bench.py --gpu-table --device cuda \
+  --amp fp16 --image-size 800 --images 2 8 --repeats 5 --draws 1 --batch-limit 0 --quiet-machine \
+  --settings baseline baseline_compiled quant_4bit quant_4bit_compiled \
+  --json "$OUT/bench_gpu_compiled.json"
+
 # 1. Values: the GPU tier and the kernels compiled for this GPU, side by side.
 tier=$(($(left) * 40 / 100))
 stage tests_gpu "$tier" python3 -m pytest -m gpu -rs -p no:cacheprovider tests &
