@@ -162,6 +162,8 @@ def _run(calls: list[Callable[[], None]]) -> None:
     """Run the calls, the first on this thread and the others on a pool's (ctypes releases the
     GIL during a C call, so they run at once); return when all are done."""
     global _pool, _pool_key
+    if not calls:  # an empty tensor: nothing to read or write
+        return
     if len(calls) > 1:
         key = (os.getpid(), len(calls) - 1)  # a forked child has no threads of its parent's
         if _pool_key != key:

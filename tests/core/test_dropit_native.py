@@ -42,8 +42,8 @@ def _values(n: int, seed: int) -> torch.Tensor:
     return x
 
 
-# Sizes: under a group, a last partial group, several of the draw table's 4096-element rows.
-SIZES = (1, 7, 257, 4095, 4097, 20011)
+# Sizes: none, under a group, a last partial group, several of the draw table's 4096-value rows.
+SIZES = (0, 1, 7, 257, 4095, 4097, 20011)
 
 
 @pytest.mark.parametrize("bits,group", [(4, 256), (2, 100), (8, 256), (4, 4096), (4, 6000)])
@@ -97,7 +97,7 @@ def test_a_narrower_packs_rebuild_is_the_eager_one(loops) -> None:
     assert torch.equal(rebuilt, _eager(lambda: strategy.unpack(packed)))
 
 
-@pytest.mark.parametrize("n", [1, 8, 9, 1000, 12347])
+@pytest.mark.parametrize("n", [0, 1, 8, 9, 1000, 12347])
 def test_relu_mask_and_gradient_are_the_eager_ones(loops, n) -> None:
     gen = torch.Generator().manual_seed(n)
     out = torch.randn(n, generator=gen).relu()
