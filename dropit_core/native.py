@@ -150,7 +150,7 @@ def _build() -> Path:
 PARALLEL_MIN = 1 << 20
 
 _pool: ThreadPoolExecutor | None = None
-_pool_key: tuple[int, int] | None = None  # (process, workers) the pool was made for
+_pool_key: tuple[int, int] | None = None  # (process, workers) of the pool
 
 
 def _parts(n: int) -> int:
@@ -165,10 +165,13 @@ def _run(calls: list[Callable[[], None]]) -> None:
     if not calls:  # an empty tensor: nothing to read or write
         return
     if len(calls) > 1:
-        key = (os.getpid(), len(calls) - 1)  # a forked child has no threads of its parent's
-        if _pool_key != key:
-            _pool = ThreadPoolExecutor(max_workers=key[1], thread_name_prefix="dropit-native")
-            _pool_key = key
+        # One pool per process (a forked child has none of its parent's threads), grown when a
+        # call needs more workers than it has.
+        if _pool_key is None or _pool_key[0] != os.getpid() or _pool_key[1] < len(calls) - 1:
+            if _pool is not None and _pool_key[0] == os.getpid():
+                _pool.shutdown(wait=False)
+            _pool_key = (os.getpid(), len(calls) - 1)
+            _pool = ThreadPoolExecutor(max_workers=_pool_key[1], thread_name_prefix="dropit-native")
         futures = [_pool.submit(call) for call in calls[1:]]
         calls[0]()
         for future in futures:

@@ -186,3 +186,18 @@ def test_without_a_compiler_one_warning_and_eager_packs(tmp_path, monkeypatch) -
         native.set_native(None)
     for pack in (packed, again):
         assert all(torch.equal(a, b) for a, b in zip(pack.stored(), eager.stored(), strict=True))
+
+
+def test_the_thread_pool_is_made_once_and_grown_when_needed(monkeypatch) -> None:
+    monkeypatch.setattr(native, "_pool", None)
+    monkeypatch.setattr(native, "_pool_key", None)
+    done: list[int] = []
+    native._run([lambda i=i: done.append(i) for i in range(3)])
+    pool = native._pool
+    native._run([lambda i=i: done.append(i) for i in range(2)])
+    assert native._pool is pool  # fewer workers needed: the same pool
+    native._run([lambda i=i: done.append(i) for i in range(4)])
+    assert native._pool is not pool and native._pool_key[1] == 3
+    native._run([])  # an empty tensor's call list
+    assert sorted(done) == [0, 0, 0, 1, 1, 1, 2, 2, 3]
+    native._pool.shutdown()
