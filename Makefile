@@ -113,9 +113,10 @@ bench-speed: setup
 		--into docs/results/memory.md --block methods-bench-speed
 
 # make demo's step with its DropIT section against the same model without DropIT, side by side
-# on one batch of its data, 10 rounds (a minute or two): docs/results/bench_demo_cpu.json.
+# on one batch of its data, and the DropIT model again with eager packs instead of the C loops,
+# 20 rounds (about two minutes): docs/results/bench_demo_cpu.json.
 bench-demo: setup
-	$(PY) tools/bench.py --demo --repeats 10 --json docs/results/bench_demo_cpu.json \
+	$(PY) tools/bench.py --demo --repeats 20 --json docs/results/bench_demo_cpu.json \
 		$(if $(QUIET),--quiet-machine)
 
 # Host time per DropIT layer on the GPU path, with the Triton launches stubbed (any machine; run
