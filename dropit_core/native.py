@@ -200,7 +200,7 @@ def quant_pack(
     scales: torch.Tensor,
 ) -> None:
     """Pack the flat fp32 ``flat`` into the final buffers (``packing.quant_buffers``) with draw
-    keys ``keys`` (``seeds.hash_key(seed, 0)`` and ``(seed, 1)``); element 0 is the pack's
+    keys ``keys`` (``seeds.hash_keys(seed)``); element 0 is the pack's
     element 0. ``group`` must hold whole bytes of codes. Large inputs: a range of whole groups
     per thread."""
     lib, n, per_byte = library(), flat.numel(), 8 // bits

@@ -69,6 +69,12 @@ def hash_key(seed: int, index_hi: int) -> int:
     return mix32(mix32(hi ^ mix32((index_hi + KEY_SALT) & MASK32)) ^ lo)
 
 
+def hash_keys(seed: int) -> tuple[int, int]:
+    """The two 32-bit keys of a pack seed's draws (:func:`hash_bits`' k0 and k1): what every
+    path that hashes element indices itself (Triton, the C loops, the compiled loop) takes."""
+    return hash_key(seed, 0), hash_key(seed, 1)
+
+
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
     """:func:`mix32` in place on an int64 tensor of values in [0, 2**32)."""
     x ^= x >> 16

@@ -41,7 +41,7 @@ from .packing import (
     unpack_codes,
 )
 from .registry import Option
-from .seeds import UNIFORM_BITS, hash_bits, hash_key, hash_uniform, mix_seed, mix_state
+from .seeds import UNIFORM_BITS, hash_bits, hash_keys, hash_uniform, mix_seed, mix_state
 from .select import sample_size, sample_stride, tiny
 
 
@@ -209,7 +209,7 @@ class Quant(Strategy):
         n, group = flat.numel(), self.group
         codes, mins, scales = quant_buffers(n, self.bits, group, flat.device)
         if cast is None and self._whole_bytes() and native.takes(flat):
-            keys = (hash_key(seed, 0), hash_key(seed, 1))
+            keys = hash_keys(seed)
             native.quant_pack(flat, self.bits, group, keys, self._inv_levels, codes, mins, scales)
             return codes, mins, scales
         whole = n // group * group
@@ -284,9 +284,7 @@ class Quant(Strategy):
             for r0 in range(0, rows.shape[0], step):
                 r1 = min(r0 + step, rows.shape[0])
                 first = r0 * self.group
-                params = torch.tensor(
-                    [hash_key(seed, 0), hash_key(seed, 1), first], dtype=torch.int64
-                )
+                params = torch.tensor([*hash_keys(seed), first], dtype=torch.int64)
                 quant_rows(
                     rows[r0:r1], params, self._inv_levels,
                     codes[first * self.bits // 8 : r1 * self.group * self.bits // 8],

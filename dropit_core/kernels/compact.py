@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from ..keep_rule import DRAW, TIES, KeepRule
+from ..seeds import hash_keys
 from .launch import cdiv
-from .noise import hash_keys, uniform
+from .noise import uniform
 
 BLOCK = 4096  # elements per program: a multiple of 8, so each program writes whole mask bytes
 

@@ -30,14 +30,9 @@ def mix32(x):
 @triton.jit
 def uniform(key_low, key_high, index):
     """fp32 in [0, 1) for int64 element indices ``index`` (below 2**44) of a pack whose
-    :func:`hash_keys` are (key_low, key_high): seeds.hash_uniform's draw for each."""
+    ``seeds.hash_keys`` are (key_low, key_high): seeds.hash_uniform's draw for each."""
     # Every sum is cast back to uint32 (wrapping, as the eager path's masked sums).
     low = ((index & TABLE_MASK).to(tl.uint32) + key_low.to(tl.uint32)).to(tl.uint32)
     high = ((index >> TABLE_BITS).to(tl.uint32) + key_high.to(tl.uint32)).to(tl.uint32)
     h = (mix32(low) >> UNIFORM_SHIFT) ^ (mix32(high) >> UNIFORM_SHIFT)
     return h.to(tl.float32) * UNIFORM_SCALE
-
-
-def hash_keys(seed: int) -> tuple[int, int]:
-    """The two 32-bit keys of a pack seed's draws (seeds.hash_bits' k0 and k1)."""
-    return seeds.hash_key(seed, 0), seeds.hash_key(seed, 1)

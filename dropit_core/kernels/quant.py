@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 from ..packing import inv_levels, quant_buffers
-from ..seeds import UNIFORM_BITS
+from ..seeds import UNIFORM_BITS, hash_keys
 from .launch import cdiv, tile
-from .noise import hash_keys, uniform
+from .noise import uniform
 
 PACK_BLOCK = 2048  # elements per program (whole groups: at least one group)
 REBUILD_BLOCK = 2048

@@ -85,7 +85,7 @@ def test_kernel_noise_is_the_eager_hash(seed: int, start: int) -> None:
     eager = seeds.hash_uniform(seed, start, 600, DEVICE)
     index = torch.arange(start, start + 600, dtype=torch.int64, device=DEVICE)
     out = torch.empty(600, dtype=torch.float32, device=DEVICE)
-    _uniform_kernel[(3,)](index, out, 600, *noise.hash_keys(seed), BLOCK=256)
+    _uniform_kernel[(3,)](index, out, 600, *seeds.hash_keys(seed), BLOCK=256)
     assert torch.equal(out, eager)
     assert 0.0 <= float(eager.min()) and float(eager.max()) < 1.0
     assert torch.equal(eager * 2**24, (eager * 2**24).floor())  # 24-bit: exact in fp32
