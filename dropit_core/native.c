@@ -4,7 +4,7 @@
  * the same fp32 operations in the same order, built with -ffp-contract=off so that no multiply
  * and add are fused into one rounding. Eager torch makes a pass over memory per operation (ten
  * or so for a 4-bit pack, each with its own temporaries); here a value is read once and its code
- * written once, and the per-call cost is a C call, not thirty operator dispatches.
+ * written once, and the per-call cost is one C call, not an operator dispatch per operation.
  */
 #include <stdint.h>
 #include <string.h>

@@ -1,16 +1,16 @@
 """DropIT's CPU packs as C loops (``native.c``), built once with the system C compiler.
 
-Eager torch makes a pass over memory, with a temporary, per operation: a 4-bit pack of a map is
-about ten passes and thirty operator calls, the ReLU mask's pack and apply a few more. On the
-CPU those dominate DropIT's share of a step on small models (the demo's: 59 packs of 4k-2M
-values per step). Here each is one C call that reads a value once and writes its code once.
+Eager torch makes a pass over memory, with a temporary, per operation, and an operator call per
+operation: a 4-bit pack of a map is many of each, as are the ReLU mask's pack and apply. On the
+CPU those dominate DropIT's share of a step on small models with many small maps (the demo's).
+Here each is one C call that reads a value once and writes its code once.
 
 The loops compute what the eager path computes, bit for bit (the same fp32 operations in the
 same order, no fused multiply-add: tests/core/test_dropit_native.py compares every byte), so a
 pack made here rebuilds eagerly or with the Triton kernels and the committed runs reproduce.
 
 Built on first use with ``$CC`` (default ``cc``) into ``$DROPIT_CACHE_DIR`` (default
-``~/.cache/dropit_core``), about a second, once per source version and machine; loaded with
+``~/.cache/dropit_core``), once per source version and machine; loaded with
 ctypes (no Python headers, no ninja). Where no compiler works, one warning is given and the eager
 path packs. ``DROPIT_NATIVE=0`` or :func:`set_native` turns it off; ``DROPIT_KERNELS=eager``
 (pure torch) bypasses it too. Only contiguous fp32 CPU tensors take it; others pack eagerly.
