@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -27,6 +27,11 @@ from .seeds import mix_state
 # names a cache by its number, for as long as the cache lives.
 _CACHES: weakref.WeakValueDictionary[int, InputCache] = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count(1)
+
+# The attribute of a layer input that holds its pack: (forward, version, layout, dtype, pack).
+# Forward numbers are unique across caches, so two caches never take each other's pack.
+_SHARED = "_dropit_shared_pack"
+_FORWARDS = itertools.count(1)
 
 
 def _number(cache: InputCache) -> int:
@@ -48,7 +53,11 @@ class InputCache:
 
     In a ResNet the block input feeds conv1 and the downsample conv, and FPN reads the same stage
     outputs; in the RPN head one tensor feeds two convs. Packing it once halves or thirds both the
-    work and the bytes. Entries die with the input tensor (weak keys), so nothing outlives a step.
+    work and the bytes. The pack rides on the input tensor itself (an attribute, tagged with the
+    cache and its forward): it dies with the tensor, and a backward or a new step makes it stale.
+    An attribute costs a tenth of a microsecond to read or write; the weak-keyed dictionary it
+    replaced cost microseconds per layer, and a callback as each input died (host time that a
+    GPU step waits on: docs/gpu.md).
 
     It also says where the packs are in their random streams: each pack that draws is keyed by
     (rank, ``stream``, step, its position among this step's packs). The forward order is
@@ -67,7 +76,7 @@ class InputCache:
         self.rank = 0
         self.position = 0
         self._prefix = mix_state(0, self.rank, self.stream, self.step)
-        self._packs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._forward = next(_FORWARDS)  # names this cache's current forward on its packs
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.dropped: torch.Tensor | None = None
         self.number = _number(self)  # how the torch.library operators name it (traced.py)
@@ -79,7 +88,7 @@ class InputCache:
         """
         self.step, self.rank, self.position = step, rank, 0
         self._prefix = mix_state(0, rank, self.stream, step)
-        self._packs = WeakTensorKeyDictionary()
+        self._forward = next(_FORWARDS)
 
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""
@@ -123,9 +132,9 @@ class InputCache:
         """
         key = x if source is None else source
         dtype = x.dtype if dtype is None else dtype
-        hit = self._packs.get(key)
-        if hit is not None and hit[:3] == (key._version, layout, dtype):
-            return hit[3]
+        hit = getattr(key, _SHARED, None)
+        if hit is not None and hit[:4] == (self._forward, key._version, layout, dtype):
+            return hit[4]
         draw = self.next_key() if self.strategy.draws else 0
         if dtype == x.dtype:  # the usual call (strategies that override pack take it)
             packed = self.strategy.pack(x, layout, draw)
@@ -134,15 +143,15 @@ class InputCache:
         if packed.dropped is not None:  # a device-side sum: reading it is the caller's choice
             self.dropped = packed.dropped if self.dropped is None else self.dropped + packed.dropped
         _tag(packed)
-        self._packs[key] = (key._version, layout, dtype, packed)
+        setattr(key, _SHARED, (self._forward, key._version, layout, dtype, packed))
         return packed
 
     def end_forward(self) -> None:
         """Forget this forward's packs: a backward has begun, so the forward that shares them is
         over. A tensor fed again in a later step then packs afresh, with a new draw, even without
-        ``set_step``, and the cache does not keep a pack past the graph that saved it."""
-        if len(self._packs):
-            self._packs = WeakTensorKeyDictionary()
+        ``set_step``. (A pack stays on its input until the input dies or is packed again: a
+        tensor the caller keeps past the step keeps its last pack, a fraction of its own bytes.)"""
+        self._forward = next(_FORWARDS)
 
     def reads_through_cast(self) -> bool:
         """Whether a pack of an autocast input is made from the uncast tensor (so the cast the
@@ -170,19 +179,20 @@ class InputCache:
 def _tag(packed: Packed) -> None:
     """Mark the pack's float tensors, so that ``compress_saved`` does not compress this cache a
     second time (its values, minima and steps are compressed already)."""
-    for t in packed[1:]:
+    for t in packed[4:]:  # bits, mask_bytes and index are integers
         if t is not None and t.is_floating_point():
             setattr(t, PACK_TAG, True)
 
 
 class ConvArgs(NamedTuple):
-    """The arguments of ``aten.convolution`` besides input, weight and bias."""
+    """The arguments of ``aten.convolution`` besides input, weight and bias (lists or tuples:
+    aten takes either; the compiled path's operators take lists)."""
 
-    stride: list[int]
-    padding: list[int]
-    dilation: list[int]
+    stride: Sequence[int]
+    padding: Sequence[int]
+    dilation: Sequence[int]
     transposed: bool
-    output_padding: list[int]
+    output_padding: Sequence[int]
     groups: int
 
 
@@ -191,42 +201,42 @@ def _zeros_like_shape(ref: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return ref.new_zeros(()).expand(shape)
 
 
-def _forward_and_save(
+def _save_pack(
     ctx,
-    op: Callable[[torch.Tensor], torch.Tensor],
+    used: torch.Tensor,
     x: torch.Tensor,
     dtype: torch.dtype | None,
     weight: torch.Tensor,
     cache: InputCache,
     layout: str,
-) -> torch.Tensor:
-    """``op`` of ``x`` cast to ``dtype`` (autocast's; None: as it is), keeping for backward the
-    weight (input gradient) and, when the weight trains, the packed input: its tensor fields
-    through ``save_for_backward`` (None included), its metadata on ``ctx``.
+) -> None:
+    """Keep for backward the weight (input gradient) and, when the weight trains, the pack of
+    the input the op computed with (``x`` cast to ``dtype``, autocast's; None: ``x`` as it is):
+    its tensor fields through ``save_for_backward`` (None included), its metadata on ``ctx``.
 
-    The pack is that of what ``op`` computed with, keyed by ``x`` so that the layers fed ``x``
-    share it. The cast is made here, and nothing else refers to it: where the strategy packs
-    ``x`` as the cast's values directly (quant), it is freed before the pack is made, so it
-    lives as long as the op, as plain autocast's copy does.
+    ``used`` is what to pack: the cast, or ``x`` itself where the strategy packs ``x`` as the
+    cast's values directly (quant). The caller drops its own reference to the cast before this
+    call in that case (:func:`_packed_from`), so the cast lives as long as the op, as plain
+    autocast's copy does. The pack is keyed by ``x``: the layers fed ``x`` share it.
     """
-    used = x if dtype is None else x.to(dtype)
-    out = op(used)
     ctx.cache, ctx.x_shape = cache, x.shape
     if not weight.requires_grad:
         ctx.meta = None
         ctx.save_for_backward(weight)
-        return out
-    dtype = used.dtype
-    if used is not x and cache.reads_through_cast():
-        used = x  # the cast's last reference: it goes now
-    packed = cache.pack(used, layout, x, dtype)
+        return
+    packed = cache.pack(used, layout, x, used.dtype if dtype is None else dtype)
     ctx.meta = packed.meta
     ctx.save_for_backward(weight, *packed[1:])
-    return out
+
+
+def _packed_from(used: torch.Tensor, x: torch.Tensor, cache: InputCache) -> torch.Tensor:
+    """What to pack after an op that computed with ``used`` (``x`` or its autocast cast): ``x``
+    where the strategy reads through the cast (the cast's last reference then goes)."""
+    return x if used is not x and cache.reads_through_cast() else used
 
 
 def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
-    """(weight, the packed input or None) from what :func:`_forward_and_save` kept, for a
+    """(weight, the packed input or None) from what :func:`_save_pack` kept, for a
     backward: one that would be differentiated again is refused, and the forward is over."""
     refuse_double_backward()
     ctx.cache.end_forward()
@@ -246,11 +256,11 @@ class DropITConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache, dtype):
         ctx.args = args
-
-        def conv(used: torch.Tensor) -> torch.Tensor:
-            return torch.convolution(used, weight, bias, *args)
-
-        return _forward_and_save(ctx, conv, x, dtype, weight, cache, "conv")
+        used = x if dtype is None else x.to(dtype)
+        out = torch.convolution(used, weight, bias, *args)
+        used = _packed_from(used, x, cache)
+        _save_pack(ctx, used, x, dtype, weight, cache, "conv")
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -353,10 +363,11 @@ class DropITLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, cache: InputCache, dtype):
-        def linear(used: torch.Tensor) -> torch.Tensor:
-            return F.linear(used, weight, bias)
-
-        return _forward_and_save(ctx, linear, x, dtype, weight, cache, "linear")
+        used = x if dtype is None else x.to(dtype)
+        out = F.linear(used, weight, bias)
+        used = _packed_from(used, x, cache)
+        _save_pack(ctx, used, x, dtype, weight, cache, "linear")
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -384,9 +395,7 @@ class MaskedReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, inplace: bool):
         if _relu_kernels(x, inplace):
-            from .kernels.relu import relu_mask
-
-            out, bits = relu_mask(x, inplace)
+            out, bits = dispatch.kernels("relu").relu_mask(x, inplace)
             if inplace:
                 ctx.mark_dirty(x)
             ctx.save_for_backward(bits)
@@ -404,9 +413,7 @@ class MaskedReLUFunction(torch.autograd.Function):
         refuse_double_backward()
         (bits,) = ctx.saved_tensors
         if dispatch.use_kernels(grad):
-            from .kernels.relu import relu_mask_grad
-
-            return relu_mask_grad(grad, bits), None
+            return dispatch.kernels("relu").relu_mask_grad(grad, bits), None
         return zero_flagged_sliced(grad, bits), None
 
 

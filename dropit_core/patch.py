@@ -65,13 +65,20 @@ class DropITConv2d(nn.Conv2d):
             padding = (0, 0)
         elif isinstance(padding, str):
             x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
-        args = ConvArgs(
-            list(self.stride), list(padding), list(self.dilation), False, [0, 0], self.groups
-        )
+        weight, bias, cache = self.weight, self.bias, self.dropit_cache  # one module lookup each
         if torch.compiler.is_compiling():
-            return _compiling_conv(x, self.weight, self.bias, args, self.dropit_cache)
-        w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
-        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, dtype)
+            args = ConvArgs(
+                list(self.stride), list(padding), list(self.dilation), False, [0, 0], self.groups
+            )
+            return _compiling_conv(x, weight, bias, args, cache)
+        # The module's tuples as they are: aten takes them so (a list of each per call was
+        # host time, on every layer of every step).
+        args = ConvArgs(self.stride, padding, self.dilation, False, _NO_OUTPUT_PADDING, self.groups)
+        w, b, dtype = autocast_inputs(x, weight, bias, cache)
+        return DropITConvFunction.apply(x, w, b, args, cache, dtype)
+
+
+_NO_OUTPUT_PADDING = (0, 0)
 
 
 def _compiling_conv(

@@ -71,8 +71,14 @@ def hash_key(seed: int, index_hi: int) -> int:
 
 def hash_keys(seed: int) -> tuple[int, int]:
     """The two 32-bit keys of a pack seed's draws (:func:`hash_bits`' k0 and k1): what every
-    path that hashes element indices itself (Triton, the C loops, the compiled loop) takes."""
-    return hash_key(seed, 0), hash_key(seed, 1)
+    path that hashes element indices itself (Triton, the C loops, the compiled loop) takes.
+    ``(hash_key(seed, 0), hash_key(seed, 1))``, their salted index words mixed once at import
+    (every pack of every layer asks: host time)."""
+    lo, hi = seed & MASK32, (seed >> 32) & MASK32
+    return mix32(mix32(hi ^ _SALTED_0) ^ lo), mix32(mix32(hi ^ _SALTED_1) ^ lo)
+
+
+_SALTED_0, _SALTED_1 = mix32(KEY_SALT), mix32(1 + KEY_SALT)
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:

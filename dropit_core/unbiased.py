@@ -180,6 +180,15 @@ class Quant(Strategy):
         """Elements per slice: whole groups and whole code bytes."""
         return self.group * 8 * max(1, base.SLICE // (self.group * 8))
 
+    def pack(
+        self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None
+    ) -> Packed:
+        # Strategy.pack's cases, the usual one first without its calls (every layer, every step:
+        # host time); a pack read through a cast is that of the cast, bit for bit.
+        if self.rescale == "none":
+            return self._pack_as(x, key, x.dtype if dtype is None else dtype)
+        return super().pack(x, layout, key, dtype)
+
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         return self._pack_as(x, key, x.dtype)
 
@@ -190,16 +199,16 @@ class Quant(Strategy):
 
     def _pack_as(self, x: torch.Tensor, key: int, dtype: torch.dtype) -> Packed:
         """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower)."""
-        flat = x.reshape(-1)
         seed = mix_state(self._seed_state, key) >> 2
-        cast = None if dtype == flat.dtype else dtype
-        if dispatch.use_kernels(flat) and quant_kernels_take(self.bits, self.group):
-            from .kernels.quant import quant_pack
-
-            codes, mins, scales = quant_pack(flat, self.bits, self.group, seed, cast=cast)
+        cast = None if dtype == x.dtype else dtype
+        if dispatch.use_kernels(x) and quant_kernels_take(self.bits, self.group):
+            # The kernel reads memory flat: no reshape (each op here is host time on a GPU).
+            codes, mins, scales = dispatch.kernels("quant").pack_contiguous(
+                x.contiguous(), self.bits, self.group, seed, cast
+            )[:3]
         else:
-            codes, mins, scales = self._pack_eager(flat, seed, cast)
-        return Packed(QuantMeta(tuple(x.shape), dtype), values=codes, scales=scales, mins=mins)
+            codes, mins, scales = self._pack_eager(x.reshape(-1), seed, cast)
+        return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
 
     def _pack_eager(
         self, flat: torch.Tensor, seed: int, cast: torch.dtype | None
@@ -327,12 +336,10 @@ class Quant(Strategy):
         shape, dtype = packed.meta
         n = math.prod(shape)
         if dispatch.use_kernels(packed.values) and quant_kernels_take(self.bits, self.group):
-            from .kernels.quant import quant_rebuild
-
-            rebuilt = quant_rebuild(
-                packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype
-            )
-            return rebuilt.view(shape)
+            return dispatch.kernels("quant").rebuild_unchecked(
+                packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
+                shape=shape,
+            )  # fmt: skip
         if self._whole_bytes() and native.ready(packed.values.device):
             values = native.quant_rebuild(
                 packed.values, packed.mins, packed.scales, n, self.bits, self.group
@@ -377,16 +384,14 @@ class Quant(Strategy):
         negative values), flags 1 bit each as ``packing.pack_bits`` packs them: what
         ``dropit_core.saved.CompressSaved`` keeps. One launch on the kernel path (a group of
         whole flag bytes), else the pack and two flag passes."""
-        flat = x.reshape(-1)
-        if self._signed_kernels(flat):
-            from .kernels.quant import quant_pack_signed
-
+        if self._signed_kernels(x):
             seed = mix_state(self._seed_state, key) >> 2
-            codes, mins, scales, zero, negative = quant_pack_signed(
-                flat, self.bits, self.group, seed
+            codes, mins, scales, zero, negative = dispatch.kernels("quant").pack_contiguous(
+                x.contiguous(), self.bits, self.group, seed, signs=True
             )
             meta = QuantMeta(tuple(x.shape), x.dtype)
-            return Packed(meta, values=codes, scales=scales, mins=mins), zero, negative
+            return Packed(meta, None, None, None, codes, scales, mins), zero, negative
+        flat = x.reshape(-1)
         return self._pack_as(x, key, x.dtype), pack_bits(flat == 0), pack_bits(flat < 0)
 
     def unpack_signed(
@@ -398,12 +403,10 @@ class Quant(Strategy):
         shape, dtype = packed.meta
         n = math.prod(shape)
         if self._signed_kernels(packed.values):
-            from .kernels.quant import quant_rebuild
-
-            return quant_rebuild(
+            return dispatch.kernels("quant").rebuild_unchecked(
                 packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
-                signs=(zero, negative),
-            ).view(shape)  # fmt: skip
+                signs=(zero, negative), shape=shape,
+            )  # fmt: skip
         values = self._unpack(packed).reshape(-1)
         magnitude = values.abs().clamp_min_(tiny(values.dtype))
         signed = torch.where(unpack_bits(negative, n), -magnitude, magnitude)

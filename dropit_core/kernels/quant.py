@@ -9,20 +9,22 @@ The fp32 operations are the eager path's, in its order, with no fused multiply-a
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
 
 from ..packing import inv_levels, quant_buffers
 from ..seeds import UNIFORM_BITS, hash_keys
-from .launch import cdiv, tile
+from .launch import tile
 from .noise import uniform
 
 PACK_BLOCK = 2048  # elements per program (whole groups: at least one group)
 REBUILD_BLOCK = 2048
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 TINY = torch.finfo(torch.float32).tiny
-_TINY = {dtype: torch.finfo(dtype).tiny for dtype in FLOATS}  # looked up per rebuild
+_TINY = {dtype: torch.finfo(dtype).tiny for dtype in FLOATS}
 
 assert UNIFORM_BITS <= 24  # the draws are exact in fp32
 
@@ -136,27 +138,52 @@ def _launch_pack(
         )
     if group % (8 // bits):
         raise ValueError(f"quant_pack: group {group} is not whole bytes of {bits}-bit codes")
-    flat = flat.contiguous()
-    n = flat.numel()
-    codes, mins, scales = quant_buffers(n, bits, group, flat.device)
+    return pack_contiguous(flat.contiguous(), bits, group, seed, cast, signs, block)
+
+
+def pack_contiguous(
+    x: torch.Tensor,
+    bits: int,
+    group: int,
+    seed: int,
+    cast: torch.dtype | None = None,
+    signs: bool = False,
+    block: int = PACK_BLOCK,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`quant_pack`'s (codes, mins, scales), and with ``signs`` the two flag buffers, of a
+    contiguous float tensor of any shape read flat, without the argument checks: for a caller
+    that has made them (``Quant`` takes this path on every layer of every step, where the
+    checks and the reshape were host time a GPU step waits on)."""
+    n = x.numel()
+    if n > 1 << 44:
+        raise ValueError("quant_pack draws for element indices below 2**44")
+    codes, mins, scales = quant_buffers(n, bits, group, x.device)
     if signs:
-        zero, negative = flag_buffer(n, flat.device), flag_buffer(n, flat.device)
+        zero, negative = flag_buffer(n, x.device), flag_buffer(n, x.device)
     else:  # the kernel never reads its flag pointers: the codes stand in for them
         zero, negative = codes, codes
     if n == 0:
         return codes, mins, scales, zero, negative
-    width, rows = tile(group, block)
-    if n > 1 << 44:
-        raise ValueError("quant_pack draws for element indices below 2**44")
-    keys = hash_keys(seed)
-    grid = (cdiv(mins.numel(), rows),)
-    _quant_codes_kernel[grid](
-        flat, codes, mins, scales, zero, negative, n, mins.numel(), codes.numel(), *keys,
-        GROUP=group, WIDTH=width, ROWS=rows, BITS=bits,
-        INV_LEVELS=inv_levels(bits), TINY_F32=TINY, ROUND=_ROUND.get(cast, 0), SIGNS=signs,
-        enable_fp_fusion=False,
+    rows, constants = _pack_constants(bits, group, block, cast, signs)
+    groups = mins.numel()
+    _quant_codes_kernel[(-(-groups // rows),)](
+        x, codes, mins, scales, zero, negative, n, groups, codes.numel(), *hash_keys(seed),
+        **constants,
     )  # fmt: skip
     return codes, mins, scales, zero, negative
+
+
+@cache
+def _pack_constants(
+    bits: int, group: int, block: int, cast: torch.dtype | None, signs: bool
+) -> tuple[int, dict]:
+    """(groups per program, the pack kernel's compile-time arguments) of a setting: made once."""
+    width, rows = tile(group, block)
+    return rows, {
+        "GROUP": group, "WIDTH": width, "ROWS": rows, "BITS": bits,
+        "INV_LEVELS": inv_levels(bits), "TINY_F32": TINY, "ROUND": _ROUND.get(cast, 0),
+        "SIGNS": signs, "enable_fp_fusion": False,
+    }  # fmt: skip
 
 
 def flag_buffer(n: int, device: torch.device) -> torch.Tensor:
@@ -254,16 +281,45 @@ def quant_rebuild(
         f.dtype != torch.uint8 or f.numel() != (n + 7) // 8 for f in signs
     ):
         raise ValueError(f"quant_rebuild: signs must be two uint8 tensors of {n} flags")
-    out = torch.empty(n, dtype=dtype, device=codes.device)
+    return rebuild_unchecked(codes, mins, scales, n, bits, group, dtype, block, signs)
+
+
+def rebuild_unchecked(
+    codes: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
+    block: int = REBUILD_BLOCK,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """:func:`quant_rebuild` without its argument checks, for a pack that
+    :func:`pack_contiguous` made (``Quant``'s rebuild of every layer: host time); ``shape``
+    (of n values): the output's, allocated so (no view after)."""
+    out = torch.empty(n if shape is None else shape, dtype=dtype, device=codes.device)
     if n == 0:
         return out
-    width, rows = tile(group, block)
-    grid = (cdiv(mins.numel(), rows),)
-    bf16 = dtype == torch.bfloat16
+    rows, constants = _rebuild_constants(bits, group, block, dtype, signs is not None)
+    groups = mins.numel()
     zero, negative = (codes, codes) if signs is None else signs  # unread without flags
-    _quant_rebuild_kernel[grid](
-        codes, mins, scales, zero, negative, out.view(torch.int16) if bf16 else out, n,
-        mins.numel(), GROUP=group, WIDTH=width, ROWS=rows, BITS=bits, BF16=bf16,
-        SIGNS=signs is not None, TINY_OUT=_TINY[dtype], enable_fp_fusion=False,
+    _quant_rebuild_kernel[(-(-groups // rows),)](
+        codes, mins, scales, zero, negative, out.view(torch.int16) if dtype is torch.bfloat16
+        else out, n, groups, **constants,
     )  # fmt: skip
     return out
+
+
+@cache
+def _rebuild_constants(
+    bits: int, group: int, block: int, dtype: torch.dtype, signs: bool
+) -> tuple[int, dict]:
+    """(groups per program, the rebuild kernel's compile-time arguments) of a setting."""
+    width, rows = tile(group, block)
+    return rows, {
+        "GROUP": group, "WIDTH": width, "ROWS": rows, "BITS": bits,
+        "BF16": dtype is torch.bfloat16, "SIGNS": signs, "TINY_OUT": _TINY[dtype],
+        "enable_fp_fusion": False,
+    }  # fmt: skip

@@ -381,12 +381,15 @@ def test_relu_mask_bytes_are_pack_bits_of_the_blocked_outputs() -> None:
 
 
 def test_dispatch_modes_env_and_warning(monkeypatch) -> None:
-    cpu, cuda = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device=DEVICE)
-    cuda.device = torch.device("cuda")
+    cpu, cuda = SimpleNamespace(is_cuda=False), SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(dispatch, "_env_mode", None)  # the cached reading comes back after
     monkeypatch.setenv(dispatch.ENV, "auto")
     assert not dispatch.use_kernels(cpu)
     assert dispatch.use_kernels(cuda) == dispatch.triton_available()
+    # Read once: a change takes effect from set_kernels(None) on (which re-reads it).
     monkeypatch.setenv(dispatch.ENV, "triton")
+    assert not dispatch.use_kernels(cpu)
+    dispatch.set_kernels(None)
     assert dispatch.use_kernels(cpu)
     dispatch.set_kernels("eager")  # the call wins over the environment
     try:
@@ -394,12 +397,14 @@ def test_dispatch_modes_env_and_warning(monkeypatch) -> None:
     finally:
         dispatch.set_kernels(None)
     monkeypatch.setenv(dispatch.ENV, "fast")
+    dispatch.set_kernels(None)
     with pytest.raises(ValueError, match="DROPIT_KERNELS"):
         dispatch.kernel_mode()
     with pytest.raises(ValueError, match="allowed"):
         dispatch.set_kernels("cuda")
     # CUDA without triton: one warning, then eager.
     monkeypatch.setenv(dispatch.ENV, "auto")
+    dispatch.set_kernels(None)
     monkeypatch.setattr(dispatch, "_has_triton", False)
     monkeypatch.setattr(dispatch, "_warned", False)
     with pytest.warns(RuntimeWarning, match="triton is not installed"):
