@@ -100,13 +100,18 @@ def stubbed_launches() -> Iterator[Launches]:
             setattr(module, kernel, original)
 
 
-# (stack, what DropIT converts): each against the same stack of plain layers.
+# (stack, what DropIT converts): each against the same stack of plain layers. "bare Function"
+# converts nothing to DropIT: each conv (and ReLU) becomes the least a layer written as a Python
+# autograd Function can be (it saves its input, its backward is one aten call), the part of
+# DropIT's host time that its work cannot remove.
 STACKS = (
     ("conv", "layers"),
     ("conv+relu", "layers"),
     ("conv+bn+relu", "layers"),
     ("conv+bn+relu", "layers+norm"),
     ("conv+bn+relu", "saved hooks"),
+    ("conv", "bare Function"),
+    ("conv+relu", "bare Function"),
 )
 
 
@@ -122,10 +127,72 @@ def _stack(layers: int, channels: int, stack: str) -> nn.Sequential:
     return nn.Sequential(*mods)
 
 
+class _BareConvFunction(torch.autograd.Function):
+    """A convolution as a Python autograd Function and nothing more: it saves its input and
+    weight, and its backward is the one aten call the plain layer's C++ node makes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, args):
+        ctx.args = args
+        ctx.save_for_backward(x, weight)
+        return torch.convolution(x, weight, bias, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        mask = [True, True, ctx.needs_input_grad[2]]
+        sizes = [weight.shape[0]] if mask[2] else None
+        return (
+            *torch.ops.aten.convolution_backward.default(
+                grad, x, weight, sizes, *ctx.args, mask
+            ),
+            None,
+        )  # fmt: skip
+
+
+class _BareConv(nn.Conv2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        args = (self.stride, self.padding, self.dilation, False, (0, 0), self.groups)
+        return _BareConvFunction.apply(x, self.weight, self.bias, args)
+
+
+class _BareReLUFunction(torch.autograd.Function):
+    """A ReLU as a Python autograd Function: it saves its output, as torch's does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.relu(x)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward.default(grad, out, 0)
+
+
+class _BareReLU(nn.ReLU):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BareReLUFunction.apply(x)
+
+
+def _bare(model: nn.Module) -> nn.Module:
+    """``model`` with its convs and ReLUs as bare Python autograd Functions (same parameters)."""
+    for m in model.modules():
+        if type(m) is nn.Conv2d:
+            m.__class__ = _BareConv
+        elif type(m) is nn.ReLU:
+            m.__class__ = _BareReLU
+    return model
+
+
 def _dropit(plain: nn.Module, dropit: str) -> nn.Module:
     """A copy of ``plain`` with quant 4-bit: its conv (and ReLU) layers, its norms too, or every
-    saved tensor through :func:`dropit_core.compress_saved` (no layer converted)."""
+    saved tensor through :func:`dropit_core.compress_saved` (no layer converted); or with its
+    layers as bare autograd Functions (no DropIT)."""
     model = copy.deepcopy(plain)
+    if dropit == "bare Function":
+        return _bare(model)
     if dropit == "saved hooks":
         compress_saved(model, bits=4, min_bytes=1024)  # the maps, not BatchNorm's statistics
         return model

@@ -68,6 +68,22 @@ def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:
     # by the ReLU and the next conv once), each use of it rebuilt in one: 5 per unit, less the
     # last unit's ReLU output, which no conv reads.
     assert extra("conv+bn+relu", "saved hooks") == 5 * layers - 1
+    # Bare Functions launch what the plain layers launch: the rows differ by host time only.
+    assert extra("conv", "bare Function") == extra("conv+relu", "bare Function") == 0
+
+
+def test_bare_functions_compute_the_plain_stacks_gradients() -> None:
+    plain = host_bench._stack(3, 4, "conv+relu")
+    bare = host_bench._dropit(plain, "bare Function")
+    assert {type(m).__name__ for m in bare} == {"_BareConv", "_BareReLU"}
+    x = torch.randn(2, 4, 6, 6)
+    grads = []
+    for model in (plain, bare):
+        xi = x.clone().requires_grad_(True)
+        model(xi).square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in model.parameters())])
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts() -> None:
