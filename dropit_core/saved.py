@@ -46,6 +46,9 @@ class _Saved(NamedTuple):
     zero: torch.Tensor  # 1 bit per element: the value is 0
     negative: torch.Tensor  # 1 bit per element: the value is < 0
     shape: torch.Size
+    # The original's layout where it is not contiguous: the dims in memory order (a dense
+    # permutation, as channels-last maps), else its strides (rebuilt by a copy); None: contiguous.
+    layout: tuple[str, tuple[int, ...]] | None
 
 
 class CompressSaved:
@@ -119,7 +122,8 @@ class CompressSaved:
         if hit is not None and hit[0] == t._version:
             return hit[1]
         draw = mix_seed(self.rank, self.step, self.packs)
-        saved = _Saved(*self.quant.pack_signed(t.detach().reshape(-1), draw), t.shape)
+        flat, layout = _in_memory_order(t.detach())
+        saved = _Saved(*self.quant.pack_signed(flat, draw), t.shape, layout)
         self._seen[t] = (t._version, saved)
         kept = saved.packed.nbytes() + saved.zero.nbytes + saved.negative.nbytes
         self.packs += 1
@@ -134,7 +138,35 @@ class CompressSaved:
             return saved
         refuse_double_backward()
         rebuilt = self.quant.unpack_signed(saved.packed, saved.zero, saved.negative)
-        return rebuilt.view(saved.shape)
+        return _in_layout(rebuilt, saved.shape, saved.layout)
+
+
+def _in_memory_order(t: torch.Tensor) -> tuple[torch.Tensor, tuple[str, tuple[int, ...]] | None]:
+    """(t's values flat, and the layout :func:`_in_layout` restores). A compiled graph checks
+    the strides of what it saved (Inductor saves channels-last maps): a dense permutation is
+    packed in its memory order, with no copy, and rebuilt in it; other strides are packed from
+    a contiguous copy and rebuilt into their strides."""
+    if t.is_contiguous():
+        return t.reshape(-1), None
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    dense = t.permute(order)
+    if dense.is_contiguous():
+        return dense.reshape(-1), ("order", order)
+    return t.reshape(-1), ("strides", t.stride())
+
+
+def _in_layout(
+    flat: torch.Tensor, shape: torch.Size, layout: tuple[str, tuple[int, ...]] | None
+) -> torch.Tensor:
+    """The rebuilt values ``flat`` as a tensor of ``shape`` in the original's layout."""
+    if layout is None:
+        return flat.view(shape)
+    kind, dims = layout
+    if kind == "order":
+        inverse = sorted(range(len(dims)), key=dims.__getitem__)
+        return flat.view([shape[d] for d in dims]).permute(inverse)
+    out = torch.empty_strided(shape, dims, dtype=flat.dtype, device=flat.device)
+    return out.copy_(flat.view(shape))
 
 
 ATTRIBUTE = "dropit_saved"  # where compress_saved keeps its handle on the model (set_step reads it)
@@ -175,6 +207,7 @@ class SavedCompression:
             hook.remove()
         self._model.__dict__.pop(ATTRIBUTE, None)
 
+    @torch.compiler.disable
     def _enter(self, module: nn.Module, args: Any) -> None:
         if self._active is not None or not (module.training and torch.is_grad_enabled()):
             return  # a nested call runs inside the block already; eval saves nothing
@@ -182,6 +215,7 @@ class SavedCompression:
         self._active.observer = self.observer
         self._active.__enter__()
 
+    @torch.compiler.disable
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         block, self._active = self._active, None
         if block is None:

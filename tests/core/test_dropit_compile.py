@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import FrozenBatchNorm2d, set_step, to_dropit
+from dropit_core import FrozenBatchNorm2d, compress_saved, set_step, to_dropit
 
 # Relative tolerance of compiled gradients and losses against eager ones: fp32 sums in another
 # order differ by a few ulps (2**-23 ~ 1.2e-7 each); 1e-5 leaves room for two steps.
@@ -246,3 +246,32 @@ def test_a_lean_fpn_backbone_compiles_with_dynamic_shapes_and_trains_as_eager(dr
 def _assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
     """Within NORM_TOLERANCE of ``want``'s largest element."""
     torch.testing.assert_close(got, want, rtol=0, atol=NORM_TOLERANCE * want.abs().max().item())
+
+
+@pytest.mark.slow  # Inductor's C++ compile
+def test_compress_saved_compresses_a_compiled_models_saved_tensors() -> None:
+    """``compress_saved`` on a model then compiled: its block is entered outside the graph, the
+    graph's saved tensors are packed at run time and rebuilt in the layout the graph saved them
+    in. What the graph saves is the compiler's choice, not eager's, so gradients are compared with
+    the exact ones, not with eager's compressed ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+    x = torch.randn(2, 3, 16, 16)
+
+    def grads(m: nn.Module) -> list[torch.Tensor]:
+        m.zero_grad()
+        m(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    exact = grads(model)
+    handle = compress_saved(model, bits=4, min_bytes=1024)
+    compiled = grads(torch.compile(model))
+    assert handle.last.packs >= 4 and handle.last.packed_bytes < 0.25 * handle.last.dense_bytes
+    for i, (g, c) in enumerate(zip(exact, compiled, strict=True)):
+        if i == 1:  # the conv bias before BatchNorm: its exact gradient is float noise
+            continue
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), c.flatten(), dim=0)
+        assert cos > 0.98, (i, float(cos))

@@ -94,6 +94,37 @@ def test_the_rebuilt_tensor_keeps_the_zeros_and_signs_exactly() -> None:
     assert not torch.equal(rebuilt, x)  # the values themselves are 2-bit approximations
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "every_other_column"])
+def test_a_strided_saved_tensor_comes_back_with_its_strides(layout: str) -> None:
+    """A channels-last map (as Inductor's graphs save them) is packed in its memory order and
+    rebuilt in it; other strides are rebuilt into their own: a compiled backward asserts the
+    strides of what it saved."""
+    captured = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (captured["t"],) = ctx.saved_tensors
+            return grad
+
+    leaf = torch.randn(2, 8, 16, 16, requires_grad=True)
+    with CompressSaved(bits=8, min_bytes=0) as saved:
+        if layout == "channels_last":
+            t = (leaf * 1.0).to(memory_format=torch.channels_last)
+        else:
+            t = (leaf * 1.0)[..., ::2]  # not a permutation of a dense tensor
+        Probe.apply(t).sum().backward()
+    assert saved.packs == 1 and not t.is_contiguous()
+    rebuilt = captured["t"]
+    assert rebuilt.shape == t.shape and rebuilt.stride() == t.stride()
+    assert (rebuilt - t).abs().max() < 0.05  # the same values, each rebuilt from 8-bit codes
+
+
 def test_small_and_integer_tensors_stay_dense() -> None:
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     with CompressSaved(min_bytes=1 << 20) as saved:  # nothing here is that large
