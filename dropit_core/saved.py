@@ -26,17 +26,21 @@ through forward hooks, with no change to the loop.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from .base import PACK_TAG, Packed, refuse_double_backward
 from .seeds import mix_seed
 from .strategies import build_strategy
 from .unbiased import Quant
+
+# The attribute of a saved tensor that holds its pack: (block number, version, pack).
+_SEEN = "_dropit_saved_pack"
+_BLOCKS = itertools.count(1)
 
 
 class _Saved(NamedTuple):
@@ -81,7 +85,7 @@ class CompressSaved:
         self.packs = 0
         self.packed_bytes = 0
         self.dense_bytes = 0
-        self._seen = WeakTensorKeyDictionary()
+        self._number = next(_BLOCKS)  # names this block's packs on the tensors they were made of
         self._hooks: Any = None
         # Called with (tensor, bytes kept) for each tensor first handed to the block, bytes None
         # where it stays dense: the hooks of an outer block (a memory count) never see these.
@@ -94,7 +98,6 @@ class CompressSaved:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
-        self._seen = WeakTensorKeyDictionary()  # the packs live on in the graph, not the table
 
     def _keeps_dense(self, t: torch.Tensor) -> bool:
         """Tensors left as they are: small, not floating point, parameters, their casts and
@@ -117,14 +120,15 @@ class CompressSaved:
             if self.observer is not None:
                 self.observer(t, None)
             return t
-        # Keyed weakly by the tensor itself: a freed tensor's address can come back for another
-        hit = self._seen.get(t)
-        if hit is not None and hit[0] == t._version:
-            return hit[1]
+        # On the tensor itself (an address can come back for another tensor; an attribute dies
+        # with its tensor, and costs a tenth of a weak dictionary's lookup: host time)
+        hit = getattr(t, _SEEN, None)
+        if hit is not None and hit[:2] == (self._number, t._version):
+            return hit[2]
         draw = mix_seed(self.rank, self.step, self.packs)
         flat, layout = _in_memory_order(t.detach())
         saved = _Saved(*self.quant.pack_signed(flat, draw), t.shape, layout)
-        self._seen[t] = (t._version, saved)
+        setattr(t, _SEEN, (self._number, t._version, saved))
         kept = saved.packed.nbytes() + saved.zero.nbytes + saved.negative.nbytes
         self.packs += 1
         self.packed_bytes += kept
