@@ -101,8 +101,10 @@ def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts()
         ("bench-host-before", "bench_host_cpu_before"),
         ("bench-host-e941dbe", "bench_host_cpu_e941dbe"),
         ("bench-host-cc74af4", "bench_host_cpu_cc74af4"),
-        ("bench-host", "bench_host_cpu"),
+        ("bench-host-9b3b88c", "bench_host_cpu_9b3b88c"),
         ("bench-host-saved-before", "bench_host_cpu_saved_before"),
+        ("bench-host-fd3fe5d", "bench_host_cpu_fd3fe5d"),
+        ("bench-host", "bench_host_cpu"),
     ],
 )
 def test_memory_md_host_tables_are_their_json_files(block: str, source: str) -> None:
