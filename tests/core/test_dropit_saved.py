@@ -68,27 +68,31 @@ def test_a_tensor_saved_by_two_ops_is_packed_once_and_parameters_are_left_alone(
     assert saved.packs == 1 and saved.dense_bytes == h.numel() * 4
 
 
+captured: dict[str, torch.Tensor] = {}
+
+
+class _Probe(torch.autograd.Function):
+    """Saves its input; its backward puts what autograd hands back in ``captured["t"]``."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.save_for_backward(t)
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (captured["t"],) = ctx.saved_tensors
+        return grad
+
+
 def test_the_rebuilt_tensor_keeps_the_zeros_and_signs_exactly() -> None:
-    captured = {}
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            ctx.save_for_backward(t)
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            (captured["t"],) = ctx.saved_tensors
-            return grad
-
     x = torch.randn(64, 64)
     x[x.abs() < 0.5] = 0.0  # many zeros, small values beside them
     x[0, :8] = 1e-6  # tiny values that a 4-bit code of a wide group would round to zero
     x[1, :8] = -1e-6
     leaf = x.clone().requires_grad_()
     with CompressSaved(bits=2, min_bytes=0):
-        Probe.apply(leaf * 1.0).sum().backward()
+        _Probe.apply(leaf * 1.0).sum().backward()
     rebuilt = captured["t"]
     assert torch.equal(rebuilt == 0, x == 0) and torch.equal(rebuilt < 0, x < 0)
     assert not torch.equal(rebuilt, x)  # the values themselves are 2-bit approximations
@@ -99,26 +103,13 @@ def test_a_strided_saved_tensor_comes_back_with_its_strides(layout: str) -> None
     """A channels-last map (as Inductor's graphs save them) is packed in its memory order and
     rebuilt in it; other strides are rebuilt into their own: a compiled backward asserts the
     strides of what it saved."""
-    captured = {}
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            ctx.save_for_backward(t)
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            (captured["t"],) = ctx.saved_tensors
-            return grad
-
     leaf = torch.randn(2, 8, 16, 16, requires_grad=True)
     with CompressSaved(bits=8, min_bytes=0) as saved:
         if layout == "channels_last":
             t = (leaf * 1.0).to(memory_format=torch.channels_last)
         else:
             t = (leaf * 1.0)[..., ::2]  # not a permutation of a dense tensor
-        Probe.apply(t).sum().backward()
+        _Probe.apply(t).sum().backward()
     assert saved.packs == 1 and not t.is_contiguous()
     rebuilt = captured["t"]
     assert rebuilt.shape == t.shape and rebuilt.stride() == t.stride()
