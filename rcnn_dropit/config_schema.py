@@ -9,6 +9,10 @@ from typing import Any
 
 from dropit_core import PAPER_EXCLUDE, REGISTRY, Rule, check_rules
 
+# train.compile's companions: the torch.compile backends and Inductor modes the toolkit offers.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 # dropit.exclude's default: the DropIT paper's exclusions (dropit_core.PAPER_EXCLUDE).
 
 
@@ -181,6 +185,11 @@ class TrainConfig:
     # torch.compile: none, the backbone (body + FPN: one graph with DropIT's quant layers), or
     # the whole model (the heads break the graph where they are data-dependent)
     compile: str = _f("none", choices=("none", "backbone", "model"))
+    # torch.compile's backend: inductor (generated kernels), aot_eager (traced forward and
+    # backward run by eager ops: no code generation, for debugging a graph), eager (Dynamo only)
+    compile_backend: str = _f("inductor", choices=COMPILE_BACKENDS)
+    # Inductor's mode: reduce-overhead replays CUDA graphs (no per-kernel launch from Python)
+    compile_mode: str = _f("default", choices=COMPILE_MODES)
     measure_memory: bool = True
     tensorboard: bool = False  # scalars next to metrics.jsonl; needs the 'tensorboard' extra
 
@@ -242,10 +251,23 @@ def cross_check(cfg: Config) -> list[str]:
             f"({shapes.num_classes + 1}: the shape classes plus background)"
         )
     errors += _dropit_option_errors(cfg.dropit)
+    mode_error = compile_mode_error(cfg.train.compile_backend, cfg.train.compile_mode)
+    if mode_error:
+        errors.append(mode_error)
     steps = s.lr_steps
     if any(b <= a for a, b in zip(steps[:-1], steps[1:], strict=True)) or any(x < 1 for x in steps):
         errors.append(f"solver.lr_steps {steps}: must be positive and strictly increasing")
     return errors
+
+
+def compile_mode_error(backend: str, mode: str) -> str | None:
+    """Why ``train.compile_mode`` cannot go with ``train.compile_backend``, or None."""
+    if mode == "default" or backend == "inductor":
+        return None
+    return (
+        f"train.compile_mode={mode!r} needs train.compile_backend=inductor (got {backend!r}): "
+        "only Inductor has modes"
+    )
 
 
 def dropit_rules(d: DropITConfig) -> list[Rule]:

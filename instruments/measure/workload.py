@@ -217,7 +217,7 @@ def detector(cfg: Config) -> nn.Module:
     says (in place: it compiles in the first, untimed, step)."""
     torch.manual_seed(0)
     model, _ = build_model(cfg)
-    compile_model(model, cfg.train.compile)
+    compile_model(model, cfg.train.compile, cfg.train.compile_backend, cfg.train.compile_mode)
     return model
 
 

@@ -7,6 +7,11 @@ compiled function replaces the module's ``forward`` on the instance: parameters,
 ``state_dict`` keys stay the module's own, so checkpoints, resume and DDP see the same model.
 Shapes are dynamic (``dynamic=True``): detector images vary in size from batch to batch.
 Compiling happens in the first forward (and backward); that forward's time is logged.
+
+``train.compile_backend`` picks torch.compile's backend (Inductor by default; ``aot_eager``
+traces forward and backward as Inductor would but runs eager ops: a graph's problems without
+code generation, in seconds) and ``train.compile_mode`` Inductor's mode (``reduce-overhead``:
+CUDA graphs, the step's kernels replayed without a launch each from Python).
 """
 
 from __future__ import annotations
@@ -17,25 +22,38 @@ import time
 import torch
 from torch import nn
 
+from rcnn_dropit.config_schema import COMPILE_BACKENDS, COMPILE_MODES, compile_mode_error
+
 log = logging.getLogger(__name__)
 
 COMPILE_CHOICES = ("none", "backbone", "model")
 
 
-def compile_model(net: nn.Module, mode: str) -> nn.Module | None:
-    """Compile ``net.backbone`` (``"backbone"``) or ``net`` (``"model"``) in place; return the
-    compiled module, or None for ``"none"``."""
-    if mode not in COMPILE_CHOICES:
-        raise ValueError(f"train.compile={mode!r}: allowed {', '.join(COMPILE_CHOICES)}")
+def compile_model(
+    net: nn.Module, mode: str, backend: str = "inductor", compile_mode: str = "default"
+) -> nn.Module | None:
+    """Compile ``net.backbone`` (``"backbone"``) or ``net`` (``"model"``) in place with
+    ``backend`` (and, for Inductor, ``compile_mode``); return the compiled module, or None for
+    ``"none"``."""
+    for key, value, allowed in (
+        ("train.compile", mode, COMPILE_CHOICES),
+        ("train.compile_backend", backend, COMPILE_BACKENDS),
+        ("train.compile_mode", compile_mode, COMPILE_MODES),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r}: allowed {', '.join(allowed)}")
     if mode == "none":
         return None
+    mode_error = compile_mode_error(backend, compile_mode)
+    if mode_error:
+        raise ValueError(mode_error)
     target = net.backbone if mode == "backbone" else net
-    target.forward = torch.compile(target.forward, dynamic=True)
-    _log_first_forward(target, mode)
+    target.forward = torch.compile(target.forward, dynamic=True, backend=backend, mode=compile_mode)
+    _log_first_forward(target, mode, backend if compile_mode == "default" else compile_mode)
     return target
 
 
-def _log_first_forward(module: nn.Module, mode: str) -> None:
+def _log_first_forward(module: nn.Module, mode: str, how: str) -> None:
     """Log how long the module's first forward took (the compile of its forward included);
     hooks outside the compiled function, removed after that call."""
     started: list[float] = []
@@ -47,9 +65,10 @@ def _log_first_forward(module: nn.Module, mode: str) -> None:
         pre.remove()
         post.remove()
         log.info(
-            "train.compile=%s: first forward %.1f s (compiling included; the backward compiles "
-            "in the first backward)",
+            "train.compile=%s (%s): first forward %.1f s (compiling included; the backward "
+            "compiles in the first backward)",
             mode,
+            how,
             time.perf_counter() - started[0],
         )
 

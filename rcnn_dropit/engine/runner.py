@@ -95,7 +95,8 @@ def prepare_model(cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
             "training differs from one batch of solver.batch_size (exact with model.norm=frozen_bn)"
         )
     net.to(info.device)
-    compile_model(net, cfg.train.compile)  # in place: the same parameters and state_dict
+    # in place: the same parameters and state_dict
+    compile_model(net, cfg.train.compile, cfg.train.compile_backend, cfg.train.compile_mode)
     if not info.distributed:
         return net, net
     device_ids = [info.device.index] if info.device.type == "cuda" else None

@@ -302,6 +302,38 @@ def test_one_ddp_step_matches_single_process(two_node_run, twin_root, tmp_path) 
     assert step_sq**0.5 > 0.1 and (diff_sq / step_sq) ** 0.5 < 1e-4
 
 
+def test_a_compiled_backbone_makes_the_same_ddp_step(two_node_run, twin_root, tmp_path) -> None:
+    """train.compile=backbone under DDP (2 ranks x 1 image): the compiled backbone's gradients
+    reach DDP's all-reduce, and the step is the eager DDP step's (aot_eager: Dynamo and
+    AOTAutograd trace as for Inductor, without its code generation; its decompositions may
+    round differently, hence a tolerance)."""
+    eager_run, _ = two_node_run
+    run = tmp_path / "compiled"
+    opts = twin_opts(
+        twin_root,
+        1,
+        "solver.max_iters=1",
+        "train.compile=backbone",
+        "train.compile_backend=aot_eager",
+    )
+    args = ["--config", str(FASTER_CFG), "--output-dir", str(run), "--opts", *opts]
+    output = run_job(torchrun(single_node(), TRAIN_PY, args))
+    assert output.count("train.compile=backbone (aot_eager): first forward") == 1  # rank 0 logs
+    compiled = load_checkpoint(run / "checkpoints/model_0000001.pth")["model"]
+    eager = load_checkpoint(eager_run / "checkpoints/model_0000001.pth")["model"]
+    assert compiled.keys() == eager.keys()  # no compiler prefix in the checkpoint
+    cfg = load_config(FASTER_CFG, opts)
+    seed_all(cfg.train.seed)
+    start = build_model(cfg)[0].state_dict()
+    step_sq = diff_sq = 0.0
+    for name, value in eager.items():
+        torch.testing.assert_close(compiled[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        if value.is_floating_point():
+            step_sq += (value - start[name]).double().square().sum().item()
+            diff_sq += (compiled[name] - value).double().square().sum().item()
+    assert step_sq**0.5 > 0.1 and (diff_sq / step_sq) ** 0.5 < 1e-4
+
+
 # ---- elastic restart --------------------------------------------------------------------------
 
 # tools/train.py with a hook: rank 1 of the first attempt stops at iteration 2 (after the

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from rcnn_dropit.config import load_config
 from rcnn_dropit.engine.compiling import compile_model
+from rcnn_dropit.errors import UsageError
 from tests.helpers import REPO
 
 CONFIGS = REPO / "configs"
@@ -43,3 +45,43 @@ def test_compile_model_keeps_the_modules_and_their_state_dict(mode: str):
 def test_compile_model_refuses_an_unknown_mode():
     with pytest.raises(ValueError, match="train.compile='heads'"):
         compile_model(_Net(), "heads")
+    with pytest.raises(ValueError, match="train.compile_backend='tvm': allowed inductor"):
+        compile_model(_Net(), "backbone", "tvm")
+    with pytest.raises(ValueError, match="train.compile_mode='fast': allowed default"):
+        compile_model(_Net(), "backbone", "inductor", "fast")
+    with pytest.raises(ValueError, match="needs train.compile_backend=inductor"):
+        compile_model(_Net(), "backbone", "aot_eager", "reduce-overhead")
+
+
+def test_backend_and_mode_reach_torch_compile(monkeypatch):
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    compile_model(_Net(), "backbone")
+    compile_model(_Net(), "model", "aot_eager")
+    compile_model(_Net(), "model", "inductor", "reduce-overhead")
+    assert calls == [
+        {"dynamic": True, "backend": "inductor", "mode": "default"},
+        {"dynamic": True, "backend": "aot_eager", "mode": "default"},
+        {"dynamic": True, "backend": "inductor", "mode": "reduce-overhead"},
+    ]
+
+
+def test_train_compile_backend_and_mode_are_checked_together():
+    cfg = load_config(
+        CONFIGS / "maskrcnn_baseline.yaml",
+        ["train.compile=backbone", "train.compile_mode=reduce-overhead"],
+    )
+    assert (cfg.train.compile_backend, cfg.train.compile_mode) == ("inductor", "reduce-overhead")
+    with pytest.raises(UsageError, match="train.compile_backend = 'tvm' is not one of"):
+        load_config(CONFIGS / "maskrcnn_baseline.yaml", ["train.compile_backend=tvm"])
+    refused = r"compile_mode='max-autotune' needs train.compile_backend=inductor \(got 'aot_eager"
+    with pytest.raises(UsageError, match=refused):
+        load_config(
+            CONFIGS / "maskrcnn_baseline.yaml",
+            ["train.compile_backend=aot_eager", "train.compile_mode=max-autotune"],
+        )

@@ -1,0 +1,60 @@
+"""train.compile through the runner: a compiled DropIT run killed mid-run resumes to the very
+weights of the uninterrupted compiled run.
+
+The runs compile with ``train.compile_backend=aot_eager``: Dynamo and AOTAutograd trace the
+backbone's forward and backward as for Inductor (the DropIT layers as torch.library operators),
+without Inductor's code generation, whose C++ build costs minutes per run on 2 cores. Inductor's
+kernels are checked against eager on a small model (tests/core/test_dropit_compile.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rcnn_dropit.checkpoint.files import load_checkpoint
+from rcnn_dropit.engine.runner import train
+from rcnn_dropit.engine.trainer import Trainer
+from tests.helpers import FASTER_CFG, tiny_opts, train_records
+
+COMPILED_QUANT = (
+    "train.compile=backbone",
+    "train.compile_backend=aot_eager",
+    "dropit.enabled=true",
+    "dropit.strategy=quant",
+    "dropit.options={bits: 4}",
+)
+
+
+@pytest.mark.slow  # three compiled runs of a few steps: about a minute and a half
+def test_a_compiled_dropit_run_resumes_bit_for_bit(tmp_path, tiny_shapes, monkeypatch) -> None:
+    opts = tiny_opts(
+        tiny_shapes, "solver.max_iters=3", "train.checkpoint_every_iters=1", *COMPILED_QUANT
+    )
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(FASTER_CFG, opts, output_dir=straight)
+    assert "train.compile=backbone (aot_eager): first forward" in (straight / "log.txt").read_text()
+
+    real_step = Trainer.step
+
+    def crash_at_3(self, images, targets, iteration):
+        if iteration == 3:
+            raise KeyboardInterrupt  # killed after the checkpoint at 2
+        return real_step(self, images, targets, iteration)
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "step", crash_at_3)
+        with pytest.raises(KeyboardInterrupt):
+            train(FASTER_CFG, opts, output_dir=run)
+    train(FASTER_CFG, opts, output_dir=run, resume="auto")
+
+    assert [r["iter"] for r in train_records(run)] == [1, 2, 3]
+    assert [r["loss"] for r in train_records(run)] == [r["loss"] for r in train_records(straight)]
+    resumed = load_checkpoint(run / "checkpoints/model_0000003.pth")["model"]
+    uninterrupted = load_checkpoint(straight / "checkpoints/model_0000003.pth")["model"]
+    start = load_checkpoint(straight / "checkpoints/model_0000001.pth")["model"]
+    assert resumed.keys() == uninterrupted.keys()
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
+    # the steps after the checkpoint moved the weights (a resume that trained nothing would not)
+    assert any(not torch.equal(value, start[key]) for key, value in uninterrupted.items())
