@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-forward bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host bench-demo lint format study
+.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-forward bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host bench-fusion bench-demo lint format study
 
 setup: $(STAMP)
 
@@ -126,6 +126,15 @@ bench-host: setup
 	$(PY) tools/bench.py --host --repeats 31 --json docs/results/bench_host_cpu.json
 	$(PY) tools/bench.py --markdown docs/results/bench_host_cpu.json --into docs/results/memory.md \
 		--block bench-host
+
+# train.compile's backbone (lean R18-FPN, 4-bit DropIT) with its packs and ReLU masks opaque, then
+# fused into Inductor's kernels (DROPIT_FUSE), each compiled from an empty cache: compile seconds,
+# kernels built, step time. docs/results/bench_fusion_cpu.json and its table in memory.md.
+bench-fusion: setup
+	$(PY) tools/bench.py --fusion --image-size 128 --repeats 10 \
+		--json docs/results/bench_fusion_cpu.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py --markdown docs/results/bench_fusion_cpu.json \
+		--into docs/results/memory.md --block bench-fusion
 
 # On a machine with a GPU: one row per setting against the lean baseline (AMP fp16, 800 px;
 # torchvision's norm, gradient accumulation and checkpointing as rows): step time and CUDA peak at

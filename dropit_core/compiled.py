@@ -75,12 +75,26 @@ def quant_rows(
     to it first (the autocast cast the layer ran, never made here). The same operations as
     ``Quant._quantize`` with ``seeds.hash_bits``.
     """
+    packed, lo, scale = quant_fields(rows, params, bits, inv_levels, dtype)
+    mins.copy_(lo)
+    scales.copy_(scale)
+    codes.copy_(packed)
+
+
+def quant_fields(
+    rows: torch.Tensor,
+    params: torch.Tensor,
+    bits: int,
+    inv_levels: float,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, minima, steps) of ``rows`` (one group each, whole bytes of codes) as new tensors:
+    :func:`quant_rows` without its buffers, in plain torch ops that a compiler can fuse with
+    whatever produced ``rows`` (``dropit_core.traced`` packs a compiled layer's input so)."""
     levels, per_byte = (1 << bits) - 1, 8 // bits
     g = (rows if dtype is None else rows.to(dtype)).float()
     lo = g.amin(1)
     scale = ((g.amax(1) - lo) * inv_levels).clamp_min(torch.finfo(torch.float32).tiny)
-    mins.copy_(lo)
-    scales.copy_(scale)
     idx = (torch.arange(rows.numel(), device=rows.device) + params[2]).view(rows.shape)
     low = _mix32(((idx & ((1 << TABLE_BITS) - 1)) + params[0]) & MASK32)
     high = _mix32(((idx >> TABLE_BITS) + params[1]) & MASK32)
@@ -91,7 +105,7 @@ def quant_rows(
     packed = code[:, 0]
     for j in range(1, per_byte):
         packed = packed | (code[:, j] << (bits * j))
-    codes.copy_(packed.view(-1))
+    return packed.view(-1), lo, scale
 
 
 def compile_available() -> bool:

@@ -19,6 +19,10 @@ seed ever becomes a graph constant:
 - ``dropit::conv`` / ``dropit::linear``: the plain op forward; backward reads the pack.
 - ``dropit::relu_mask`` / ``dropit::relu_mask_grad``: the ReLU that keeps a 1-bit mask.
 
+With ``DROPIT_FUSE=1`` (:func:`set_fuse`) a quant pack and the ReLU's mask are plain torch ops
+instead, which Inductor builds into its own kernels; only the draw (``dropit::draw``, the
+cache's next key) stays an opaque call.
+
 A tensor fed to several layers of one cache is packed once, as eagerly: each layer calls
 ``dropit::pack`` with the same arguments, and the compiler merges identical calls of a functional
 operator. Only strategies whose pack sizes follow from the input's shape are traced (``quant``);
@@ -31,6 +35,7 @@ autograd Function traces as it is.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -103,12 +108,84 @@ def _(fields: list[Tensor], cache: int, shape: list[int], dtype: torch.dtype) ->
 
 
 def pack(cache: InputCache, x: Tensor, layout: str, dtype: torch.dtype) -> list[Tensor]:
-    """``cache``'s pack of ``x`` read as ``dtype``.
+    """``cache``'s pack of ``x`` read as ``dtype``: in the graph (:func:`_fused_pack`) where it
+    can be, else by the opaque ``dropit::pack``.
 
     Layers fed one tensor call this with the same arguments, and the compiler merges the
     identical calls (common subexpressions): one pack, one draw, as ``InputCache.pack`` shares
     one eagerly."""
+    fused = _fused_pack(cache, x, dtype)
+    if fused is not None:
+        return fused
     return torch.ops.dropit.pack(x.detach(), cache.number, layout, dtype)
+
+
+@torch.library.custom_op("dropit::draw", mutates_args=())
+def draw_op(x: Tensor, cache: int) -> Tensor:
+    """(k0, k1, 0): the hash keys of ``cache``'s next pack and the index of its first element,
+    int64 on ``x``'s device; the eager pack's draw. ``x`` only names the pack: layers fed one
+    tensor make identical calls, which the compiler merges, so they share a draw as they share
+    the pack."""
+    owner = cache_by_number(cache)
+    keys = owner.strategy.draw_keys(owner.next_key())
+    return torch.tensor([*keys, 0], dtype=torch.int64, device=x.device)
+
+
+@draw_op.register_fake
+def _(x: Tensor, cache: int) -> Tensor:
+    return x.new_empty((3,), dtype=torch.int64)
+
+
+def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor] | None:
+    """A 4-bit (2-, 8-bit) pack written as plain torch ops, which Inductor generates as its own
+    kernel (with ``x``'s pointwise producer, a norm or ReLU, inlined where it chooses): only
+    the draw is an opaque call, and it needs ``x`` to exist (``x`` names the shared pack), so
+    the pack reads ``x`` once after it is made, not inside the kernel that makes it. The eager
+    path's arithmetic (``compiled.quant_fields``), so the bytes are eager's.
+
+    None (the opaque pack) where that does not hold or cannot be traced: another strategy, a
+    group that does not fill whole bytes of codes, an input that is not whole groups, or one
+    read through an autocast cast (fused into its consumer, Inductor would skip the cast's
+    rounding unless ``emulate_precision_casts`` is set, and the bytes would not be eager's)."""
+    from .compiled import quant_fields
+    from .unbiased import Quant
+
+    strategy = cache.strategy
+    if (
+        not fuse_enabled()
+        or type(strategy) is not Quant
+        or strategy.rescale != "none"
+        or strategy.group % (8 // strategy.bits)
+        or dtype != x.dtype
+        or x.numel() == 0
+        or x.numel() % strategy.group  # a guard of the compiled graph under dynamic shapes
+    ):
+        return None
+    x = x.detach()
+    keys = torch.ops.dropit.draw(x, cache.number)
+    rows = x.reshape(-1, strategy.group)
+    codes, mins, scales = quant_fields(rows, keys, strategy.bits, strategy._inv_levels)
+    return [codes, scales, mins]  # Packed's order (values, scales, mins)
+
+
+FUSE_ENV = "DROPIT_FUSE"
+_fuse: bool | None = None  # set_fuse's choice; None: the environment's (default off)
+
+
+def set_fuse(enabled: bool | None) -> None:
+    """Trace packs and ReLU masks as plain torch ops where they can be (True), always as the
+    opaque operators (False), or as ``$DROPIT_FUSE`` says (None; default off: on the CPU a
+    compile several times longer and no faster step; unmeasured on a GPU; docs/dropit.md).
+    Read while tracing: set it before the first compiled call."""
+    global _fuse
+    _fuse = enabled
+
+
+def fuse_enabled() -> bool:
+    """Whether a traced pack or ReLU mask is written as plain torch ops."""
+    if _fuse is not None:
+        return _fuse
+    return os.environ.get(FUSE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def autocast_inputs(
@@ -298,9 +375,34 @@ relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)
 
 def relu(x: Tensor, inplace: bool) -> Tensor:
     """The traced form of ``MaskedReLUFunction.apply`` (in place: the result copied into x,
-    which the compiler turns back into one buffer)."""
-    out = torch.ops.dropit.relu_mask(x)[0]
+    which the compiler turns back into one buffer): plain torch ops (:class:`_MaskedReLU`) that
+    Inductor fuses with the ops around it, or the opaque ``dropit::relu_mask`` (``set_fuse``)."""
+    out = _MaskedReLU.apply(x) if fuse_enabled() else torch.ops.dropit.relu_mask(x)[0]
     return x.copy_(out) if inplace else out
+
+
+class _MaskedReLU(torch.autograd.Function):
+    """ReLU keeping the packed flags of ``output <= 0`` (eager's bytes: 8 flags a byte, flag i
+    in bit i), in torch ops that Dynamo traces into the graph; backward zeroes the flagged
+    gradients (+0.0, as eager's mask does; NaN passes)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        out = torch.relu(x)
+        flags = (out <= 0).reshape(-1).to(torch.uint8)
+        flags = torch.nn.functional.pad(flags, (0, (-flags.numel()) % 8)).view(-1, 8)
+        bits = flags[:, 0]
+        for i in range(1, 8):
+            bits = bits | (flags[:, i] << i)
+        ctx.save_for_backward(bits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (bits,) = ctx.saved_tensors
+        shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+        flags = ((bits[:, None] >> shifts) & 1).reshape(-1)[: grad.numel()]
+        return torch.where(flags.view(grad.shape).bool(), 0.0, grad)
 
 
 # Normalisation layers (norm=True) ---------------------------------------------------------------

@@ -176,6 +176,11 @@ class Quant(Strategy):
         self._inv_levels = inv_levels(bits)
         self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
 
+    def draw_keys(self, key: int) -> tuple[int, int]:
+        """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
+        element indices itself reads (see :meth:`_pack_as`)."""
+        return hash_keys(mix_state(self._seed_state, key) >> 2)
+
     def slice_len(self) -> int:
         """Elements per slice: whole groups and whole code bytes."""
         return self.group * 8 * max(1, base.SLICE // (self.group * 8))

@@ -73,6 +73,11 @@ stage bench_gpu_compiled $(($(left) * 25 / 100)) python3 tools/bench.py --gpu-ta
   --settings baseline baseline_compiled quant_4bit quant_4bit_compiled \
   --json "$OUT/bench_gpu_compiled.json"
 
+# 0c. The same backbone compiled with its packs and ReLU masks opaque, then fused into Inductor's
+# Triton kernels (DROPIT_FUSE): compile seconds, kernels built, step time at 8 images.
+stage bench_fusion_gpu $(($(left) * 15 / 100)) python3 tools/bench.py --fusion --device cuda \
+  --image-size 800 --images 8 --repeats 10 --quiet-machine --json "$OUT/bench_fusion_gpu.json"
+
 # 1. Values: the GPU tier and the kernels compiled for this GPU, side by side.
 tier=$(($(left) * 40 / 100))
 stage tests_gpu "$tier" python3 -m pytest -m gpu -rs -p no:cacheprovider tests &

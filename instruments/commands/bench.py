@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_cli(lambda: _ops(args.device, args.repeats, args.json))
     if args.host:
         return run_cli(lambda: _host(args.repeats, args.json))
+    if args.fusion:
+        return run_cli(lambda: _fusion(args, args.quiet_machine))
     if args.gpu_table:
         return run_cli(lambda: _gpu_table(args))
     if args.max_batch is not None:
@@ -196,6 +198,14 @@ def _parser() -> argparse.ArgumentParser:
         "conv + ReLU, conv + BatchNorm + ReLU with DropIT norms or saved-tensor hooks) with the "
         "Triton launches stubbed out, against the plain layers: the Python a GPU step waits "
         "on, measured on any machine",
+    )
+    parser.add_argument(
+        "--fusion",
+        action="store_true",
+        help="instead: the compiled lean ResNet-18-FPN backbone with 4-bit DropIT "
+        "(--image-size, --images, --device), its packs and ReLU masks opaque and then fused into "
+        "Inductor's kernels (DROPIT_FUSE), each in a fresh process and Inductor cache: the "
+        "first step's seconds (compiling), the kernels built, the median step after",
     )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument(
@@ -358,6 +368,7 @@ def _markdown(
 ) -> None:
     """Print the table of a JSON file (the methods table's records, a GPU table, or the rows of
     ``--json``, as the run printed them), or write it into a document's marked block."""
+    from instruments.measure.fusion_bench import fusion_markdown, is_fusion_rows
     from instruments.measure.gpu_table import gpu_markdown, gpu_summary, is_gpu_table
     from instruments.measure.host_bench import host_markdown, is_host_rows
     from instruments.measure.methods_table import (
@@ -374,6 +385,10 @@ def _markdown(
         data = None  # read_methods_json says what is wrong with it
     if is_gpu_table(data):
         table = gpu_summary(data) if summary else gpu_markdown(data)
+    elif is_fusion_rows(data):
+        if summary:
+            raise UsageError("--summary: one line per method of a methods table, not --fusion rows")
+        table = fusion_markdown(data)
     elif is_host_rows(data):
         if summary:
             raise UsageError("--summary: one line per method of a methods table, not --host rows")
@@ -456,6 +471,21 @@ def _host(repeats: int, out: Path | None) -> None:
         print(json.dumps(row), flush=True)
     if out:
         out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _fusion(args: argparse.Namespace, quiet: bool) -> None:
+    """Compile and step time of the compiled backbone, packs opaque and fused: JSON lines."""
+    from instruments.measure.fusion_bench import fusion_markdown, fusion_rows
+
+    images = args.images[0] if args.images else 2
+    rows = fusion_rows("resnet18", args.image_size, images, max(args.repeats, 1), args.device)
+    for row in rows:
+        row.update(quiet=quiet, command=_command_line())
+        print(json.dumps(row), flush=True)
+    print()
+    print(fusion_markdown(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 def _cuda() -> bool:

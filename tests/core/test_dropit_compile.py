@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import FrozenBatchNorm2d, compress_saved, set_step, to_dropit
+from dropit_core import FrozenBatchNorm2d, compress_saved, set_step, to_dropit, traced
 
 # Relative tolerance of compiled gradients and losses against eager ones: fp32 sums in another
 # order differ by a few ulps (2**-23 ~ 1.2e-7 each); 1e-5 leaves room for two steps.
@@ -60,20 +60,27 @@ def _model() -> nn.Module:
     return to_dropit(model, strategy="quant", bits=4, pool=True)
 
 
-def _record_packs(model: nn.Module) -> list[tuple[int, bytes]]:
-    """Every pack the model's strategy makes from now on, as (key, its bytes)."""
-    made: list[tuple[int, bytes]] = []
+def _record_packs(model: nn.Module) -> tuple[list[int], list[bytes]]:
+    """From now on: the keys the model's packs draw, in order, and the bytes of every pack its
+    backward reads (both paths draw through ``InputCache.next_key`` and rebuild through
+    ``Strategy.unpack``; a compiled pack may be made in the graph, not by ``Strategy.pack``)."""
+    keys: list[int] = []
+    read: list[bytes] = []
     cache = model.body[0].dropit_cache
-    strategy = cache.strategy
-    plain = strategy.pack
+    next_key, strategy = cache.next_key, cache.strategy
+    plain_unpack = strategy.unpack
 
-    def pack(x, layout, key=0, dtype=None):
-        packed = plain(x, layout, key, dtype)
-        made.append((key, b"".join(t.numpy().tobytes() for t in packed.stored())))
-        return packed
+    def recording_next_key() -> int:
+        keys.append(next_key())
+        return keys[-1]
 
-    strategy.pack = pack  # an instance attribute: both paths call strategy.pack
-    return made
+    def unpack(packed):
+        read.append(b"".join(t.numpy().tobytes() for t in packed.stored()))
+        return plain_unpack(packed)
+
+    cache.next_key = recording_next_key  # instance attributes: both paths call these
+    strategy.unpack = unpack
+    return keys, read
 
 
 def _train(model: nn.Module, run, x: torch.Tensor, y: torch.Tensor, steps: int = 2):
@@ -109,25 +116,59 @@ def _assert_trains_alike(losses, grads, eager_losses, eager_grads, tolerance: fl
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * scale)
 
 
-@pytest.mark.slow  # Inductor's C++ compile: ~20 s on one core
-def test_compiled_training_matches_eager_and_packs_the_same_bytes():
+@pytest.mark.slow  # Inductor's C++ compile: ~20 s on one core, per fuse setting
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "opaque"])
+def test_compiled_training_matches_eager_and_packs_the_same_bytes(fuse: bool, monkeypatch):
+    monkeypatch.setattr(traced, "_fuse", fuse)
     x = torch.randn(4, 3, 16, 16)
     y = torch.randint(0, 10, (4,))
     eager = _model()
     compiled_model = copy.deepcopy(eager)
-    eager_packs = _record_packs(eager)
-    compiled_packs = _record_packs(compiled_model)
+    eager_keys, eager_read = _record_packs(eager)
+    keys, read = _record_packs(compiled_model)
     torch._dynamo.reset()
     compiled = torch.compile(compiled_model, fullgraph=True)
 
     eager_losses, eager_grads = _train(eager, eager, x, y)
     losses, grads = _train(compiled_model, compiled, x, y)
 
-    # three packs a step (two convs, the heads' shared input): the same keys and bytes, in order
-    assert len(eager_packs) == 6
-    assert [k for k, _ in compiled_packs] == [k for k, _ in eager_packs]
-    assert compiled_packs == eager_packs
+    # three packs a step (two convs, the heads' shared input): the same draws, in order
+    assert len(eager_keys) == 6 and keys == eager_keys
+    # and the same bytes read back (eagerly the two heads rebuild their shared pack each;
+    # compiled, the identical rebuilds may be merged, and backward's order is the compiler's)
+    assert len(set(eager_read)) == 6 and set(read) == set(eager_read)
     _assert_trains_alike(losses, grads, eager_losses, eager_grads, TOLERANCE)
+
+
+@pytest.mark.slow  # Inductor's C++ compile
+def test_packs_and_relu_masks_are_fused_into_the_graphs_kernels(monkeypatch):
+    """Fused (the default), the compiled forward calls no opaque pack or mask: one draw per
+    pack, and the ReLU's mask made in the kernel that makes its output (the frozen norm, ReLU
+    and max-pool of the first block are one kernel). Opaque, the pack and the mask are calls."""
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(4, 3, 16, 16)
+
+    def forward_code(fuse: bool) -> str:
+        monkeypatch.setattr(traced, "_fuse", fuse)
+        torch._dynamo.reset()
+        model = _model()
+        compiled = torch.compile(model, fullgraph=True)
+        set_step(model, 0)
+        return run_and_get_code(compiled, x)[1][0]
+
+    fused = forward_code(True)
+    assert "dropit.pack" not in fused and "dropit.relu_mask" not in fused
+    assert fused.count("torch.ops.dropit.draw.default(") == 3
+    assert any("relu" in k and "max_pool2d" in k for k in _kernel_names(fused))
+    opaque = forward_code(False)
+    assert opaque.count("torch.ops.dropit.pack.default(") == 3
+    assert opaque.count("torch.ops.dropit.relu_mask.default(") == 2
+
+
+def _kernel_names(code: str) -> list[str]:
+    """The names of the kernels Inductor generated in ``code`` (the C++ ones here)."""
+    return [line.split(" = ")[0] for line in code.splitlines() if line.startswith("cpp_fused")]
 
 
 class _NormNet(nn.Module):
@@ -162,6 +203,56 @@ def test_compiled_dropit_norms_train_as_eager():
     for name, buffer in eager.bn.named_buffers():  # the running statistics, updated alike
         got = getattr(compiled_model.bn, name)
         torch.testing.assert_close(got, buffer, rtol=TOLERANCE, atol=1e-7)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_fused_pack_is_the_eager_pack_byte_for_byte(bits: int, monkeypatch):
+    """The traced pack's torch ops (what Inductor fuses), run eagerly: the eager pack's bytes
+    for the same draw, and the draw is the cache's next key (a pack of another shape, dtype or
+    group is left to the opaque operator)."""
+    from dropit_core.ops import InputCache
+    from dropit_core.strategies import build_strategy
+
+    monkeypatch.setattr(traced, "_fuse", True)
+    strategy = build_strategy("quant", 0.0, bits=bits)
+    cache, twin = InputCache(strategy), InputCache(strategy)
+    x = torch.randn(2, 8, 16, 16) * 3
+    fused = traced._fused_pack(cache, x, x.dtype)
+    eager = strategy.pack(x, "conv", twin.next_key())
+    assert cache.position == twin.position == 1
+    assert [t.dtype for t in fused] == [t.dtype for t in eager.stored()]
+    for got, want in zip(fused, eager.stored(), strict=True):
+        assert torch.equal(got, want)
+    assert traced._fused_pack(cache, x[:, :, :3, :3], x.dtype) is None  # 144: not whole groups
+    assert traced._fused_pack(cache, x, torch.bfloat16) is None  # read through a cast
+
+
+def test_the_fused_relu_keeps_the_eager_mask_and_gradient():
+    from dropit_core.ops import MaskedReLUFunction
+    from dropit_core.packing import pack_blocked
+
+    x = torch.randn(3, 5, 7)  # 105 values: a last byte of flags only partly used
+    x[0, 0, :3] = torch.tensor([0.0, float("nan"), -0.0])
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = traced._MaskedReLU.apply(a)
+    want = MaskedReLUFunction.apply(b, False)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # bits, NaN included
+    assert torch.equal(out.grad_fn.saved_tensors[0], pack_blocked(want.detach()))
+    grad = torch.randn_like(x)
+    grad[0, 0, 0] = float("nan")
+    out.backward(grad)
+    want.backward(grad)
+    assert torch.equal(a.grad.view(torch.int32), b.grad.view(torch.int32))
+
+
+def test_fusing_is_off_unless_asked(monkeypatch):
+    monkeypatch.setattr(traced, "_fuse", None)
+    monkeypatch.delenv("DROPIT_FUSE", raising=False)
+    assert not traced.fuse_enabled()
+    monkeypatch.setenv("DROPIT_FUSE", "1")
+    assert traced.fuse_enabled()
+    traced.set_fuse(False)
+    assert not traced.fuse_enabled()
 
 
 def test_a_data_sized_strategy_packs_eagerly_behind_a_graph_break():
