@@ -214,3 +214,24 @@ def evaluate_into(evaluator: COCOEvaluator, folder: Path | str | None = None) ->
         run_on_main(lambda: run_dir.root.mkdir(parents=True, exist_ok=True))
         run_dir.write_coco_results(results)
     return metrics
+
+
+def train_killed_at(cfg: Path, opts: list[str], run: Path, iteration: int) -> None:
+    """Train ``cfg`` into ``run`` as a job killed when it reaches ``iteration`` (after any
+    checkpoint before it): the run's files as such a job leaves them, ready to resume."""
+    import pytest
+
+    from rcnn_dropit.engine.runner import train
+    from rcnn_dropit.engine.trainer import Trainer
+
+    real_step = Trainer.step
+
+    def killed(self, images, targets, at):
+        if at == iteration:
+            raise KeyboardInterrupt
+        return real_step(self, images, targets, at)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Trainer, "step", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, opts, output_dir=run)

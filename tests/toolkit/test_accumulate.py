@@ -21,7 +21,7 @@ from rcnn_dropit.engine.runner import prepare_model, train
 from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, micro_batches
 from rcnn_dropit.metrics_file import NullWriter
 from rcnn_dropit.models import build_model
-from tests.helpers import MASK_CFG, MASK_DROPIT_CFG, tiny_opts
+from tests.helpers import MASK_CFG, MASK_DROPIT_CFG, tiny_opts, train_killed_at
 
 
 class _FrozenNormNet(nn.Module):
@@ -185,7 +185,7 @@ def test_trainable_batchnorm_with_accumulation_says_the_statistics_change(caplog
 
 @pytest.mark.slow
 def test_accumulated_quant_run_resumes_bit_for_bit_and_reports_a_micro_batch(
-    tmp_path, tiny_shapes, monkeypatch
+    tmp_path, tiny_shapes
 ) -> None:
     # 4-bit stochastic rounding draws per forward: each micro-batch its own draws, the same
     # ones again after a resume
@@ -200,17 +200,7 @@ def test_accumulated_quant_run_resumes_bit_for_bit_and_reports_a_micro_batch(
     )
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(MASK_DROPIT_CFG, opts, output_dir=straight)
-    real_step = Trainer.step
-
-    def crash_at_3(self, images, targets, iteration):
-        if iteration == 3:
-            raise KeyboardInterrupt
-        return real_step(self, images, targets, iteration)
-
-    with monkeypatch.context() as m:
-        m.setattr(Trainer, "step", crash_at_3)
-        with pytest.raises(KeyboardInterrupt):
-            train(MASK_DROPIT_CFG, opts, output_dir=resumed)
+    train_killed_at(MASK_DROPIT_CFG, opts, resumed, 3)
     train(MASK_DROPIT_CFG, opts, output_dir=resumed, resume="auto")
     a = load_checkpoint(straight / "checkpoints/model_0000003.pth")["model"]
     b = load_checkpoint(resumed / "checkpoints/model_0000003.pth")["model"]

@@ -14,8 +14,7 @@ import torch
 
 from rcnn_dropit.checkpoint.files import load_checkpoint
 from rcnn_dropit.engine.runner import train
-from rcnn_dropit.engine.trainer import Trainer
-from tests.helpers import FASTER_CFG, tiny_opts, train_records
+from tests.helpers import FASTER_CFG, tiny_opts, train_killed_at, train_records
 
 COMPILED_QUANT = (
     "train.compile=backbone",
@@ -27,7 +26,7 @@ COMPILED_QUANT = (
 
 
 @pytest.mark.slow  # three compiled runs of a few steps: about a minute and a half
-def test_a_compiled_dropit_run_resumes_bit_for_bit(tmp_path, tiny_shapes, monkeypatch) -> None:
+def test_a_compiled_dropit_run_resumes_bit_for_bit(tmp_path, tiny_shapes) -> None:
     opts = tiny_opts(
         tiny_shapes, "solver.max_iters=3", "train.checkpoint_every_iters=1", *COMPILED_QUANT
     )
@@ -35,17 +34,7 @@ def test_a_compiled_dropit_run_resumes_bit_for_bit(tmp_path, tiny_shapes, monkey
     train(FASTER_CFG, opts, output_dir=straight)
     assert "train.compile=backbone (aot_eager): first forward" in (straight / "log.txt").read_text()
 
-    real_step = Trainer.step
-
-    def crash_at_3(self, images, targets, iteration):
-        if iteration == 3:
-            raise KeyboardInterrupt  # killed after the checkpoint at 2
-        return real_step(self, images, targets, iteration)
-
-    with monkeypatch.context() as m:
-        m.setattr(Trainer, "step", crash_at_3)
-        with pytest.raises(KeyboardInterrupt):
-            train(FASTER_CFG, opts, output_dir=run)
+    train_killed_at(FASTER_CFG, opts, run, 3)  # after the checkpoint at 2
     train(FASTER_CFG, opts, output_dir=run, resume="auto")
 
     assert [r["iter"] for r in train_records(run)] == [1, 2, 3]

@@ -39,6 +39,7 @@ from tests.helpers import (
     MASK_DROPIT_CFG,
     assert_one_line_error,
     call_tool,
+    train_killed_at,
     train_records,
 )
 from tests.helpers import tiny_opts as shared_tiny_opts
@@ -233,20 +234,10 @@ def test_train_fasterrcnn_eval(faster_straight) -> None:
 
 
 @pytest.mark.slow
-def test_resume_matches_uninterrupted(tmp_path, tiny_shapes, faster_straight, monkeypatch) -> None:
+def test_resume_matches_uninterrupted(tmp_path, tiny_shapes, faster_straight) -> None:
     run = tmp_path / "run"
     opts = tiny_opts(tiny_shapes, "solver.max_iters=4", "train.checkpoint_every_iters=2")
-    real_step = Trainer.step
-
-    def crash_at_3(self, images, targets, iteration):
-        if iteration == 3:
-            raise KeyboardInterrupt  # the job is killed mid-epoch, after the checkpoint at 2
-        return real_step(self, images, targets, iteration)
-
-    with monkeypatch.context() as m:
-        m.setattr(Trainer, "step", crash_at_3)
-        with pytest.raises(KeyboardInterrupt):
-            train(FASTER_CFG, opts, output_dir=run)
+    train_killed_at(FASTER_CFG, opts, run, 3)  # killed mid-epoch, after the checkpoint at 2
     assert [r["iter"] for r in train_records(run)] == [1, 2]
     with open(run / "metrics.jsonl", "a") as f:  # a record the killed run wrote past its checkpoint
         f.write(json.dumps({"type": "train", "iter": 3, "loss": 0.0}) + "\n")
