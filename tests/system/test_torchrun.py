@@ -289,16 +289,22 @@ def test_one_ddp_step_matches_single_process(two_node_run, twin_root, tmp_path) 
     assert ddp_loss == pytest.approx(train_records(single_run)[0]["loss"], rel=1e-5)
     single = load_checkpoint(single_run / "checkpoints/model_0000001.pth")["model"]
     ddp = load_checkpoint(run / "checkpoints/model_0000001.pth")["model"]
+    assert_same_step(ddp, single, opts)
+
+
+def assert_same_step(got: dict, want: dict, opts: list[str]) -> None:
+    """The weights ``got`` after one step are ``want``'s: each tensor within float rounding, and
+    the difference ~1e-6 of the step from the seeded initial weights (a real step: the update
+    has norm ~0.4)."""
     cfg = load_config(FASTER_CFG, opts)
     seed_all(cfg.train.seed)  # the initial weights, as the runner makes them
     start = build_model(cfg)[0].state_dict()
     step_sq = diff_sq = 0.0
-    for name, value in single.items():
-        torch.testing.assert_close(ddp[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
         if value.is_floating_point():
             step_sq += (value - start[name]).double().square().sum().item()
-            diff_sq += (ddp[name] - value).double().square().sum().item()
-    # A real step (the update has norm ~0.4), matched to ~1e-6 of its size.
+            diff_sq += (got[name] - value).double().square().sum().item()
     assert step_sq**0.5 > 0.1 and (diff_sq / step_sq) ** 0.5 < 1e-4
 
 
@@ -322,16 +328,7 @@ def test_a_compiled_backbone_makes_the_same_ddp_step(two_node_run, twin_root, tm
     compiled = load_checkpoint(run / "checkpoints/model_0000001.pth")["model"]
     eager = load_checkpoint(eager_run / "checkpoints/model_0000001.pth")["model"]
     assert compiled.keys() == eager.keys()  # no compiler prefix in the checkpoint
-    cfg = load_config(FASTER_CFG, opts)
-    seed_all(cfg.train.seed)
-    start = build_model(cfg)[0].state_dict()
-    step_sq = diff_sq = 0.0
-    for name, value in eager.items():
-        torch.testing.assert_close(compiled[name], value, rtol=1e-5, atol=1e-6, msg=name)
-        if value.is_floating_point():
-            step_sq += (value - start[name]).double().square().sum().item()
-            diff_sq += (compiled[name] - value).double().square().sum().item()
-    assert step_sq**0.5 > 0.1 and (diff_sq / step_sq) ** 0.5 < 1e-4
+    assert_same_step(compiled, eager, opts)
 
 
 # ---- elastic restart --------------------------------------------------------------------------
