@@ -62,7 +62,8 @@ bench-methods: setup
 # What autocast does to the baselines without a GPU: bf16 on the CPU, R50-FPN at 2 images of
 # 384 px, torchvision's FrozenBatchNorm2d (fp32 activations) against the lean one. With these 8
 # settings more than half an hour on 2 quiet cores (runs stopped unfinished at 31 min, 2026-11-27,
-# and at 87 min, 2026-11-28: plan a longer quiet window).
+# and at 87 min, 2026-11-28: plan a longer quiet window). Memory alone (--repeats 0, which any
+# load beside it leaves exact) gave 4 of the 8 rows in 53 min beside tests, 2026-11-28.
 BF16_METHODS := baseline baseline_torchvision_bn baseline_torchvision_forward accumulate_2 quant_4bit \
 	quant_2bit checkpoint_stages checkpoint_stages_quant_4bit
 bench-bf16: setup
