@@ -20,6 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import dispatch
 from .base import PACK_TAG, Packed, Strategy, refuse_double_backward
+from .hooked import SavedInputHooks
 from .packing import pack_blocked, zero_flagged_sliced
 from .seeds import mix_state
 
@@ -80,6 +81,7 @@ class InputCache:
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.dropped: torch.Tensor | None = None
         self.number = _number(self)  # how the torch.library operators name it (traced.py)
+        self.saved_hooks = SavedInputHooks(self)  # its convs' path without a Function (hooked.py)
 
     def set_step(self, step: int, rank: int = 0) -> None:
         """Start the random streams of training step ``step`` (on process ``rank``).

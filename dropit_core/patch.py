@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import traced
+from . import hooked, traced
 from .norm import NORM_CLASSES
 from .ops import (
+    SPLIT_BYTES,
     ConvArgs,
     DropITConvFunction,
     DropITLinearFunction,
@@ -75,6 +76,8 @@ class DropITConv2d(nn.Conv2d):
         # host time, on every layer of every step).
         args = ConvArgs(self.stride, padding, self.dilation, False, _NO_OUTPUT_PADDING, self.groups)
         w, b, dtype = autocast_inputs(x, weight, bias, cache)
+        if hooked.takes(x, w, dtype, SPLIT_BYTES):  # aten's own autograd node: less host time
+            return hooked.conv(x, w, b, args, cache.saved_hooks, dtype)
         return DropITConvFunction.apply(x, w, b, args, cache, dtype)
 
 

@@ -1,8 +1,9 @@
 """The DropIT layers as ``torch.library`` operators: what a converted layer runs under
 ``torch.compile``.
 
-Eager layers run the autograd Functions of :mod:`dropit_core.ops` (the fastest path on the host).
-Dynamo cannot trace those: their packs are shared through weak dictionaries and seeded from
+Eager layers run the autograd Functions of :mod:`dropit_core.ops`, and an eager conv mostly aten's
+own op with its input packed through a saved-tensor hook (:mod:`dropit_core.hooked`).
+Dynamo cannot trace those: their packs are shared through Python state on tensors and seeded from
 Python integers up to 2**64, which Inductor cannot hold as constants. While compiling
 (``torch.compiler.is_compiling()``) a converted layer calls the operators below instead; each is
 opaque to Dynamo and Inductor, with a fake (shape-only) implementation and an autograd formula,

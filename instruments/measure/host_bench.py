@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dropit_core import compress_saved, dispatch, to_dropit
+from dropit_core import compress_saved, dispatch, hooked, to_dropit
 from dropit_core.timing import timed_rounds
 from rcnn_dropit.errors import UsageError
 
@@ -103,10 +103,13 @@ def stubbed_launches() -> Iterator[Launches]:
 # (stack, what DropIT converts): each against the same stack of plain layers. "bare Function"
 # converts nothing to DropIT: each conv (and ReLU) becomes the least a layer written as a Python
 # autograd Function can be (it saves its input, its backward is one aten call), the part of
-# DropIT's host time that its work cannot remove.
+# DropIT's host time that its work cannot remove. "layers, Function": the converted convs run
+# their autograd Function, as every eager conv did before dropit_core.hooked (the same packs).
 STACKS = (
     ("conv", "layers"),
     ("conv+relu", "layers"),
+    ("conv", "layers, Function"),
+    ("conv+relu", "layers, Function"),
     ("conv+bn+relu", "layers"),
     ("conv+bn+relu", "layers+norm"),
     ("conv+bn+relu", "saved hooks"),
@@ -186,11 +189,29 @@ def _bare(model: nn.Module) -> nn.Module:
     return model
 
 
+class _FunctionPath(nn.Module):
+    """A converted model whose convs run their autograd Function (``hooked.set_hooked(False)``
+    for its forward: the backward follows the forward's choice)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        previous = hooked.set_hooked(False)
+        try:
+            return self.model(x)
+        finally:
+            hooked.set_hooked(previous)
+
+
 def _dropit(plain: nn.Module, dropit: str) -> nn.Module:
     """A copy of ``plain`` with quant 4-bit: its conv (and ReLU) layers, its norms too, or every
     saved tensor through :func:`dropit_core.compress_saved` (no layer converted); or with its
     layers as bare autograd Functions (no DropIT)."""
     model = copy.deepcopy(plain)
+    if dropit == "layers, Function":
+        return _FunctionPath(to_dropit(model, strategy="quant", bits=4, strict=False))
     if dropit == "bare Function":
         return _bare(model)
     if dropit == "saved hooks":

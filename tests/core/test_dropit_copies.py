@@ -1,5 +1,5 @@
 """No second copy: a quant pack is written once into its final buffers, and autocast's copy of a
-layer input lives no longer than the layer's op (bytes counted by the CPU allocator:
+layer input lives no longer than the layer (bytes counted by the CPU allocator:
 tests/core/allocations.py), the layer still the plain one under autocast. The kernel and
 compiled paths' own counts are in tests/core/test_dropit_kernels.py."""
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from dropit_core import base, build_strategy, compiled, dispatch, to_dropit
+from dropit_core import base, build_strategy, compiled, dispatch, hooked, to_dropit
 from tests.core.allocations import allocations
 
 SLICE = 8192  # the strategies' slice, made small so that a test input spans many
@@ -74,8 +74,21 @@ def _recorded(layer: nn.Module) -> list:
     return packs
 
 
-@pytest.mark.parametrize("kind", ["conv", "linear"])
-def test_autocast_copy_of_a_quant_layer_input_goes_before_the_pack(eager, kind: str) -> None:
+@pytest.fixture(
+    params=[("conv", False), ("conv", True), ("linear", False)],
+    ids=["conv-function", "conv-hooks", "linear-function"],
+)
+def layer_path(request):
+    """(layer kind, whether a conv takes the saved-tensor hooks, dropit_core.hooked, or the
+    autograd Function): each path has its own order of op and pack."""
+    kind, hooks = request.param
+    previous = hooked.set_hooked(hooks)
+    yield kind, hooks
+    hooked.set_hooked(previous)
+
+
+def test_autocast_copy_of_a_quant_layer_input_goes_with_the_layer(eager, layer_path) -> None:
+    kind, hooks = layer_path
     plain, layer, shape = _converted(kind, "quant")
     packs = _recorded(layer)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
@@ -86,22 +99,28 @@ def test_autocast_copy_of_a_quant_layer_input_goes_before_the_pack(eager, kind: 
         gc.collect()  # whatever an earlier test left in reference cycles, gone before counting
         out, made = allocations(lambda: layer(h))
         ref = plain(xp * 1.0)
-    ((source, layout, key, dtype), packed) = packs[-1]
+    (source, layout, key, *dtype), packed = packs[-1]
     weight_cast, bias_cast = layer.weight.numel() * 2, layer.bias.numel() * 2
-    # When the pack starts, the op's output and its weight and bias casts are alive, not the
-    # bf16 copy of h (h.numel() * 2 bytes) the op ran on: it went with the op. The pack read h
-    # itself. After the forward: the output, the pack and the weight cast (the backward's).
-    # (The weight casts may be made at another moment when other tests ran first, so their bytes
-    # bound the figure instead of fixing it; the bf16 copy would add far more.)
     copy = h.numel() * 2
-    assert (
-        out.nbytes
-        <= made.alive_at("pack")
-        <= out.nbytes + weight_cast + bias_cast
-        < copy + out.nbytes
-    )
+    # (The weight casts may be made at another moment when other tests ran first, so their bytes
+    # bound the figures instead of fixing them; the bf16 copy would add far more.)
+    if hooks:
+        # aten's node saves its input before the op runs: the pack is made of the bf16 copy the
+        # op is given, while it is alive and before the output is.
+        assert copy <= made.alive_at("pack") <= copy + weight_cast + bias_cast
+        assert source() is None and dtype == []  # the copy, gone with the layer
+    else:
+        # When the pack starts, the op's output and its weight and bias casts are alive, not the
+        # bf16 copy of h the op ran on: it went with the op. The pack read h itself.
+        assert (
+            out.nbytes
+            <= made.alive_at("pack")
+            <= out.nbytes + weight_cast + bias_cast
+            < copy + out.nbytes
+        )
+        assert source() is h and dtype == [torch.bfloat16]
+    # After the forward, either way: the output, the pack and the weight cast (the backward's).
     assert out.nbytes + packed.nbytes() <= made.alive <= out.nbytes + weight_cast + packed.nbytes()
-    assert source() is h and dtype == torch.bfloat16
     # The pack is the one of that copy, bit for bit, and rebuilds as bf16.
     strategy = layer.dropit_cache.strategy
     of_cast = build_strategy("quant", 0.8).pack(h.detach().to(torch.bfloat16), layout, key)

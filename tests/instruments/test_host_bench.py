@@ -58,11 +58,14 @@ def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:
         (row,) = [r for r in rows if (r["stack"], r["dropit"]) == (stack, dropit)]
         return round((row["dropit_launches"] - row["plain_launches"]) * layers, 6)
 
-    # A quant conv: one pack and one rebuild launch each (and one step's copy of the loss's
-    # expanded gradient, which the plain conv's backward reads as it is); the masked ReLU
-    # launches as many as the plain one; a DropIT norm adds its pack and rebuild.
-    assert extra("conv", "layers") == 2 * layers + 1
+    # A quant conv: one pack and one rebuild launch each; through its autograd Function also
+    # one step's copy of the loss's expanded gradient, which aten's conv backward (the plain
+    # conv's, and the hooked conv's) reads as it is, and so does the masked ReLU's kernel, which
+    # otherwise launches as many as the plain ReLU. A DropIT norm adds its pack and rebuild.
+    assert extra("conv", "layers") == 2 * layers
     assert extra("conv+relu", "layers") == 2 * layers + 1
+    assert extra("conv", "layers, Function") == 2 * layers + 1
+    assert extra("conv+relu", "layers, Function") == 2 * layers + 1
     assert extra("conv+bn+relu", "layers+norm") - extra("conv+bn+relu", "layers") == 2 * layers
     # Saved hooks: each BatchNorm input and ReLU output packed in one launch (a ReLU output saved
     # by the ReLU and the next conv once), each use of it rebuilt in one: 5 per unit, less the
