@@ -242,12 +242,15 @@ def _release(model: nn.Module, dev: torch.device) -> None:
 
 
 def is_step_rows(data: Any) -> bool:
-    """Whether parsed JSON is a ``--json`` file of step rows (or of largest-batch rows)."""
+    """Whether parsed JSON is a ``--json`` file of step rows (or of largest-batch rows, or of
+    memory-only rows: ``--repeats 0``)."""
     return (
         isinstance(data, list)
         and bool(data)
         and all(
-            isinstance(r, dict) and "variant" in r and ("step_time_ratio" in r or "max_batch" in r)
+            isinstance(r, dict)
+            and "variant" in r
+            and ("step_time_ratio" in r or "max_batch" in r or "peak_mb" in r)
             for r in data
         )
     )
@@ -261,6 +264,16 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             ("budget_mb", "budget MB"),
             ("max_batch", "largest batch"),
             ("peak_mb_at_max", "peak MB at it"),
+        ]
+    elif rows and "step_time_ratio" not in rows[0]:  # --repeats 0: memory only, in MB
+        cols = [
+            ("variant", "setting"),
+            ("saved_mb", "saved MB"),
+            ("live_mb", "live MB"),
+            ("peak_forward_mb", "forward peak MB"),
+            ("peak_mb", "peak MB"),
+            ("peak_phase", "peak in"),
+            ("memory_source", "measured as"),
         ]
     else:
         cols = [

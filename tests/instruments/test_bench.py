@@ -13,7 +13,7 @@ from dropit_core.memory import SavedReport, StepMemory
 from instruments.measure import max_batch, step_bench
 from instruments.measure.grad_fidelity import cosine, mean_fidelity, norm_ratio
 from instruments.measure.max_batch import largest_batches, largest_fitting
-from instruments.measure.step_bench import markdown_table, run_benchmark
+from instruments.measure.step_bench import is_step_rows, markdown_table, run_benchmark
 from instruments.measure.workload import (
     Variant,
     build_detector,
@@ -409,3 +409,16 @@ def test_op_costs_on_a_missing_gpu_is_a_clear_error() -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
         op_costs(n=64, device="cuda")
+
+
+def test_memory_only_rows_make_a_table_of_megabytes() -> None:
+    # --repeats 0 rows have no step times: their table gives the bytes themselves.
+    row = {
+        "variant": "baseline", "saved_mb": 221.55, "live_mb": 221.69, "peak_forward_mb": 251.79,
+        "peak_mb": 479.23, "peak_phase": "backward", "memory_source": "rss",
+    }  # fmt: skip
+    assert is_step_rows([row])
+    assert markdown_table([row]).splitlines()[2] == (
+        "| baseline | 221.6 | 221.7 | 251.8 | 479.2 | backward | rss |"
+    )
+    assert not is_step_rows([{"variant": "baseline", "saved_mb": 1.0}])  # nothing measured
