@@ -244,28 +244,32 @@ def _rows(x0: torch.Tensor, repeats: int, layers: int, channels: int, steps: int
 
         return run
 
-    rows = []
+    # Every way of converting one stack is timed in the same rounds as its plain layers, in
+    # turn: rows of one stack compare side by side, whatever the machine's speed drifts to.
+    by_stack: dict[str, list[str]] = {}
     for stack, dropit in STACKS:
+        by_stack.setdefault(stack, []).append(dropit)
+    rows: dict[tuple[str, str], dict] = {}
+    for stack, ways in by_stack.items():
         plain = _stack(layers, channels, stack)
-        converted = _dropit(plain, dropit)
+        models = [plain, *(_dropit(plain, way) for way in ways)]
         with stubbed_launches() as launches:
-            times = timed_rounds([steps_of(plain), steps_of(converted)], repeats)
-            counts = [_launches_per_step(m, x0, launches) / layers for m in (plain, converted)]
-        plain_us, dropit_us = (min(t) / steps / layers * 1e6 for t in times)
-        rows.append(
-            {
+            times = timed_rounds([steps_of(m) for m in models], repeats)
+            counts = [_launches_per_step(m, x0, launches) / layers for m in models]
+        plain_us, *dropit_us = (min(t) / steps / layers * 1e6 for t in times)
+        for way, us, count in zip(ways, dropit_us, counts[1:], strict=True):
+            rows[stack, way] = {
                 "stack": stack,
-                "dropit": dropit,
+                "dropit": way,
                 "plain_us": round(plain_us, 1),
-                "dropit_us": round(dropit_us, 1),
-                "extra_us": round(dropit_us - plain_us, 1),
+                "dropit_us": round(us, 1),
+                "extra_us": round(us - plain_us, 1),
                 "plain_launches": round(counts[0], 2),
-                "dropit_launches": round(counts[1], 2),
+                "dropit_launches": round(count, 2),
                 "layers": layers,
                 "threads": 1,
             }
-        )
-    return rows
+    return [rows[key] for key in STACKS]
 
 
 def _launches_per_step(model: nn.Module, x0: torch.Tensor, launches: Launches) -> int:
