@@ -18,10 +18,14 @@ A layer takes this path only where the Function would do just that (:func:`takes
 - no other saved-tensor hooks are active: only the innermost pair runs, so ``compress_saved``,
   a memory count or any user's hooks would not see the conv's tensors while ours is pushed.
   With them the layer runs the Function, which they see as they always did.
+
+``DROPIT_HOOKED=0`` in the environment (or :func:`set_hooked`) makes every eager conv run its
+Function: to measure one against the other on a GPU.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -33,14 +37,24 @@ _pop = torch._C._autograd._pop_saved_tensors_default_hooks
 _top = torch._C._autograd._top_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
-_enabled = True
+HOOKED_ENV = "DROPIT_HOOKED"
 
 
-def set_hooked(enabled: bool) -> bool:
-    """Let eager convs take this path (the default) or always run the autograd Function (tests
-    compare the two; a bench can too). Returns the previous setting."""
+def _from_environment() -> bool:
+    """``$DROPIT_HOOKED``: 0 (or false, off, no) makes every eager conv run its Function."""
+    return os.environ.get(HOOKED_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_enabled = _from_environment()  # read once: the hot path asks a module global, not the environment
+
+
+def set_hooked(enabled: bool | None) -> bool:
+    """Let eager convs take this path (True, the default) or always run the autograd Function
+    (False: tests compare the two, a bench can too); None: as ``$DROPIT_HOOKED`` says. Returns
+    the previous setting."""
     global _enabled
-    previous, _enabled = _enabled, bool(enabled)
+    previous = _enabled
+    _enabled = _from_environment() if enabled is None else bool(enabled)
     return previous
 
 

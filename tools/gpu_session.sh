@@ -66,6 +66,13 @@ if ! stage bench_gpu $(($(left) * 60 / 100)) "${table[@]}" --settings $settings 
     --settings $settings --json "$OUT/bench_gpu_eager.json"
 fi
 
+# 0a. Issue 40's host time: the eager 4-bit step with every conv on its autograd Function
+# (DROPIT_HOOKED=0), what the table's quant_4bit ran before dropit_core.hooked; steps only.
+DROPIT_HOOKED=0 stage bench_gpu_function $(($(left) * 10 / 100)) python3 tools/bench.py \
+  --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 --repeats 5 --draws 1 \
+  --batch-limit 0 --quiet-machine --settings baseline quant_4bit \
+  --json "$OUT/bench_gpu_function.json"
+
 # 0b. Issue 40's compiled rows: the backbone through Inductor, plain and 4-bit, beside the eager
 # ones (no largest-batch search: each batch size would compile again).
 stage bench_gpu_compiled $(($(left) * 25 / 100)) python3 tools/bench.py --gpu-table --device cuda \

@@ -163,3 +163,18 @@ def test_compress_saved_on_a_converted_model_sees_the_functions_tensors():
     out.sum().backward()
     assert handle.last is not None and handle.last.packs == 1
     assert handle.last.dense_bytes == out.numel() * 4
+
+
+def test_dropit_hooked_0_in_the_environment_makes_convs_run_their_function(monkeypatch):
+    model = _model("quant", bits=4)
+    x = torch.randn(1, 6, 8, 8)
+    previous = hooked.set_hooked(True)
+    try:
+        monkeypatch.setenv("DROPIT_HOOKED", "0")
+        assert hooked.set_hooked(None) is True  # the previous setting
+        assert "DropITConvFunction" in _grad_fn_name(model, x)
+        monkeypatch.setenv("DROPIT_HOOKED", "1")
+        hooked.set_hooked(None)
+        assert _grad_fn_name(model, x) == "ConvolutionBackward0"
+    finally:
+        hooked.set_hooked(previous)
