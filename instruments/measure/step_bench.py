@@ -273,6 +273,8 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             ("peak_forward_mb", "forward peak MB"),
             ("peak_mb", "peak MB"),
             ("peak_phase", "peak in"),
+            ("saved_ratio", "saved ratio"),
+            ("peak_ratio", "peak ratio"),
             ("memory_source", "measured as"),
         ]
     else:

@@ -415,10 +415,11 @@ def test_memory_only_rows_make_a_table_of_megabytes() -> None:
     # --repeats 0 rows have no step times: their table gives the bytes themselves.
     row = {
         "variant": "baseline", "saved_mb": 221.55, "live_mb": 221.69, "peak_forward_mb": 251.79,
-        "peak_mb": 479.23, "peak_phase": "backward", "memory_source": "rss",
+        "peak_mb": 479.23, "peak_phase": "backward", "saved_ratio": 1.0, "peak_ratio": 1.0,
+        "memory_source": "rss",
     }  # fmt: skip
     assert is_step_rows([row])
     assert markdown_table([row]).splitlines()[2] == (
-        "| baseline | 221.6 | 221.7 | 251.8 | 479.2 | backward | rss |"
+        "| baseline | 221.6 | 221.7 | 251.8 | 479.2 | backward | 1.000 | 1.000 | rss |"
     )
     assert not is_step_rows([{"variant": "baseline", "saved_mb": 1.0}])  # nothing measured
