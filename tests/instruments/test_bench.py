@@ -209,11 +209,12 @@ def test_memory_only_rows_of_part_of_the_model() -> None:
 
 @pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
 def test_tiny_benchmark_under_bf16_autocast() -> None:
-    # The --amp path (fp16 on GPUs) on the CPU, where autocast runs bf16.
+    # The --amp path (fp16 on GPUs) on the CPU, where autocast runs bf16; memory only (repeats 0):
+    # bf16 steps on a CPU without bf16 instructions take seconds each, and no timing is asserted.
     rows = list(
         run_benchmark(
-            [Variant("threshold", 0.8)], image_size=64, repeats=1, rois_per_image=32,
-            backbone="resnet18", amp="bf16", images=1,
+            [Variant("threshold", 0.8)], image_size=64, repeats=0, rois_per_image=32,
+            backbone="resnet18", amp="bf16", images=1, draws=2,
         )
     )  # fmt: skip
     base, row = rows
