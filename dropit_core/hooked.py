@@ -1,4 +1,5 @@
-"""The eager DropIT convolution without a Python autograd Function: less host time per layer.
+"""The eager DropIT convolution (plain or transposed) without a Python autograd Function: less host
+time per layer.
 
 A conv written as a Python ``autograd.Function`` pays the Function's own machinery on every call,
 forward and backward, before it does any DropIT work (the ``bare Function`` rows of

@@ -157,6 +157,8 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
         if torch.compiler.is_compiling():
             return _compiling_conv(x, self.weight, self.bias, args, self.dropit_cache)
         w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
+        if hooked.takes(x, w, dtype, SPLIT_BYTES):  # as DropITConv2d
+            return hooked.conv(x, w, b, args, self.dropit_cache.saved_hooks, dtype)
         return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, dtype)
 
 

@@ -17,7 +17,8 @@ from dropit_core.ops import SPLIT_BYTES
 
 
 class _Fork(nn.Module):
-    """A stem conv, then two convs fed the same tensor (their pack is shared), summed."""
+    """A stem conv, then two convs fed the same tensor (their pack is shared), summed, then a
+    transposed conv."""
 
     def __init__(self, channels: int = 6) -> None:
         super().__init__()
@@ -25,11 +26,12 @@ class _Fork(nn.Module):
         self.relu = nn.ReLU()
         self.a = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
         self.b = nn.Conv2d(channels, channels, 1, stride=2)
+        self.up = nn.ConvTranspose2d(channels, 3, 2, stride=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 under autocast too: each of a and b casts it, and their pack is still shared
         h = self.relu(self.stem(x)).float()
-        return self.a(h)[..., ::2, ::2] + self.b(h)
+        return self.up(self.a(h)[..., ::2, ::2] + self.b(h))
 
 
 def _model(strategy: str, **options) -> nn.Module:
@@ -72,7 +74,8 @@ def _same(a: tuple, b: tuple) -> None:
     out_b, gx_b, grads_b, packs_b = b
     assert torch.equal(out_a, out_b) and torch.equal(gx_a, gx_b)
     assert all(torch.equal(p, q) for p, q in zip(grads_a, grads_b, strict=True))
-    assert len(packs_a) == len(packs_b) == 2  # the stem's input, and one shared for a and b
+    # the stem's input, one shared by a and b, the transposed conv's input
+    assert len(packs_a) == len(packs_b) == 3
     for pa, pb in zip(packs_a, packs_b, strict=True):
         assert all(torch.equal(p, q) for p, q in zip(pa, pb, strict=True))
 
@@ -105,6 +108,8 @@ def test_which_path_a_conv_takes():
     model = _model("quant", bits=4)
     x = torch.randn(1, 6, 8, 8)
     assert _grad_fn_name(model, x) == "ConvolutionBackward0"  # aten's node: the hooks
+    up = model.up(torch.randn(1, 6, 4, 4, requires_grad=True))
+    assert type(up.grad_fn).__name__ == "ConvolutionBackward0"  # a transposed conv's too
     previous = hooked.set_hooked(False)
     try:
         assert "DropITConvFunction" in _grad_fn_name(model, x)
@@ -158,8 +163,8 @@ def test_compress_saved_on_a_converted_model_sees_the_functions_tensors():
     handle = compress_saved(model, bits=4, min_bytes=256)
     x = torch.randn(2, 3, 12, 12, requires_grad=True)
     out = model(x)
-    fork_sum = out.grad_fn.next_functions[0][0]
-    assert "DropITConvFunction" in type(fork_sum.next_functions[1][0]).__name__
+    up = out.grad_fn.next_functions[0][0]  # the transposed conv's node, under the sigmoid's
+    assert "DropITConvFunction" in type(up).__name__
     out.sum().backward()
     assert handle.last is not None and handle.last.packs == 1
     assert handle.last.dense_bytes == out.numel() * 4
