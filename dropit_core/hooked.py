@@ -59,11 +59,6 @@ def set_hooked(enabled: bool | None) -> bool:
     return previous
 
 
-def hooked_enabled() -> bool:
-    """Whether eager convs may take this path (:func:`set_hooked`)."""
-    return _enabled
-
-
 def takes(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None, limit: int) -> bool:
     """Whether a conv of ``x`` (computed in ``dtype``, None: its own) runs through the hooks:
     a trained weight, an input of fewer than ``limit`` bytes in the compute dtype, no other

@@ -75,13 +75,26 @@ class DropITConv2d(nn.Conv2d):
         # The module's tuples as they are: aten takes them so (a list of each per call was
         # host time, on every layer of every step).
         args = ConvArgs(self.stride, padding, self.dilation, False, _NO_OUTPUT_PADDING, self.groups)
-        w, b, dtype = autocast_inputs(x, weight, bias, cache)
-        if hooked.takes(x, w, dtype, SPLIT_BYTES):  # aten's own autograd node: less host time
-            return hooked.conv(x, w, b, args, cache.saved_hooks, dtype)
-        return DropITConvFunction.apply(x, w, b, args, cache, dtype)
+        return _eager_conv(x, weight, bias, args, cache)
 
 
 _NO_OUTPUT_PADDING = (0, 0)
+
+
+def _eager_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    cache: InputCache,
+) -> torch.Tensor:
+    """The DropIT convolution (plain or transposed) eagerly: aten's own autograd node with its
+    input packed through a saved-tensor hook where that does what the Function does (less host
+    time: dropit_core.hooked), else the autograd Function."""
+    w, b, dtype = autocast_inputs(x, weight, bias, cache)
+    if hooked.takes(x, w, dtype, SPLIT_BYTES):
+        return hooked.conv(x, w, b, args, cache.saved_hooks, dtype)
+    return DropITConvFunction.apply(x, w, b, args, cache, dtype)
 
 
 def _compiling_conv(
@@ -156,10 +169,7 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
         )
         if torch.compiler.is_compiling():
             return _compiling_conv(x, self.weight, self.bias, args, self.dropit_cache)
-        w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
-        if hooked.takes(x, w, dtype, SPLIT_BYTES):  # as DropITConv2d
-            return hooked.conv(x, w, b, args, self.dropit_cache.saved_hooks, dtype)
-        return DropITConvFunction.apply(x, w, b, args, self.dropit_cache, dtype)
+        return _eager_conv(x, self.weight, self.bias, args, self.dropit_cache)
 
 
 class DropITLinear(nn.Linear):
