@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from instruments.measure.rows import rows_with
 from rcnn_dropit.errors import UsageError
 
 # (setting, DROPIT_FUSE, compiled): the eager model first, as the reference of every ratio.
@@ -116,11 +117,7 @@ def measure(
 
 def is_fusion_rows(data: Any) -> bool:
     """Whether JSON data read from a file is ``--fusion`` rows."""
-    return (
-        isinstance(data, list)
-        and bool(data)
-        and all(isinstance(r, dict) and "first_step_s" in r and "kernels" in r for r in data)
-    )
+    return rows_with(data, "first_step_s", "kernels")
 
 
 def fusion_markdown(rows: list[dict[str, Any]]) -> str:

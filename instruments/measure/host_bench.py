@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropit_core import compress_saved, dispatch, hooked, to_dropit
 from dropit_core.timing import timed_rounds
+from instruments.measure.rows import rows_with
 from rcnn_dropit.errors import UsageError
 
 # The kernels whose launches are stubbed: every one a quant layer and a masked ReLU reach.
@@ -283,11 +284,7 @@ def _launches_per_step(model: nn.Module, x0: torch.Tensor, launches: Launches) -
 
 def is_host_rows(data: Any) -> bool:
     """Whether JSON data read from a file is ``--host`` rows."""
-    return (
-        isinstance(data, list)
-        and bool(data)
-        and all(isinstance(r, dict) and "stack" in r and "extra_us" in r for r in data)
-    )
+    return rows_with(data, "stack", "extra_us")
 
 
 def host_markdown(rows: list[dict[str, Any]]) -> str:

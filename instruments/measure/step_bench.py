@@ -34,6 +34,7 @@ from instruments.measure.grad_fidelity import (
     mean_fidelity,
     weight_grads,
 )
+from instruments.measure.rows import rows_with
 from instruments.measure.workload import (
     Setting,
     Variant,
@@ -244,16 +245,8 @@ def _release(model: nn.Module, dev: torch.device) -> None:
 def is_step_rows(data: Any) -> bool:
     """Whether parsed JSON is a ``--json`` file of step rows (or of largest-batch rows, or of
     memory-only rows: ``--repeats 0``)."""
-    return (
-        isinstance(data, list)
-        and bool(data)
-        and all(
-            isinstance(r, dict)
-            and "variant" in r
-            and ("step_time_ratio" in r or "max_batch" in r or "peak_mb" in r)
-            for r in data
-        )
-    )
+    measured = ("step_time_ratio", "max_batch", "peak_mb")
+    return rows_with(data, "variant") and all(any(k in r for k in measured) for r in data)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
