@@ -83,3 +83,19 @@ def _eager_packs_in_the_quick_tier(request):
         yield
     finally:
         compiled.set_compile(None)
+
+
+@pytest.fixture
+def narrow_bench(monkeypatch) -> None:
+    """Every bench model of the test built narrow (tests/helpers.py's ``NARROW_BENCH``)."""
+    from instruments.measure import max_batch, step_bench, workload
+    from rcnn_dropit.config import with_overrides
+    from tests.helpers import NARROW_BENCH
+
+    recipe = workload.recipe_config
+
+    def narrow(*args, **kwargs):
+        return with_overrides(recipe(*args, **kwargs), NARROW_BENCH)
+
+    for module in (step_bench, max_batch, workload):
+        monkeypatch.setattr(module, "recipe_config", narrow)

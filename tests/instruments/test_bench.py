@@ -99,6 +99,7 @@ def test_parse_variant_rejects_malformed_text(text: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("narrow_bench")
 def test_tiny_benchmark_rows_show_a_real_saving() -> None:
     # A ResNet-18 keeps it quick; tools/bench.py runs the real R50 recipe.
     variants = [Variant("mink", 0.8)]
@@ -161,6 +162,7 @@ EVAL_SECONDS = [9.0, 9.0, 9.0, 0.5, 0.5, 1.0, 0.5, 1.5, 1.0]  # medians 0.5, 1.0
 
 
 @pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
+@pytest.mark.usefixtures("narrow_bench")
 def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
     # Every variant's memory is taken before any timing (the timing switches the allocator),
     # and every ratio divides by the same baseline median.
@@ -193,6 +195,7 @@ def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
 
 
 @pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
+@pytest.mark.usefixtures("narrow_bench")
 def test_memory_only_rows_of_part_of_the_model() -> None:
     # --repeats 0: no timing; include= converts only part of the model, which keeps more.
     variants = [Variant("mink", 0.8), Variant("mink", 0.8, include=("roi_heads.*",))]
@@ -208,6 +211,7 @@ def test_memory_only_rows_of_part_of_the_model() -> None:
 
 
 @pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
+@pytest.mark.usefixtures("narrow_bench")
 def test_tiny_benchmark_under_bf16_autocast() -> None:
     # The --amp path (fp16 on GPUs) on the CPU, where autocast runs bf16; memory only (repeats 0):
     # bf16 steps on a CPU without bf16 instructions take seconds each, and no timing is asserted.

@@ -385,6 +385,7 @@ def test_cli_refuses_what_the_gpu_table_does_not_take(capsys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("narrow_bench")
 def test_tiny_gpu_table_on_the_cpu() -> None:
     # The whole table's path on a small model: step rows at two batch sizes with a profiled
     # step each (no CUDA calls on the CPU), then the batch search.

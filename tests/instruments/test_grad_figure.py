@@ -13,6 +13,7 @@ LAYERS = ("backbone.body.layer2.0.conv2", "roi_heads.box_head.fc6")
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("narrow_bench")
 def test_cosine_falls_with_gamma_and_figures_are_written(tmp_path: Path) -> None:
     result = gradient_study([0.0, 0.9], ["mink"], LAYERS, image_size=64, backbone="resnet18")
     exact, dropped = result["cosine"]["mink"]
@@ -32,6 +33,7 @@ def test_cosine_falls_with_gamma_and_figures_are_written(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("narrow_bench")
 def test_unknown_layer_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="have no weight gradient"):
         gradient_study([0.8], ["mink"], ["backbone.nope"], image_size=64, backbone="resnet18")

@@ -51,8 +51,9 @@ from instruments.measure.workload import (
     step_loss,
 )
 from rcnn_dropit import provenance
+from rcnn_dropit.config import with_overrides
 from rcnn_dropit.errors import UsageError
-from tests.helpers import REPO
+from tests.helpers import NARROW_BENCH, REPO
 
 PLAN = REPO / "configs/study/plan.yaml"
 # Every method of the toolkit, as the bench's make target measures them.
@@ -94,7 +95,7 @@ def _tiny_recipe():
 def test_every_plan_setting_builds_the_bench_model_from_the_same_weights() -> None:
     # The study's overrides, applied to the bench's recipe: each setting trains the same model
     # (the same parameters, bit for bit) in its own way.
-    base_cfg = _tiny_recipe()
+    base_cfg = with_overrides(_tiny_recipe(), NARROW_BENCH)
     reference = detector(base_cfg).state_dict()
     names = list(load_plan(PLAN).settings)
     assert set(METHODS) <= set(names)
@@ -277,6 +278,7 @@ def test_approximated_layers_are_dropit_layers_and_everything_recomputed() -> No
 
 
 @pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
+@pytest.mark.usefixtures("narrow_bench")
 def test_tiny_bench_of_methods_exact_where_it_must_be(monkeypatch, tmp_path) -> None:
     # The timer says 1 s for everything (timings are the real bench's business); memory and
     # gradients are measured.
@@ -506,6 +508,7 @@ def test_cli_unknown_setting_is_one_line(capsys) -> None:
 
 
 @pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
+@pytest.mark.usefixtures("narrow_bench")
 def test_tiny_bench_of_the_baselines_a_gpu_user_compares_with(monkeypatch) -> None:
     monkeypatch.setattr(timing, "timed", lambda fn, device=None: (None, 1.0))
     names = ["baseline", "baseline_torchvision_bn", "accumulate_2"]
