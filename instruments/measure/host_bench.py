@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropit_core import compress_saved, dispatch, hooked, to_dropit
+from dropit_core.base import Packed
 from dropit_core.timing import timed_rounds
 from instruments.measure.rows import rows_with
 from rcnn_dropit.errors import UsageError
@@ -106,6 +107,10 @@ def stubbed_launches() -> Iterator[Launches]:
 # autograd Function can be (it saves its input, its backward is one aten call), the part of
 # DropIT's host time that its work cannot remove. "layers, Function": the converted convs run
 # their autograd Function, as every eager conv did before dropit_core.hooked (the same packs).
+# The last two take a converted conv apart (dropit_core.hooked's path): "hooks, no pack" keeps
+# the layer's Python and its saved-tensor hooks but saves the input as it is; "pack, no rebuild"
+# packs it for real and hands the backward a ready tensor: against "layers", what the pack and
+# the rebuild each add.
 STACKS = (
     ("conv", "layers"),
     ("conv+relu", "layers"),
@@ -116,6 +121,8 @@ STACKS = (
     ("conv+bn+relu", "saved hooks"),
     ("conv", "bare Function"),
     ("conv+relu", "bare Function"),
+    ("conv", "hooks, no pack"),
+    ("conv", "pack, no rebuild"),
 )
 
 
@@ -206,6 +213,36 @@ class _FunctionPath(nn.Module):
             hooked.set_hooked(previous)
 
 
+class _HooksNoPack(hooked.SavedInputHooks):
+    """A converted conv's hooks that keep its input as it is (no pack, no rebuild)."""
+
+    def pack(self, t: torch.Tensor) -> Any:
+        return t
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        return saved
+
+
+class _PackNoRebuild(hooked.SavedInputHooks):
+    """A converted conv's hooks that pack its input and give the backward a ready tensor of the
+    input's shape (made once per shape) instead of the rebuilt one."""
+
+    ready: dict[tuple, torch.Tensor] = {}
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, Packed):
+            return saved
+        self.cache.end_forward()
+        shape, dtype = saved.meta[:2]
+        key = (shape, dtype)
+        if key not in self.ready:
+            self.ready[key] = torch.randn(shape).to(dtype)
+        return self.ready[key]
+
+
+_TAKEN_APART = {"hooks, no pack": _HooksNoPack, "pack, no rebuild": _PackNoRebuild}
+
+
 def _dropit(plain: nn.Module, dropit: str) -> nn.Module:
     """A copy of ``plain`` with quant 4-bit: its conv (and ReLU) layers, its norms too, or every
     saved tensor through :func:`dropit_core.compress_saved` (no layer converted); or with its
@@ -217,6 +254,13 @@ def _dropit(plain: nn.Module, dropit: str) -> nn.Module:
         return _bare(model)
     if dropit == "saved hooks":
         compress_saved(model, bits=4, min_bytes=1024)  # the maps, not BatchNorm's statistics
+        return model
+    if dropit in _TAKEN_APART:
+        to_dropit(model, strategy="quant", bits=4, strict=False)
+        for m in model.modules():
+            cache = getattr(m, "dropit_cache", None)
+            if cache is not None:
+                cache.saved_hooks = _TAKEN_APART[dropit](cache)
         return model
     return to_dropit(model, strategy="quant", bits=4, strict=False, norm=dropit == "layers+norm")
 

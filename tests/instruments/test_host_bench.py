@@ -73,6 +73,9 @@ def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:
     assert extra("conv+bn+relu", "saved hooks") == 5 * layers - 1
     # Bare Functions launch what the plain layers launch: the rows differ by host time only.
     assert extra("conv", "bare Function") == extra("conv+relu", "bare Function") == 0
+    # A conv taken apart: its hooks alone launch nothing more; its pack alone, one per layer.
+    assert extra("conv", "hooks, no pack") == 0
+    assert extra("conv", "pack, no rebuild") == layers
 
 
 def test_bare_functions_compute_the_plain_stacks_gradients() -> None:
@@ -87,6 +90,21 @@ def test_bare_functions_compute_the_plain_stacks_gradients() -> None:
         grads.append([xi.grad, *(p.grad for p in model.parameters())])
     for a, b in zip(*grads, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_conv_whose_hooks_keep_its_input_computes_the_plain_stacks_gradients() -> None:
+    # "hooks, no pack": the converted layers' own path, only the pack left out
+    plain = host_bench._stack(3, 4, "conv")
+    kept = host_bench._dropit(plain, "hooks, no pack")
+    assert {type(m.dropit_cache.saved_hooks).__name__ for m in kept} == {"_HooksNoPack"}
+    x = torch.randn(2, 4, 6, 6)
+    grads = []
+    for model in (plain, kept):
+        xi = x.clone().requires_grad_(True)
+        model(xi).square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in model.parameters())])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts() -> None:
@@ -107,6 +125,7 @@ def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts()
         ("bench-host-9b3b88c", "bench_host_cpu_9b3b88c"),
         ("bench-host-saved-before", "bench_host_cpu_saved_before"),
         ("bench-host-fd3fe5d", "bench_host_cpu_fd3fe5d"),
+        ("bench-host-c3732d3", "bench_host_cpu_c3732d3"),
         ("bench-host", "bench_host_cpu"),
     ],
 )
