@@ -78,17 +78,22 @@ def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:
     assert extra("conv", "pack, no rebuild") == layers
 
 
+def _input_and_weight_grads(models: tuple[nn.Module, ...]) -> list[list[torch.Tensor]]:
+    """Each model's input and parameter gradients of one loss on the same input."""
+    x = torch.randn(2, 4, 6, 6)
+    grads = []
+    for model in models:
+        xi = x.clone().requires_grad_(True)
+        model(xi).square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in model.parameters())])
+    return grads
+
+
 def test_bare_functions_compute_the_plain_stacks_gradients() -> None:
     plain = host_bench._stack(3, 4, "conv+relu")
     bare = host_bench._dropit(plain, "bare Function")
     assert {type(m).__name__ for m in bare} == {"_BareConv", "_BareReLU"}
-    x = torch.randn(2, 4, 6, 6)
-    grads = []
-    for model in (plain, bare):
-        xi = x.clone().requires_grad_(True)
-        model(xi).square().sum().backward()
-        grads.append([xi.grad, *(p.grad for p in model.parameters())])
-    for a, b in zip(*grads, strict=True):
+    for a, b in zip(*_input_and_weight_grads((plain, bare)), strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -97,13 +102,7 @@ def test_a_conv_whose_hooks_keep_its_input_computes_the_plain_stacks_gradients()
     plain = host_bench._stack(3, 4, "conv")
     kept = host_bench._dropit(plain, "hooks, no pack")
     assert {type(m.dropit_cache.saved_hooks).__name__ for m in kept} == {"_HooksNoPack"}
-    x = torch.randn(2, 4, 6, 6)
-    grads = []
-    for model in (plain, kept):
-        xi = x.clone().requires_grad_(True)
-        model(xi).square().sum().backward()
-        grads.append([xi.grad, *(p.grad for p in model.parameters())])
-    for a, b in zip(*grads, strict=True):
+    for a, b in zip(*_input_and_weight_grads((plain, kept)), strict=True):
         assert torch.equal(a, b)
 
 
