@@ -12,6 +12,13 @@ Compiling happens in the first forward (and backward); that forward's time is lo
 traces forward and backward as Inductor would but runs eager ops: a graph's problems without
 code generation, in seconds) and ``train.compile_mode`` Inductor's mode (``reduce-overhead``:
 CUDA graphs, the step's kernels replayed without a launch each from Python).
+
+Inductor keeps the maps' own memory format (``layout_optimization`` off). On the CPU it would
+otherwise run every conv channels-last: a channels-last copy of each 3x3 conv weight made in
+every forward and saved for the backward beside the weight itself, which the eager model never
+keeps, and on this project's 2-core CPU a slower step, not a faster one (docs/results/memory.md,
+"Compiled"). On a GPU, with dynamic shapes, Inductor keeps the layout anyway: the option changes
+nothing there.
 """
 
 from __future__ import annotations
@@ -48,9 +55,21 @@ def compile_model(
     if mode_error:
         raise ValueError(mode_error)
     target = net.backbone if mode == "backbone" else net
-    target.forward = torch.compile(target.forward, dynamic=True, backend=backend, mode=compile_mode)
+    if backend == "inductor":
+        # torch.compile takes a mode or options, not both: the mode's options, with ours
+        options = {**_mode_options(compile_mode), "layout_optimization": False}
+        target.forward = torch.compile(target.forward, dynamic=True, options=options)
+    else:
+        target.forward = torch.compile(target.forward, dynamic=True, backend=backend)
     _log_first_forward(target, mode, backend if compile_mode == "default" else compile_mode)
     return target
+
+
+def _mode_options(compile_mode: str) -> dict:
+    """Inductor's options of ``compile_mode`` (``torch.compile``'s ``mode``), for dynamic shapes."""
+    from torch import _inductor
+
+    return dict(_inductor.list_mode_options(compile_mode, dynamic=True))
 
 
 def _log_first_forward(module: nn.Module, mode: str, how: str) -> None:

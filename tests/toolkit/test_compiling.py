@@ -64,10 +64,11 @@ def test_backend_and_mode_reach_torch_compile(monkeypatch):
     compile_model(_Net(), "backbone")
     compile_model(_Net(), "model", "aot_eager")
     compile_model(_Net(), "model", "inductor", "reduce-overhead")
+    # Inductor's mode reaches it as that mode's options, with the maps' layout kept
     assert calls == [
-        {"dynamic": True, "backend": "inductor", "mode": "default"},
-        {"dynamic": True, "backend": "aot_eager", "mode": "default"},
-        {"dynamic": True, "backend": "inductor", "mode": "reduce-overhead"},
+        {"dynamic": True, "options": {"layout_optimization": False}},
+        {"dynamic": True, "backend": "aot_eager"},
+        {"dynamic": True, "options": {"triton.cudagraphs": True, "layout_optimization": False}},
     ]
 
 
@@ -85,3 +86,39 @@ def test_train_compile_backend_and_mode_are_checked_together():
             CONFIGS / "maskrcnn_baseline.yaml",
             ["train.compile_backend=aot_eager", "train.compile_mode=max-autotune"],
         )
+
+
+def _saved_maps(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """What autograd keeps of a forward of ``module``, less its parameters (one per storage)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            kept.setdefault(ptr, t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return list(kept.values())
+
+
+@pytest.mark.slow
+def test_an_inductor_backbone_keeps_no_copy_of_its_weights():
+    # On the CPU Inductor would run each conv channels-last: a copy of every 3x3 weight made in
+    # the forward and saved for the backward beside the weight. compile_model keeps the maps'
+    # layout: the compiled backbone saves no weight-shaped tensor, no more than eager saves.
+    torch.manual_seed(0)
+    net = _Net()
+    net.backbone = nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()
+    )
+    x = torch.randn(2, 8, 12, 12)
+    eager = _saved_maps(net.backbone, x)
+    compile_model(net, "backbone")
+    net.backbone(x).sum().backward()  # compiles
+    compiled = _saved_maps(net.backbone, x)
+    assert all(t.shape != (8, 8, 3, 3) for t in compiled), [t.shape for t in compiled]
+    assert all(t.is_contiguous() for t in compiled)
+    assert sum(t.nbytes for t in compiled) <= sum(t.nbytes for t in eager)
