@@ -79,6 +79,7 @@ def measure(
     from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 
     from dropit_core import lean_detector, set_step, to_dropit, traced
+    from rcnn_dropit.engine.compiling import compiled as as_train_compiles
 
     if repeats < 1:
         raise UsageError(f"--repeats {repeats}: allowed integers >= 1")
@@ -86,7 +87,7 @@ def measure(
     model = lean_detector(resnet_fpn_backbone(backbone_name=backbone, weights=None))
     to_dropit(model.to(device), strategy="quant", bits=4)
     if compiled:
-        model.forward = torch.compile(model.forward, dynamic=True)
+        model.forward = as_train_compiles(model.forward)
     x = torch.randn(images, 3, image_size, image_size, device=device)
     sync = torch.cuda.synchronize if x.is_cuda else lambda: None
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -55,14 +56,19 @@ def compile_model(
     if mode_error:
         raise ValueError(mode_error)
     target = net.backbone if mode == "backbone" else net
-    if backend == "inductor":
-        # torch.compile takes a mode or options, not both: the mode's options, with ours
-        options = {**_mode_options(compile_mode), "layout_optimization": False}
-        target.forward = torch.compile(target.forward, dynamic=True, options=options)
-    else:
-        target.forward = torch.compile(target.forward, dynamic=True, backend=backend)
+    target.forward = compiled(target.forward, backend, compile_mode)
     _log_first_forward(target, mode, backend if compile_mode == "default" else compile_mode)
     return target
+
+
+def compiled(fn: Callable, backend: str = "inductor", compile_mode: str = "default") -> Callable:
+    """``fn`` under ``torch.compile`` as ``train.compile`` compiles: dynamic shapes, and with
+    Inductor the maps' layout kept."""
+    if backend != "inductor":
+        return torch.compile(fn, dynamic=True, backend=backend)
+    # torch.compile takes a mode or options, not both: the mode's options, with ours
+    options = {**_mode_options(compile_mode), "layout_optimization": False}
+    return torch.compile(fn, dynamic=True, options=options)
 
 
 def _mode_options(compile_mode: str) -> dict:
