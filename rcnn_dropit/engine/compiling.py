@@ -66,16 +66,12 @@ def compiled(fn: Callable, backend: str = "inductor", compile_mode: str = "defau
     Inductor the maps' layout kept."""
     if backend != "inductor":
         return torch.compile(fn, dynamic=True, backend=backend)
+    from torch import _inductor  # imported on use: heavy, and only Inductor needs it
+
     # torch.compile takes a mode or options, not both: the mode's options, with ours
-    options = {**_mode_options(compile_mode), "layout_optimization": False}
+    options = {**_inductor.list_mode_options(compile_mode, dynamic=True)}
+    options["layout_optimization"] = False
     return torch.compile(fn, dynamic=True, options=options)
-
-
-def _mode_options(compile_mode: str) -> dict:
-    """Inductor's options of ``compile_mode`` (``torch.compile``'s ``mode``), for dynamic shapes."""
-    from torch import _inductor
-
-    return dict(_inductor.list_mode_options(compile_mode, dynamic=True))
 
 
 def _log_first_forward(module: nn.Module, mode: str, how: str) -> None:
