@@ -240,3 +240,13 @@ def refuse_double_backward() -> None:
 
 
 PACK_TAG = "_dropit_pack"  # on a DropIT pack's float tensors: compress_saved leaves them alone
+
+
+def tag_pack(packed: Packed) -> None:
+    """Mark the pack's float tensors, so that ``compress_saved`` does not compress them a second
+    time (values, minima and steps compressed already). Only a pack an autograd Function saves
+    needs it: ``compress_saved``'s hooks see what ``save_for_backward`` keeps, never what a
+    saved-tensor hook of ours returned (dropit_core.hooked), so the hooked conv skips it."""
+    for t in packed[4:]:  # bits, mask_bytes and index are integers
+        if t is not None and t.is_floating_point():
+            setattr(t, PACK_TAG, True)

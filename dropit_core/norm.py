@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import traced
-from .base import Packed, refuse_double_backward
+from .base import Packed, refuse_double_backward, tag_pack
 from .ops import InputCache
 
 
@@ -37,6 +37,7 @@ def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
 
 def _save_pack(ctx, cache: InputCache, x: torch.Tensor, *rest: torch.Tensor | None) -> None:
     packed = cache.pack(x, "conv")
+    tag_pack(packed)  # before compress_saved's hooks, if any, see its tensors
     ctx.meta, ctx.cache, ctx.rest = packed.meta, cache, len(rest)
     ctx.save_for_backward(*rest, *packed[1:])
 

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import dispatch
-from .base import PACK_TAG, Packed, Strategy, refuse_double_backward
+from .base import Packed, Strategy, refuse_double_backward, tag_pack
 from .hooked import SavedInputHooks
 from .packing import pack_blocked, zero_flagged_sliced
-from .seeds import mix_state
+from .seeds import mix_part, mix_state
 
 # The caches by number: a torch.library operator takes plain values (dropit_core.traced), and
 # names a cache by its number, for as long as the cache lives.
@@ -95,7 +95,7 @@ class InputCache:
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""
         # mix_seed(rank, stream, step, position), its first three parts folded in set_step
-        key = mix_state(self._prefix, self.position) >> 2
+        key = mix_part(self._prefix, self.position) >> 2
         self.position += 1
         return key
 
@@ -144,7 +144,6 @@ class InputCache:
             packed = self.strategy.pack(x, layout, draw, dtype)
         if packed.dropped is not None:  # a device-side sum: reading it is the caller's choice
             self.dropped = packed.dropped if self.dropped is None else self.dropped + packed.dropped
-        _tag(packed)
         setattr(key, _SHARED, (self._forward, key._version, layout, dtype, packed))
         return packed
 
@@ -176,14 +175,6 @@ class InputCache:
         self.__init__(state["strategy"], state["stream"])
         self.set_step(state["step"], state["rank"])
         self.position = state["position"]
-
-
-def _tag(packed: Packed) -> None:
-    """Mark the pack's float tensors, so that ``compress_saved`` does not compress this cache a
-    second time (its values, minima and steps are compressed already)."""
-    for t in packed[4:]:  # bits, mask_bytes and index are integers
-        if t is not None and t.is_floating_point():
-            setattr(t, PACK_TAG, True)
 
 
 class ConvArgs(NamedTuple):
@@ -227,6 +218,7 @@ def _save_pack(
         ctx.save_for_backward(weight)
         return
     packed = cache.pack(used, layout, x, used.dtype if dtype is None else dtype)
+    tag_pack(packed)  # before compress_saved's hooks, if any, see its tensors
     ctx.meta = packed.meta
     ctx.save_for_backward(weight, *packed[1:])
 

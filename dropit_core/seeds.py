@@ -34,6 +34,12 @@ def mix_seed(*parts: int) -> int:
     return mix_state(0, *parts) >> 2
 
 
+def mix_part(state: int, part: int) -> int:
+    """``mix_state(state, part)`` of one part in [0, 2**64), without the loop (each pack of each
+    layer folds in its position and its key: host time)."""
+    return _splitmix64(state ^ part)
+
+
 def mix_state(state: int, *parts: int) -> int:
     """The 64-bit state :func:`mix_seed` folds its parts into, from ``state`` on:
     ``mix_seed(a, b, c) == mix_state(mix_state(0, a, b), c) >> 2``. A caller that mixes many

@@ -41,7 +41,7 @@ from .packing import (
     unpack_codes,
 )
 from .registry import Option
-from .seeds import UNIFORM_BITS, hash_bits, hash_keys, hash_uniform, mix_seed, mix_state
+from .seeds import UNIFORM_BITS, hash_bits, hash_keys, hash_uniform, mix_part, mix_seed, mix_state
 from .select import sample_size, sample_stride, tiny
 
 
@@ -175,6 +175,7 @@ class Quant(Strategy):
         self._levels = (1 << bits) - 1
         self._inv_levels = inv_levels(bits)
         self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
+        self._kernels_take = quant_kernels_take(bits, group)  # asked per pack: answered once
 
     def draw_keys(self, key: int) -> tuple[int, int]:
         """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
@@ -204,9 +205,9 @@ class Quant(Strategy):
 
     def _pack_as(self, x: torch.Tensor, key: int, dtype: torch.dtype) -> Packed:
         """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower)."""
-        seed = mix_state(self._seed_state, key) >> 2
+        seed = mix_part(self._seed_state, key) >> 2
         cast = None if dtype == x.dtype else dtype
-        if dispatch.use_kernels(x) and quant_kernels_take(self.bits, self.group):
+        if self._kernels_take and dispatch.use_kernels(x):
             # The kernel reads memory flat: no reshape (each op here is host time on a GPU).
             codes, mins, scales = dispatch.kernels("quant").pack_contiguous(
                 x.contiguous(), self.bits, self.group, seed, cast
@@ -337,10 +338,16 @@ class Quant(Strategy):
         # several times slower than float -> int16 and int16 -> uint8 together.
         code.copy_(y.view(-1).to(torch.int16))
 
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        # Strategy.unpack's usual case without its call (every layer, every step: host time).
+        if packed.norm is None:
+            return self._unpack(packed)
+        return super().unpack(packed)
+
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype = packed.meta
         n = math.prod(shape)
-        if dispatch.use_kernels(packed.values) and quant_kernels_take(self.bits, self.group):
+        if self._kernels_take and dispatch.use_kernels(packed.values):
             return dispatch.kernels("quant").rebuild_unchecked(
                 packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
                 shape=shape,

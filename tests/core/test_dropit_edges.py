@@ -119,3 +119,29 @@ def test_compress_saved_leaves_a_converted_layers_cache_as_it_is() -> None:
     for name in want:
         torch.testing.assert_close(got[name], want[name])
     assert handle.last is not None and handle.last.packs == 0  # nothing left to compress
+
+
+class _TwoReaders(nn.Module):
+    """``x`` feeds a conv outside a compress_saved block and one inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = nn.Conv2d(3, 4, 3, padding=1)
+        self.inner = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(x) + self.inner(x)
+
+
+def test_a_pack_shared_into_a_compress_saved_block_is_not_compressed_again() -> None:
+    # The outer conv packs x through its saved-tensor hooks (no other hooks are active there),
+    # which leave the pack untagged; the inner conv, inside the block, runs its Function and
+    # saves the same pack, which compress_saved must still see as compressed already.
+    torch.manual_seed(3)
+    plain, drop = _pair(_TwoReaders(), strategy="mink", gamma=0.0, relu=False)
+    handle = compress_saved(drop.inner, min_bytes=16)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    got, want = _grads(drop, x), _grads(plain, x)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    assert handle.last is not None and handle.last.packs == 0
