@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropit_core import compress_saved, dispatch, hooked, to_dropit
 from dropit_core.base import Packed
+from dropit_core.packing import quant_buffers
 from dropit_core.timing import timed_rounds
 from instruments.measure.rows import rows_with
 from rcnn_dropit.errors import UsageError
@@ -110,7 +111,9 @@ def stubbed_launches() -> Iterator[Launches]:
 # The last two take a converted conv apart (dropit_core.hooked's path): "hooks, no pack" keeps
 # the layer's Python and its saved-tensor hooks but saves the input as it is; "pack, no rebuild"
 # packs it for real and hands the backward a ready tensor: against "layers", what the pack and
-# the rebuild each add.
+# the rebuild each add. "buffers and launches only": the least any pack of this format written
+# in Python does per layer (its three buffers and launch, the rebuild's buffer and launch; no
+# seeds, no sharing, no pack object): what the "layers" rows of its stack cannot go below.
 STACKS = (
     ("conv", "layers"),
     ("conv+relu", "layers"),
@@ -123,6 +126,8 @@ STACKS = (
     ("conv+relu", "bare Function"),
     ("conv", "hooks, no pack"),
     ("conv", "pack, no rebuild"),
+    ("conv", "buffers and launches only"),
+    ("conv+relu", "buffers and launches only"),
 )
 
 
@@ -240,7 +245,33 @@ class _PackNoRebuild(hooked.SavedInputHooks):
         return self.ready[key]
 
 
-_TAKEN_APART = {"hooks, no pack": _HooksNoPack, "pack, no rebuild": _PackNoRebuild}
+class _BuffersAndLaunches(hooked.SavedInputHooks):
+    """A converted conv's hooks that do only what no pack of the quant format can skip: its
+    three buffers and its launch, then the rebuilt input's buffer and its launch (both launches
+    stubbed, and nothing written: the backward reads an uninitialised input)."""
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t is self.weight:
+            return t
+        kernels = dispatch.kernels("quant")
+        codes, mins, scales = quant_buffers(t.numel(), 4, 256, t.device)
+        kernels._quant_codes_kernel[(1,)](t, codes, mins, scales)
+        return (t.shape, t.dtype, codes, mins, scales)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        shape, dtype, codes, mins, scales = saved
+        out = torch.empty(*shape, dtype=dtype, device=codes.device)
+        dispatch.kernels("quant")._quant_rebuild_kernel[(1,)](codes, mins, scales, out)
+        return out
+
+
+_TAKEN_APART = {
+    "hooks, no pack": _HooksNoPack,
+    "pack, no rebuild": _PackNoRebuild,
+    "buffers and launches only": _BuffersAndLaunches,
+}
 
 
 def _dropit(plain: nn.Module, dropit: str) -> nn.Module:

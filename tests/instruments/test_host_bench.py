@@ -76,6 +76,9 @@ def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:
     # A conv taken apart: its hooks alone launch nothing more; its pack alone, one per layer.
     assert extra("conv", "hooks, no pack") == 0
     assert extra("conv", "pack, no rebuild") == layers
+    # The least a pack can do launches what the real pack and rebuild launch.
+    assert extra("conv", "buffers and launches only") == extra("conv", "layers")
+    assert extra("conv+relu", "buffers and launches only") == extra("conv+relu", "layers")
 
 
 def _input_and_weight_grads(models: tuple[nn.Module, ...]) -> list[list[torch.Tensor]]:
@@ -125,6 +128,9 @@ def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts()
         ("bench-host-saved-before", "bench_host_cpu_saved_before"),
         ("bench-host-fd3fe5d", "bench_host_cpu_fd3fe5d"),
         ("bench-host-c3732d3", "bench_host_cpu_c3732d3"),
+        ("bench-host-86b6f85", "bench_host_cpu_86b6f85"),
+        ("bench-host-bfcf6e2", "bench_host_cpu_bfcf6e2"),
+        ("bench-host-db52677", "bench_host_cpu_db52677"),
         ("bench-host", "bench_host_cpu"),
     ],
 )

@@ -422,6 +422,7 @@ OTHER_BLOCKS = {
     "methods-bench-compiled": "methods_bench_compiled.json",
     "methods-bench-compiled-0bd7ce5": "methods_bench_compiled_0bd7ce5.json",
     "methods-bench-compiled-run2": "methods_bench_compiled_run2.json",
+    "methods-bench-compiled-run3": "methods_bench_compiled_run3.json",
     "methods-bench-forward": "methods_bench_forward.json",
     "methods-bench-scratch": "methods_bench_scratch.json",
     "methods-bench-speed": "methods_bench_speed.json",
