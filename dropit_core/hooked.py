@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .base import DOUBLE_BACKWARD, Packed
+from .base import Packed, refuse_double_backward
 
 _push = torch._C._autograd._push_saved_tensors_default_hooks
 _pop = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -99,11 +99,9 @@ class SavedInputHooks:
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, Packed):
             return saved
-        if torch.is_grad_enabled():  # refuse_double_backward(), inline: every layer's backward
-            raise RuntimeError(DOUBLE_BACKWARD)
-        cache = self.cache
-        cache.end_forward()  # a backward has begun: this forward's packs are no more shared
-        return cache.strategy.unpack(saved)  # cache.unpack's one call
+        refuse_double_backward()
+        self.cache.end_forward()  # a backward has begun: this forward's packs are no more shared
+        return self.cache.unpack(saved)
 
 
 def conv(

@@ -180,7 +180,11 @@ class Quant(Strategy):
     def draw_keys(self, key: int) -> tuple[int, int]:
         """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
         element indices itself reads (see :meth:`_pack_as`)."""
-        return hash_keys(mix_state(self._seed_state, key) >> 2)
+        return hash_keys(self._seed(key))
+
+    def _seed(self, key: int) -> int:
+        """The seed of the pack drawn with ``key``: ``mix_seed(seed, key)``, seed folded once."""
+        return mix_part(self._seed_state, key) >> 2
 
     def slice_len(self) -> int:
         """Elements per slice: whole groups and whole code bytes."""
@@ -205,7 +209,7 @@ class Quant(Strategy):
 
     def _pack_as(self, x: torch.Tensor, key: int, dtype: torch.dtype) -> Packed:
         """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower)."""
-        seed = mix_part(self._seed_state, key) >> 2
+        seed = self._seed(key)
         cast = None if dtype == x.dtype else dtype
         if self._kernels_take and dispatch.use_kernels(x):
             # The kernel reads memory flat: no reshape (each op here is host time on a GPU).
@@ -338,12 +342,6 @@ class Quant(Strategy):
         # several times slower than float -> int16 and int16 -> uint8 together.
         code.copy_(y.view(-1).to(torch.int16))
 
-    def unpack(self, packed: Packed) -> torch.Tensor:
-        # Strategy.unpack's usual case without its call (every layer, every step: host time).
-        if packed.norm is None:
-            return self._unpack(packed)
-        return super().unpack(packed)
-
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype = packed.meta
         n = math.prod(shape)
@@ -397,7 +395,7 @@ class Quant(Strategy):
         ``dropit_core.saved.CompressSaved`` keeps. One launch on the kernel path (a group of
         whole flag bytes), else the pack and two flag passes."""
         if self._signed_kernels(x):
-            seed = mix_state(self._seed_state, key) >> 2
+            seed = self._seed(key)
             codes, mins, scales, zero, negative = dispatch.kernels("quant").pack_contiguous(
                 x.contiguous(), self.bits, self.group, seed, signs=True
             )
@@ -426,11 +424,7 @@ class Quant(Strategy):
 
     def _signed_kernels(self, t: torch.Tensor) -> bool:
         # The flags' bytes must not straddle two programs' groups: groups of whole flag bytes.
-        return (
-            dispatch.use_kernels(t)
-            and quant_kernels_take(self.bits, self.group)
-            and self.group % 8 == 0
-        )
+        return self._kernels_take and dispatch.use_kernels(t) and self.group % 8 == 0
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"bits={self.bits}", f"group={self.group}")

@@ -299,12 +299,11 @@ def rebuild_unchecked(
     """:func:`quant_rebuild` without its argument checks, for a pack that
     :func:`pack_contiguous` made (``Quant``'s rebuild of every layer: host time); ``shape``
     (of n values): the output's, allocated so (no view after)."""
-    # The sizes as separate ints: torch.empty parses them about a microsecond faster than a
-    # tuple of them (a 0-d shape has none to pass).
-    if shape:
-        out = torch.empty(*shape, dtype=dtype, device=codes.device)
-    else:
-        out = torch.empty(n if shape is None else (), dtype=dtype, device=codes.device)
+    sizes = (n,) if shape is None else shape
+    if sizes:  # as separate ints: torch.empty parses them faster than a tuple of them (timeit)
+        out = torch.empty(*sizes, dtype=dtype, device=codes.device)
+    else:  # 0-d
+        out = torch.empty((), dtype=dtype, device=codes.device)
     if n == 0:
         return out
     rows, constants = _rebuild_constants(bits, group, block, dtype, signs is not None)

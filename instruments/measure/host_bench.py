@@ -253,8 +253,8 @@ class _BuffersAndLaunches(hooked.SavedInputHooks):
     def pack(self, t: torch.Tensor) -> Any:
         if t is self.weight:
             return t
-        kernels = dispatch.kernels("quant")
-        codes, mins, scales = quant_buffers(t.numel(), 4, 256, t.device)
+        kernels, quant = dispatch.kernels("quant"), self.cache.strategy
+        codes, mins, scales = quant_buffers(t.numel(), quant.bits, quant.group, t.device)
         kernels._quant_codes_kernel[(1,)](t, codes, mins, scales)
         return (t.shape, t.dtype, codes, mins, scales)
 

@@ -69,9 +69,8 @@ def compiled(fn: Callable, backend: str = "inductor", compile_mode: str = "defau
     from torch import _inductor  # imported on use: heavy, and only Inductor needs it
 
     # torch.compile takes a mode or options, not both: the mode's options, with ours
-    options = {**_inductor.list_mode_options(compile_mode, dynamic=True)}
-    options["layout_optimization"] = False
-    return torch.compile(fn, dynamic=True, options=options)
+    options = _inductor.list_mode_options(compile_mode, dynamic=True)
+    return torch.compile(fn, dynamic=True, options={**options, "layout_optimization": False})
 
 
 def _log_first_forward(module: nn.Module, mode: str, how: str) -> None:
