@@ -21,6 +21,9 @@ keyed by the order of the packs, are the same too.
   last reader, the last RoI pooler of the heads, empties it once it has pooled
   (:class:`LeanMultiScaleRoIAlign`): the mask head runs without P2-P6 alive. The padded image
   batch goes once the backbone has run: the heads read its shape alone.
+- :class:`LeanMultiScaleRoIAlign` under autocast pools a level a few images at a time, so the
+  fp32 copy ``roi_align`` makes of what it reads is never more than one image's finest level
+  (torchvision's copies the whole level); the same bits under CPU autocast too.
 
 A dict is consumed only inside these forwards: a user who calls ``model.backbone.fpn(maps)`` or
 ``model.roi_heads(features, ...)`` with a dict of their own gets it back untouched. TorchScript
@@ -43,8 +46,13 @@ from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
 from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.keypoint_rcnn import KeypointRCNN
 from torchvision.models.detection.mask_rcnn import MaskRCNN
+from torchvision.ops import roi_align
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
-from torchvision.ops.poolers import MultiScaleRoIAlign
+from torchvision.ops.poolers import (
+    MultiScaleRoIAlign,
+    _convert_to_roi_format,  # torchvision's own, so the RoIs are made as its pooler makes them
+    _setup_scales,
+)
 
 
 class ConsumableMaps(OrderedDict):
@@ -148,15 +156,86 @@ class LeanBackboneWithFPN(BackboneWithFPN):
 
 class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
     """torchvision's RoI pooler; when it is the last reader of handed-over maps, it empties them
-    once it has pooled."""
+    once it has pooled.
+
+    Under autocast, ``roi_align`` pools in fp32: it casts the whole level it reads to fp32 first,
+    and at the finest level that copy (twice the fp16 map) was the largest block at the forward
+    peak of an H200 step (docs/results/gpu_h200_2026-11-28/probe_live.log). Here each level is
+    pooled a few images at a time, so that no copy is larger than one image's finest level in
+    fp32. Each RoI's bins read its own image alone and the pooled values are cast back as
+    torchvision does, so outputs and gradients are bit for bit torchvision's; without autocast
+    (fp32, or a half model) nothing is copied and torchvision's own forward runs.
+    """
 
     def forward(
         self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]
     ) -> Tensor:
-        out = super().forward(x, boxes, image_shapes)
+        maps = [v for k, v in x.items() if k in self.featmap_names]
+        if _autocast_copies(maps) and not torch.compiler.is_compiling():
+            if self.scales is None or self.map_levels is None:
+                self.scales, self.map_levels = _setup_scales(
+                    maps, image_shapes, self.canonical_scale, self.canonical_level
+                )
+            out = self._pool_by_image(maps, boxes)
+        else:
+            out = super().forward(x, boxes, image_shapes)
+        del maps
         if isinstance(x, ConsumableMaps) and x.last_reader is self:
             x.clear()
         return out
+
+    def _pool_by_image(self, maps: list[Tensor], boxes: list[Tensor]) -> Tensor:
+        """torchvision's ``_multiscale_roi_align``, each level pooled in groups of images."""
+        rois = _convert_to_roi_format(boxes)
+        images, levels_n = len(boxes), len(maps)
+        if levels_n == 1:
+            levels = torch.zeros(len(rois), dtype=torch.int64, device=rois.device)
+        else:
+            levels = self.map_levels(boxes)
+        # RoIs sorted by (level, image), stable: each group's RoIs are one slice of ``order``,
+        # in the order torchvision pools them. One host sync for all levels (torchvision's
+        # ``torch.where`` makes one per level).
+        key = levels * images + rois[:, 0].to(torch.int64)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=levels_n * images).tolist()
+        first = maps[0]
+        result = first.new_zeros((len(rois), first.shape[1], *self.output_size))
+        finest = first[0].numel()  # the largest fp32 copy allowed: one image's finest level
+        start = 0
+        for level, (fmap, scale) in enumerate(zip(maps, self.scales, strict=True)):
+            group = max(1, finest // max(1, fmap[0].numel()))
+            # One split per level: its backward is a single concatenation of the groups'
+            # gradients, where a slice per group would each scatter into a whole-level zero map.
+            parts = fmap.split(group) if group < images else (fmap,)
+            empty = sum(counts[level * images : (level + 1) * images]) == 0
+            for index, part in enumerate(parts):
+                lo = index * group
+                n = sum(counts[level * images + lo : level * images + lo + len(part)])
+                # Images no RoI reads here get zeros from the split's backward, as from
+                # torchvision's pooling; a level no RoI reads still gets its zero gradient.
+                if n == 0 and not (empty and index == 0):
+                    continue
+                picked = order[start : start + n]
+                start += n
+                part_rois = rois[picked]
+                if lo:
+                    part_rois = part_rois - part_rois.new_tensor([lo, 0.0, 0.0, 0.0, 0.0])
+                pooled = roi_align(
+                    part,
+                    part_rois,
+                    output_size=self.output_size,
+                    spatial_scale=scale,
+                    sampling_ratio=self.sampling_ratio,
+                )
+                result[picked] = pooled.to(result.dtype)
+        return result
+
+
+def _autocast_copies(maps: list[Tensor]) -> bool:
+    """Whether autocast would cast these maps to fp32 inside ``roi_align``."""
+    if not maps or maps[0].dtype == torch.float32:
+        return False
+    return torch.is_autocast_enabled(maps[0].device.type)
 
 
 def last_pooler(roi_heads: nn.Module) -> nn.Module | None:

@@ -8,11 +8,13 @@ import copy
 import gc
 import weakref
 from collections import OrderedDict
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torchvision.models.detection import MaskRCNN
+from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 
 from dropit_core import lean_detector, set_step
@@ -25,6 +27,7 @@ from dropit_core.lean_detection import (
 )
 from rcnn_dropit.config import config_from_dict
 from rcnn_dropit.models import build_model
+from tests.core.allocations import allocations
 
 SIZE = 96  # a multiple of 32: every top-down step is an exact 2x
 MODEL = {
@@ -117,6 +120,70 @@ def test_with_checkpointed_stages_the_gradients_are_the_same() -> None:
 def test_from_scratch_with_batchnorm_and_v2_heads_the_gradients_are_the_same() -> None:
     lean, plain = _models(norm="bn", trainable_layers=5, heads="v2")
     _assert_same_step(lean, plain)
+
+
+def test_under_cpu_autocast_the_losses_and_gradients_are_torchvisions(monkeypatch) -> None:
+    """bf16 autocast: the poolers take their image-by-image path and the step is still exact."""
+    pooled = []
+    by_image = LeanMultiScaleRoIAlign._pool_by_image
+    monkeypatch.setattr(
+        LeanMultiScaleRoIAlign,
+        "_pool_by_image",
+        lambda self, *a: pooled.append(self) or by_image(self, *a),
+    )
+    lean, plain = _models()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same_step(lean, plain)
+    heads = lean.roi_heads
+    assert pooled == [heads.box_roi_pool, heads.mask_roi_pool]
+
+
+def _pyramid_and_boxes(sides: list[list[float]]) -> tuple[OrderedDict, list]:
+    """P2-P5 of a 512-px batch (one image per entry of ``sides``) and square boxes of those
+    sides: 20 px pools from P2, 150 from P3, 300 from P4, 480 from P5."""
+    gen = torch.Generator().manual_seed(0)
+    maps = OrderedDict(
+        (str(i), torch.randn(len(sides), 4, 128 >> i, 128 >> i, generator=gen)) for i in range(4)
+    )
+    boxes = []
+    for image_sides in sides:
+        side = torch.tensor(image_sides).reshape(-1, 1)
+        corner = torch.rand(len(image_sides), 2, generator=gen) * (512 - side)
+        boxes.append(torch.cat([corner, corner + side], 1))
+    return maps, boxes
+
+
+@pytest.mark.parametrize(
+    "sides",
+    [
+        [[20, 150, 300, 480, 25], [], [480, 20, 20, 150]],  # every level, an image without RoIs
+        [[20, 30], [150, 40]],  # P4 and P5 read by no RoI
+        [[], []],  # no RoI at all
+    ],
+)
+def test_under_autocast_the_pooler_copies_one_image_at_a_time_bit_for_bit(sides) -> None:
+    """roi_align pools in fp32 under autocast: torchvision casts each whole level first, the lean
+    pooler one image of the finest level at a time (or as many of a coarser level as make that
+    size); the pooled maps and the levels' gradients are the same bits."""
+    maps, boxes = _pyramid_and_boxes(sides)
+    images = len(sides)
+    runs = []
+    for cls in (LeanMultiScaleRoIAlign, MultiScaleRoIAlign):
+        pooler = cls(["0", "1", "2", "3"], 7, 2)
+        pyramid = OrderedDict((k, v.bfloat16().requires_grad_()) for k, v in maps.items())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, seen = allocations(partial(pooler, pyramid, boxes, [(512, 512)] * images))
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        (out * grad.to(out.dtype)).sum().backward()
+        runs.append((out, [v.grad for v in pyramid.values()], seen.largest))
+    (out, grads, largest), (ref_out, ref_grads, ref_largest) = runs
+    assert out.dtype == torch.bfloat16 and out.shape == (sum(map(len, sides)), 4, 7, 7)
+    assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16))
+    for g, ref in zip(grads, ref_grads, strict=True):
+        assert torch.equal(g.view(torch.int16), ref.view(torch.int16))
+    one_image = 4 * 128 * 128 * 4  # P2 of one image in fp32
+    if any(sides):
+        assert largest == one_image and ref_largest == images * one_image
 
 
 def test_eval_detections_are_torchvisions() -> None:
