@@ -3,11 +3,12 @@
 #
 # Run from the checkout's root on a machine whose python3 already has torch, torchvision and
 # triton for its GPU: `bash tools/gpu_session.sh [SECONDS]` (default 540). In order of what
-# matters most now: the forward's live tensors at its peak (tools/gpu_probe.py --what live) and
-# the GPU table (make bench-gpu, smaller: 5 timed steps, 1 draw, batches searched up to 128
-# images; the current issue's rows first), then the GPU test tier and the kernels compiled for
-# the GPU (side by side, both only check values), then the from-scratch rows on CUDA, the
-# per-pass op costs and the other probes (the peak's blocks, a quant step's Python).
+# matters most now: the forward's live tensors at its peak (tools/gpu_probe.py --what live),
+# issue 39's rows of the GPU table with their largest batch (make bench-gpu, smaller: 5 timed
+# steps, 1 draw, batches searched up to 128 images), issue 40's compiled rows, then the GPU
+# test tier and the kernels compiled for the GPU (side by side, both only check values), the
+# table's other rows (no batch search), the host-time and fusion rows, the from-scratch rows on
+# CUDA, the per-pass op costs and the other probes (the peak's blocks, a quant step's Python).
 # Each stage gets what is left of the deadline, so a lease that ends early still leaves every
 # finished stage's log; the GPU table writes its step columns before its batch search. If the
 # table fails within a minute (a kernel that does not compile), it runs again with
@@ -49,41 +50,27 @@ stage() {
 } >"$summary" 2>&1
 
 # 0. The forward's floor (issue 39), first: the tensors alive at the forward's peak by the line
-# that made them, with the toolkit's forward and torchvision's, then the rows that compare them.
-stage probe_live 120 python3 tools/gpu_probe.py --what live --device cuda --images 8 --top 25 \
-  --settings baseline baseline_torchvision_forward quant_4bit quant_4bit_torchvision_forward
-settings="baseline baseline_torchvision_forward quant_4bit quant_2bit checkpoint_stages"
-settings="$settings checkpoint_stages_quant_4bit quant_4bit_torchvision_forward"
-settings="$settings baseline_torchvision_bn baseline_torchvision_fpn mink_0.8 threshold_0.8"
-settings="$settings accumulate_2 accumulate_4"  # make bench-gpu's GPU_METHODS, in its order
+# that made them, then issue 39's rows with their largest batch (the search is most of the time).
+stage probe_live 90 python3 tools/gpu_probe.py --what live --device cuda --images 8 --top 25 \
+  --settings baseline quant_4bit checkpoint_stages_quant_4bit
 table=(python3 tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8
-  --repeats 5 --draws 1 --max-batch 16000 --batch-limit 128 --quiet-machine)
+  --repeats 5 --draws 1 --quiet-machine)
+first="baseline quant_4bit checkpoint_stages checkpoint_stages_quant_4bit quant_2bit"
 t0=$(date +%s)
 # shellcheck disable=SC2086  # the settings are words
-if ! stage bench_gpu $(($(left) * 60 / 100)) "${table[@]}" --settings $settings \
-  --json "$OUT/bench_gpu.json" && [ -f "$OUT/bench_gpu.log" ] && [ $(($(date +%s) - t0)) -lt 60 ]; then
-  DROPIT_KERNELS=eager stage bench_gpu_eager $(($(left) * 60 / 100)) "${table[@]}" \
-    --settings $settings --json "$OUT/bench_gpu_eager.json"
+if ! stage bench_gpu $(($(left) * 40 / 100)) "${table[@]}" --max-batch 16000 --batch-limit 128 \
+  --settings $first --json "$OUT/bench_gpu.json" && [ -f "$OUT/bench_gpu.log" ] &&
+  [ $(($(date +%s) - t0)) -lt 60 ]; then
+  DROPIT_KERNELS=eager stage bench_gpu_eager $(($(left) * 40 / 100)) "${table[@]}" \
+    --max-batch 16000 --batch-limit 128 --settings $first --json "$OUT/bench_gpu_eager.json"
 fi
 
-# 0a. Issue 40's host time: the eager 4-bit step with every conv on its autograd Function
-# (DROPIT_HOOKED=0), what the table's quant_4bit ran before dropit_core.hooked; steps only.
-DROPIT_HOOKED=0 stage bench_gpu_function $(($(left) * 10 / 100)) python3 tools/bench.py \
-  --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 --repeats 5 --draws 1 \
-  --batch-limit 0 --quiet-machine --settings baseline quant_4bit \
-  --json "$OUT/bench_gpu_function.json"
-
-# 0b. Issue 40's compiled rows: the backbone through Inductor, plain and 4-bit, beside the eager
-# ones (no largest-batch search: each batch size would compile again).
-stage bench_gpu_compiled $(($(left) * 25 / 100)) python3 tools/bench.py --gpu-table --device cuda \
-  --amp fp16 --image-size 800 --images 2 8 --repeats 5 --draws 1 --batch-limit 0 --quiet-machine \
+# 0a. Issue 40's compiled rows: the backbone through Inductor, plain and 4-bit, beside the eager
+# ones (no largest-batch search: each batch size would compile again). Compiling twice at two
+# batch sizes took more than 40 s on an H200 (2026-11-28): half of what is left.
+stage bench_gpu_compiled $(($(left) * 50 / 100)) "${table[@]}" --batch-limit 0 \
   --settings baseline baseline_compiled quant_4bit quant_4bit_compiled \
   --json "$OUT/bench_gpu_compiled.json"
-
-# 0c. The same backbone compiled with its packs and ReLU masks opaque, then fused into Inductor's
-# Triton kernels (DROPIT_FUSE): compile seconds, kernels built, step time at 8 images.
-stage bench_fusion_gpu $(($(left) * 15 / 100)) python3 tools/bench.py --fusion --device cuda \
-  --image-size 800 --images 8 --repeats 10 --quiet-machine --json "$OUT/bench_fusion_gpu.json"
 
 # 1. Values: the GPU tier and the kernels compiled for this GPU, side by side.
 tier=$(($(left) * 40 / 100))
@@ -92,6 +79,24 @@ stage tests_kernels "$tier" python3 -m pytest -rs -p no:cacheprovider -n 6 \
   tests/core/test_dropit_kernels.py tests/core/test_dropit_compact.py &
 wait
 grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"$summary" 2>/dev/null
+
+# 1a. The rest of make bench-gpu's GPU_METHODS, steps and peaks only, with a baseline of their
+# own for the ratios.
+rest="baseline baseline_torchvision_forward quant_4bit_torchvision_forward baseline_torchvision_bn"
+rest="$rest baseline_torchvision_fpn mink_0.8 threshold_0.8 accumulate_2 accumulate_4"
+# shellcheck disable=SC2086  # the settings are words
+stage bench_gpu_rest $(($(left) * 50 / 100)) "${table[@]}" --batch-limit 0 --settings $rest \
+  --json "$OUT/bench_gpu_rest.json"
+
+# 1b. Issue 40's host time: the eager 4-bit step with every conv on its autograd Function
+# (DROPIT_HOOKED=0), what the table's quant_4bit ran before dropit_core.hooked; steps only.
+DROPIT_HOOKED=0 stage bench_gpu_function $(($(left) * 20 / 100)) "${table[@]}" --batch-limit 0 \
+  --settings baseline quant_4bit --json "$OUT/bench_gpu_function.json"
+
+# 1c. The same backbone compiled with its packs and ReLU masks opaque, then fused into Inductor's
+# Triton kernels (DROPIT_FUSE): compile seconds, kernels built, step time at 8 images.
+stage bench_fusion_gpu $(($(left) * 20 / 100)) python3 tools/bench.py --fusion --device cuda \
+  --image-size 800 --images 8 --repeats 10 --quiet-machine --json "$OUT/bench_fusion_gpu.json"
 
 # 2. The host's cost of one launch: an aten op, a bare Triton launch, each DropIT wrapper.
 stage probe_launch 90 python3 tools/gpu_probe.py --what launch

@@ -289,12 +289,20 @@ def test_make_bench_gpu_writes_one_file_of_the_issues_settings_and_its_table() -
 
 
 def test_the_lease_script_measures_make_bench_gpus_settings() -> None:
-    """tools/gpu_session.sh runs a smaller make bench-gpu: the same settings, in its order."""
+    """tools/gpu_session.sh runs a smaller make bench-gpu: every one of its settings, the current
+    issue's first (with the largest-batch search), the rest later, each part with a baseline."""
     import re
 
     script = (REPO / "tools/gpu_session.sh").read_text()
-    parts = re.findall(r'^settings="(?:\$settings )?([^"]*)"', script, flags=re.M)
-    assert " ".join(parts).split() == GPU_METHODS
+    parts = {
+        name: re.findall(rf'^{name}="(?:\${name} )?([^"]*)"', script, flags=re.M)
+        for name in ("first", "rest")
+    }
+    first, rest = (" ".join(parts[name]).split() for name in ("first", "rest"))
+    assert first[0] == rest[0] == "baseline"
+    measured = first + rest[1:]
+    assert sorted(measured) == sorted(GPU_METHODS) and len(set(measured)) == len(measured)
+    assert script.index("--settings $first") < script.index("--settings $rest")
 
 
 def test_memory_md_holds_the_gpu_table_or_says_it_has_not_run() -> None:
