@@ -50,9 +50,12 @@ stage() {
 } >"$summary" 2>&1
 
 # 0. The forward's floor (issue 39), first: the tensors alive at the forward's peak by the line
-# that made them, then issue 39's rows with their largest batch (the search is most of the time).
+# that made them, the RoI poolers alone (torchvision's against the lean one's), then issue 39's
+# rows with their largest batch (the search is most of the time).
 stage probe_live 90 python3 tools/gpu_probe.py --what live --device cuda --images 8 --top 25 \
   --settings baseline quant_4bit checkpoint_stages_quant_4bit
+stage bench_pooler_gpu 60 python3 tools/bench.py --pooler --device cuda --images 2 8 \
+  --image-size 800 --repeats 10 --json "$OUT/bench_pooler_gpu.json"
 table=(python3 tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8
   --repeats 5 --draws 1 --quiet-machine)
 first="baseline quant_4bit checkpoint_stages checkpoint_stages_quant_4bit quant_2bit"

@@ -12,6 +12,7 @@ python tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --im
     --settings baseline quant_4bit --json bench_gpu.json   # the GPU table (make bench-gpu)
 python tools/bench.py --widths                 # the narrow CPU model vs torchvision's widths
 python tools/bench.py --ops                    # each pass of the pack and rebuild, one 4Mi slice
+python tools/bench.py --pooler --images 2 8     # the RoI poolers under autocast: bytes and ms
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_cli(lambda: _ops(args.device, args.repeats, args.json))
     if args.host:
         return run_cli(lambda: _host(args.repeats, args.json))
+    if args.pooler:
+        return run_cli(lambda: _pooler(args))
     if args.fusion:
         return run_cli(lambda: _fusion(args, args.quiet_machine))
     if args.gpu_table:
@@ -198,6 +201,14 @@ def _parser() -> argparse.ArgumentParser:
         "conv + ReLU, conv + BatchNorm + ReLU with DropIT norms or saved-tensor hooks) with the "
         "Triton launches stubbed out, against the plain layers: the Python a GPU step waits "
         "on, measured on any machine",
+    )
+    parser.add_argument(
+        "--pooler",
+        action="store_true",
+        help="instead: the RoI poolers under autocast (--amp, default fp16 on CUDA, bf16 on the "
+        "CPU), torchvision's and the lean one, on a pyramid of --images batches of --image-size "
+        "px: the bytes at the forward's and the backward's peak, the milliseconds of both, "
+        "and whether the lean one's bits are torchvision's",
     )
     parser.add_argument(
         "--fusion",
@@ -377,6 +388,7 @@ def _markdown(
         read_methods_json,
         splice,
     )
+    from instruments.measure.pooler_bench import is_pooler_rows, pooler_markdown
     from instruments.measure.step_bench import is_step_rows, markdown_table
 
     try:
@@ -393,6 +405,10 @@ def _markdown(
         if summary:
             raise UsageError("--summary: one line per method of a methods table, not --host rows")
         table = host_markdown(data)
+    elif is_pooler_rows(data):
+        if summary:
+            raise UsageError("--summary: one line per method of a methods table, not --pooler rows")
+        table = pooler_markdown(data)
     elif is_step_rows(data):
         if summary:
             raise UsageError("--summary: one line per method of a methods table, not --json rows")
@@ -471,6 +487,23 @@ def _host(repeats: int, out: Path | None) -> None:
         print(json.dumps(row), flush=True)
     if out:
         out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _pooler(args: argparse.Namespace) -> None:
+    """The RoI poolers under autocast, torchvision's and the lean one: JSON lines."""
+    from instruments.measure.pooler_bench import pooler_costs
+
+    rows = pooler_costs(
+        images=tuple(args.images or (2, 8)),
+        image_size=args.image_size,
+        device=args.device,
+        amp=None if args.amp == "none" else args.amp,
+        repeats=max(args.repeats, 3),
+    )
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 def _fusion(args: argparse.Namespace, quiet: bool) -> None:
