@@ -22,8 +22,9 @@ keyed by the order of the packs, are the same too.
   (:class:`LeanMultiScaleRoIAlign`): the mask head runs without P2-P6 alive. The padded image
   batch goes once the backbone has run: the heads read its shape alone.
 - :class:`LeanMultiScaleRoIAlign` under autocast pools a level a few images at a time, so the
-  fp32 copy ``roi_align`` makes of what it reads is never more than one image's finest level
-  (torchvision's copies the whole level); the same bits under CPU autocast too.
+  fp32 copy ``roi_align`` makes of what it reads, and the fp32 gradient of it in the backward,
+  are never more than one image's finest level (torchvision's are the whole level's); the
+  same bits under CPU autocast too.
 
 A dict is consumed only inside these forwards: a user who calls ``model.backbone.fpn(maps)`` or
 ``model.roi_heads(features, ...)`` with a dict of their own gets it back untouched. TorchScript
@@ -39,14 +40,15 @@ from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
+import torchvision
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FasterRCNN
 from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
 from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.keypoint_rcnn import KeypointRCNN
 from torchvision.models.detection.mask_rcnn import MaskRCNN
-from torchvision.ops import roi_align
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 from torchvision.ops.poolers import (
     MultiScaleRoIAlign,
@@ -160,10 +162,11 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
 
     Under autocast, ``roi_align`` pools in fp32: it casts the whole level it reads to fp32 first,
     and at the finest level that copy (twice the fp16 map) was the largest block at the forward
-    peak of an H200 step (docs/results/gpu_h200_2026-11-28/probe_live.log). Here each level is
-    pooled a few images at a time, so that no copy is larger than one image's finest level in
-    fp32. Each RoI's bins read its own image alone and the pooled values are cast back as
-    torchvision does, so outputs and gradients are bit for bit torchvision's; without autocast
+    peak of an H200 step (docs/results/gpu_h200_2026-11-28/probe_live.log); its backward makes
+    the level's gradient in fp32 beside its cast. Here each level is pooled a few images at a
+    time (:class:`_PoolByImage`), so that no copy or fp32 gradient is larger than one image's
+    finest level. Each RoI's bins read its own image alone and every value takes torchvision's
+    casts and kernels, so outputs and gradients are bit for bit torchvision's; without autocast
     (fp32, or a half model) nothing is copied and torchvision's own forward runs.
     """
 
@@ -198,44 +201,110 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
         key = levels * images + rois[:, 0].to(torch.int64)
         order = torch.argsort(key, stable=True)
         counts = torch.bincount(key, minlength=levels_n * images).tolist()
-        first = maps[0]
-        result = first.new_zeros((len(rois), first.shape[1], *self.output_size))
-        finest = first[0].numel()  # the largest fp32 copy allowed: one image's finest level
-        start = 0
-        for level, (fmap, scale) in enumerate(zip(maps, self.scales, strict=True)):
+        finest = maps[0][0].numel()  # the largest fp32 copy allowed: one image's finest level
+        plan, start = [], 0
+        for level, fmap in enumerate(maps):
             group = max(1, finest // max(1, fmap[0].numel()))
-            # One split per level: its backward is a single concatenation of the groups'
-            # gradients, where a slice per group would each scatter into a whole-level zero map.
-            parts = fmap.split(group) if group < images else (fmap,)
-            empty = sum(counts[level * images : (level + 1) * images]) == 0
-            for index, part in enumerate(parts):
-                lo = index * group
-                n = sum(counts[level * images + lo : level * images + lo + len(part)])
-                # Images no RoI reads here get zeros from the split's backward, as from
-                # torchvision's pooling; a level no RoI reads still gets its zero gradient.
-                if n == 0 and not (empty and index == 0):
-                    continue
-                picked = order[start : start + n]
-                start += n
-                part_rois = rois[picked]
-                if lo:
-                    part_rois = part_rois - part_rois.new_tensor([lo, 0.0, 0.0, 0.0, 0.0])
-                pooled = roi_align(
-                    part,
-                    part_rois,
-                    output_size=self.output_size,
-                    spatial_scale=scale,
-                    sampling_ratio=self.sampling_ratio,
-                )
-                result[picked] = pooled.to(result.dtype)
+            parts = []
+            for lo in range(0, images, group):
+                hi = min(images, lo + group)
+                n = sum(counts[level * images + lo : level * images + hi])
+                if n:  # images no RoI reads here get zeros in the backward, as torchvision's
+                    parts.append((lo, hi, start, start + n))
+                    start += n
+            plan.append(parts)
+        meta = (tuple(self.scales), tuple(self.output_size), self.sampling_ratio, plan)
+        return _PoolByImage.apply(meta, rois, order, *maps)
+
+
+class _PoolByImage(torch.autograd.Function):
+    """torchvision's multi-level ``roi_align`` under autocast, a group of images at a time.
+
+    Autocast's ``roi_align`` casts the level it reads to fp32, pools, and casts the pooled maps
+    back; here each group of images of a level is cast, pooled and written into the result in
+    turn, so one group's fp32 copy is alive at a time. The backward makes each level's gradient
+    once, in the level's dtype, and fills it group by group from that group's fp32 gradient
+    (torchvision's kernel, ``_roi_align_backward``), where torchvision's holds the level's whole
+    fp32 gradient beside its cast. Every value takes the same casts and kernels as torchvision's.
+    ``meta``: (scales, output size, sampling ratio, per level its groups (lo, hi, start, end):
+    images lo:hi, RoIs ``order[start:end]``).
+    """
+
+    @staticmethod
+    def forward(ctx, meta, rois: Tensor, order: Tensor, *maps: Tensor) -> Tensor:
+        scales, size, sampling_ratio, plan = meta
+        ctx.meta = meta
+        ctx.maps = [(m.shape, m.dtype) for m in maps]
+        ctx.save_for_backward(rois, order)
+        result = maps[0].new_zeros((len(rois), maps[0].shape[1], *size))
+        with torch.autocast(maps[0].device.type, enabled=False):
+            for fmap, scale, parts in zip(maps, scales, plan, strict=True):
+                for lo, hi, start, end in parts:
+                    picked = order[start:end]
+                    part = fmap[lo:hi].float()
+                    pooled = torch.ops.torchvision.roi_align(
+                        part,
+                        _shifted(rois[picked], lo).float(),
+                        scale,
+                        *size,
+                        sampling_ratio,
+                        False,
+                    )
+                    del part  # the fp32 copy goes before the next group's is made
+                    result[picked] = pooled.to(fmap.dtype).to(result.dtype)
+                    del pooled
         return result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        scales, size, sampling_ratio, plan = ctx.meta
+        rois, order = ctx.saved_tensors
+        grads = []
+        for (shape, dtype), scale, parts, needed in zip(
+            ctx.maps, scales, plan, ctx.needs_input_grad[3:], strict=True
+        ):
+            if not needed:
+                grads.append(None)
+                continue
+            grad_map = grad.new_empty(shape, dtype=dtype)
+            done = 0
+            for lo, hi, start, end in parts:
+                grad_map[done:lo].zero_()
+                picked = order[start:end]
+                part = torch.ops.torchvision._roi_align_backward(
+                    grad[picked].to(dtype).float(),
+                    _shifted(rois[picked], lo).float(),
+                    scale,
+                    *size,
+                    hi - lo,
+                    *shape[1:],
+                    sampling_ratio,
+                    False,
+                )
+                grad_map[lo:hi].copy_(part)
+                del part
+                done = hi
+            grad_map[done:].zero_()
+            grads.append(grad_map)
+        return (None, None, None, *grads)
+
+
+def _shifted(rois: Tensor, lo: int) -> Tensor:
+    """RoIs of images ``lo``.. renumbered from 0 (the batch index is their first column)."""
+    return rois - rois.new_tensor([lo, 0.0, 0.0, 0.0, 0.0]) if lo else rois
 
 
 def _autocast_copies(maps: list[Tensor]) -> bool:
-    """Whether autocast would cast these maps to fp32 inside ``roi_align``."""
-    if not maps or maps[0].dtype == torch.float32:
+    """Whether autocast would cast these maps to fp32 inside torchvision's compiled
+    ``roi_align`` (with deterministic algorithms on a GPU, torchvision pools in Python: its own
+    forward runs then)."""
+    if not maps or maps[0].dtype == torch.float32 or not torchvision.extension._has_ops():
         return False
-    return torch.is_autocast_enabled(maps[0].device.type)
+    device = maps[0].device.type
+    if device != "cpu" and torch.are_deterministic_algorithms_enabled():
+        return False
+    return torch.is_autocast_enabled(device)
 
 
 def last_pooler(roi_heads: nn.Module) -> nn.Module | None:

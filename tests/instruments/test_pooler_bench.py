@@ -28,14 +28,17 @@ def test_the_pyramid_and_rois_have_the_recipes_shapes() -> None:
 
 
 def test_the_lean_pooler_copies_one_image_and_keeps_the_bits() -> None:
-    """3 images, few RoIs: the whole-level fp32 copy is most of torchvision's forward peak."""
+    """3 images, few RoIs: the whole level's fp32 copy, and in the backward its fp32 gradient,
+    are most of torchvision's peaks."""
     ref, lean = _compare("box", 7, 3, 8, 128, torch.bfloat16, torch.device("cpu"), 1)
     assert ref["forward"] == "torchvision" and lean["forward"] == "lean"
     assert lean["same_bits"] is True and lean["rois"] == 24
     level_copy = 3 * 256 * 32 * 48 * 4 / 2**20  # P2 of the batch in fp32
     assert ref["forward_peak_mb"] >= level_copy
     assert lean["forward_peak_mb"] < ref["forward_peak_mb"] - level_copy * 2 / 3 + 0.5
-    assert lean["backward_peak_mb"] <= ref["backward_peak_mb"]
+    # torchvision's backward holds the level's fp32 gradient beside its cast, the lean one one
+    # image's (then the next's)
+    assert lean["backward_peak_mb"] < ref["backward_peak_mb"] - level_copy * 2 / 3 + 0.5
     assert math.isclose(
         lean["forward_peak_ratio"], lean["forward_peak_mb"] / ref["forward_peak_mb"]
     )

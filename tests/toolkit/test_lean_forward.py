@@ -136,6 +136,12 @@ def test_under_cpu_autocast_the_losses_and_gradients_are_torchvisions(monkeypatc
         _assert_same_step(lean, plain)
     heads = lean.roi_heads
     assert pooled == [heads.box_roi_pool, heads.mask_roi_pool]
+    for model in (lean, plain):
+        model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = lean(_batch()[0]), plain(_batch()[0])
+    assert len(pooled) == 4 and all(d["masks"].numel() for d in a)
+    assert all(torch.equal(da[k], db[k]) for da, db in zip(a, b, strict=True) for k in da)
 
 
 def _pyramid_and_boxes(sides: list[list[float]]) -> tuple[OrderedDict, list]:
