@@ -235,7 +235,9 @@ class _PoolByImage(torch.autograd.Function):
         scales, size, sampling_ratio, plan = meta
         ctx.meta = meta
         ctx.maps = [(m.shape, m.dtype) for m in maps]
-        ctx.save_for_backward(rois, order)
+        # On ctx, not saved for backward: saved-tensor hooks (compress_saved) would keep the
+        # RoIs' coordinates as lossy 4-bit codes; they are a few KiB
+        ctx.rois, ctx.order = rois, order
         result = maps[0].new_zeros((len(rois), maps[0].shape[1], *size))
         with torch.autocast(maps[0].device.type, enabled=False):
             for fmap, scale, parts in zip(maps, scales, plan, strict=True):
@@ -259,7 +261,7 @@ class _PoolByImage(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         scales, size, sampling_ratio, plan = ctx.meta
-        rois, order = ctx.saved_tensors
+        rois, order = ctx.rois, ctx.order
         grads = []
         for (shape, dtype), scale, parts, needed in zip(
             ctx.maps, scales, plan, ctx.needs_input_grad[3:], strict=True

@@ -4,6 +4,7 @@ hands over are released after their last use."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -17,7 +18,7 @@ from torchvision.models.detection import MaskRCNN
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 
-from dropit_core import lean_detector, set_step
+from dropit_core import CompressSaved, lean_detector, set_step
 from dropit_core.lean_detection import (
     ConsumableMaps,
     LeanFeaturePyramidNetwork,
@@ -190,6 +191,23 @@ def test_under_autocast_the_pooler_copies_one_image_at_a_time_bit_for_bit(sides)
     one_image = 4 * 128 * 128 * 4  # P2 of one image in fp32
     if any(sides):
         assert largest == one_image and ref_largest == images * one_image
+
+
+def test_under_compress_saved_the_pooler_keeps_its_rois_exact() -> None:
+    """Saved-tensor hooks pack every float tensor saved for backward; the lean pooler keeps its
+    RoIs (coordinates, where a 4-bit code would move the bilinear weights) out of their reach."""
+    maps, boxes = _pyramid_and_boxes([[20, 150, 300, 480], [25, 160]])
+    grads = []
+    for packing in (False, True):
+        pooler = LeanMultiScaleRoIAlign(["0", "1", "2", "3"], 7, 2)
+        pyramid = OrderedDict((k, v.bfloat16().requires_grad_()) for k, v in maps.items())
+        block = CompressSaved(bits=4, min_bytes=0) if packing else contextlib.nullcontext()
+        with block, torch.autocast("cpu", dtype=torch.bfloat16):
+            pooler(pyramid, boxes, [(512, 512)] * 2).float().sum().backward()
+        if packing:
+            assert block.packs == 0
+        grads.append([v.grad for v in pyramid.values()])
+    assert all(map(torch.equal, *grads))
 
 
 def test_eval_detections_are_torchvisions() -> None:
