@@ -166,20 +166,23 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
     the level's gradient in fp32 beside its cast. Here each level is pooled a few images at a
     time (:class:`_PoolByImage`), so that no copy or fp32 gradient is larger than one image's
     finest level. Each RoI's bins read its own image alone and every value takes torchvision's
-    casts and kernels, so outputs and gradients are bit for bit torchvision's; without autocast
-    (fp32, or a half model) nothing is copied and torchvision's own forward runs.
+    casts and kernels, so outputs and gradients are bit for bit torchvision's. Without autocast
+    (fp32, or a half model) nothing is copied and each level is pooled whole, through the same
+    Function: saved-tensor hooks (``compress_saved``) cannot make its RoIs lossy, and the levels
+    take one host sync, not one each. Compiling, tracing or with deterministic algorithms on a
+    GPU (where torchvision pools in Python), torchvision's own forward runs.
     """
 
     def forward(
         self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]
     ) -> Tensor:
         maps = [v for k, v in x.items() if k in self.featmap_names]
-        if _autocast_copies(maps) and not torch.compiler.is_compiling():
+        if _pools_here(maps):
             if self.scales is None or self.map_levels is None:
                 self.scales, self.map_levels = _setup_scales(
                     maps, image_shapes, self.canonical_scale, self.canonical_level
                 )
-            out = self._pool_by_image(maps, boxes)
+            out = self._pool_by_image(maps, boxes, cast=_autocast_casts(maps))
         else:
             out = super().forward(x, boxes, image_shapes)
         del maps
@@ -187,8 +190,9 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
             x.clear()
         return out
 
-    def _pool_by_image(self, maps: list[Tensor], boxes: list[Tensor]) -> Tensor:
-        """torchvision's ``_multiscale_roi_align``, each level pooled in groups of images."""
+    def _pool_by_image(self, maps: list[Tensor], boxes: list[Tensor], cast: bool) -> Tensor:
+        """torchvision's ``_multiscale_roi_align``; ``cast``: as autocast's ``roi_align``, in
+        fp32, each level in groups of images (else each level whole, in its dtype)."""
         rois = _convert_to_roi_format(boxes)
         images, levels_n = len(boxes), len(maps)
         if levels_n == 1:
@@ -204,7 +208,7 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
         finest = maps[0][0].numel()  # the largest fp32 copy allowed: one image's finest level
         plan, start = [], 0
         for level, fmap in enumerate(maps):
-            group = max(1, finest // max(1, fmap[0].numel()))
+            group = max(1, finest // max(1, fmap[0].numel())) if cast else images
             parts = []
             for lo in range(0, images, group):
                 hi = min(images, lo + group)
@@ -213,12 +217,12 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
                     parts.append((lo, hi, start, start + n))
                     start += n
             plan.append(parts)
-        meta = (tuple(self.scales), tuple(self.output_size), self.sampling_ratio, plan)
+        meta = (tuple(self.scales), tuple(self.output_size), self.sampling_ratio, plan, cast)
         return _PoolByImage.apply(meta, rois, order, *maps)
 
 
 class _PoolByImage(torch.autograd.Function):
-    """torchvision's multi-level ``roi_align`` under autocast, a group of images at a time.
+    """torchvision's multi-level ``roi_align``, under autocast a group of images at a time.
 
     Autocast's ``roi_align`` casts the level it reads to fp32, pools, and casts the pooled maps
     back; here each group of images of a level is cast, pooled and written into the result in
@@ -227,26 +231,31 @@ class _PoolByImage(torch.autograd.Function):
     (torchvision's kernel, ``_roi_align_backward``), where torchvision's holds the level's whole
     fp32 gradient beside its cast. Every value takes the same casts and kernels as torchvision's.
     ``meta``: (scales, output size, sampling ratio, per level its groups (lo, hi, start, end):
-    images lo:hi, RoIs ``order[start:end]``).
+    images lo:hi, RoIs ``order[start:end]``, whether autocast casts: without it every value stays
+    in its dtype, as torchvision's ``roi_align`` runs then).
     """
 
     @staticmethod
     def forward(ctx, meta, rois: Tensor, order: Tensor, *maps: Tensor) -> Tensor:
-        scales, size, sampling_ratio, plan = meta
+        scales, size, sampling_ratio, plan, cast = meta
         ctx.meta = meta
         ctx.maps = [(m.shape, m.dtype) for m in maps]
-        # On ctx, not saved for backward: saved-tensor hooks (compress_saved) would keep the
-        # RoIs' coordinates as lossy 4-bit codes; they are a few KiB
-        ctx.rois, ctx.order = rois, order
+        # The RoIs saved as their bits in an integer view: saved-tensor hooks still count them,
+        # but compress_saved leaves integers alone, where it would keep coordinates as lossy
+        # 4-bit codes (and move every bilinear weight of the backward)
+        ctx.rois_dtype = rois.dtype
+        ctx.save_for_backward(rois.view(_BITS[rois.element_size()]), order)
         result = maps[0].new_zeros((len(rois), maps[0].shape[1], *size))
         with torch.autocast(maps[0].device.type, enabled=False):
             for fmap, scale, parts in zip(maps, scales, plan, strict=True):
                 for lo, hi, start, end in parts:
                     picked = order[start:end]
-                    part = fmap[lo:hi].float()
+                    part, part_rois = fmap[lo:hi], _shifted(rois[picked], lo)
+                    if cast:
+                        part, part_rois = part.float(), part_rois.float()
                     pooled = torch.ops.torchvision.roi_align(
                         part,
-                        _shifted(rois[picked], lo).float(),
+                        part_rois,
                         scale,
                         *size,
                         sampling_ratio,
@@ -260,8 +269,9 @@ class _PoolByImage(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        scales, size, sampling_ratio, plan = ctx.meta
-        rois, order = ctx.rois, ctx.order
+        scales, size, sampling_ratio, plan, cast = ctx.meta
+        bits, order = ctx.saved_tensors
+        rois = bits.view(ctx.rois_dtype)
         grads = []
         for (shape, dtype), scale, parts, needed in zip(
             ctx.maps, scales, plan, ctx.needs_input_grad[3:], strict=True
@@ -274,9 +284,12 @@ class _PoolByImage(torch.autograd.Function):
             for lo, hi, start, end in parts:
                 grad_map[done:lo].zero_()
                 picked = order[start:end]
+                part_grad, part_rois = grad[picked].to(dtype), _shifted(rois[picked], lo)
+                if cast:
+                    part_grad, part_rois = part_grad.float(), part_rois.float()
                 part = torch.ops.torchvision._roi_align_backward(
-                    grad[picked].to(dtype).float(),
-                    _shifted(rois[picked], lo).float(),
+                    part_grad,
+                    part_rois,
                     scale,
                     *size,
                     hi - lo,
@@ -292,21 +305,28 @@ class _PoolByImage(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
+
+
 def _shifted(rois: Tensor, lo: int) -> Tensor:
     """RoIs of images ``lo``.. renumbered from 0 (the batch index is their first column)."""
     return rois - rois.new_tensor([lo, 0.0, 0.0, 0.0, 0.0]) if lo else rois
 
 
-def _autocast_copies(maps: list[Tensor]) -> bool:
-    """Whether autocast would cast these maps to fp32 inside torchvision's compiled
-    ``roi_align`` (with deterministic algorithms on a GPU, torchvision pools in Python: its own
-    forward runs then)."""
-    if not maps or maps[0].dtype == torch.float32 or not torchvision.extension._has_ops():
+def _pools_here(maps: list[Tensor]) -> bool:
+    """Whether :class:`_PoolByImage` pools these maps: not while compiling or tracing, nor
+    without torchvision's compiled ops or with deterministic algorithms on a GPU (torchvision
+    pools in Python then)."""
+    if not maps or not torchvision.extension._has_ops():
         return False
-    device = maps[0].device.type
-    if device != "cpu" and torch.are_deterministic_algorithms_enabled():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torchvision._is_tracing():
         return False
-    return torch.is_autocast_enabled(device)
+    return maps[0].device.type == "cpu" or not torch.are_deterministic_algorithms_enabled()
+
+
+def _autocast_casts(maps: list[Tensor]) -> bool:
+    """Whether autocast casts these maps to fp32 inside ``roi_align``."""
+    return maps[0].dtype != torch.float32 and torch.is_autocast_enabled(maps[0].device.type)
 
 
 def last_pooler(roi_heads: nn.Module) -> nn.Module | None:

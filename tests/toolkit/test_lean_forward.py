@@ -130,18 +130,18 @@ def test_under_cpu_autocast_the_losses_and_gradients_are_torchvisions(monkeypatc
     monkeypatch.setattr(
         LeanMultiScaleRoIAlign,
         "_pool_by_image",
-        lambda self, *a: pooled.append(self) or by_image(self, *a),
+        lambda self, *a, cast: pooled.append((self, cast)) or by_image(self, *a, cast=cast),
     )
     lean, plain = _models()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _assert_same_step(lean, plain)
     heads = lean.roi_heads
-    assert pooled == [heads.box_roi_pool, heads.mask_roi_pool]
+    assert pooled == [(heads.box_roi_pool, True), (heads.mask_roi_pool, True)]
     for model in (lean, plain):
         model.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = lean(_batch()[0]), plain(_batch()[0])
-    assert len(pooled) == 4 and all(d["masks"].numel() for d in a)
+    assert len(pooled) == 4 and pooled[2][1] and all(d["masks"].numel() for d in a)
     assert all(torch.equal(da[k], db[k]) for da, db in zip(a, b, strict=True) for k in da)
 
 
@@ -193,16 +193,19 @@ def test_under_autocast_the_pooler_copies_one_image_at_a_time_bit_for_bit(sides)
         assert largest == one_image and ref_largest == images * one_image
 
 
-def test_under_compress_saved_the_pooler_keeps_its_rois_exact() -> None:
-    """Saved-tensor hooks pack every float tensor saved for backward; the lean pooler keeps its
-    RoIs (coordinates, where a 4-bit code would move the bilinear weights) out of their reach."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_under_compress_saved_the_pooler_keeps_its_rois_exact(dtype) -> None:
+    """Saved-tensor hooks pack every float tensor saved for backward; the lean pooler saves its
+    RoIs (coordinates, where a 4-bit code would move the bilinear weights) as integers, which
+    they leave alone, under autocast and in fp32."""
     maps, boxes = _pyramid_and_boxes([[20, 150, 300, 480], [25, 160]])
     grads = []
     for packing in (False, True):
         pooler = LeanMultiScaleRoIAlign(["0", "1", "2", "3"], 7, 2)
-        pyramid = OrderedDict((k, v.bfloat16().requires_grad_()) for k, v in maps.items())
+        pyramid = OrderedDict((k, v.to(dtype).requires_grad_()) for k, v in maps.items())
         block = CompressSaved(bits=4, min_bytes=0) if packing else contextlib.nullcontext()
-        with block, torch.autocast("cpu", dtype=torch.bfloat16):
+        amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32)
+        with block, amp:
             pooler(pyramid, boxes, [(512, 512)] * 2).float().sum().backward()
         if packing:
             assert block.packs == 0
