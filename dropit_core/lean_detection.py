@@ -325,8 +325,9 @@ def _pools_here(maps: list[Tensor]) -> bool:
 
 
 def _autocast_casts(maps: list[Tensor]) -> bool:
-    """Whether autocast casts these maps to fp32 inside ``roi_align``."""
-    return maps[0].dtype != torch.float32 and torch.is_autocast_enabled(maps[0].device.type)
+    """Whether autocast casts any of these maps to fp32 inside ``roi_align``."""
+    narrow = any(m.dtype != torch.float32 for m in maps)
+    return narrow and torch.is_autocast_enabled(maps[0].device.type)
 
 
 def last_pooler(roi_heads: nn.Module) -> nn.Module | None:

@@ -193,6 +193,27 @@ def test_under_autocast_the_pooler_copies_one_image_at_a_time_bit_for_bit(sides)
         assert largest == one_image and ref_largest == images * one_image
 
 
+def test_under_autocast_levels_of_mixed_dtypes_pool_as_torchvisions() -> None:
+    """A level autocast left in fp32 beside bf16 ones: every level pools in fp32, as in
+    torchvision's, and the result takes the first level's dtype."""
+    maps, boxes = _pyramid_and_boxes([[20, 150, 300, 480], [25, 160]])
+    runs = []
+    for cls in (LeanMultiScaleRoIAlign, MultiScaleRoIAlign):
+        pyramid = OrderedDict(
+            (k, v.to(torch.float32 if k == "0" else torch.bfloat16).requires_grad_())
+            for k, v in maps.items()
+        )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = cls(["0", "1", "2", "3"], 7, 2)(pyramid, boxes, [(512, 512)] * 2)
+        out.sum().backward()
+        runs.append((out, [v.grad for v in pyramid.values()]))
+    (out, grads), (ref, ref_grads) = runs
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+    assert all(
+        g.dtype == r.dtype and torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True)
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_under_compress_saved_the_pooler_keeps_its_rois_exact(dtype) -> None:
     """Saved-tensor hooks pack every float tensor saved for backward; the lean pooler saves its
