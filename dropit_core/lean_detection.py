@@ -279,10 +279,9 @@ class _PoolByImage(torch.autograd.Function):
             if not needed:
                 grads.append(None)
                 continue
-            grad_map = grad.new_empty(shape, dtype=dtype)
+            grad_map = None
             done = 0
             for lo, hi, start, end in parts:
-                grad_map[done:lo].zero_()
                 picked = order[start:end]
                 part_grad, part_rois = grad[picked].to(dtype), _shifted(rois[picked], lo)
                 if cast:
@@ -297,9 +296,18 @@ class _PoolByImage(torch.autograd.Function):
                     sampling_ratio,
                     False,
                 )
+                if (lo, hi) == (0, shape[0]) and part.dtype == dtype:
+                    grad_map = part  # the whole level in its dtype: the kernel's own, no copy
+                    done = hi
+                    continue
+                if grad_map is None:
+                    grad_map = grad.new_empty(shape, dtype=dtype)
+                grad_map[done:lo].zero_()
                 grad_map[lo:hi].copy_(part)
                 del part
                 done = hi
+            if grad_map is None:  # no RoI read this level
+                grad_map = grad.new_empty(shape, dtype=dtype)
             grad_map[done:].zero_()
             grads.append(grad_map)
         return (None, None, None, *grads)
