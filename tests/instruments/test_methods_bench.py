@@ -423,6 +423,7 @@ OTHER_BLOCKS = {
     "methods-bench-compiled-0bd7ce5": "methods_bench_compiled_0bd7ce5.json",
     "methods-bench-compiled-run2": "methods_bench_compiled_run2.json",
     "methods-bench-compiled-run3": "methods_bench_compiled_run3.json",
+    "methods-bench-compiled-run4": "methods_bench_compiled_run4.json",
     "methods-bench-forward": "methods_bench_forward.json",
     "methods-bench-scratch": "methods_bench_scratch.json",
     "methods-bench-speed": "methods_bench_speed.json",
@@ -441,6 +442,25 @@ def test_each_generated_block_of_memory_md_is_its_json(block: str) -> None:
         assert splice(text, table, block=block) == text, f"run: {again} --block {block}"
     else:  # not measured yet: the block holds nothing typed by hand
         assert text.split(begin)[1].split(end)[0].strip() == ""
+
+
+# memory.md's blocks of --json rows (memory only), with the file each is generated from
+ROWS_BLOCKS = {
+    "memory-pooler-5606795": "bench_memory_pooler_5606795.json",
+    "memory-pooler-a373cab": "bench_memory_pooler_a373cab.json",
+    "memory-pooler-45eaa61": "bench_memory_pooler_45eaa61.json",
+}
+
+
+@pytest.mark.parametrize("block", sorted(ROWS_BLOCKS))
+def test_each_rows_block_of_memory_md_is_its_json(block: str) -> None:
+    text = _doc_with_block("memory.md", block)
+    rows = json.loads((REPO / "docs/results" / ROWS_BLOCKS[block]).read_text())
+    assert is_step_rows(rows)
+    assert splice(text, markdown_table(rows), block=block) == text, (
+        f"run: python tools/bench.py --markdown docs/results/{ROWS_BLOCKS[block]} "
+        f"--into docs/results/memory.md --block {block}"
+    )
 
 
 # Each generated block of draws.md, with the --json rows file it is generated from
