@@ -250,16 +250,9 @@ class _PoolByImage(torch.autograd.Function):
             for fmap, scale, parts in zip(maps, scales, plan, strict=True):
                 for lo, hi, start, end in parts:
                     picked = order[start:end]
-                    part, part_rois = fmap[lo:hi], _shifted(rois[picked], lo)
-                    if cast:
-                        part, part_rois = part.float(), part_rois.float()
+                    part, part_rois = _operands(fmap[lo:hi], rois[picked], lo, cast)
                     pooled = torch.ops.torchvision.roi_align(
-                        part,
-                        part_rois,
-                        scale,
-                        *size,
-                        sampling_ratio,
-                        False,
+                        part, part_rois, scale, *size, sampling_ratio, False
                     )
                     del part  # the fp32 copy goes before the next group's is made
                     result[picked] = pooled.to(fmap.dtype).to(result.dtype)
@@ -283,18 +276,9 @@ class _PoolByImage(torch.autograd.Function):
             done = 0
             for lo, hi, start, end in parts:
                 picked = order[start:end]
-                part_grad, part_rois = grad[picked].to(dtype), _shifted(rois[picked], lo)
-                if cast:
-                    part_grad, part_rois = part_grad.float(), part_rois.float()
+                part_grad, part_rois = _operands(grad[picked].to(dtype), rois[picked], lo, cast)
                 part = torch.ops.torchvision._roi_align_backward(
-                    part_grad,
-                    part_rois,
-                    scale,
-                    *size,
-                    hi - lo,
-                    *shape[1:],
-                    sampling_ratio,
-                    False,
+                    part_grad, part_rois, scale, *size, hi - lo, *shape[1:], sampling_ratio, False
                 )
                 if (lo, hi) == (0, shape[0]) and part.dtype == dtype:
                     grad_map = part  # the whole level in its dtype: the kernel's own, no copy
@@ -316,9 +300,12 @@ class _PoolByImage(torch.autograd.Function):
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
 
 
-def _shifted(rois: Tensor, lo: int) -> Tensor:
-    """RoIs of images ``lo``.. renumbered from 0 (the batch index is their first column)."""
-    return rois - rois.new_tensor([lo, 0.0, 0.0, 0.0, 0.0]) if lo else rois
+def _operands(x: Tensor, rois: Tensor, lo: int, cast: bool) -> tuple[Tensor, Tensor]:
+    """``x`` and the RoIs of images ``lo``.. renumbered from 0 (the batch index is their first
+    column), both in fp32 where autocast would cast them."""
+    if lo:
+        rois = rois - rois.new_tensor([lo, 0.0, 0.0, 0.0, 0.0])
+    return (x.float(), rois.float()) if cast else (x, rois)
 
 
 def _pools_here(maps: list[Tensor]) -> bool:

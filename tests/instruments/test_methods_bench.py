@@ -444,40 +444,25 @@ def test_each_generated_block_of_memory_md_is_its_json(block: str) -> None:
         assert text.split(begin)[1].split(end)[0].strip() == ""
 
 
-# memory.md's blocks of --json rows (memory only), with the file each is generated from
+# Each generated block of --json rows in draws.md and memory.md, with the file it is made from
 ROWS_BLOCKS = {
-    "memory-pooler-5606795": "bench_memory_pooler_5606795.json",
-    "memory-pooler-a373cab": "bench_memory_pooler_a373cab.json",
-    "memory-pooler-45eaa61": "bench_memory_pooler_45eaa61.json",
+    ("draws.md", "draws-generator"): "bench_draws_generator_cpu.json",
+    ("draws.md", "draws-hash"): "bench_draws_hash_cpu.json",
+    ("memory.md", "memory-pooler-5606795"): "bench_memory_pooler_5606795.json",
+    ("memory.md", "memory-pooler-a373cab"): "bench_memory_pooler_a373cab.json",
+    ("memory.md", "memory-pooler-45eaa61"): "bench_memory_pooler_45eaa61.json",
 }
 
 
-@pytest.mark.parametrize("block", sorted(ROWS_BLOCKS))
-def test_each_rows_block_of_memory_md_is_its_json(block: str) -> None:
-    text = _doc_with_block("memory.md", block)
-    rows = json.loads((REPO / "docs/results" / ROWS_BLOCKS[block]).read_text())
+@pytest.mark.parametrize("doc, block", sorted(ROWS_BLOCKS))
+def test_each_generated_block_of_json_rows_is_its_file(doc: str, block: str) -> None:
+    text = _doc_with_block(doc, block)
+    source = ROWS_BLOCKS[doc, block]
+    rows = json.loads((REPO / "docs/results" / source).read_text())
     assert is_step_rows(rows)
     assert splice(text, markdown_table(rows), block=block) == text, (
-        f"run: python tools/bench.py --markdown docs/results/{ROWS_BLOCKS[block]} "
-        f"--into docs/results/memory.md --block {block}"
-    )
-
-
-# Each generated block of draws.md, with the --json rows file it is generated from
-DRAWS_BLOCKS = {
-    "draws-generator": "bench_draws_generator_cpu.json",
-    "draws-hash": "bench_draws_hash_cpu.json",
-}
-
-
-@pytest.mark.parametrize("block", sorted(DRAWS_BLOCKS))
-def test_each_generated_block_of_draws_md_is_its_json(block: str) -> None:
-    text = _doc_with_block("draws.md", block)
-    rows = json.loads((REPO / "docs/results" / DRAWS_BLOCKS[block]).read_text())
-    assert is_step_rows(rows)
-    assert splice(text, markdown_table(rows), block=block) == text, (
-        f"run: python tools/bench.py --markdown docs/results/{DRAWS_BLOCKS[block]} "
-        f"--into docs/results/draws.md --block {block}"
+        f"run: python tools/bench.py --markdown docs/results/{source} "
+        f"--into docs/results/{doc} --block {block}"
     )
 
 
