@@ -21,6 +21,7 @@ keyed by the order of the packs, are the same too.
   last reader, the last RoI pooler of the heads, empties it once it has pooled
   (:class:`LeanMultiScaleRoIAlign`): the mask head runs without P2-P6 alive. The padded image
   batch goes once the backbone has run: the heads read its shape alone.
+- :class:`LeanRPNHead` lets each level's conv map go once its predictors have read it.
 - :class:`LeanMultiScaleRoIAlign` under autocast pools a level a few images at a time, so the
   fp32 copy ``roi_align`` makes of what it reads, and the fp32 gradient of it in the backward,
   are never more than one image's finest level (torchvision's are the whole level's); the
@@ -49,6 +50,7 @@ from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
 from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.keypoint_rcnn import KeypointRCNN
 from torchvision.models.detection.mask_rcnn import MaskRCNN
+from torchvision.models.detection.rpn import RPNHead
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 from torchvision.ops.poolers import (
     MultiScaleRoIAlign,
@@ -325,6 +327,21 @@ def _autocast_casts(maps: list[Tensor]) -> bool:
     return narrow and torch.is_autocast_enabled(maps[0].device.type)
 
 
+class LeanRPNHead(RPNHead):
+    """torchvision's RPN head; each level's shared conv map goes once its two predictors have
+    read it (torchvision's loop keeps it until the next level's is made, so at P3 the P2 map,
+    the largest, was still alive)."""
+
+    def forward(self, x: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        logits, bbox_reg = [], []
+        for feature in x:
+            t = self.conv(feature)
+            logits.append(self.cls_logits(t))
+            bbox_reg.append(self.bbox_pred(t))
+            del t  # backward keeps what it needs of it (the predictors' saved input or pack)
+        return logits, bbox_reg
+
+
 def last_pooler(roi_heads: nn.Module) -> nn.Module | None:
     """The RoI pooler that reads the pyramid last in torchvision's ``RoIHeads.forward`` (box,
     then mask, then keypoint), or None when it is not a lean pooler or also pools earlier."""
@@ -417,6 +434,7 @@ _LEAN: dict[type, type] = {
     FeaturePyramidNetwork: LeanFeaturePyramidNetwork,
     BackboneWithFPN: LeanBackboneWithFPN,
     MultiScaleRoIAlign: LeanMultiScaleRoIAlign,
+    RPNHead: LeanRPNHead,
     FasterRCNN: LeanFasterRCNN,
     MaskRCNN: LeanMaskRCNN,
     KeypointRCNN: LeanKeypointRCNN,
@@ -434,10 +452,10 @@ def lean_fpn(model: nn.Module) -> nn.Module:
 
 
 def lean_forward(model: nn.Module, fpn: bool = True) -> nn.Module:
-    """Give every torchvision detector, ResNet-FPN backbone, FPN and RoI pooler of ``model`` its
-    lean forward, in place (the same modules and parameters; only the class changes, to a
-    subclass); returns ``model``. ``fpn=False`` leaves the FPNs torchvision's. A subclass of
-    these of your own keeps its class."""
+    """Give every torchvision detector, ResNet-FPN backbone, FPN, RPN head and RoI pooler of
+    ``model`` its lean forward, in place (the same modules and parameters; only the class
+    changes, to a subclass); returns ``model``. ``fpn=False`` leaves the FPNs torchvision's. A
+    subclass of these of your own keeps its class."""
     for module in model.modules():
         cls = type(module)
         if cls in _LEAN and (fpn or cls is not FeaturePyramidNetwork):

@@ -273,6 +273,7 @@ def test_lean_detector_makes_a_torchvision_model_lean_in_place() -> None:
     assert type(model) is LeanMaskRCNN and isinstance(model, MaskRCNN)
     assert isinstance(model.roi_heads.mask_roi_pool, LeanMultiScaleRoIAlign)
     assert type(model.backbone).__name__ == "LeanBackboneWithFPN"
+    assert type(model.rpn.head).__name__ == "LeanRPNHead"
     assert model.state_dict().keys() == keys
     assert copy.deepcopy(model).__class__ is LeanMaskRCNN  # and it pickles by name
     with pytest.raises(TypeError, match="nn.Module"):
@@ -295,6 +296,24 @@ def test_the_pyramid_is_released_before_the_mask_head_runs() -> None:
         )
         _step(model)
     assert alive == {"lean": ["3"], "torchvision": ["0", "1", "2", "3", "pool"]}
+
+
+def test_the_rpn_head_drops_each_levels_map_before_the_next_levels_conv() -> None:
+    """With DropIT the predictors keep packs, so only Python could hold a level's conv map: the
+    lean head lets it go, torchvision's keeps it while the next level's is made."""
+    alive = {}
+    for name, model in zip(("lean", "torchvision"), _models(dropit=QUANT), strict=True):
+        head = model.rpn.head
+        assert type(head).__name__ == {"lean": "LeanRPNHead", "torchvision": "RPNHead"}[name]
+        maps: list = []
+        seen: list = []
+        head.conv.register_forward_pre_hook(
+            lambda m, a, maps=maps, seen=seen: seen.append(sum(r() is not None for r in maps))
+        )
+        head.conv.register_forward_hook(lambda m, a, out, maps=maps: maps.append(weakref.ref(out)))
+        _step(model)
+        alive[name] = seen
+    assert alive["lean"] == [0] * 5 and alive["torchvision"] == [0] + [1] * 4
 
 
 def test_the_fpn_drops_each_input_after_its_lateral_conv() -> None:
