@@ -23,6 +23,7 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from rcnn_dropit.cli import run_cli
@@ -273,6 +274,7 @@ def _settings(args: argparse.Namespace) -> list:
 def _max_batch(args: argparse.Namespace) -> None:
     """The largest batch of the baseline and each setting within --max-batch MB."""
     from instruments.measure.max_batch import largest_batches
+    from instruments.measure.step_bench import markdown_table
 
     if args.methods_json:
         raise UsageError("--methods-json: the methods table comes from step rows, not --max-batch")
@@ -280,14 +282,14 @@ def _max_batch(args: argparse.Namespace) -> None:
         _settings(args), args.max_batch, args.batch_limit, args.scratch, args.image_size,
         args.device, amp=args.amp, heads=args.heads,
     )  # fmt: skip
-    _emit(produced, args.json)
+    _emit(produced, args.json, markdown_table)
 
 
 def _steps(args: argparse.Namespace) -> None:
     """Memory, gradient fidelity and step time of the baseline and each setting, at each
     --images in turn."""
     from instruments.measure.methods_table import method_records, provenance, write_methods_json
-    from instruments.measure.step_bench import run_benchmark
+    from instruments.measure.step_bench import markdown_table, run_benchmark
 
     images = args.images or [2]
     if args.methods_json and len(images) > 1:
@@ -302,7 +304,7 @@ def _steps(args: argparse.Namespace) -> None:
         )
         for n in images
     )  # fmt: skip
-    rows = _emit(produced, args.json)
+    rows = _emit(produced, args.json, markdown_table)
     if args.methods_json:
         write_methods_json(args.methods_json, method_records(rows, header))
 
@@ -351,16 +353,20 @@ def _gpu_table(args: argparse.Namespace) -> None:
         write_gpu_table(args.json, header, rows)
 
 
-def _emit(produced, json_path: Path | None) -> list[dict]:
-    """Print each row as a JSON line as it comes, then their table; write them to json_path."""
-    from instruments.measure.step_bench import markdown_table
-
+def _emit(
+    produced: Iterable[dict],
+    json_path: Path | None,
+    table: Callable[[list[dict]], str] | None = None,
+) -> list[dict]:
+    """Print each row as a JSON line as it comes, then their ``table`` (when given); write them
+    to json_path."""
     rows = []
     for row in produced:
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print()
-    print(markdown_table(rows))
+    if table is not None:
+        print()
+        print(table(rows))
     if json_path:
         json_path.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
@@ -431,10 +437,7 @@ def _widths(config: str, repeats: int, out: Path | None) -> None:
 
     variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
     rows = compare_step_time(config, variants, repeats=max(repeats, 5))
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    if out:
-        out.write_text(json.dumps(rows, indent=2) + "\n")
+    _emit(rows, out)
 
 
 def _demo(config: str, repeats: int, out: Path | None, quiet: bool) -> None:
@@ -462,9 +465,7 @@ def _demo(config: str, repeats: int, out: Path | None, quiet: bool) -> None:
         row["c_packs"] = row["model"] == "dropit" and native.library() is not None
     for row in rows:
         row.update(config=config, quiet=quiet, command=_command_line())
-        print(json.dumps(row), flush=True)
-    if out:
-        out.write_text(json.dumps(rows, indent=2) + "\n")
+    _emit(rows, out)
 
 
 def _ops(device: str, repeats: int, out: Path | None) -> None:
@@ -472,10 +473,7 @@ def _ops(device: str, repeats: int, out: Path | None) -> None:
     from instruments.measure.op_bench import op_costs
 
     rows = op_costs(repeats=max(repeats, 5), device=device)
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    if out:
-        out.write_text(json.dumps(rows, indent=2) + "\n")
+    _emit(rows, out)
 
 
 def _host(repeats: int, out: Path | None) -> None:
@@ -483,15 +481,12 @@ def _host(repeats: int, out: Path | None) -> None:
     from instruments.measure.host_bench import host_costs
 
     rows = host_costs(repeats=max(repeats, 5))
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    if out:
-        out.write_text(json.dumps(rows, indent=2) + "\n")
+    _emit(rows, out)
 
 
 def _pooler(args: argparse.Namespace) -> None:
     """The RoI poolers under autocast, torchvision's and the lean one: JSON lines."""
-    from instruments.measure.pooler_bench import pooler_costs
+    from instruments.measure.pooler_bench import pooler_costs, pooler_markdown
 
     rows = pooler_costs(
         images=tuple(args.images or (2, 8)),
@@ -500,10 +495,7 @@ def _pooler(args: argparse.Namespace) -> None:
         amp=None if args.amp == "none" else args.amp,
         repeats=max(args.repeats, 3),
     )
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    _emit(rows, args.json, pooler_markdown)
 
 
 def _fusion(args: argparse.Namespace, quiet: bool) -> None:
@@ -514,11 +506,7 @@ def _fusion(args: argparse.Namespace, quiet: bool) -> None:
     rows = fusion_rows("resnet18", args.image_size, images, max(args.repeats, 1), args.device)
     for row in rows:
         row.update(quiet=quiet, command=_command_line())
-        print(json.dumps(row), flush=True)
-    print()
-    print(fusion_markdown(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    _emit(rows, args.json, fusion_markdown)
 
 
 def _cuda() -> bool:

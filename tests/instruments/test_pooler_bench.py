@@ -58,7 +58,9 @@ def test_the_pooler_bench_runs_under_autocast_only(monkeypatch, tmp_path, capsys
         ("mask", "lean", "bf16", 8),
     ]
     assert rows[1]["same_bits"] is True
-    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == rows
+    lines, table = capsys.readouterr().out.split("\n\n")  # the JSON lines, then their table
+    assert [json.loads(line) for line in lines.splitlines()] == rows
+    assert table.strip() == pooler_bench.pooler_markdown(rows)
 
 
 def test_memory_md_pooler_table_is_its_json_file() -> None:
