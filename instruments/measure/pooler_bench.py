@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from torchvision.ops import MultiScaleRoIAlign
 
 from dropit_core.lean_detection import LeanMultiScaleRoIAlign
+from dropit_core.memory import PeakMeter
 from dropit_core.timing import timed_rounds
 from instruments.measure.allocator import training_allocator
 from rcnn_dropit.errors import UsageError
@@ -66,22 +67,22 @@ def rois(images: int, per_image: int, image_size: int, device: torch.device) -> 
     return out
 
 
-def _peak_bytes(fn, device: torch.device) -> tuple[Any, int]:
-    """``fn()`` and the most bytes it had allocated at once above what was alive before it."""
+def _peak_mb(fn, device: torch.device) -> tuple[Any, float]:
+    """``fn()`` and the most MB it had allocated at once above what was alive before it: the
+    CUDA allocator's counters, or on the CPU the profiler's allocation events (RSS, what
+    PeakMeter reads there, moves in pages and with the C heap)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        meter = PeakMeter(device)
+        meter.begin()
         result = fn()
-        torch.cuda.synchronize(device)
-        return result, torch.cuda.max_memory_allocated(device) - start
+        return result, meter.peak()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
     sizes = [
         e.nbytes() for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
     ]
-    return result, max(itertools.accumulate(sizes, initial=0))
+    return result, max(itertools.accumulate(sizes, initial=0)) / 2**20
 
 
 def _run(pooler, maps: dict, boxes: list, shapes: list, amp: torch.dtype, device, measure: bool):
@@ -96,9 +97,9 @@ def _run(pooler, maps: dict, boxes: list, shapes: list, amp: torch.dtype, device
         out = forward()
         out.backward(torch.ones_like(out))
         return None
-    out, fwd = _peak_bytes(forward, device)
+    out, fwd = _peak_mb(forward, device)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(device, out.dtype)
-    _, bwd = _peak_bytes(lambda: out.backward(grad), device)
+    _, bwd = _peak_mb(lambda: out.backward(grad), device)
     return out.detach(), [v.grad for v in leaves.values()], fwd, bwd
 
 
@@ -150,15 +151,15 @@ def _compare(name, size, n, per_image, image_size, dtype, dev, repeats) -> list[
         {
             **base,
             "forward": "torchvision",
-            "forward_peak_mb": ref_fwd / 2**20,
-            "backward_peak_mb": ref_bwd / 2**20,
+            "forward_peak_mb": ref_fwd,
+            "backward_peak_mb": ref_bwd,
             "ms": ms[0],
         },
         {
             **base,
             "forward": "lean",
-            "forward_peak_mb": fwd / 2**20,
-            "backward_peak_mb": bwd / 2**20,
+            "forward_peak_mb": fwd,
+            "backward_peak_mb": bwd,
             "ms": ms[1],
             "forward_peak_ratio": fwd / ref_fwd,
             "backward_peak_ratio": bwd / ref_bwd,
