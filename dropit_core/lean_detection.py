@@ -54,7 +54,9 @@ from torchvision.models.detection.rpn import RPNHead
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 from torchvision.ops.poolers import (
     MultiScaleRoIAlign,
-    _convert_to_roi_format,  # torchvision's own, so the RoIs are made as its pooler makes them
+    # torchvision's own, so the maps, RoIs and scales are picked and made as its pooler does
+    _convert_to_roi_format,
+    _filter_input,
     _setup_scales,
 )
 
@@ -178,7 +180,7 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
     def forward(
         self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]
     ) -> Tensor:
-        maps = [v for k, v in x.items() if k in self.featmap_names]
+        maps = _filter_input(x, self.featmap_names)
         if _pools_here(maps):
             if self.scales is None or self.map_levels is None:
                 self.scales, self.map_levels = _setup_scales(
