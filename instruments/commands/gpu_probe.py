@@ -14,6 +14,10 @@ training forward's peak, by the line that made them, split into what backward ke
 forward's working set (instruments/measure/live_probe.py):
 
     python tools/gpu_probe.py --what live --device cpu --images 2 --settings baseline quant_4bit
+
+``--what live-step`` does the same for the whole training step, the backward too: where a step's
+peak falls once the forward holds little, with each tensor the backward makes named by the
+autograd node that made it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from rcnn_dropit.errors import UsageError
 
 
 def _live(args: argparse.Namespace) -> None:
-    """The forward's live tensors at its peak, per setting and batch (any device)."""
+    """The forward's (``--what live``) or step's (``live-step``) live tensors at its peak, per
+    setting and batch (any device)."""
     device = torch.device(args.device)
     amp = args.amp or ("fp16" if device.type == "cuda" else "none")
     base = recipe_config(args.scratch, args.image_size)
@@ -51,13 +56,16 @@ def _live(args: argparse.Namespace) -> None:
             print(f"== {setting.name}, {n} images of {args.image_size} px, {device} amp {amp}")
             step_loss(model, batch, amp).backward()  # warm: lazy state, compiled packs
             model.zero_grad(set_to_none=True)
-            report = live_probe.forward_report(model, batch, amp)
+            if args.what == "live-step":
+                report = live_probe.step_report(model, batch, amp)
+            else:
+                report = live_probe.forward_report(model, batch, amp)
             print("\n".join(report.lines(args.top)), flush=True)
         del model
 
 
 def _probe(args: argparse.Namespace) -> None:
-    if args.what == "live":
+    if args.what in ("live", "live-step"):
         _live(args)
         return
     if not torch.cuda.is_available():
@@ -97,14 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="lines per list")
     parser.add_argument(
-        "--what", choices=["both", "memory", "time", "python", "launch", "live"], default="both"
+        "--what",
+        choices=["both", "memory", "time", "python", "launch", "live", "live-step"],
+        default="both",
     )
-    parser.add_argument("--device", default="cuda", help="with --what live: any device")
-    parser.add_argument("--image-size", type=int, default=800, help="with --what live")
+    parser.add_argument("--device", default="cuda", help="with --what live(-step): any device")
+    parser.add_argument("--image-size", type=int, default=800, help="with --what live(-step)")
     parser.add_argument(
         "--amp",
         choices=["none", "fp16", "bf16"],
-        help="with --what live (default: fp16 on CUDA, none elsewhere)",
+        help="with --what live(-step) (default: fp16 on CUDA, none elsewhere)",
     )
     args = parser.parse_args(argv)
     return run_cli(lambda: _probe(args))

@@ -1,4 +1,5 @@
-"""The tensors alive at a forward pass's peak, each by the line of code that made it, on any device.
+"""The tensors alive at a forward pass's peak (or a whole training step's), each by the line of
+code that made it, on any device.
 
 A ``TorchDispatchMode`` sees every op's outputs (inside autograd Functions and torchvision's ops
 too). Each new storage is recorded with its size and the innermost frame outside torch itself
@@ -14,6 +15,11 @@ splits into what the backward needs (``saved``), what is still alive when the fo
 not saved (``held``: the graph's outputs, the losses), and the working set: alive at the peak,
 gone by the end of the forward (``transient``). Layers whose own hooks compress what they save
 (``compress_saved``) hide it from this hook: their packs count as held.
+
+:func:`step_report` follows the backward too, which is where a step's peak lies once the
+forward holds little: a storage the backward makes is named by the autograd node that made it
+(``[ConvolutionBackward0]``, a gradient), after the line of our own code where that node runs
+Python (an autograd Function's ``backward``: the rebuilt input of a packed layer).
 
 Cost: a few microseconds of Python per op, a few seconds for an R50-FPN forward on the CPU (the
 profiler's allocation events took about two minutes for one step at 384 px).
@@ -44,14 +50,26 @@ _HERE = os.path.abspath(__file__)
 
 def making_line(skip: int = 2) -> str:
     """``path:line function`` of the innermost frame that is not torch's own nor this module's:
-    the line of the model's (or torchvision's) code that asked for the op."""
+    the line of the model's (or torchvision's) code that asked for the op. In the backward that
+    :func:`step_report` runs: ``[Node]`` (the autograd node running it), after the line where
+    the node runs Python."""
     frame = sys._getframe(skip)
+    line = "(torch only)"
     while frame is not None:
+        if frame.f_code is _run_backward.__code__:
+            line = ""  # the backward's own call: the node ran no Python of ours
+            break
         name = frame.f_code.co_filename
         if not name.startswith(_TORCH_DIR) and os.path.abspath(name) != _HERE:
-            return f"{_short(name)}:{frame.f_lineno} {frame.f_code.co_name}"
+            line = f"{_short(name)}:{frame.f_lineno} {frame.f_code.co_name}"
+            break
         frame = frame.f_back
-    return "(torch only)"
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return line
+    if line == "(torch only)":  # a backward on an autograd device thread: no frame of ours
+        line = ""
+    return f"{line} [{node.name()}]".lstrip()
 
 
 def _short(path: str) -> str:
@@ -86,7 +104,8 @@ class LiveGroup:
 
 @dataclass
 class LiveReport:
-    """A forward's peak, split by whether backward needs it, and its storages by line."""
+    """A forward's (or step's) peak, split by whether backward needs it, and its storages by
+    line."""
 
     peak_mb: float  # recorded storages alive at the peak
     peak_op: int  # index of the op after which it is reached
@@ -98,14 +117,19 @@ class LiveReport:
     transient_mb: float  # alive at the peak, freed before the forward ends: the working set
     end_mb: float  # recorded storages alive when the forward ends
     groups: list[LiveGroup] = field(default_factory=list)
+    scope: str = "forward"  # what was followed: "forward", or "step" (forward and backward)
+    phase: str = "forward"  # where the peak is: "forward" or "backward"
+    forward_ops: int = 0  # ops of the forward (of ``ops``, with a step)
 
     def lines(self, top: int = 15) -> list[str]:
         """The report as text: the peak, its split, and the ``top`` lines by bytes at the peak."""
+        where = f" in the {self.phase}" if self.scope == "step" else ""
         out = [
-            f"forward peak {self.peak_mb:.1f} MB after op {self.peak_op} of {self.ops} "
-            f"({self.op_name} at {self.op_where}); alive at the end {self.end_mb:.1f} MB",
+            f"{self.scope} peak {self.peak_mb:.1f} MB{where} after op {self.peak_op} of "
+            f"{self.ops} ({self.op_name} at {self.op_where}); "
+            f"alive at the end {self.end_mb:.1f} MB",
             f"  at the peak: saved for backward {self.saved_mb:.1f} MB, held otherwise "
-            f"{self.held_mb:.1f} MB, working set (freed before the end) {self.transient_mb:.1f} MB",
+            f"{self.held_mb:.1f} MB, {self._freed_name} {self.transient_mb:.1f} MB",
             f"  {'MB':>8} {'saved':>8} {'freed':>8} {'count':>6}  line that made them",
         ]
         for g in self.groups[:top]:
@@ -113,6 +137,12 @@ class LiveReport:
                 f"  {g.mb:8.1f} {g.saved_mb:8.1f} {g.transient_mb:8.1f} {g.count:6d}  {g.where}"
             )
         return out
+
+    @property
+    def _freed_name(self) -> str:
+        if self.scope == "step":  # a step's end: what is left is the weights' gradients
+            return "freed before the step ends"
+        return "working set (freed before the end)"
 
 
 class _Tracker(TorchDispatchMode):
@@ -128,6 +158,8 @@ class _Tracker(TorchDispatchMode):
         self.peak_op = 0
         self.peak_name = ""
         self.peak_where = ""
+        self.peak_phase = "forward"
+        self.phase = "forward"
         self.preexisting: set[int] = set()
 
     def sweep(self) -> None:
@@ -160,6 +192,7 @@ class _Tracker(TorchDispatchMode):
         if self.now > self.peak:
             self.peak, self.peak_op = self.now, self.op
             self.peak_name, self.peak_where = func_name, where
+            self.peak_phase = self.phase
 
     def mark_saved(self, t: torch.Tensor) -> None:
         life = self.alive.get(t.untyped_storage().data_ptr())
@@ -195,6 +228,38 @@ def live_at_peak(
     tracker.op += 1
     tracker.sweep()
     return result, _report(tracker)
+
+
+def _run_backward(loss: torch.Tensor) -> None:
+    """``loss.backward()``; :func:`making_line` stops at this frame (see there)."""
+    loss.backward()
+
+
+def live_through_step(
+    forward: Callable[[], torch.Tensor], preexisting: Iterable[torch.Tensor] = ()
+) -> LiveReport:
+    """Run ``forward()`` and the backward of the loss it returns; report the storages alive at
+    the step's peak, in whichever phase it falls. The weights' gradients are left set."""
+    tracker = _Tracker()
+    tracker.preexisting = {t.untyped_storage().data_ptr() for t in preexisting}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        tracker.mark_saved(t)  # the forward's saves, and a checkpoint's recomputed ones
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+        loss = forward()
+        tracker.sweep()
+        forward_ops = tracker.op
+        tracker.phase = "backward"
+        _run_backward(loss)
+        del loss
+    tracker.sweep()
+    tracker.op += 1
+    tracker.sweep()
+    report = _report(tracker)
+    report.scope, report.phase, report.forward_ops = "step", tracker.peak_phase, forward_ops
+    return report
 
 
 def _report(tracker: _Tracker) -> LiveReport:
@@ -247,5 +312,20 @@ def forward_report(model: torch.nn.Module, batch, amp: str = "none") -> LiveRepo
     given += [v for target in targets for v in target.values()]
     loss, report = live_at_peak(lambda: step_loss(model, batch, amp), given)
     loss.backward()
+    model.zero_grad(set_to_none=True)
+    return report
+
+
+def step_report(model: torch.nn.Module, batch, amp: str = "none") -> LiveReport:
+    """:func:`live_through_step` of one training step of ``model`` on the bench's ``batch``
+    (what :func:`forward_report` counts, and the backward); the gradients are set to None
+    after it."""
+    from instruments.measure.workload import step_loss
+
+    images, targets = batch
+    given = [*model.parameters(), *model.buffers(), *images]
+    given += [v for target in targets for v in target.values()]
+    model.zero_grad(set_to_none=True)
+    report = live_through_step(lambda: step_loss(model, batch, amp), given)
     model.zero_grad(set_to_none=True)
     return report

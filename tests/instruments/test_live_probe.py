@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from instruments.measure.live_probe import MB, live_at_peak
+from instruments.measure.live_probe import MB, live_at_peak, live_through_step
 from tests.toolkit.test_lean_forward import QUANT, _batch, _models
 
 N = 1 << 18  # floats: 1 MiB each
@@ -49,6 +49,30 @@ def test_a_view_and_an_in_place_result_are_not_new_storages() -> None:
     out, report = live_at_peak(forward)
     assert report.peak_mb == 1.0 and report.end_mb == 1.0 and report.held_mb == 1.0
     assert out.shape == (N // 2, 2)
+
+
+def test_a_step_peak_in_the_backward_names_the_nodes_that_made_its_tensors() -> None:
+    w = torch.ones(N, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        b = w * 2.0  # saved by sin
+        return torch.sin(b).sum()  # sin's output dies when the forward returns
+
+    report = live_through_step(forward, [w])
+    # Forward peak 2 MiB (b and sin(b)); the backward's 3 MiB: b (saved), cos(b) and the
+    # product grad * cos(b), both made by SinBackward0's formula, no Python of ours
+    assert (report.scope, report.phase, report.op_name) == ("step", "backward", "mul")
+    # (and two fp32 scalars: the loss, and the gradient of 1 the backward starts from)
+    assert report.peak_mb * MB == 3 * N * 4 + 2 * 4 and report.saved_mb == 1.0
+    assert report.forward_ops < report.peak_op < report.ops
+    by_line = {g.where: g for g in report.groups}
+    assert by_line["[SinBackward0]"].mb == 2.0 and by_line["[SinBackward0]"].count == 2
+    (forward_line,) = [g for g in report.groups if g.saved_mb]
+    assert forward_line.where.startswith("tests/instruments/test_live_probe.py:")
+    assert report.end_mb * MB == N * 4  # the weight's gradient
+    assert torch.equal(w.grad, torch.full((N,), 2.0).cos() * 2.0)
+    text = "\n".join(report.lines())
+    assert "step peak 3.0 MB in the backward after op" in text and "(mul at [SinBackward0])" in text
 
 
 @pytest.mark.slow
