@@ -202,6 +202,12 @@ class Strategy:
         # Out of place: some strategies rebuild as a view of a cached tensor, which layers share.
         return x_hat * scale.to(x_hat.dtype)
 
+    def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
+        """Elements ``[start, stop)`` of the flat rebuilt input, the same values as
+        ``unpack(packed).reshape(-1)[start:stop]`` without rebuilding the rest; None where
+        this strategy's pack cannot be read in parts there (the default: nowhere)."""
+        return None
+
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         raise NotImplementedError
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -164,6 +164,11 @@ class InputCache:
         """Rebuild the dense (dropped) input."""
         return self.strategy.unpack(packed)
 
+    def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
+        """Elements ``[start, stop)`` of the flat rebuilt input, or None where the strategy
+        cannot rebuild them alone (``Strategy.unpack_part``)."""
+        return self.strategy.unpack_part(packed, start, stop)
+
     # Weak dictionaries neither pickle nor deep-copy; a copy starts with an empty cache, at the
     # same place in the random streams.
     _STATE = ("strategy", "stream", "step", "rank", "position")
@@ -288,10 +293,12 @@ def _conv_backward_split(
     """(input, weight, bias gradients) of a conv with a large input, in turn: the weight's (and
     bias's) first, then the rebuilt input goes, then the input gradient (if needed) is made.
     One map fewer is alive at the backward's peak (a P2-level conv's); the input gradient is the
-    joint call's bit for bit, the weight's is summed over images (_weight_grad_by_images)."""
-    x_hat = ctx.cache.unpack(packed)
-    gw, gb = _weight_grad_by_images(grad, x_hat, weight, bias_sizes, ctx.args)
-    del x_hat
+    joint call's bit for bit, the weight's is summed over images (_weight_grad_by_images), each
+    chunk of images rebuilt alone where the strategy can (quant): a chunk's map alive, not the
+    batch's."""
+    images = _rebuilt_images(ctx.cache, packed, ctx.x_shape)
+    gw, gb = _weight_grad_by_images(grad, images, ctx.x_shape, weight, bias_sizes, ctx.args)
+    del images
     if not need_x:
         return None, gw, gb
     return _input_grad(grad, weight, ctx.x_shape, ctx.args), gw, gb
@@ -321,31 +328,58 @@ def _input_grad(
     )[0]
 
 
+def _rebuilt_images(
+    cache: InputCache, packed: Packed, shape: torch.Size
+) -> Callable[[int, int], torch.Tensor]:
+    """``images(i, j)``: images ``[i, j)`` of the rebuilt input of ``shape``, each call's
+    rebuilt alone where the strategy can (``InputCache.unpack_part``), else sliced from one
+    rebuild of the whole batch (made once, on the first call that needs it). The same values
+    either way."""
+    per_image = math.prod(shape[1:])
+    whole: list[torch.Tensor] = []
+
+    def images(i: int, j: int) -> torch.Tensor:
+        if not whole:
+            part = cache.unpack_part(packed, i * per_image, j * per_image)
+            if part is not None:
+                return part.view(j - i, *shape[1:])
+            whole.append(cache.unpack(packed))
+        return whole[0][i:j]
+
+    return images
+
+
 def _weight_grad_by_images(
     grad: torch.Tensor,
-    x_hat: torch.Tensor,
+    images: Callable[[int, int], torch.Tensor],
+    x_shape: torch.Size,
     weight: torch.Tensor,
     bias_sizes: list[int] | None,
     args: ConvArgs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight (and bias) gradient of a conv as a sum over chunks of images of at most
-    SPLIT_BYTES of input each (one image where an image is larger): the CPU kernel's copies of
-    its input and output gradient in its own layout are then a chunk's, not the batch's. Each
-    chunk's part is summed in fp32 (in the order of the images): the same value as one call up
-    to float rounding, not bit for bit where the batch takes more than one chunk."""
-    per_image = x_hat[0].numel() * x_hat.element_size()
+    SPLIT_BYTES of input each (one image where an image is larger), the input (of
+    ``x_shape``) of images ``[i, j)`` read as ``images(i, j)`` (:func:`_rebuilt_images`): the
+    rebuilt input and the CPU kernel's copies of it and of the output gradient in its own
+    layout are then a chunk's, not the batch's. Each chunk's part is summed in fp32 (in the
+    order of the images): the same value as one call up to float rounding, not bit for bit where
+    the batch takes more than one chunk. The input's dtype is the output gradient's (the conv
+    computed in it)."""
+    batch = x_shape[0]
+    per_image = math.prod(x_shape[1:]) * grad.element_size()
     chunk = max(1, SPLIT_BYTES // max(per_image, 1))
     mask = [False, True, bias_sizes is not None]
-    if chunk >= x_hat.shape[0]:
+    if chunk >= batch:
         _, gw, gb = torch.ops.aten.convolution_backward.default(
-            grad, x_hat, weight, bias_sizes, *args, mask
+            grad, images(0, batch), weight, bias_sizes, *args, mask
         )
         return gw, gb
     gw = gb = None
-    for i in range(0, x_hat.shape[0], chunk):
+    for i in range(0, batch, chunk):
         _, w_i, b_i = torch.ops.aten.convolution_backward.default(
-            grad[i : i + chunk], x_hat[i : i + chunk], weight, bias_sizes, *args, mask
-        )
+            grad[i : i + chunk], images(i, min(i + chunk, batch)), weight, bias_sizes, *args,
+            mask,
+        )  # fmt: skip
         gw = w_i.float() if gw is None else gw.add_(w_i)
         if b_i is not None:
             gb = b_i.float() if gb is None else gb.add_(b_i)

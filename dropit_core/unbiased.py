@@ -342,6 +342,20 @@ class Quant(Strategy):
         # several times slower than float -> int16 and int16 -> uint8 together.
         code.copy_(y.view(-1).to(torch.int16))
 
+    def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
+        # Every group is coded alone: a range of whole groups starting on a whole code byte is
+        # a pack of its own, rebuilt by the same kernels.
+        if packed.norm is not None or start % self.group or start * self.bits % 8:
+            return None
+        first = start // self.group
+        part = Packed(
+            QuantMeta((stop - start,), packed.meta.dtype),
+            values=packed.values[start * self.bits // 8 : code_bytes(stop, self.bits)],
+            scales=packed.scales[first : -(-stop // self.group)],
+            mins=packed.mins[first : -(-stop // self.group)],
+        )
+        return self._unpack(part)
+
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype = packed.meta
         n = math.prod(shape)
@@ -350,14 +364,27 @@ class Quant(Strategy):
                 packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
                 shape=shape,
             )  # fmt: skip
-        if self._whole_bytes() and native.ready(packed.values.device):
-            values = native.quant_rebuild(
-                packed.values, packed.mins, packed.scales, n, self.bits, self.group
-            )
-            # A narrower dtype: the eager path's fp32 values, rounded by the same cast.
-            return (values if dtype == torch.float32 else values.to(dtype)).view(shape)
-        dense = torch.empty(n, dtype=dtype, device=packed.values.device)
         step, group = self.slice_len(), self.group
+        if self._whole_bytes() and native.ready(packed.values.device):
+            if dtype == torch.float32:
+                values = native.quant_rebuild(
+                    packed.values, packed.mins, packed.scales, n, self.bits, group
+                )
+                return values.view(shape)
+            # A narrower dtype: the eager path's fp32 values, rounded by the same cast, a slice
+            # at a time: a whole map in fp32 beside its cast was the largest tensor of a bf16
+            # backward on the CPU (tools/gpu_probe.py --what live-step).
+            dense = torch.empty(n, dtype=dtype)
+            for start in range(0, n, step):
+                first = start // group  # slices hold whole groups and whole code bytes
+                dense[start : start + step].copy_(
+                    native.quant_rebuild(
+                        packed.values[start * self.bits // 8 :], packed.mins[first:],
+                        packed.scales[first:], min(step, n - start), self.bits, group,
+                    )
+                )  # fmt: skip
+            return dense.view(shape)
+        dense = torch.empty(n, dtype=dtype, device=packed.values.device)
         for start in range(0, n, step):
             length = min(step, n - start)
             # Eager: a few passes, faster than a compiled loop here (its codes unpack slowly).

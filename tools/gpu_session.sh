@@ -3,7 +3,7 @@
 #
 # Run from the checkout's root on a machine whose python3 already has torch, torchvision and
 # triton for its GPU: `bash tools/gpu_session.sh [SECONDS]` (default 540). In order of what
-# matters most now: the forward's live tensors at its peak (tools/gpu_probe.py --what live),
+# matters most now: the live tensors at a step's peak (tools/gpu_probe.py --what live-step),
 # issue 39's rows of the GPU table with their largest batch (make bench-gpu, smaller: 5 timed
 # steps, 1 draw, batches searched up to 128 images), issue 40's compiled rows, then the GPU
 # test tier and the kernels compiled for the GPU (side by side, both only check values), the
@@ -49,10 +49,12 @@ stage() {
   python3 -c 'import importlib.metadata as m; print("pycocotools", m.version("pycocotools"))' 2>&1 | tail -1
 } >"$summary" 2>&1
 
-# 0. The forward's floor (issue 39), first: the tensors alive at the forward's peak by the line
-# that made them, the RoI poolers alone (torchvision's against the lean one's), then issue 39's
-# rows with their largest batch (the search is most of the time).
-stage probe_live 90 python3 tools/gpu_probe.py --what live --device cuda --images 8 --top 25 \
+# 0. The floor (issue 39), first: the tensors alive at a training step's peak by the line (or,
+# in the backward, the autograd node) that made them, in the forward or the backward, where the
+# CPU's bf16 proxy put every setting's peak after the lean pooler; the RoI poolers alone
+# (torchvision's against the lean one's), then issue 39's rows with their largest batch (the
+# search is most of the time).
+stage probe_live 90 python3 tools/gpu_probe.py --what live-step --device cuda --images 8 --top 25 \
   --settings baseline quant_4bit checkpoint_stages_quant_4bit
 stage bench_pooler_gpu 60 python3 tools/bench.py --pooler --device cuda --images 2 8 \
   --image-size 800 --repeats 10 --json "$OUT/bench_pooler_gpu.json"

@@ -121,6 +121,25 @@ def test_quant_pack_and_rebuild_are_the_eager_ones_bit_for_bit(dtype, bits, grou
         assert int(kernel.values[-1]) >> ((n * bits) % 8) == 0
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("path", ["triton", "eager", "auto"])
+@pytest.mark.parametrize("bits,group", [(4, 256), (2, 100)])
+def test_a_part_of_a_quant_pack_rebuilds_as_that_part_of_the_whole(dtype, path, bits, group, mode):
+    # What a conv's backward rebuilds a chunk of images at a time (ops._rebuilt_images);
+    # "auto" on the CPU: the C loops where they are built
+    x = _x(3000, dtype)  # the last group partial
+    strategy = build_strategy("quant", 0.8, bits=bits, group=group)
+    mode(path)
+    packed = strategy.pack(x, "linear", 5)
+    whole = strategy.unpack(packed).reshape(-1)
+    for start, stop in [(0, 3000), (group, 4 * group), (2 * group, 3000), (0, 0)]:
+        part = strategy.unpack_part(packed, start, stop)
+        assert part.dtype == dtype and same_bits(part, whole[start:stop]), (start, stop)
+    assert strategy.unpack_part(packed, group // 2, 3000) is None  # not on a group
+    norm = build_strategy("quant", 0.8, bits=bits, group=group, rescale="norm")
+    assert norm.unpack_part(norm.pack(x, "linear", 5), 0, group) is None
+
+
 def _through_cast_values(n: int) -> torch.Tensor:
     """fp32 values that a cast to fp16 or bf16 rounds: random ones, and ties between two bf16
     and two fp16 neighbours (rounded half to even)."""

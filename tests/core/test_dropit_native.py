@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import build_strategy, dispatch, native, set_step, to_dropit
+from dropit_core import base, build_strategy, dispatch, native, set_step, to_dropit
 from dropit_core.packing import pack_blocked, zero_flagged_sliced
 
 
@@ -86,15 +86,22 @@ def test_threads_split_a_call_into_the_same_bytes(loops, monkeypatch) -> None:
     assert torch.equal(result, _eager(lambda: zero_flagged_sliced(grad, bits)))
 
 
-def test_a_narrower_packs_rebuild_is_the_eager_one(loops) -> None:
+@pytest.mark.parametrize("n", [5000, 4096, 100])
+def test_a_narrower_packs_rebuild_is_the_eager_one(loops, monkeypatch, n) -> None:
     # A bf16 input packs eagerly (the loops take fp32); its rebuild is fp32 values rounded by
-    # the cast the eager path makes.
+    # the cast the eager path makes, a slice at a time: no fp32 copy of the whole map
+    monkeypatch.setattr(base, "SLICE", 2048)  # slices of 2048 values: 3, 2 and 1 of them
+    made = []  # the values of each call (its argument n)
+    rebuild = native.quant_rebuild
+    monkeypatch.setattr(native, "quant_rebuild", lambda *a: made.append(a[3]) or rebuild(*a))
     strategy = build_strategy("quant", 0.0, bits=4, seed=1)
-    x = _values(5000, 2).to(torch.bfloat16)
+    x = _values(n, 2).to(torch.bfloat16)
     packed = strategy.pack(x, "linear", 4)
     rebuilt = strategy.unpack(packed)
     assert rebuilt.dtype == torch.bfloat16
+    assert made == [min(2048, n - start) for start in range(0, n, 2048)]
     assert torch.equal(rebuilt, _eager(lambda: strategy.unpack(packed)))
+    assert torch.equal(rebuilt, strategy.unpack(_eager(lambda: strategy.pack(x, "linear", 4))))
 
 
 @pytest.mark.parametrize("n", [0, 1, 8, 9, 1000, 12347])

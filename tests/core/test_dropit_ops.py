@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import is_dropit, set_step, to_dropit
+from dropit_core import is_dropit, ops, set_step, to_dropit
 from dropit_core.ops import MaskedReLUFunction
 from tests.core.contracts import contract_layers
 
@@ -489,6 +489,14 @@ CONVS = [  # (in, out, kernel, stride, padding, dilation, groups)
 ]
 
 
+def _split_at(monkeypatch, nbytes: int) -> None:
+    """Inputs of ``nbytes`` or more take the conv's autograd Function and its split backward."""
+    from dropit_core import patch
+
+    monkeypatch.setattr(ops, "SPLIT_BYTES", nbytes)
+    monkeypatch.setattr(patch, "SPLIT_BYTES", nbytes)  # which conv takes the Function
+
+
 @pytest.mark.parametrize("conv_args", CONVS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_large_conv_makes_its_gradients_in_turn_with_the_joint_calls_values(
@@ -498,20 +506,21 @@ def test_a_large_conv_makes_its_gradients_in_turn_with_the_joint_calls_values(
     the rebuilt input freed before the input gradient: the joint call's gradients bit for bit
     when one chunk holds the batch; by single images the input gradient still is, the weight's
     and bias's are its sum over images, equal up to float rounding."""
-    from dropit_core import ops
-
     x = torch.randn(2, 4, 9, 7)
     grads = []
-    # never split; split with the batch in one chunk; split with one image per chunk
+    # never split (the hooked conv); split with the batch in one chunk; one image per chunk
     for split in (1 << 62, x.numel() * 4, 1):
-        monkeypatch.setattr(ops, "SPLIT_BYTES", split)
+        _split_at(monkeypatch, split)
         torch.manual_seed(0)
         c_in, c_out, k, stride, pad, dil, groups = conv_args
         plain = nn.Conv2d(c_in, c_out, k, stride, pad, dil, groups, bias=bias)
         conv = to_dropit(nn.Sequential(plain), strategy="quant", bits=4)
         xi = x.clone().requires_grad_()
         set_step(conv, 3)
-        conv(xi).square().sum().backward()
+        out = conv(xi)
+        function = type(out.grad_fn).__name__ == "DropITConvFunctionBackward"
+        assert function == (split < 1 << 62)
+        out.square().sum().backward()
         grads.append([xi.grad, *(p.grad for p in conv.parameters())])
     joint, whole, by_image = grads
     assert len(joint) == 2 + bias
@@ -520,6 +529,37 @@ def test_a_large_conv_makes_its_gradients_in_turn_with_the_joint_calls_values(
     for a, b in zip(joint[1:], by_image[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert not torch.equal(a, torch.zeros_like(a))
+
+
+@pytest.mark.parametrize("shape,parts", [((4, 8, 16, 16), 4), ((2, 4, 9, 7), 0)])
+def test_a_large_conv_rebuilds_its_input_an_image_chunk_at_a_time(monkeypatch, shape, parts):
+    """Split by single images, a quant pack is rebuilt an image at a time where an image is
+    whole groups (8 channels of 16x16: 8 groups of 256), else once for the batch from the first
+    image that does not start on a group (4 channels of 9x7: the second); the gradients are
+    those of one whole rebuild, bit for bit."""
+    _split_at(monkeypatch, 1)
+    calls = []
+    part, whole = ops.InputCache.unpack_part, ops.InputCache.unpack
+    monkeypatch.setattr(
+        ops.InputCache, "unpack_part", lambda s, p, a, b: calls.append(b - a) or part(s, p, a, b)
+    )
+    monkeypatch.setattr(ops.InputCache, "unpack", lambda s, p: calls.append("whole") or whole(s, p))
+    x = torch.randn(shape)
+    grads = []
+    for by_part in (True, False):
+        if not by_part:  # every strategy as one that cannot rebuild a part
+            monkeypatch.setattr(ops.InputCache, "unpack_part", lambda *a: None)
+        torch.manual_seed(0)
+        conv = to_dropit(nn.Sequential(nn.Conv2d(shape[1], 6, 3, padding=1)), "quant", bits=4)
+        xi = x.clone().requires_grad_()
+        set_step(conv, 3)
+        conv(xi).square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in conv.parameters())])
+        if by_part:
+            per_image = x[0].numel()
+            # unaligned: the first image starts on a group, the second does not
+            assert calls == ([per_image] * parts if parts else [per_image, per_image, "whole"])
+    assert all(map(torch.equal, *grads))
 
 
 @pytest.mark.parametrize("conv_args", CONVS)
