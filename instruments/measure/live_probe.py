@@ -19,7 +19,11 @@ gone by the end of the forward (``transient``). Layers whose own hooks compress 
 :func:`step_report` follows the backward too, which is where a step's peak lies once the
 forward holds little: a storage the backward makes is named by the autograd node that made it
 (``[ConvolutionBackward0]``, a gradient), after the line of our own code where that node runs
-Python (an autograd Function's ``backward``: the rebuilt input of a packed layer).
+Python (an autograd Function's ``backward``: the rebuilt input of a packed layer). One
+difference from a step run without the probe: autograd sums two gradients of one tensor in
+place only into a tensor nothing else references, and the dispatch mode holds a Python
+reference to each, so under the probe that sum is made out of place (an ``add`` where the
+step makes an ``add_``): a backward peak at such an ``add`` counts one gradient too many.
 
 Cost: a few microseconds of Python per op, a few seconds for an R50-FPN forward on the CPU (the
 profiler's allocation events took about two minutes for one step at 384 px).
