@@ -65,6 +65,41 @@ python tools/gpu_probe.py --what live-step --device cpu --amp bf16 --images 8 --
 ```
 
 """
+timing = [
+    "| run | baseline step s | quant_4bit step s | quant_4bit / baseline |",
+    "|---|---:|---:|---:|",
+]
+for run, commit in (("before", RUNS[0][1]), ("after", "a8d4c32")):
+    for round_ in (1, 2):
+        r = rows(f"fp32_time_{run}_{round_}.json")
+        timing.append(
+            f"| {run} ({commit}), round {round_} | {r['baseline']['step_s']:.2f} | "
+            f"{r['quant_4bit']['step_s']:.2f} | {r['quant_4bit']['step_ratio']:.3f} |"
+        )
+ab_words = (D / "ab_split_backward.log").read_text().split()  # by part <s> whole <s>
+ab = f"{float(ab_words[2]):.3f} s rebuilt by image, {float(ab_words[4]):.3f} s whole"
+speed = f"""
+## Time, fp32 (quiet: nothing else ran)
+
+The COCO recipe in fp32 at 2 images of 800 px, in checkouts of {RUNS[0][1]} and a8d4c32 (the
+change and these docs), alternating, twice (`fp32_time_<run>_<round>.json`):
+
+```bash
+python tools/bench.py --image-size 800 --settings baseline quant_4bit --draws 1 --repeats 5 \\
+    --quiet-machine --json ... --methods-json fp32_time_<run>_<round>.json
+```
+
+"""
+ab_text = f"""
+In both rounds the 4-bit step's ratio was higher after than before, but the baseline, which
+runs none of the changed code, was slower in the later checkout too, so these ratios do not
+isolate the change. The changed backward alone, both ways in one process, alternating
+(`ab_split_backward.py`, its output in `ab_split_backward.log`), one backward of one P2-level
+conv, medians of 8: {ab}.
+The peaks of this recipe did not move: its step peak is not at a split conv's rebuild (the
+files' `peak_mb`).
+"""
+
 tail = """
 The "before" probe ran at 11235c6, which adds the step probe to 6769af8 and changes no model
 code. Read the probe's backward with one caveat: under its dispatch mode autograd sums two
@@ -77,5 +112,6 @@ peaks are at the RPN head's P2 level, where its two predictors' input gradients 
 each) meet the gradient the RoI poolers gave P2.
 """
 (D / "README.md").write_text(
-    head + "\n".join(table) + "\n" + middle + "\n".join(peaks) + "\n" + tail
+    head + "\n".join(table) + "\n" + middle + "\n".join(peaks) + "\n" + tail + speed
+    + "\n".join(timing) + "\n" + ab_text
 )
