@@ -5,28 +5,39 @@ quant pack rebuilt an image at a time (`Strategy.unpack_part`) against the whole
     PYTHONPATH=. python docs/results/step_peak_bf16_cpu/ab_split_backward.py
 """
 
-import time, torch, statistics
+import statistics
+import time
+
+import torch
 from torch import nn
-from dropit_core import to_dropit, set_step, ops
+
+from dropit_core import ops, set_step, to_dropit
+
 torch.set_num_threads(2)
 torch.manual_seed(0)
 conv = to_dropit(nn.Sequential(nn.Conv2d(256, 256, 3, padding=1)), "quant", bits=4)
 x = torch.randn(2, 256, 200, 200)
-orig = ops.InputCache.unpack_part
-def run(by_part):
-    ops.InputCache.unpack_part = orig if by_part else (lambda *a: None)
+by_image = ops.InputCache.unpack_part
+
+
+def backward_seconds(by_part: bool) -> float:
+    ops.InputCache.unpack_part = by_image if by_part else (lambda *a: None)
     conv.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_()
     set_step(conv, 1)
     out = conv(xi)
-    g = torch.ones_like(out)
-    t = time.perf_counter()
-    out.backward(g)
-    return time.perf_counter() - t
-for _ in range(2): run(True); run(False)
-res = {True: [], False: []}
+    grad = torch.ones_like(out)
+    start = time.perf_counter()
+    out.backward(grad)
+    return time.perf_counter() - start
+
+
+for _ in range(2):  # warm
+    backward_seconds(True)
+    backward_seconds(False)
+seconds: dict[bool, list[float]] = {True: [], False: []}
 for _ in range(8):
-    for b in (True, False):
-        res[b].append(run(b))
-print("by part", statistics.median(res[True]), "whole", statistics.median(res[False]))
-print(res)
+    for by_part in (True, False):
+        seconds[by_part].append(backward_seconds(by_part))
+print("by part", statistics.median(seconds[True]), "whole", statistics.median(seconds[False]))
+print(seconds)
