@@ -112,6 +112,15 @@ peaks are at the RPN head's P2 level, where its two predictors' input gradients 
 each) meet the gradient the RoI poolers gave P2.
 """
 (D / "README.md").write_text(
-    head + "\n".join(table) + "\n" + middle + "\n".join(peaks) + "\n" + tail + speed
-    + "\n".join(timing) + "\n" + ab_text
+    head
+    + "\n".join(table)
+    + "\n"
+    + middle
+    + "\n".join(peaks)
+    + "\n"
+    + tail
+    + speed
+    + "\n".join(timing)
+    + "\n"
+    + ab_text
 )
