@@ -164,6 +164,7 @@ class _Tracker(TorchDispatchMode):
         self.peak_where = ""
         self.peak_phase = "forward"
         self.phase = "forward"
+        self.node_ops = 0  # ops seen while an autograd node ran (the backward's)
         self.preexisting: set[int] = set()
 
     def sweep(self) -> None:
@@ -206,6 +207,8 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.op += 1
+        if self.phase == "backward" and torch._C._current_autograd_node() is not None:
+            self.node_ops += 1
         self.record(tree_leaves(out), str(func.overloadpacket.__name__))
         return out
 
@@ -258,6 +261,8 @@ def live_through_step(
         tracker.phase = "backward"
         _run_backward(loss)
         del loss
+    if not tracker.node_ops:  # a backward the mode did not follow (another thread) looks empty
+        raise RuntimeError("the live probe saw no op of the backward: it ran outside the mode")
     tracker.sweep()
     tracker.op += 1
     tracker.sweep()

@@ -75,6 +75,14 @@ def test_a_step_peak_in_the_backward_names_the_nodes_that_made_its_tensors() -> 
     assert "step peak 3.0 MB in the backward after op" in text and "(mul at [SinBackward0])" in text
 
 
+def test_a_step_whose_backward_the_probe_cannot_see_is_refused(monkeypatch) -> None:
+    # As a backward on a thread the dispatch mode does not reach would look: no op of any node
+    monkeypatch.setattr(torch._C, "_current_autograd_node", lambda: None)
+    w = torch.ones(8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="saw no op of the backward"):
+        live_through_step(lambda: (w * 2.0).sum(), [w])
+
+
 @pytest.mark.slow
 def test_the_lean_forward_holds_less_than_torchvisions_at_its_peak() -> None:
     """On a small Mask R-CNN with quant 4-bit and torchvision's FPN width (so that, as in the
