@@ -32,6 +32,14 @@ for setting, b in bench["before"].items():
         f"{a['peak_ratio']:.3f} | {b['forward_peak_mb']:.1f} | {a['forward_peak_mb']:.1f} | "
         f"{b['peak_phase']} | {a['peak_phase']} |"
     )
+rerun = rows("methods_after_rerun.json")
+again = ", ".join(
+    f"`{name}` {r['peak_mb']:.1f} MB ({r['peak_ratio']:.3f})" for name, r in rerun.items()
+)
+table.append(
+    f"\nThe after run again, at {next(iter(rerun.values()))['commit'][:7]} (the step probe's "
+    f"refusal added, no model code changed; `methods_after_rerun.json`): {again}."
+)
 peaks = []
 for run, commit in RUNS:
     for setting, line in probe(f"probe_live_step_{run}.log").items():
