@@ -54,8 +54,12 @@ stage() {
 # CPU's bf16 proxy put every setting's peak after the lean pooler; the RoI poolers alone
 # (torchvision's against the lean one's), then issue 39's rows with their largest batch (the
 # search is most of the time).
+# (If the probe cannot follow CUDA's backward, which runs on autograd's device thread, it says so
+# and stops: then the forward alone, as on the last lease.)
 stage probe_live 90 python3 tools/gpu_probe.py --what live-step --device cuda --images 8 --top 25 \
-  --settings baseline quant_4bit checkpoint_stages_quant_4bit
+  --settings baseline quant_4bit checkpoint_stages_quant_4bit ||
+  stage probe_live_forward 60 python3 tools/gpu_probe.py --what live --device cuda --images 8 \
+    --top 25 --settings baseline quant_4bit checkpoint_stages_quant_4bit
 stage bench_pooler_gpu 60 python3 tools/bench.py --pooler --device cuda --images 2 8 \
   --image-size 800 --repeats 10 --json "$OUT/bench_pooler_gpu.json"
 table=(python3 tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8
