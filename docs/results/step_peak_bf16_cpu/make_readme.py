@@ -45,10 +45,11 @@ for run, commit in RUNS:
     for setting, line in probe(f"probe_live_step_{run}.log").items():
         peaks.append(f"- {run} ({commit}), `{setting}`: {line}")
 
-head = f"""# A step's peak under bf16 at 8 images (CPU): where it was, and the backward made lean
+head = f"""# A step's peak under bf16 at 8 images (CPU): where it was, and the chunked rebuild
 
-The GPU table's targets for issue 39 are set at 8 images of 800 px under AMP; no GPU was lent
-from 2026-11-28 on, so this CPU run is their proxy: the R50-FPN COCO recipe, 8 images of 800 px,
+The GPU table's targets for issue 39 are set at 8 images of 800 px under AMP; no GPU has been
+lent since the H200 lease of 2026-11-28 (before the lean RoI pooler), so this CPU run is their
+proxy: the R50-FPN COCO recipe, 8 images of 800 px,
 bf16 autocast, RSS that follows live memory (the bench's `MALLOC_MMAP_THRESHOLD_=65536`), one
 training step after a warm one, memory only. Before: commit {RUNS[0][1]}; after: {RUNS[1][1]}
 (a DropIT conv's split backward rebuilds a quant pack an image at a time, and the CPU's
