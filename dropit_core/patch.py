@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import hooked, traced
+from . import hooked, ops, traced
 from .norm import NORM_CLASSES
 from .ops import (
-    SPLIT_BYTES,
     ConvArgs,
     DropITConvFunction,
     DropITLinearFunction,
@@ -92,7 +91,8 @@ def _eager_conv(
     input packed through a saved-tensor hook where that does what the Function does (less host
     time: dropit_core.hooked), else the autograd Function."""
     w, b, dtype = autocast_inputs(x, weight, bias, cache)
-    if hooked.takes(x, w, dtype, SPLIT_BYTES):
+    # ops.SPLIT_BYTES read here, not copied at import: one threshold for both sides of the split
+    if hooked.takes(x, w, dtype, ops.SPLIT_BYTES):
         return hooked.conv(x, w, b, args, cache.saved_hooks, dtype)
     return DropITConvFunction.apply(x, w, b, args, cache, dtype)
 

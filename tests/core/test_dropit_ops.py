@@ -491,10 +491,7 @@ CONVS = [  # (in, out, kernel, stride, padding, dilation, groups)
 
 def _split_at(monkeypatch, nbytes: int) -> None:
     """Inputs of ``nbytes`` or more take the conv's autograd Function and its split backward."""
-    from dropit_core import patch
-
     monkeypatch.setattr(ops, "SPLIT_BYTES", nbytes)
-    monkeypatch.setattr(patch, "SPLIT_BYTES", nbytes)  # which conv takes the Function
 
 
 @pytest.mark.parametrize("conv_args", CONVS)
