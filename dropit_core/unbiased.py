@@ -347,14 +347,18 @@ class Quant(Strategy):
         # a pack of its own, rebuilt by the same kernels.
         if packed.norm is not None or start % self.group or start * self.bits % 8:
             return None
-        first = start // self.group
-        part = Packed(
-            QuantMeta((stop - start,), packed.meta.dtype),
-            values=packed.values[start * self.bits // 8 : code_bytes(stop, self.bits)],
-            scales=packed.scales[first : -(-stop // self.group)],
-            mins=packed.mins[first : -(-stop // self.group)],
-        )
-        return self._unpack(part)
+        values, mins, scales = self._fields(packed, start, stop)
+        meta = QuantMeta((stop - start,), packed.meta.dtype)
+        return self._unpack(Packed(meta, values=values, scales=scales, mins=mins))
+
+    def _fields(
+        self, packed: Packed, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the codes, minimums and steps of elements ``[start, stop)`` of ``packed``
+        (``start`` on a whole group and code byte)."""
+        first, last = start // self.group, -(-stop // self.group)
+        values = packed.values[start * self.bits // 8 : code_bytes(stop, self.bits)]
+        return values, packed.mins[first:last], packed.scales[first:last]
 
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype = packed.meta
@@ -375,14 +379,12 @@ class Quant(Strategy):
             # at a time: a whole map in fp32 beside its cast was the largest tensor of a bf16
             # backward on the CPU (tools/gpu_probe.py --what live-step).
             dense = torch.empty(n, dtype=dtype)
-            for start in range(0, n, step):
-                first = start // group  # slices hold whole groups and whole code bytes
-                dense[start : start + step].copy_(
-                    native.quant_rebuild(
-                        packed.values[start * self.bits // 8 :], packed.mins[first:],
-                        packed.scales[first:], min(step, n - start), self.bits, group,
-                    )
-                )  # fmt: skip
+            for start in range(0, n, step):  # slices hold whole groups and whole code bytes
+                stop = min(start + step, n)
+                values, mins, scales = self._fields(packed, start, stop)
+                dense[start:stop].copy_(
+                    native.quant_rebuild(values, mins, scales, stop - start, self.bits, group)
+                )
             return dense.view(shape)
         dense = torch.empty(n, dtype=dtype, device=packed.values.device)
         for start in range(0, n, step):
