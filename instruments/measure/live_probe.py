@@ -31,10 +31,11 @@ profiler's allocation events took about two minutes for one step at 384 px).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,8 +123,12 @@ class LiveReport:
     end_mb: float  # recorded storages alive when the forward ends
     groups: list[LiveGroup] = field(default_factory=list)
     scope: str = "forward"  # what was followed: "forward", or "step" (forward and backward)
-    phase: str = "forward"  # where the peak is: "forward" or "backward"
-    forward_ops: int = 0  # ops of the forward (of ``ops``, with a step)
+    forward_ops: int = 0  # ops of the forward (the first of ``ops``, with a step)
+
+    @property
+    def phase(self) -> str:
+        """Where the peak is: "backward" when it comes after the forward's last op."""
+        return "backward" if self.scope == "step" and self.peak_op > self.forward_ops else "forward"
 
     def lines(self, top: int = 15) -> list[str]:
         """The report as text: the peak, its split, and the ``top`` lines by bytes at the peak."""
@@ -162,8 +167,6 @@ class _Tracker(TorchDispatchMode):
         self.peak_op = 0
         self.peak_name = ""
         self.peak_where = ""
-        self.peak_phase = "forward"
-        self.phase = "forward"
         self.node_ops = 0  # ops seen while an autograd node ran (the backward's)
         self.preexisting: set[int] = set()
 
@@ -197,7 +200,6 @@ class _Tracker(TorchDispatchMode):
         if self.now > self.peak:
             self.peak, self.peak_op = self.now, self.op
             self.peak_name, self.peak_where = func_name, where
-            self.peak_phase = self.phase
 
     def mark_saved(self, t: torch.Tensor) -> None:
         life = self.alive.get(t.untyped_storage().data_ptr())
@@ -207,7 +209,7 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.op += 1
-        if self.phase == "backward" and torch._C._current_autograd_node() is not None:
+        if torch._C._current_autograd_node() is not None:  # only a backward runs nodes
             self.node_ops += 1
         self.record(tree_leaves(out), str(func.overloadpacket.__name__))
         return out
@@ -222,19 +224,27 @@ def live_at_peak(
     must not count when an op returns one of them (a view, an in-place op's output). The result
     keeps the graph, so the caller can still call backward.
     """
+    with _following(preexisting) as tracker:
+        result = forward()
+    return result, _report(tracker)
+
+
+@contextlib.contextmanager
+def _following(preexisting: Iterable[torch.Tensor]) -> Iterator[_Tracker]:
+    """Inside: every op recorded, and the storages that autograd saves marked; at the exit the
+    storages that died since the last op retired."""
     tracker = _Tracker()
     tracker.preexisting = {t.untyped_storage().data_ptr() for t in preexisting}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        tracker.mark_saved(t)
+        tracker.mark_saved(t)  # the forward's saves, and a checkpoint's recomputed ones
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
-        result = forward()
+        yield tracker
     tracker.sweep()
     tracker.op += 1
     tracker.sweep()
-    return result, _report(tracker)
 
 
 def _run_backward(loss: torch.Tensor) -> None:
@@ -247,27 +257,15 @@ def live_through_step(
 ) -> LiveReport:
     """Run ``forward()`` and the backward of the loss it returns; report the storages alive at
     the step's peak, in whichever phase it falls. The weights' gradients are left set."""
-    tracker = _Tracker()
-    tracker.preexisting = {t.untyped_storage().data_ptr() for t in preexisting}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        tracker.mark_saved(t)  # the forward's saves, and a checkpoint's recomputed ones
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+    with _following(preexisting) as tracker:
         loss = forward()
-        tracker.sweep()
         forward_ops = tracker.op
-        tracker.phase = "backward"
         _run_backward(loss)
         del loss
     if not tracker.node_ops:  # a backward the mode did not follow (another thread) looks empty
         raise RuntimeError("the live probe saw no op of the backward: it ran outside the mode")
-    tracker.sweep()
-    tracker.op += 1
-    tracker.sweep()
     report = _report(tracker)
-    report.scope, report.phase, report.forward_ops = "step", tracker.peak_phase, forward_ops
+    report.scope, report.forward_ops = "step", forward_ops
     return report
 
 
@@ -316,10 +314,7 @@ def forward_report(model: torch.nn.Module, batch, amp: str = "none") -> LiveRepo
     the gradients set to None after it, as a training step leaves them."""
     from instruments.measure.workload import step_loss
 
-    images, targets = batch
-    given = [*model.parameters(), *model.buffers(), *images]
-    given += [v for target in targets for v in target.values()]
-    loss, report = live_at_peak(lambda: step_loss(model, batch, amp), given)
+    loss, report = live_at_peak(lambda: step_loss(model, batch, amp), _given(model, batch))
     loss.backward()
     model.zero_grad(set_to_none=True)
     return report
@@ -331,10 +326,14 @@ def step_report(model: torch.nn.Module, batch, amp: str = "none") -> LiveReport:
     after it."""
     from instruments.measure.workload import step_loss
 
-    images, targets = batch
-    given = [*model.parameters(), *model.buffers(), *images]
-    given += [v for target in targets for v in target.values()]
     model.zero_grad(set_to_none=True)
-    report = live_through_step(lambda: step_loss(model, batch, amp), given)
+    report = live_through_step(lambda: step_loss(model, batch, amp), _given(model, batch))
     model.zero_grad(set_to_none=True)
     return report
+
+
+def _given(model: torch.nn.Module, batch) -> list[torch.Tensor]:
+    """What a step of ``model`` on ``batch`` does not make: weights, buffers, images, targets."""
+    images, targets = batch
+    given = [*model.parameters(), *model.buffers(), *images]
+    return given + [v for target in targets for v in target.values()]
