@@ -37,6 +37,7 @@ modules (:func:`dropit_core.lean.lean_detector`).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -59,6 +60,9 @@ from torchvision.ops.poolers import (
     _filter_input,
     _setup_scales,
 )
+
+from . import ops
+from .ops import ConvArgs
 
 
 class ConsumableMaps(OrderedDict):
@@ -332,16 +336,103 @@ def _autocast_casts(maps: list[Tensor]) -> bool:
 class LeanRPNHead(RPNHead):
     """torchvision's RPN head; each level's shared conv map goes once its two predictors have
     read it (torchvision's loop keeps it until the next level's is made, so at P3 the P2 map,
-    the largest, was still alive)."""
+    the largest, was still alive), and in the backward the map's gradient is made once
+    (:class:`_ReadersInputGrad`), not once per predictor and then summed."""
 
     def forward(self, x: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         logits, bbox_reg = [], []
         for feature in x:
             t = self.conv(feature)
-            logits.append(self.cls_logits(t))
-            bbox_reg.append(self.bbox_pred(t))
+            readers = (self.cls_logits, self.bbox_pred)
+            if _one_input_grad(t, readers):
+                # The predictors read a detached alias: their nodes make only their weights'
+                # gradients, the map's comes from the Function (one pack still: both read it).
+                seen = t.detach()
+                outs = [reader(seen) for reader in readers]
+                args = tuple(_conv_args(reader) for reader in readers)
+                weights = tuple(reader.weight for reader in readers)
+                cls, box = _ReadersInputGrad.apply(t, weights, args, *outs)
+                del seen, outs
+            else:
+                cls, box = self.cls_logits(t), self.bbox_pred(t)
+            logits.append(cls)
+            bbox_reg.append(box)
             del t  # backward keeps what it needs of it (the predictors' saved input or pack)
         return logits, bbox_reg
+
+
+def _one_input_grad(t: Tensor, readers: tuple[nn.Module, ...]) -> bool:
+    """Whether the readers' input gradient is made by :class:`_ReadersInputGrad`: a training
+    step that needs it, eagerly (a compiled graph plans its own buffers), of plain 2-D convs
+    (DropIT's included) whose padding is a number, on a map autocast does not cast (a leaf's
+    cast is shared by its readers, who then sum their gradients before the cast's backward)."""
+    if not (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return False
+    device = t.device.type
+    if torch.is_autocast_enabled(device) and t.dtype != torch.get_autocast_dtype(device):
+        return False
+    return t.dim() == 4 and all(
+        isinstance(m, nn.Conv2d) and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+        for m in readers
+    )
+
+
+def _conv_args(conv: nn.Conv2d) -> ConvArgs:
+    return ConvArgs(conv.stride, conv.padding, conv.dilation, False, (0, 0), conv.groups)
+
+
+class _ReadersInputGrad(torch.autograd.Function):
+    """The identity on the outputs of two convs that read one map ``t`` (through a detached
+    alias); its backward makes ``t``'s gradient, the sum of the convs' input gradients, into one
+    map a chunk of images at a time.
+
+    Autograd would have each conv's node make a whole input gradient and then add the two: at
+    the RPN head's P2 level two maps of the backward's largest size alive at once, and a third
+    for a moment (the CPU's kernel writes a map-sized scratch besides its output), the step's
+    peak with DropIT (docs/results/step_peak_bf16_cpu). Here each chunk (of at most
+    ``ops.SPLIT_BYTES`` of gradient, one image at P2) gets the first reader's term, then the
+    second's added into it: the map and two chunks alive. Each term is the transposed conv of
+    the chunk's output gradient (:func:`dropit_core.ops.conv_input_grad`, whose bits do not depend
+    on the chunk), cast to ``t``'s dtype as autograd's cast would: with two terms the sum is
+    autograd's bit for bit, whichever it adds first (tests/toolkit/test_lean_forward.py). The
+    weights are kept as they are (parameters) and cast to the gradient's dtype here, as
+    autocast cast them."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, weights: tuple[Tensor, ...], args: tuple, *outs: Tensor):
+        ctx.weights, ctx.args, ctx.t_shape, ctx.t_dtype = weights, args, t.shape, t.dtype
+        return tuple(out.view_as(out) for out in outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: Tensor):
+        terms = [
+            (g.contiguous(), w.to(g.dtype), a)
+            for g, w, a in zip(grads, ctx.weights, ctx.args, strict=True)
+            if g is not None
+        ]
+        if not terms or not ctx.needs_input_grad[0]:
+            return None, None, None, *grads
+        shape, dtype = ctx.t_shape, ctx.t_dtype
+        batch, image = shape[0], shape[1:]
+        chunk = max(1, ops.SPLIT_BYTES // max(math.prod(image) * terms[0][0].element_size(), 1))
+        gt = None
+        for i in range(0, batch, chunk):
+            j = min(i + chunk, batch)
+            part = None
+            for g, w, a in terms:
+                term = ops.conv_input_grad(g[i:j], w, (j - i, *image), a).to(dtype)
+                if part is None and j - i == batch:
+                    gt = part = term  # one chunk: the first term is the gradient
+                elif part is None:
+                    if gt is None:
+                        gt = term.new_empty(shape)
+                    part = gt[i:j]
+                    part.copy_(term)
+                else:
+                    part.add_(term)
+                del term
+        return gt, None, None, *grads
 
 
 def last_pooler(roi_heads: nn.Module) -> nn.Module | None:

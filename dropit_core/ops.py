@@ -273,7 +273,7 @@ class DropITConvFunction(torch.autograd.Function):
             split = _conv_backward_split(ctx, grad, weight, packed, bias_sizes, need_x)
             return split + (None,) * 3
         if not need_w and not need_b:
-            gx = _input_grad(grad, weight, ctx.x_shape, args) if need_x else None
+            gx = conv_input_grad(grad, weight, ctx.x_shape, args) if need_x else None
             return gx, None, None, None, None, None
         x_hat = ctx.cache.unpack(packed) if need_w else _zeros_like_shape(grad, ctx.x_shape)
         gx, gw, gb = torch.ops.aten.convolution_backward.default(
@@ -301,10 +301,10 @@ def _conv_backward_split(
     del images
     if not need_x:
         return None, gw, gb
-    return _input_grad(grad, weight, ctx.x_shape, ctx.args), gw, gb
+    return conv_input_grad(grad, weight, ctx.x_shape, ctx.args), gw, gb
 
 
-def _input_grad(
+def conv_input_grad(
     grad: torch.Tensor, weight: torch.Tensor, x_shape: torch.Size, args: ConvArgs
 ) -> torch.Tensor:
     """A conv's input gradient without its input. On the CPU a 2-D conv's is the transposed

@@ -15,15 +15,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torchvision.models.detection import MaskRCNN
+from torchvision.models.detection.rpn import RPNHead
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 
-from dropit_core import CompressSaved, lean_detector, set_step
+from dropit_core import CompressSaved, lean_detector, ops, set_step, to_dropit
 from dropit_core.lean_detection import (
     ConsumableMaps,
     LeanFeaturePyramidNetwork,
     LeanMaskRCNN,
     LeanMultiScaleRoIAlign,
+    LeanRPNHead,
+    _ReadersInputGrad,
     add_top_down,
 )
 from rcnn_dropit.config import config_from_dict
@@ -296,6 +299,63 @@ def test_the_pyramid_is_released_before_the_mask_head_runs() -> None:
         )
         _step(model)
     assert alive == {"lean": ["3"], "torchvision": ["0", "1", "2", "3", "pool"]}
+
+
+@pytest.mark.parametrize("dropit", [False, True], ids=["plain", "quant4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_the_rpn_heads_map_gradient_is_made_once_bit_for_bit(monkeypatch, dropit, dtype) -> None:
+    """The predictors' input gradients: torchvision makes one whole map per predictor and adds
+    them; the lean head makes one map, an image at a time (SPLIT_BYTES of one byte: every chunk
+    one image of 8). The same bits, and at the backward's peak (the head's conv left out, so
+    that the peak is the predictors') one map fewer, less the predictors' output gradients and
+    a few images' scratch (the CPU kernels' own, which depends on their threads)."""
+    monkeypatch.setattr(ops, "SPLIT_BYTES", 1)
+    torch.manual_seed(0)
+    plain = RPNHead(128, 3)  # 128 channels: the predictors' 15 output ones small beside, as at 256
+    plain.conv = torch.nn.Identity()
+    lean = copy.deepcopy(plain)
+    lean.__class__ = LeanRPNHead
+    made = []
+    monkeypatch.setattr(_ReadersInputGrad, "backward", _recording(_ReadersInputGrad.backward, made))
+    runs = []
+    for head in (lean, plain):
+        if dropit:
+            to_dropit(head, strategy="quant", bits=4)
+            set_step(head, 0)
+        gen = torch.Generator().manual_seed(1)
+        maps = [torch.randn(8, 128, 16 >> i, 16 >> i, generator=gen) for i in range(2)]
+        maps = [m.to(dtype).requires_grad_() for m in maps]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+            logits, boxes = head(maps)
+        outs = logits + boxes
+        weights = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+        loss = sum((o * w).float().sum() for o, w in zip(outs, weights, strict=True))
+        _, seen = allocations(partial(loss.backward))
+        grads = [m.grad for m in maps] + [p.grad for p in head.parameters()]
+        runs.append((grads, seen.peak))
+    (grads, peak), (ref_grads, ref_peak) = runs
+    assert len(made) == 2  # a level each, in the lean head only
+    assert len(grads) == 6 and all(
+        g.dtype == r.dtype for g, r in zip(grads, ref_grads, strict=True)
+    )
+    assert all(map(torch.equal, grads, ref_grads))
+    one_map = 8 * 128 * 16 * 16 * dtype.itemsize  # P2's gradient
+    assert ref_peak - peak >= one_map // 2, (peak, ref_peak)
+
+
+def _recording(backward, calls: list):
+    def recorded(ctx, *grads):
+        calls.append(len(grads))
+        return backward(ctx, *grads)
+
+    return recorded
+
+
+def test_the_rpn_head_makes_torchvisions_step_with_its_map_gradient_by_image(monkeypatch) -> None:
+    """The whole detector, with every conv's backward and the RPN head's map gradient by
+    image: torchvision's losses and gradients bit for bit."""
+    monkeypatch.setattr(ops, "SPLIT_BYTES", 1)
+    _assert_same_step(*_models())
 
 
 def test_the_rpn_head_drops_each_levels_map_before_the_next_levels_conv() -> None:
