@@ -38,7 +38,6 @@ modules (:func:`dropit_core.lean.lean_detector`).
 from __future__ import annotations
 
 import math
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -73,69 +72,9 @@ class ConsumableMaps(OrderedDict):
     the reader drops the maps it has used (the FPN's inputs).
     """
 
-    def __init__(
-        self,
-        maps: dict[str, Tensor],
-        last_reader: nn.Module | None = None,
-        pooled_grads: PooledGrads | None = None,
-    ) -> None:
+    def __init__(self, maps: dict[str, Tensor], last_reader: nn.Module | None = None) -> None:
         super().__init__(maps)
         self.last_reader = last_reader
-        self.pooled_grads = pooled_grads
-
-
-class PooledGrads:
-    """The gradient the RoI poolers that read one pyramid give it, made once.
-
-    Autograd has each pooler's backward make a gradient for every level it reads, and sums them
-    per level after: at the step's peak with DropIT (8 images of 800 px under bf16), the box and
-    the mask pooler's whole pyramids of gradients were alive at once
-    (docs/results/rpn_head_grad). Here the first pooler's backward to run keeps its levels'
-    gradients and returns none; each later one adds its own into them (a group of images at a
-    time, :class:`_PoolByImage`), and the last, the one after which no pooler of this pyramid
-    will run in this backward (``torch._C._will_engine_execute_node``, as torch's own
-    ``register_multi_grad_hook``), returns the sums. Two poolers: each level's sum is
-    autograd's bit for bit, whichever runs first. Only poolers of the same levels join
-    (:meth:`join`); a backward that will not run a pooler's node (``autograd.grad`` of one head's
-    loss) does not wait for it.
-    """
-
-    def __init__(self) -> None:
-        self.names: tuple[str, ...] | None = None
-        self._nodes: list[weakref.ref] = []
-        self._task = -1
-        self._ran: set[int] = set()
-        self.levels: list[Tensor | None] = []
-
-    def join(self, names: tuple[str, ...]) -> bool:
-        """Whether a pooler of these levels shares the gradient (the first one sets them)."""
-        if self.names is None:
-            self.names = names
-        return names == self.names
-
-    def add_node(self, node) -> None:
-        """Register the autograd node of a pooler that joined."""
-        self._nodes.append(weakref.ref(node))
-
-    def begin(self, node) -> None:
-        """A pooler's backward starts: a new backward (graph task) starts afresh."""
-        task = torch._C._current_graph_task_id()
-        if task != self._task:
-            self._task, self._ran, self.levels = task, set(), []
-        self._ran.add(id(node))
-
-    def others_will_run(self, node) -> bool:
-        """Whether a pooler of this pyramid other than ``node`` will still run in this backward."""
-        for ref in self._nodes:
-            other = ref()
-            if (
-                other is not None
-                and other is not node
-                and id(other) not in self._ran
-                and torch._C._will_engine_execute_node(other)
-            ):
-                return True
-        return False
 
 
 class _AddUpsampled2x(torch.autograd.Function):
@@ -251,12 +190,7 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
                 self.scales, self.map_levels = _setup_scales(
                     maps, image_shapes, self.canonical_scale, self.canonical_level
                 )
-            shared = x.pooled_grads if isinstance(x, ConsumableMaps) else None
-            if shared is not None and not shared.join(tuple(self.featmap_names)):
-                shared = None
-            out = self._pool_by_image(maps, boxes, cast=_autocast_casts(maps), shared=shared)
-            if shared is not None and out.grad_fn is not None:
-                shared.add_node(out.grad_fn)
+            out = self._pool_by_image(maps, boxes, cast=_autocast_casts(maps))
         else:
             out = super().forward(x, boxes, image_shapes)
         del maps
@@ -264,16 +198,9 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
             x.clear()
         return out
 
-    def _pool_by_image(
-        self,
-        maps: list[Tensor],
-        boxes: list[Tensor],
-        cast: bool,
-        shared: PooledGrads | None = None,
-    ) -> Tensor:
+    def _pool_by_image(self, maps: list[Tensor], boxes: list[Tensor], cast: bool) -> Tensor:
         """torchvision's ``_multiscale_roi_align``; ``cast``: as autocast's ``roi_align``, in
-        fp32, each level in groups of images (else each level whole, in its dtype); ``shared``:
-        the maps' gradient shared with the other poolers of them."""
+        fp32, each level in groups of images (else each level whole, in its dtype)."""
         rois = _convert_to_roi_format(boxes)
         images, levels_n = len(boxes), len(maps)
         if levels_n == 1:
@@ -299,7 +226,7 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
                     start += n
             plan.append(parts)
         meta = (tuple(self.scales), tuple(self.output_size), self.sampling_ratio, plan, cast)
-        return _PoolByImage.apply((*meta, shared), rois, order, *maps)
+        return _PoolByImage.apply(meta, rois, order, *maps)
 
 
 class _PoolByImage(torch.autograd.Function):
@@ -313,13 +240,12 @@ class _PoolByImage(torch.autograd.Function):
     fp32 gradient beside its cast. Every value takes the same casts and kernels as torchvision's.
     ``meta``: (scales, output size, sampling ratio, per level its groups (lo, hi, start, end):
     images lo:hi, RoIs ``order[start:end]``, whether autocast casts: without it every value stays
-    in its dtype, as torchvision's ``roi_align`` runs then; the :class:`PooledGrads` this pooler
-    shares, or None).
+    in its dtype, as torchvision's ``roi_align`` runs then).
     """
 
     @staticmethod
     def forward(ctx, meta, rois: Tensor, order: Tensor, *maps: Tensor) -> Tensor:
-        scales, size, sampling_ratio, plan, cast, _ = meta
+        scales, size, sampling_ratio, plan, cast = meta
         ctx.meta = meta
         ctx.maps = [(m.shape, m.dtype) for m in maps]
         # The RoIs saved as their bits in an integer view: saved-tensor hooks still count them,
@@ -344,21 +270,16 @@ class _PoolByImage(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        scales, size, sampling_ratio, plan, cast, shared = ctx.meta
+        scales, size, sampling_ratio, plan, cast = ctx.meta
         bits, order = ctx.saved_tensors
         rois = bits.view(ctx.rois_dtype)
-        held: list[Tensor | None] = []
-        if shared is not None:
-            shared.begin(ctx)
-            held = shared.levels
         grads = []
-        for index, ((shape, dtype), scale, parts, needed) in enumerate(
-            zip(ctx.maps, scales, plan, ctx.needs_input_grad[3:], strict=True)
+        for (shape, dtype), scale, parts, needed in zip(
+            ctx.maps, scales, plan, ctx.needs_input_grad[3:], strict=True
         ):
             if not needed:
                 grads.append(None)
                 continue
-            into = held[index] if index < len(held) else None
             grad_map = None
             done = 0
             for lo, hi, start, end in parts:
@@ -367,35 +288,21 @@ class _PoolByImage(torch.autograd.Function):
                 part = torch.ops.torchvision._roi_align_backward(
                     part_grad, part_rois, scale, *size, hi - lo, *shape[1:], sampling_ratio, False
                 )
-                if into is not None:
-                    # autograd's sum with a gradient held, this one's zeros included (-0 + 0)
-                    into[done:lo].add_(0.0)
-                    into[lo:hi].add_(part.to(dtype))
-                elif (lo, hi) == (0, shape[0]) and part.dtype == dtype:
+                if (lo, hi) == (0, shape[0]) and part.dtype == dtype:
                     grad_map = part  # the whole level in its dtype: the kernel's own, no copy
-                else:
-                    if grad_map is None:
-                        grad_map = grad.new_empty(shape, dtype=dtype)
-                    grad_map[done:lo].zero_()
-                    grad_map[lo:hi].copy_(part)
+                    done = hi
+                    continue
+                if grad_map is None:
+                    grad_map = grad.new_empty(shape, dtype=dtype)
+                grad_map[done:lo].zero_()
+                grad_map[lo:hi].copy_(part)
                 del part
                 done = hi
-            if into is not None:
-                into[done:].add_(0.0)
-                grads.append(into)
-                continue
             if grad_map is None:  # no RoI read this level
                 grad_map = grad.new_empty(shape, dtype=dtype)
             grad_map[done:].zero_()
             grads.append(grad_map)
-        none = (None, None, None)
-        if shared is None:
-            return (*none, *grads)
-        shared.levels = grads
-        if shared.others_will_run(ctx):
-            return (*none, *[None] * len(grads))
-        shared.levels = []
-        return (*none, *grads)
+        return (None, None, None, *grads)
 
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
@@ -561,8 +468,7 @@ class LeanGeneralizedRCNN(GeneralizedRCNN):
         features = self.backbone(batch.tensors)
         if isinstance(features, Tensor):
             features = OrderedDict([("0", features)])
-        shared = PooledGrads() if torch.is_grad_enabled() and self.training else None
-        features = ConsumableMaps(features, last_pooler(self.roi_heads), shared)
+        features = ConsumableMaps(features, last_pooler(self.roi_heads))
         # The heads read the padded batch's shape alone (the anchors' image size): a stand-in
         # of that shape lets the pixels go (unless the stem conv trains and keeps them).
         batch = ImageList(_shape_only(batch.tensors), batch.image_sizes)
