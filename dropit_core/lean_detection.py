@@ -21,7 +21,9 @@ keyed by the order of the packs, are the same too.
   last reader, the last RoI pooler of the heads, empties it once it has pooled
   (:class:`LeanMultiScaleRoIAlign`): the mask head runs without P2-P6 alive. The padded image
   batch goes once the backbone has run: the heads read its shape alone.
-- :class:`LeanRPNHead` lets each level's conv map go once its predictors have read it.
+- :class:`LeanRPNHead` lets each level's conv map go once its predictors have read it, and in
+  the backward makes that map's gradient once, an image at a time (:class:`_ReadersInputGrad`),
+  where autograd makes one whole map per predictor and sums them.
 - :class:`LeanMultiScaleRoIAlign` under autocast pools a level a few images at a time, so the
   fp32 copy ``roi_align`` makes of what it reads, and the fp32 gradient of it in the backward,
   are never more than one image's finest level (torchvision's are the whole level's); the

@@ -429,6 +429,7 @@ OTHER_BLOCKS = {
     "methods-bench-speed": "methods_bench_speed.json",
     "methods-bench-v2": "methods_bench_v2.json",
     "step-peak-bf16-after": "step_peak_bf16_cpu/methods_after.json",
+    "step-peak-bf16-rpn": "rpn_head_grad/methods_rpn_head.json",
 }
 
 
