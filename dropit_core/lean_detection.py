@@ -365,16 +365,22 @@ class LeanRPNHead(RPNHead):
 
 def _one_input_grad(t: Tensor, readers: tuple[nn.Module, ...]) -> bool:
     """Whether the readers' input gradient is made by :class:`_ReadersInputGrad`: a training
-    step that needs it, eagerly (a compiled graph plans its own buffers), of plain 2-D convs
-    (DropIT's included) whose padding is a number, on a map autocast does not cast (a leaf's
-    cast is shared by its readers, who then sum their gradients before the cast's backward)."""
+    step that needs it, eagerly (a compiled graph plans its own buffers), of 1x1 convs of
+    stride 1 (torchvision's predictors, DropIT's included: their input gradient an image at a
+    time is the batch's bit for bit, which a strided 3x3 conv's is not always on the CPU), on a
+    map autocast does not cast (a leaf's cast is shared by its readers, who then sum their
+    gradients before the cast's backward)."""
     if not (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return False
     device = t.device.type
     if torch.is_autocast_enabled(device) and t.dtype != torch.get_autocast_dtype(device):
         return False
     return t.dim() == 4 and all(
-        isinstance(m, nn.Conv2d) and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+        isinstance(m, nn.Conv2d)
+        and tuple(m.kernel_size) == (1, 1)
+        and tuple(m.stride) == (1, 1)
+        and tuple(m.padding) == (0, 0)
+        and m.padding_mode == "zeros"
         for m in readers
     )
 
@@ -394,11 +400,11 @@ class _ReadersInputGrad(torch.autograd.Function):
     peak with DropIT (docs/results/step_peak_bf16_cpu). Here each chunk (of at most
     ``ops.SPLIT_BYTES`` of gradient, one image at P2) gets the first reader's term, then the
     second's added into it: the map and two chunks alive. Each term is the transposed conv of
-    the chunk's output gradient (:func:`dropit_core.ops.conv_input_grad`, whose bits do not depend
-    on the chunk), cast to ``t``'s dtype as autograd's cast would: with two terms the sum is
-    autograd's bit for bit, whichever it adds first (tests/toolkit/test_lean_forward.py). The
-    weights are kept as they are (parameters) and cast to the gradient's dtype here, as
-    autocast cast them."""
+    the chunk's output gradient (:func:`dropit_core.ops.conv_input_grad`; of a 1x1 conv, the
+    same bits whatever the chunk, as the tests check), cast to ``t``'s dtype as autograd's cast
+    would: with two terms the sum is autograd's bit for bit, whichever it adds first
+    (tests/toolkit/test_lean_forward.py). The weights are kept as they are (parameters) and
+    cast to the gradient's dtype here, as autocast cast them."""
 
     @staticmethod
     def forward(ctx, t: Tensor, weights: tuple[Tensor, ...], args: tuple, *outs: Tensor):

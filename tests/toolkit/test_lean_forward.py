@@ -26,6 +26,7 @@ from dropit_core.lean_detection import (
     LeanMaskRCNN,
     LeanMultiScaleRoIAlign,
     LeanRPNHead,
+    _one_input_grad,
     _ReadersInputGrad,
     add_top_down,
 )
@@ -341,6 +342,18 @@ def test_the_rpn_heads_map_gradient_is_made_once_bit_for_bit(monkeypatch, dropit
     assert all(map(torch.equal, grads, ref_grads))
     one_map = 8 * 128 * 16 * 16 * dtype.itemsize  # P2's gradient
     assert ref_peak - peak >= one_map // 2, (peak, ref_peak)
+
+
+def test_the_rpn_heads_map_gradient_is_made_once_only_for_1x1_predictors() -> None:
+    """An image's input gradient is the batch's bit for bit for a 1x1 conv; a strided 3x3
+    conv's is not always (the CPU picks another kernel), so other predictors keep autograd's."""
+    t = torch.randn(2, 8, 6, 6, requires_grad=True)
+    assert _one_input_grad(t, (torch.nn.Conv2d(8, 3, 1), torch.nn.Conv2d(8, 12, 1)))
+    for odd in (torch.nn.Conv2d(8, 3, 3, padding=1), torch.nn.Conv2d(8, 3, 1, stride=2)):
+        assert not _one_input_grad(t, (odd, torch.nn.Conv2d(8, 12, 1)))
+    assert not _one_input_grad(t.detach(), (torch.nn.Conv2d(8, 3, 1),) * 2)
+    with torch.no_grad():
+        assert not _one_input_grad(t, (torch.nn.Conv2d(8, 3, 1),) * 2)
 
 
 def _recording(backward, calls: list):
