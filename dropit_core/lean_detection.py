@@ -424,22 +424,22 @@ class _ReadersInputGrad(torch.autograd.Function):
         shape, dtype = ctx.t_shape, ctx.t_dtype
         batch, image = shape[0], shape[1:]
         chunk = max(1, ops.SPLIT_BYTES // max(math.prod(image) * terms[0][0].element_size(), 1))
-        gt = None
-        for i in range(0, batch, chunk):
-            j = min(i + chunk, batch)
-            part = None
-            for g, w, a in terms:
-                term = ops.conv_input_grad(g[i:j], w, (j - i, *image), a).to(dtype)
-                if part is None and j - i == batch:
-                    gt = part = term  # one chunk: the first term is the gradient
-                elif part is None:
-                    if gt is None:
-                        gt = term.new_empty(shape)
-                    part = gt[i:j]
-                    part.copy_(term)
-                else:
-                    part.add_(term)
-                del term
+
+        def term(k: int, i: int, j: int) -> Tensor:
+            g, w, a = terms[k]
+            return ops.conv_input_grad(g[i:j], w, (j - i, *image), a).to(dtype)
+
+        if chunk >= batch:  # one chunk: the first term is the gradient
+            gt = term(0, 0, batch)
+            for k in range(1, len(terms)):
+                gt.add_(term(k, 0, batch))
+        else:
+            gt = terms[0][0].new_empty(shape, dtype=dtype)
+            for i in range(0, batch, chunk):
+                j = min(i + chunk, batch)
+                gt[i:j].copy_(term(0, i, j))
+                for k in range(1, len(terms)):
+                    gt[i:j].add_(term(k, i, j))
         return gt, None, None, *grads
 
 

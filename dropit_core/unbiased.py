@@ -369,28 +369,28 @@ class Quant(Strategy):
                 shape=shape,
             )  # fmt: skip
         step, group = self.slice_len(), self.group
-        if self._whole_bytes() and native.ready(packed.values.device):
-            if dtype == torch.float32:
-                values = native.quant_rebuild(
-                    packed.values, packed.mins, packed.scales, n, self.bits, group
-                )
-                return values.view(shape)
-            # A narrower dtype: the eager path's fp32 values, rounded by the same cast, a slice
-            # at a time: a whole map in fp32 beside its cast was the largest tensor of a bf16
-            # backward on the CPU (tools/gpu_probe.py --what live-step).
-            dense = torch.empty(n, dtype=dtype)
-            for start in range(0, n, step):  # slices hold whole groups and whole code bytes
-                stop = min(start + step, n)
+        loops = self._whole_bytes() and native.ready(packed.values.device)
+        if loops and dtype == torch.float32:
+            values = native.quant_rebuild(
+                packed.values, packed.mins, packed.scales, n, self.bits, group
+            )
+            return values.view(shape)
+        dense = torch.empty(n, dtype=dtype, device=packed.values.device)
+        for start in range(0, n, step):  # slices hold whole groups and whole code bytes
+            stop = min(start + step, n)
+            if loops:
+                # A narrower dtype: the C loops' fp32 values, rounded by the same cast as the
+                # eager path's, a slice at a time (a whole map in fp32 beside its cast was the
+                # largest tensor of a bf16 backward on the CPU: tools/gpu_probe.py --what
+                # live-step).
                 values, mins, scales = self._fields(packed, start, stop)
                 dense[start:stop].copy_(
                     native.quant_rebuild(values, mins, scales, stop - start, self.bits, group)
                 )
-            return dense.view(shape)
-        dense = torch.empty(n, dtype=dtype, device=packed.values.device)
-        for start in range(0, n, step):
-            length = min(step, n - start)
-            # Eager: a few passes, faster than a compiled loop here (its codes unpack slowly).
-            self._rebuild_eager(packed, start, length, length // group * group, dense)
+            else:
+                # Eager: a few passes, faster than a compiled loop here (its codes unpack slowly).
+                length = stop - start
+                self._rebuild_eager(packed, start, length, length // group * group, dense)
         return dense.view(shape)
 
     def _rebuild_eager(
