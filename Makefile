@@ -43,8 +43,9 @@ bench: setup
 
 # Every method of the toolkit on the R50 recipe, each named as the study's setting
 # (configs/study/plan.yaml): memory, step and eval time, gradient cosine, norm ratio and bias over
-# DRAWS seeded draws. Writes docs/results/methods_bench.json and its table into
-# docs/results/memory.md. A quarter hour on 2 quiet cores; QUIET=1 records that nothing else ran.
+# DRAWS seeded draws. Writes docs/results/methods_bench.json, its table into
+# docs/results/memory.md, and the results page (docs/results/README.md, with README.md's and
+# docs/choosing.md's blocks). A quarter hour on 2 quiet cores; QUIET=1 records that nothing else ran.
 METHODS := baseline mink_0.8 threshold_0.8 random_0.8 random_scaled_0.8 importance_0.8 \
 	quant_2bit quant_4bit quant_8bit mink_0.8_backbone mink_0.8_backbone_quant_4bit_heads \
 	checkpoint_stages checkpoint_stages_quant_4bit baseline_torchvision_bn accumulate_2 \
@@ -56,8 +57,7 @@ bench-methods: setup
 		--json docs/results/bench_methods_cpu.json \
 		--methods-json docs/results/methods_bench.json $(if $(QUIET),--quiet-machine)
 	$(PY) tools/bench.py --markdown docs/results/methods_bench.json --into docs/results/memory.md
-	$(PY) tools/bench.py --markdown docs/results/methods_bench.json --summary --into README.md \
-		--block memory-methods
+	$(PY) tools/results_page.py
 
 # What autocast does to the baselines without a GPU: bf16 on the CPU, R50-FPN at 2 images of
 # 384 px, torchvision's FrozenBatchNorm2d (fp32 activations) against the lean one. With these 8
@@ -141,22 +141,22 @@ bench-fusion: setup
 # torchvision's norm, gradient accumulation and checkpointing as rows): step time and CUDA peak at
 # 2 and 8 images, kernel launches and host syncs per step (torch.profiler), and the largest batch
 # each trains in BUDGET_MB (default 16000), searched up to BATCH_LIMIT images (meant to be above
-# what any setting reaches; a row at the limit says so). Writes docs/results/bench_gpu.json (with
-# the GPU's name and the torch, CUDA and triton versions), its table into
-# docs/results/memory.md and its lines into docs/gpu.md.
+# what any setting reaches; a row at the limit says so). Writes LEASE/bench_gpu.json (default
+# docs/results/gpu_<gpu>_<date>, e.g. gpu_h200_2026-11-28: one folder per GPU and day, with the
+# GPU's name and the torch, CUDA and triton versions inside), then the results page from the
+# newest such folder (docs/results/README.md, README.md's, docs/choosing.md's, docs/gpu.md's blocks).
 BUDGET_MB ?= 16000
 BATCH_LIMIT ?= 512
 GPU_METHODS := baseline baseline_torchvision_forward quant_4bit quant_2bit checkpoint_stages \
 	checkpoint_stages_quant_4bit quant_4bit_torchvision_forward baseline_torchvision_bn \
 	baseline_torchvision_fpn mink_0.8 threshold_0.8 accumulate_2 accumulate_4
 bench-gpu: setup
+	$(eval LEASE := $(or $(LEASE),$(shell $(PY) tools/results_page.py --lease-dir)))
+	mkdir -p $(LEASE)
 	$(PY) tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \
 		--settings $(GPU_METHODS) --repeats 8 --draws 2 --max-batch $(BUDGET_MB) \
-		--batch-limit $(BATCH_LIMIT) --json docs/results/bench_gpu.json
-	$(PY) tools/bench.py --markdown docs/results/bench_gpu.json --into docs/results/memory.md \
-		--block bench-gpu
-	$(PY) tools/bench.py --markdown docs/results/bench_gpu.json --summary --into docs/gpu.md \
-		--block gpu-summary
+		--batch-limit $(BATCH_LIMIT) --json $(LEASE)/bench_gpu.json
+	$(PY) tools/results_page.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

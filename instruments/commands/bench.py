@@ -380,11 +380,9 @@ def _command_line() -> str:
     return shlex.join(["python", script, *sys.argv[1:]])
 
 
-def _markdown(
-    path: Path, into: Path | None, block: str = "methods-bench", summary: bool = False
-) -> None:
-    """Print the table of a JSON file (the methods table's records, a GPU table, or the rows of
-    ``--json``, as the run printed them), or write it into a document's marked block."""
+def markdown_of(path: Path, summary: bool = False) -> str:
+    """The table of a JSON file (the methods table's records, a GPU table, or the rows of
+    ``--json``, as the run printed them), or its one line per method (``summary``)."""
     from instruments.measure.fusion_bench import fusion_markdown, is_fusion_rows
     from instruments.measure.gpu_table import gpu_markdown, gpu_summary, is_gpu_table
     from instruments.measure.host_bench import host_markdown, is_host_rows
@@ -392,7 +390,6 @@ def _markdown(
         methods_markdown,
         methods_summary,
         read_methods_json,
-        splice,
     )
     from instruments.measure.pooler_bench import is_pooler_rows, pooler_markdown
     from instruments.measure.step_bench import is_step_rows, markdown_table
@@ -422,6 +419,16 @@ def _markdown(
     else:
         records = read_methods_json(path)
         table = methods_summary(records) if summary else methods_markdown(records)
+    return table
+
+
+def _markdown(
+    path: Path, into: Path | None, block: str = "methods-bench", summary: bool = False
+) -> None:
+    """Print :func:`markdown_of` a JSON file, or write it into a document's marked block."""
+    from instruments.measure.methods_table import splice
+
+    table = markdown_of(path, summary)
     if into is None:
         print(table)
         return

@@ -14,7 +14,7 @@ from torch.autograd import DeviceType
 from instruments.commands.bench import main as bench_main
 from instruments.measure import gpu_table as gpu
 from instruments.measure.cuda_calls import CudaCalls, count_cuda_calls, profile_cuda_calls
-from instruments.measure.methods_table import markers, splice
+from instruments.measure.methods_table import markers
 from instruments.measure.workload import plan_settings
 from tests.helpers import REPO
 
@@ -283,8 +283,10 @@ def test_make_bench_gpu_writes_one_file_of_the_issues_settings_and_its_table() -
     assert [s.name for s in plan_settings(PLAN, GPU_METHODS)] == GPU_METHODS
     recipe = text[text.index("bench-gpu: setup") : text.index("lint: setup")]
     assert "--gpu-table" in recipe and "--images 2 8" in recipe
-    assert recipe.count("--json") == 1 and "--json docs/results/bench_gpu.json" in recipe
-    assert "--into docs/results/memory.md" in recipe and "--block bench-gpu" in recipe
+    # one file in the lease's folder, then the results page that reads the newest folder
+    assert recipe.count("--json") == 1 and "--json $(LEASE)/bench_gpu.json" in recipe
+    assert "tools/results_page.py --lease-dir" in recipe
+    assert recipe.rstrip().endswith("$(PY) tools/results_page.py")
     assert "bench_gpu_" not in text  # one file, not one per part
 
 
@@ -303,36 +305,6 @@ def test_the_lease_script_measures_make_bench_gpus_settings() -> None:
     measured = first + rest[1:]
     assert sorted(measured) == sorted(GPU_METHODS) and len(set(measured)) == len(measured)
     assert script.index("--settings $first") < script.index("--settings $rest")
-
-
-def test_memory_md_holds_the_gpu_table_or_says_it_has_not_run() -> None:
-    text = (REPO / "docs/results/memory.md").read_text()
-    begin, end = markers(gpu.GPU_BLOCK)
-    assert text.count(begin) == 1 and text.count(end) == 1
-    measured = REPO / "docs/results/bench_gpu.json"
-    if measured.is_file():
-        table = gpu.gpu_markdown(json.loads(measured.read_text()))
-    else:
-        table = gpu.PLACEHOLDER
-    assert splice(text, table, block=gpu.GPU_BLOCK) == text, "run: make bench-gpu (on a GPU)"
-
-
-@pytest.mark.parametrize("block", ["bench-gpu-eager", "bench-scratch-gpu"])
-def test_memory_md_gpu_tables_are_their_json_files(block: str) -> None:
-    """The other GPU tables in memory.md are generated from the files docs/gpu.md names."""
-    text = (REPO / "docs/results/memory.md").read_text()
-    measured = REPO / f"docs/results/{block.replace('-', '_')}.json"
-    table = gpu.gpu_markdown(json.loads(measured.read_text()))
-    assert splice(text, table, block=block) == text, f"regenerate the {block} block"
-
-
-@pytest.mark.parametrize(
-    "block, source", [("gpu-summary", "bench_gpu"), ("gpu-scratch-summary", "bench_scratch_gpu")]
-)
-def test_gpu_md_lines_are_generated_from_their_gpu_tables(block: str, source: str) -> None:
-    text = (REPO / "docs/gpu.md").read_text()
-    lines = gpu.gpu_summary(json.loads((REPO / f"docs/results/{source}.json").read_text()))
-    assert splice(text, lines, block=block) == text, f"regenerate docs/gpu.md's {block} block"
 
 
 def test_cli_gpu_table_prints_rows_and_writes_one_file(monkeypatch, tmp_path, capsys) -> None:
@@ -448,5 +420,5 @@ def test_gpu_md_quotes_the_gpu_tiers_summary_line_from_its_log() -> None:
     text = (REPO / "docs/gpu.md").read_text()
     start = text.index("its log's last line is") + len("its log's last line is")
     quoted = text[text.index("`", start) + 1 : text.index("`", text.index("`", start) + 1)]
-    log = (REPO / "docs/results/gpu_h200/tests_gpu.log").read_text()
+    log = (REPO / "docs/results/gpu_h200_2026-11-26/tests_gpu.log").read_text()
     assert quoted and quoted in log.splitlines()[-1]

@@ -116,32 +116,3 @@ def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts()
     assert host_bench.host_markdown(new).splitlines()[2] == (
         "| conv | layers | 44.1 | 149.0 | +104.9 | 4.05 → 6.1 |"
     )
-
-
-@pytest.mark.parametrize(
-    "block, source",
-    [
-        ("bench-host-before", "bench_host_cpu_before"),
-        ("bench-host-e941dbe", "bench_host_cpu_e941dbe"),
-        ("bench-host-cc74af4", "bench_host_cpu_cc74af4"),
-        ("bench-host-9b3b88c", "bench_host_cpu_9b3b88c"),
-        ("bench-host-saved-before", "bench_host_cpu_saved_before"),
-        ("bench-host-fd3fe5d", "bench_host_cpu_fd3fe5d"),
-        ("bench-host-c3732d3", "bench_host_cpu_c3732d3"),
-        ("bench-host-86b6f85", "bench_host_cpu_86b6f85"),
-        ("bench-host-bfcf6e2", "bench_host_cpu_bfcf6e2"),
-        ("bench-host-db52677", "bench_host_cpu_db52677"),
-        ("bench-host", "bench_host_cpu"),
-    ],
-)
-def test_memory_md_host_tables_are_their_json_files(block: str, source: str) -> None:
-    import json
-    from pathlib import Path
-
-    from instruments.measure.methods_table import splice
-
-    repo = Path(__file__).resolve().parents[2]
-    text = (repo / "docs/results/memory.md").read_text()
-    rows = json.loads((repo / f"docs/results/{source}.json").read_text())
-    assert host_bench.is_host_rows(rows)
-    assert splice(text, host_bench.host_markdown(rows), block=block) == text

@@ -30,12 +30,11 @@ from instruments.measure.methods_table import (
     markers,
     method_records,
     methods_markdown,
-    methods_summary,
     read_methods_json,
     splice,
     write_methods_json,
 )
-from instruments.measure.step_bench import is_step_rows, markdown_table, run_benchmark
+from instruments.measure.step_bench import markdown_table, run_benchmark
 from instruments.measure.study_plan import load_plan
 from instruments.measure.workload import (
     Setting,
@@ -399,75 +398,6 @@ def test_reading_a_methods_file_checks_its_keys(tmp_path) -> None:
         read_methods_json(tmp_path / "none.json")
 
 
-def _doc_with_block(doc: str, block: str) -> str:
-    """The text of a results document, checked to hold the block's two markers once each."""
-    text = (REPO / "docs/results" / doc).read_text()
-    begin, end = markers(block)
-    assert text.count(begin) == 1 and text.count(end) == 1
-    return text
-
-
-def test_memory_md_holds_the_generated_table_or_its_placeholder() -> None:
-    # The table in docs/results/memory.md is generated from methods_bench.json, never typed.
-    text = _doc_with_block("memory.md", "methods-bench")
-    measured = REPO / "docs/results/methods_bench.json"
-    if measured.is_file():
-        table = methods_markdown(read_methods_json(measured))
-        assert splice(text, table) == text, "run: python tools/bench.py --markdown ... --into ..."
-
-
-# Every other generated table of memory.md, with the file it is generated from
-OTHER_BLOCKS = {
-    "methods-bench-bf16": "methods_bench_bf16.json",
-    "methods-bench-compiled": "methods_bench_compiled.json",
-    "methods-bench-compiled-0bd7ce5": "methods_bench_compiled_0bd7ce5.json",
-    "methods-bench-compiled-run2": "methods_bench_compiled_run2.json",
-    "methods-bench-compiled-run3": "methods_bench_compiled_run3.json",
-    "methods-bench-compiled-run4": "methods_bench_compiled_run4.json",
-    "methods-bench-forward": "methods_bench_forward.json",
-    "methods-bench-scratch": "methods_bench_scratch.json",
-    "methods-bench-speed": "methods_bench_speed.json",
-    "methods-bench-v2": "methods_bench_v2.json",
-    "step-peak-bf16-after": "step_peak_bf16_cpu/methods_after.json",
-    "step-peak-bf16-rpn": "rpn_head_grad/methods_rpn_head.json",
-}
-
-
-@pytest.mark.parametrize("block", sorted(OTHER_BLOCKS))
-def test_each_generated_block_of_memory_md_is_its_json(block: str) -> None:
-    text = _doc_with_block("memory.md", block)
-    begin, end = markers(block)
-    measured = REPO / "docs/results" / OTHER_BLOCKS[block]
-    if measured.is_file():
-        table = methods_markdown(read_methods_json(measured))
-        again = f"python tools/bench.py --markdown {measured} --into docs/results/memory.md"
-        assert splice(text, table, block=block) == text, f"run: {again} --block {block}"
-    else:  # not measured yet: the block holds nothing typed by hand
-        assert text.split(begin)[1].split(end)[0].strip() == ""
-
-
-# Each generated block of --json rows in draws.md and memory.md, with the file it is made from
-ROWS_BLOCKS = {
-    ("draws.md", "draws-generator"): "bench_draws_generator_cpu.json",
-    ("draws.md", "draws-hash"): "bench_draws_hash_cpu.json",
-    ("memory.md", "memory-pooler-5606795"): "bench_memory_pooler_5606795.json",
-    ("memory.md", "memory-pooler-a373cab"): "bench_memory_pooler_a373cab.json",
-    ("memory.md", "memory-pooler-45eaa61"): "bench_memory_pooler_45eaa61.json",
-}
-
-
-@pytest.mark.parametrize("doc, block", sorted(ROWS_BLOCKS))
-def test_each_generated_block_of_json_rows_is_its_file(doc: str, block: str) -> None:
-    text = _doc_with_block(doc, block)
-    source = ROWS_BLOCKS[doc, block]
-    rows = json.loads((REPO / "docs/results" / source).read_text())
-    assert is_step_rows(rows)
-    assert splice(text, markdown_table(rows), block=block) == text, (
-        f"run: python tools/bench.py --markdown docs/results/{source} "
-        f"--into docs/results/{doc} --block {block}"
-    )
-
-
 def test_cli_markdown_of_json_rows_is_the_table_the_run_printed(tmp_path, capsys) -> None:
     rows = [
         {"variant": "baseline", "saved_mb": 400.0, "step_time_ratio": 1.0},
@@ -535,13 +465,3 @@ def test_tiny_bench_of_the_baselines_a_gpu_user_compares_with(monkeypatch) -> No
     assert accumulate["accumulate"] == 2 and 0.4 < accumulate["saved_ratio"] < 0.65
     # nothing is approximated in either: no gradient columns
     assert torchvision_bn["grad_cosine"] is None and accumulate["grad_cosine"] is None
-
-
-def test_the_readme_lists_each_method_as_the_methods_file_says() -> None:
-    # the README's one line per method is generated from the committed methods table
-    records = read_methods_json(REPO / "docs/results/methods_bench.json")
-    begin, end = markers("memory-methods")
-    readme = (REPO / "README.md").read_text()
-    block = readme[readme.index(begin) + len(begin) : readme.index(end)].strip()
-    assert block == methods_summary(records)
-    assert "- `quant_4bit`: 4-bit stochastic rounding" in block and "saved 0." in block

@@ -61,15 +61,3 @@ def test_the_pooler_bench_runs_under_autocast_only(monkeypatch, tmp_path, capsys
     lines, table = capsys.readouterr().out.split("\n\n")  # the JSON lines, then their table
     assert [json.loads(line) for line in lines.splitlines()] == rows
     assert table.strip() == pooler_bench.pooler_markdown(rows)
-
-
-def test_memory_md_pooler_table_is_its_json_file() -> None:
-    from pathlib import Path
-
-    from instruments.measure.methods_table import splice
-
-    repo = Path(__file__).resolve().parents[2]
-    text = (repo / "docs/results/memory.md").read_text()
-    rows = json.loads((repo / "docs/results/bench_pooler_cpu.json").read_text())
-    assert pooler_bench.is_pooler_rows(rows) and all(r["same_bits"] for r in rows[1::2])
-    assert splice(text, pooler_bench.pooler_markdown(rows), block="bench-pooler-cpu") == text

@@ -8,7 +8,7 @@ from pathlib import Path
 D = Path(__file__).resolve().parent
 # (name, methods file, what the commit changed)
 RUNS = [
-    ("before", D.parent / "step_peak_bf16_cpu/methods_after.json", "the chunked rebuild"),
+    ("before", D.parent / "archive/step_peak_bf16_cpu/methods_after.json", "the chunked rebuild"),
     ("rpn", D / "methods_rpn_head.json", "the RPN head's map gradient made once"),
     (
         "pooled",
@@ -74,7 +74,7 @@ ab_words = "; ".join(
 text = f"""# Gradients made once: the RPN head's map and the poolers' pyramid (CPU, bf16)
 
 Issue 39's GPU targets are set at 8 images of 800 px under AMP; no GPU was lent, so this is
-their CPU proxy, as in [../step_peak_bf16_cpu/](../step_peak_bf16_cpu/README.md): the R50-FPN
+their CPU proxy, as in [../archive/step_peak_bf16_cpu/](../archive/step_peak_bf16_cpu/README.md): the R50-FPN
 COCO recipe, 8 images of 800 px, bf16 autocast, RSS that follows live memory, one training step
 after a warm one, memory only. Each run is
 
@@ -104,7 +104,7 @@ python tools/gpu_probe.py --what live-step --device cpu --amp bf16 --images 8 --
 
 Before `rpn`, both DropIT settings' peaks were at the RPN head's P2 level, where its two
 predictors each made a whole input gradient that autograd then summed
-([../step_peak_bf16_cpu/probe_live_step_after.log](../step_peak_bf16_cpu/probe_live_step_after.log)).
+([../archive/step_peak_bf16_cpu/probe_live_step_after.log](../archive/step_peak_bf16_cpu/probe_live_step_after.log)).
 `rpn` makes that gradient once, an image at a time: both DropIT settings' step peaks fell, the
 others' did not move. The probe then put the peak in the RoI poolers' backward, where the box
 and the mask pooler each make a whole pyramid of gradients that autograd then sums
@@ -136,7 +136,7 @@ gradient, rebuilding its input an image at a time, before its input gradient), s
 while they rebuild: the likeliest owner of the DropIT head's difference, not traced further.
 """
 fp32 = rows(D / "fp32_methods.json")
-fp32_before = [rows(D.parent / f"step_peak_bf16_cpu/fp32_time_after_{i}.json") for i in (1, 2)]
+fp32_before = [rows(D.parent / f"archive/step_peak_bf16_cpu/fp32_time_after_{i}.json") for i in (1, 2)]
 span = {
     s: " and ".join(f"{r[s]['peak_mb']:.1f}" for r in fp32_before)
     for s in ("baseline", "quant_4bit")
@@ -150,7 +150,7 @@ Issue 39's CPU targets are set in fp32 at 2 images of 800 px. At {fp32["baseline
 {fp32["baseline"]["peak_mb"]:.1f} MB, `quant_4bit` {fp32["quant_4bit"]["peak_mb"]:.1f} MB
 ({fp32["quant_4bit"]["peak_ratio"]:.3f}x), step {fp32["quant_4bit"]["step_ratio"]:.3f}x of the
 baseline's; the last runs before the change (a8d4c32, two rounds,
-`../step_peak_bf16_cpu/fp32_time_after_<round>.json`): `baseline` {span["baseline"]} MB,
+`../archive/step_peak_bf16_cpu/fp32_time_after_<round>.json`): `baseline` {span["baseline"]} MB,
 `quant_4bit` {span["quant_4bit"]} MB.
 """
 (D / "README.md").write_text(text)
