@@ -158,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
         help="instead: one row per setting with the step time, peak, launches and host syncs "
         "per step at each --images, and the largest batch within --max-batch MB (default 16000) "
         "up to --batch-limit images; --json writes it with the GPU's name and the torch, CUDA "
-        "and triton versions (make bench-gpu: docs/results/bench_gpu.json)",
+        "and triton versions (make bench-gpu: docs/results/gpu_<gpu>_<date>/bench_gpu.json)",
     )
     parser.add_argument(
         "--max-batch",

@@ -7,7 +7,8 @@ Per setting, at each batch size (2 and 8 images of 800 px): the step time, the p
 within a memory budget (:func:`instruments.measure.max_batch.largest_batches`). The file
 ``tools/bench.py --gpu-table --json`` writes holds these rows with the run's provenance: the
 command, the commit, the GPU's name and the torch, CUDA and triton versions. ``--markdown``
-makes its table for docs/results/memory.md.
+makes its table; ``tools/results_page.py`` reads the newest lease's file into the results
+page, docs/results/README.md.
 """
 
 from __future__ import annotations
@@ -61,11 +62,7 @@ DESCRIPTION = (
     "memory_source",
     "converted_layers",
 )
-GPU_BLOCK = "bench-gpu"  # docs/results/memory.md's block for the table
-PLACEHOLDER = (
-    "Not run on a GPU yet: `make bench-gpu` on a CUDA machine writes "
-    "docs/results/bench_gpu.json and this table (docs/gpu.md)."
-)
+GPU_BLOCK = "bench-gpu"  # the name a GPU table's block has in a document (archive/memory_log.md)
 
 
 def gpu_table(
