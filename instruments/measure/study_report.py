@@ -9,6 +9,7 @@ import os
 import platform
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from instruments.measure.study_plan import PRETRAIN, TIMES_FILE, Plan, plan_runs
@@ -34,6 +35,7 @@ from instruments.report.seeded import (
     saved_ratio,
 )
 from instruments.report.time_account import (
+    finished_run_dirs,
     read_times_file,
     regime_time,
     time_table,
@@ -187,16 +189,18 @@ def _rows(found: dict[str, dict[int, Run]], plan: Plan, keep: Sequence[str] = ()
     ]
 
 
-def _figures(found: dict[str, dict[int, Run]], plan: Plan, regime: str, out: Path) -> list[str]:
+def _figures(
+    found: dict[str, dict[int, Run]], plan: Plan, regime: str, figure_dir: Path
+) -> list[str]:
     if not figures.matplotlib_available():
         return ["Figures not drawn: matplotlib is not installed (`pip install .[plot]`).", ""]
     lines = []
     main = [s for s in found if s == BASELINE or re.fullmatch(r"[a-z_]+_0\.8", s)]
-    loss_png = out.parent / f"shapes_{regime}_loss.png"
+    loss_png = figure_dir / f"shapes_{regime}_loss.png"
     if figures.plot_loss_curves(_rows(found, plan, main), loss_png):
         lines += [f"![{regime}: training loss]({loss_png.name})", ""]
     rows = _rows(found, plan, [s for s in found if s == BASELINE or s.startswith("mink_0.")])
-    gamma_png = out.parent / f"shapes_{regime}_ap_vs_gamma.png"
+    gamma_png = figure_dir / f"shapes_{regime}_ap_vs_gamma.png"
     base = next((r for r in rows if r.label == BASELINE), None)
     mink = [r for r in rows if r.label != BASELINE and r.label.count("_") == 1]
     if figures.plot_ap_vs_gamma(mink, base, gamma_png):
@@ -265,8 +269,14 @@ def found_runs(plan: Plan) -> dict[str, dict[str, dict[int, Run]]]:
     return found
 
 
-def goal_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL) -> list[str]:
-    """The goal judged in its regime, with the Δ AP vs peak memory figure."""
+def goal_lines(
+    found: dict[str, dict[int, Run]],
+    plan: Plan,
+    goal: Goal = GOAL,
+    figure_dir: Path | None = None,
+) -> list[str]:
+    """The goal judged in its regime, with the Δ AP vs peak memory figure (drawn into
+    ``figure_dir``, by default the report's folder)."""
     bench_path = plan.report.parent / BENCH_FILE
     bench = read_bench(bench_path)
     if goal.regime not in plan.regimes:
@@ -284,7 +294,7 @@ def goal_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL) 
         }
         if diffs:
             points.append((setting, float(bench[setting]["peak_ratio"]), diffs))
-    png = plan.report.parent / f"shapes_{goal.regime}_peak_vs_ap.png"
+    png = (figure_dir or plan.report.parent) / f"shapes_{goal.regime}_peak_vs_ap.png"
     if bench is None:
         return lines
     if not points:
@@ -397,45 +407,95 @@ def _recommendation_lines(
     return [f"**The study recommends `{rec.setting}`**: {where}. Why: {why}.", ""]
 
 
-def write_readme_choice(plan: Plan, lines: Sequence[str]) -> None:
-    """Rewrite the study-choice block of ``plan.readme`` (untouched when the plan names none)."""
+def readme_with_choice(plan: Plan, lines: Sequence[str]) -> str | None:
+    """``plan.readme``'s text with its study-choice block made of ``lines`` (None when the plan
+    names no readme)."""
     if plan.readme is None:
-        return
+        return None
     report_link = Path(os.path.relpath(plan.report, plan.readme.parent)).as_posix()
-    text = plan.readme.read_text()
     block = [
         *lines,
         "",
         f"The full report, with every regime and figure: [{report_link}]({report_link}).",
     ]
-    new = replace_block(text, block, str(plan.readme))
-    if new != text:
-        write_atomic(plan.readme, lambda f: f.write(new.encode()))
+    return replace_block(plan.readme.read_text(), block, str(plan.readme))
 
 
-def render_notes(plan: Plan, found: dict[str, dict[str, dict[int, Run]]], command: str) -> str:
-    """The findings, their placeholders filled from the runs; a template (``*.template.md``)
-    is also written rendered next to itself, without ``.template``."""
+def rendered_notes_path(plan: Plan) -> Path | None:
+    """Where the notes are written rendered: a template (``*.template.md``) next to itself,
+    without ``.template``; None for notes that are not a template (or no notes)."""
+    if plan.notes is None or not plan.notes.name.endswith(TEMPLATE_SUFFIX):
+        return None
+    return plan.notes.with_name(plan.notes.name[: -len(TEMPLATE_SUFFIX)] + ".md")
+
+
+def render_notes(plan: Plan, found: dict[str, dict[str, dict[int, Run]]]) -> str:
+    """The findings, their placeholders filled from the runs."""
     assert plan.notes is not None
     text = render(
         plan.notes.read_text(), Sources(found, grad_dir=plan.report.parent), str(plan.notes)
     )
-    if plan.notes.name.endswith(TEMPLATE_SUFFIX):
-        target = plan.notes.with_name(plan.notes.name[: -len(TEMPLATE_SUFFIX)] + ".md")
-        target.write_text(
-            f"_Generated by `{command}` from `{plan.notes}` and the runs under `{plan.out}`: "
-            "edit the template, not this file._\n\n" + text.strip() + "\n"
-        )
     return text.strip()
 
 
-def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
-    """Write plan.report (and its figures and rendered notes next to it); returns the Markdown."""
+def notes_file_text(plan: Plan, notes: str, command: str) -> str:
+    """The rendered notes file: a line naming what generated it, then the rendered notes."""
+    return (
+        f"_Generated by `{command}` from `{plan.notes}` and the runs under `{plan.out}`: "
+        "edit the template, not this file._\n\n" + notes + "\n"
+    )
+
+
+def finished_runs_sentence(plan: Plan) -> str:
+    """How many planned runs finished, the pretraining included, each counted as the time
+    table counts it (a folder with ``eval.json``), and the finished runs the plan does not name,
+    which the time table counts as well: so the sentence and the table's total agree."""
+    runs = plan_runs(plan)
+    planned = {r.name for r in runs}
+    finished = {
+        f"{regime}/{d.name}"
+        for regime in dict.fromkeys([PRETRAIN, *plan.regimes])
+        for d in finished_run_dirs(plan.out, regime)
+    }
+    done = [r for r in runs if r.name in finished]
+    text = f"{len(done)} of {len(runs)} planned runs finished"
+    pretraining = [r for r in runs if r.exports]
+    if pretraining:
+        in_regimes = [r for r in runs if not r.exports]
+        done_in_regimes = sum(1 for r in done if not r.exports)
+        pre = "the backbone pretraining" if pretraining[0] in done else "not the pretraining"
+        text += f" ({pre}, and {done_in_regimes} of {len(in_regimes)} runs in the regimes)"
+    text += "."
+    extra = sorted(finished - planned)
+    if extra:
+        text += (
+            f" The time table also counts {len(extra)} finished "
+            f"run{'' if len(extra) == 1 else 's'} that the plan does not name: "
+            + ", ".join(extra)
+            + "."
+        )
+    return text
+
+
+@dataclass(frozen=True)
+class StudyPages:
+    """The texts the report tool writes: the report, the readme with its study-choice block
+    (None without a readme) and the rendered notes file (None without a notes template)."""
+
+    report: str
+    readme: str | None
+    notes: str | None
+
+
+def render_study_report(
+    plan: Plan, plan_path: str | Path, jobs: int, figure_dir: Path | None = None
+) -> StudyPages:
+    """The report's pages from the runs on disk, written nowhere; only its figures are drawn,
+    into ``figure_dir`` (by default the report's folder)."""
     import torch  # here: for its version; the tables need no torch
 
-    planned = [r for r in plan_runs(plan) if not r.exports]
-    plan.report.parent.mkdir(parents=True, exist_ok=True)
-    done = sum(1 for r in planned if (plan.out / r.name / "eval.json").is_file())
+    figure_dir = figure_dir or plan.report.parent
+    figure_dir.mkdir(parents=True, exist_ok=True)
     command = f"python tools/study.py --plan {plan_path} --jobs {jobs}"
     found = found_runs(plan)
     lines = [
@@ -443,8 +503,7 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
         "",
         f"Produced by `{command}` (`make study`; `--report-only` writes this report alone) on "
         f"{platform.machine()} {platform.system()}, torch {torch.__version__}; run directories "
-        f"(without checkpoints) under `{plan.out}`. {done} of {len(planned)} planned runs "
-        "finished.",
+        f"(without checkpoints) under `{plan.out}`. {finished_runs_sentence(plan)}",
         "",
         *time_account(plan, jobs),
         "AP is COCO AP (IoU 0.50:0.95) x100 on the validation images of each regime's shapes set; "
@@ -483,20 +542,37 @@ def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
                 *training,
                 "",
             ]
-        body += _figures(runs, plan, regime, plan.report)
+        body += _figures(runs, plan, regime, figure_dir)
         body += _grad_groups(plan.report.parent / f"shapes_grad_groups_{regime}.json")
     lines += [
         "## Goal: a DropIT setting on every layer that keeps AP",
         "",
-        *goal_lines(found.get(GOAL.regime, {}), plan),
+        *goal_lines(found.get(GOAL.regime, {}), plan, figure_dir=figure_dir),
     ]
     choice = choice_lines(found.get(GOAL.regime, {}), plan)
     others = other_regime_lines(found, GOAL.regime, GOAL.seeds)
     choice += ["", *others] if others else []
     lines += ["## Choosing a method", "", *choice, ""]
+    notes_file = None
     if plan.notes is not None and plan.notes.is_file():  # the analysis a person wrote
-        lines += [render_notes(plan, found, f"{command} --report-only"), ""]
+        notes = render_notes(plan, found)
+        lines += [notes, ""]
+        if rendered_notes_path(plan) is not None:
+            notes_file = notes_file_text(plan, notes, f"{command} --report-only")
     markdown = "\n".join([*lines, "", *body]).rstrip("\n") + "\n"
-    plan.report.write_text(markdown)
-    write_readme_choice(plan, choice)
-    return markdown
+    return StudyPages(markdown, readme_with_choice(plan, choice), notes_file)
+
+
+def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
+    """Write plan.report (and its figures, the readme's study-choice block and the rendered
+    notes next to the template); returns the report's Markdown."""
+    plan.report.parent.mkdir(parents=True, exist_ok=True)
+    pages = render_study_report(plan, plan_path, jobs)
+    plan.report.write_text(pages.report)
+    target = rendered_notes_path(plan)
+    if target is not None and pages.notes is not None:
+        target.write_text(pages.notes)
+    readme = pages.readme
+    if plan.readme is not None and readme is not None and readme != plan.readme.read_text():
+        write_atomic(plan.readme, lambda f: f.write(readme.encode()))
+    return pages.report

@@ -179,14 +179,18 @@ def run_time(run_dir: Path, name: str, records: Sequence[dict], jobs: int) -> Ru
     return None
 
 
+def finished_run_dirs(out: Path, regime: str) -> list[Path]:
+    """The finished runs (folders with eval.json) of one regime folder, planned or not, by name:
+    what the time table counts."""
+    folder = out / regime
+    dirs = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    return [d for d in dirs if (d / "eval.json").is_file()]
+
+
 def regime_time(out: Path, regime: str, times: dict[str, list[dict]], jobs: int) -> RegimeTime:
     """The time of every finished run (a folder with eval.json) of one regime folder."""
     timed, untimed = [], []
-    folder = out / regime
-    dirs = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-    for run_dir in dirs:
-        if not (run_dir / "eval.json").is_file():
-            continue
+    for run_dir in finished_run_dirs(out, regime):
         name = f"{regime}/{run_dir.name}"
         found = run_time(run_dir, name, times.get(name, []), jobs)
         if found is None:

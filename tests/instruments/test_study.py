@@ -356,3 +356,30 @@ def test_report_shows_the_gradient_fidelity_tables_when_measured(tmp_path: Path)
     assert "`python tools/grad_groups.py --run runs/b_s1 --json" in lines[0]
     assert lines[2] == "At initialisation:"
     assert "| mink_0.8 | 0.951 / 0.88 |" in lines
+
+
+def test_the_runs_finished_sentence_counts_what_the_time_table_counts(tmp_path: Path) -> None:
+    from instruments.measure.study_report import finished_runs_sentence, time_account
+
+    plan = load_plan(write_plan(tmp_path))
+    out = tmp_path / "runs"
+    runs = {r.name: r for r in plan_runs(plan)}
+    finished = ["pretrain/pretrain", "scratch/baseline_s1", "finetune/mink_0.8_s2"]
+    for name in finished:
+        _fake_run(runs[name], out / name, 0.5)
+    (out / "scratch/mink_0.8_s1").mkdir(parents=True)  # started, not finished: counted nowhere
+    _fake_run(runs["scratch/baseline_s1"], out / "scratch/baseline_s9", 0.5)  # not in the plan
+    sentence = finished_runs_sentence(plan)
+    assert sentence == (
+        f"3 of {len(runs)} planned runs finished (the backbone pretraining, and 2 of "
+        f"{len(runs) - 1} runs in the regimes). The time table also counts 1 finished run that "
+        "the plan does not name: scratch/baseline_s9."
+    )
+    total = next(line for line in time_account(plan, 2) if line.startswith("| **all** |"))
+    assert total.split("|")[2].strip() == "4"  # 3 planned + 1 not planned, as the sentence says
+
+    for name in finished:  # the pretraining is a planned run like the others, counted alike
+        (out / name / "eval.json").unlink()
+    assert finished_runs_sentence(plan).startswith(
+        f"0 of {len(runs)} planned runs finished (not the pretraining, and 0 of"
+    )
