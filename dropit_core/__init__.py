@@ -21,17 +21,19 @@ draw at random are seeded per step and layer by ``set_step(model, step, rank)``,
 each training forward: without it the draws still differ from step to step, but a resumed run
 draws differently from an uninterrupted one. ``checkpoint_modules(model, patterns)`` recomputes
 chosen modules in backward instead (exact); DropIT leaves the layers inside them plain.
-``dropped_values(model)`` reads how many values the GPU's packs, sized from the shape, could not
-store (normally 0). ``CompressSaved()`` keeps every large tensor autograd saves as a 4-bit pack,
-for what ``to_dropit`` cannot convert; ``compress_saved(model)`` opens that block around each
-training forward, for a loop that cannot be edited. ``lean_frozen_batchnorm(model)`` swaps
-torchvision's ``FrozenBatchNorm2d`` for one that keeps its input's dtype under autocast
+``pack_backend(device)`` says whether packs on a device run through the Triton kernels or eager
+torch. ``dropped_values(model)`` reads how many values the GPU's packs, sized from the shape,
+could not store (normally 0). ``CompressSaved()`` keeps every large tensor autograd saves as a
+4-bit pack, for what ``to_dropit`` cannot convert; ``compress_saved(model)`` opens that block
+around each training forward, for a loop that cannot be edited. ``lean_frozen_batchnorm(model)``
+swaps torchvision's ``FrozenBatchNorm2d`` for one that keeps its input's dtype under autocast
 (bit-equal in fp32); ``lean_detector(model)`` does that and gives a torchvision R-CNN a forward
 that releases each large map after its last use (bit-equal in fp32 too).
 :mod:`dropit_core.memory` measures what autograd keeps and the memory of a training step.
 """
 
 from .base import Packed, Strategy
+from .dispatch import pack_backend
 from .frozen_norm import FrozenBatchNorm2d, is_frozen_batchnorm, lean_frozen_batchnorm
 from .lean import lean_detector
 from .packing import VALUE_FORMATS
@@ -85,6 +87,7 @@ __all__ = [
     "is_frozen_batchnorm",
     "lean_detector",
     "lean_frozen_batchnorm",
+    "pack_backend",
     "register_strategy",
     "saved_compression",
     "set_step",

@@ -84,6 +84,12 @@ def use_kernels(t: torch.Tensor) -> bool:
     return True
 
 
+def pack_backend(device: torch.device | str) -> str:
+    """Which path packs and rebuilds a layer's tensors on ``device``: ``"triton"`` (the
+    kernels) or ``"eager"`` (torch ops, several launches each); what a run should say once."""
+    return "triton" if use_kernels(torch.empty(0, device=device)) else "eager"
+
+
 def kernels(name: str) -> ModuleType:
     """The kernels module ``dropit_core.kernels.<name>``, imported on the first call (it imports
     triton, which a CPU-only run never needs), then held: an import statement in each layer's

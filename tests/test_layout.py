@@ -138,6 +138,7 @@ INSTRUMENTS = (
     "grad_figure",
     "grad_groups",
     "gpu_probe",
+    "results_page",
 )  # tools/ that run instruments
 
 

@@ -32,6 +32,8 @@ CPU_TABLE = RESULTS / "methods_bench.json"
 # The GPU table's setting (8 images of 800 px, autocast) on the CPU under bf16, memory only
 CPU_PROXY_8 = RESULTS / "rpn_head_grad/methods_rpn_head.json"
 PLAN = REPO / "configs/study/plan.yaml"
+# The one lease that timed the packs both ways: eager torch (DROPIT_KERNELS=eager) and Triton
+EAGER_LEASE = RESULTS / "gpu_h200_2026-11-26"
 LEASE_NAME = re.compile(r"^gpu_([a-z0-9]+)_(\d{4}-\d{2}-\d{2})$")
 
 # Settings whose weight gradients are the baseline's (fp32; under AMP up to its rounding).
@@ -550,6 +552,26 @@ def gpu_status_block(lease: Lease | None) -> str:
     return "\n".join(lines)
 
 
+def eager_block(folder: Path = EAGER_LEASE) -> str:
+    """docs/training.md's sentence on what eager packs cost a GPU step: ``quant_4bit``'s step
+    ratio with ``DROPIT_KERNELS=eager`` and with the kernels, from one lease's two tables."""
+    eager = json.loads((folder / "bench_gpu_eager.json").read_text())
+    fast = json.loads((folder / "bench_gpu.json").read_text())
+
+    def steps(table: Mapping[str, Any]) -> str:
+        row = next(r for r in table["rows"] if r["setting"] == PICK)
+        images = sorted(table["images"], reverse=True)
+        return " and ".join(f"{row[f'step_ratio_{n}img']:.2f}x at {n} images" for n in images)
+
+    name = f"{folder.name}/bench_gpu_eager.json"
+    return (
+        f"In the eager GPU table ([results/{name}](results/{name}): {eager['gpu']}, AMP "
+        f"{eager['amp']}, {eager['image_size']} px, `DROPIT_KERNELS=eager`) `{PICK}` took "
+        f"{steps(eager)} of the baseline's step; the same day's table with the kernels has "
+        f"{steps(fast)}."
+    )
+
+
 # Each generated block outside the page: (document, block) -> its text
 def blocks(lease: Lease | None, accuracy: Mapping[str, str]) -> dict[tuple[str, str], str]:
     """Every block this module writes into another page, by (document, block name)."""
@@ -558,6 +580,7 @@ def blocks(lease: Lease | None, accuracy: Mapping[str, str]) -> dict[tuple[str, 
         ("README.md", "results-summary"): readme_block(lease, accuracy),
         ("docs/choosing.md", "where-to-choose"): "\n".join(verdict_lines(lease, cpu)),
         ("docs/gpu.md", "gpu-status"): gpu_status_block(lease),
+        ("docs/training.md", "eager-gpu"): eager_block(),
     }
 
 

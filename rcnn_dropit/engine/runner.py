@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from dropit_core import pack_backend
 from rcnn_dropit.checkpoint.checkpointer import (
     Checkpointer,
     ResumePoint,
@@ -323,6 +324,12 @@ def run(
         f"{accumulating}, "
         f"{info.world_size} process(es) on {info.device.type}) into '{run_dir.root}'"
     )
+    if cfg.dropit.enabled and info.device.type == "cuda":  # eager packs are several x slower
+        backend = pack_backend(info.device)
+        say(
+            f"DropIT packs on {info.device.type}: {backend}"
+            + ("" if backend == "triton" else " (no triton, or DROPIT_KERNELS=eager: slower)")
+        )
     if info.is_main:  # which code made this run's figures (rank 0's log.txt; git asked once)
         log.info(describe_code(), extra={"file_only": True})
     try:

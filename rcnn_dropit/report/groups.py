@@ -43,8 +43,13 @@ class Row:
 
     @property
     def peak_mb(self) -> float | None:
-        """Mean peak memory MB."""
+        """Mean peak memory MB, the device's total."""
         return _mean([r.peak_mb for r in self.runs if r.peak_mb is not None])
+
+    @property
+    def step_peak_mb(self) -> float | None:
+        """Mean peak MB of the measured step above what was held when it began."""
+        return _mean([r.step_peak_mb for r in self.runs if r.step_peak_mb is not None])
 
     @property
     def images_per_sec(self) -> float | None:

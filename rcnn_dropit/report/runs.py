@@ -32,10 +32,12 @@ class Run:
     losses: tuple[tuple[int, float], ...]  # (iteration, total loss) of train records
     images_per_sec: float | None
     saved_mb: float | None
-    peak_mb: float | None
+    peak_mb: float | None  # the device's total: weights, gradients, optimizer state, activations
     notes: tuple[str, ...]  # what was missing or damaged but did not stop the run being used
     # (iteration, family -> AP) of every evaluation in metrics.jsonl, the final one included
     evals: tuple[tuple[int, dict[str, float]], ...] = ()
+    # memory.json's measured step: its peak above what was held when it began (the benches' peak)
+    step_peak_mb: float | None = None
 
     def cfg(self, dotted: str, default: Any = None) -> Any:
         """Value at a dotted config path such as 'dropit.gamma', or default."""
@@ -204,6 +206,7 @@ def load_run(path: str | Path) -> Run:
         peak_mb=max(peaks) if peaks else None,
         notes=tuple(notes),
         evals=evals,
+        step_peak_mb=_number(memory.get("step_peak_mb")),
     )
 
 

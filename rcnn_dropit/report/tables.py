@@ -76,22 +76,29 @@ def ap_table(rows: Sequence[Row], baseline: Row | None, family: str, grouped: bo
     return markdown_table(header, body, numeric_from=1)
 
 
+# The two peaks, labelled by what they count: the device's total, what has to fit in the GPU,
+# and the measured step's above its start, which is what the benches call a step's peak.
+PEAK_TOTAL = "peak MB (device total)"
+PEAK_STEP = "step peak MB (above start)"
+
+
 def memory_table(rows: Sequence[Row], baseline: Row | None) -> str:
-    """Saved-activation MB, peak MB and images/s, each with its ratio to the baseline."""
-    header = ["run", "saved MB", "saved ratio", "peak MB", "peak ratio", "images/s", "speed ratio"]
+    """Saved-activation MB, the two peaks and images/s, each with its ratio to the baseline."""
+    header = ["run", "saved MB", "saved ratio", PEAK_TOTAL, "peak ratio", PEAK_STEP]
+    header += ["step peak ratio", "images/s", "speed ratio"]
     body = []
     for row in rows:
-        body.append(
-            [
-                row_name(row, baseline),
-                fmt_num(row.saved_mb, 1),
-                fmt_ratio(row.saved_mb, baseline.saved_mb if baseline else None),
-                fmt_num(row.peak_mb, 1),
-                fmt_ratio(row.peak_mb, baseline.peak_mb if baseline else None),
-                fmt_num(row.images_per_sec, 2),
-                fmt_ratio(row.images_per_sec, baseline.images_per_sec if baseline else None),
-            ]
-        )
+        cells: list[object] = [row_name(row, baseline)]
+        for name, digits in (
+            ("saved_mb", 1),
+            ("peak_mb", 1),
+            ("step_peak_mb", 1),
+            ("images_per_sec", 2),
+        ):
+            value = getattr(row, name)
+            cells.append(fmt_num(value, digits))
+            cells.append(fmt_ratio(value, getattr(baseline, name) if baseline else None))
+        body.append(cells)
     return markdown_table(header, body, numeric_from=1)
 
 
@@ -110,8 +117,9 @@ def _joined(values: Sequence[object]) -> str:
 
 
 def description_table(rows: Sequence[Row], baseline: Row | None, grouped: bool) -> str:
-    """What each row is: arch, DropIT setting, seed(s), iterations, evaluated images, folder."""
-    header = ["run", "arch", "backbone", "dropit", "gamma", "options", "seed"]
+    """What each row is: arch, precision, DropIT setting, seed(s), iterations, evaluated images,
+    folder."""
+    header = ["run", "arch", "backbone", "amp", "dropit", "gamma", "options", "seed"]
     header += ["n"] if grouped else []
     header += ["iterations", "val images", "directory"]
     body = []
@@ -121,6 +129,7 @@ def description_table(rows: Sequence[Row], baseline: Row | None, grouped: bool) 
             row_name(row, baseline),
             run.cfg("model.arch", DASH),
             run.cfg("model.backbone", DASH),
+            _joined([r.cfg("solver.amp") for r in row.runs]),
             run.strategy or "off",
             DASH if run.gamma is None else f"{run.gamma:g}",
             _options(row),

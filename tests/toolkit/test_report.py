@@ -29,6 +29,8 @@ def make_run(
     segm: dict | None = None,
     saved_mb: float = 1000.0,
     cuda_peak_mb: float | None = 3000.0,
+    step_peak_mb: float | None = 1500.0,
+    amp: str = "fp16",
     speeds: tuple[float, ...] = (10.0, 12.0, 11.0),
     options: dict | None = None,
     arch: str = "maskrcnn",
@@ -48,7 +50,7 @@ def make_run(
             "options": options or {},
             "include": ["*"],
         },
-        "solver": {"lr": 0.02, "max_iters": iters},
+        "solver": {"lr": 0.02, "max_iters": iters, "amp": amp},
         "train": {"seed": seed, "output_dir": str(run)},
     }
     (run / "config.yaml").write_text(yaml.safe_dump(config))
@@ -64,6 +66,7 @@ def make_run(
     lines.append(json.dumps({"type": "eval", "iter": iters, "bbox": evaluation["bbox"]}))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n" + metrics_tail)
     memory = {"saved_mb": saved_mb, "by_type": {}, "cuda_peak_mb": cuda_peak_mb}
+    memory |= {"held_at_start_mb": 900.0, "step_peak_mb": step_peak_mb}
     (run / "memory.json").write_text(json.dumps(memory | {"images_per_sec": 1.0}))
     return run
 
@@ -90,6 +93,7 @@ def pair(tmp_path: Path) -> tuple[Path, Path]:
         segm=BASE_SEGM,
         saved_mb=300.0,
         cuda_peak_mb=2400.0,
+        step_peak_mb=900.0,
         speeds=(8.0, 9.0, 100.0, 9.5, 1.0),
         options={"chunk": 16384, "values": "int8"},
     )
@@ -116,22 +120,41 @@ def test_ap_tables_with_signed_deltas(pair: tuple[Path, Path]) -> None:
 
 def test_memory_and_description_tables(pair: tuple[Path, Path]) -> None:
     md = build_report([str(p) for p in pair])
-    assert row_of(md, "Memory", "base (baseline)")[1:] == [
-        "1000.0", "1.00", "3000.0", "1.00", "11.00", "1.00"
+    # each peak says what it counts: the device's total, and the step's above its start
+    assert row_of(md, "Memory", "run")[1:] == [
+        "saved MB", "saved ratio", "peak MB (device total)", "peak ratio",
+        "step peak MB (above start)", "step peak ratio", "images/s", "speed ratio",
     ]  # fmt: skip
-    # images/s is the median of the train records (8, 9, 100, 9.5, 1 -> 9.0); peak the largest seen
-    assert row_of(md, "Memory", "g08")[1:] == ["300.0", "0.30", "2504.0", "0.83", "9.00", "0.82"]
+    assert row_of(md, "Memory", "base (baseline)")[1:] == [
+        "1000.0", "1.00", "3000.0", "1.00", "1500.0", "1.00", "11.00", "1.00"
+    ]  # fmt: skip
+    # images/s is the median of the train records (8, 9, 100, 9.5, 1 -> 9.0); the device total
+    # the largest seen (a train record's 2504 over memory.json's 2400); the step's memory.json's
+    assert row_of(md, "Memory", "g08")[1:] == [
+        "300.0", "0.30", "2504.0", "0.83", "900.0", "0.60", "9.00", "0.82"
+    ]  # fmt: skip
     desc = row_of(md, "Runs", "g08")
-    assert desc[1:8] == [
+    assert desc[1:9] == [
         "maskrcnn",
         "resnet50",
+        "fp16",
         "mink",
         "0.8",
         "chunk=16384, values=int8",
         "42",
         "100",
     ]
-    assert row_of(md, "Runs", "base (baseline)")[3:6] == ["off", "-", "-"]
+    assert row_of(md, "Runs", "base (baseline)")[4:7] == ["off", "-", "-"]
+
+
+def test_a_memory_json_without_the_step_peak_leaves_that_cell_empty(tmp_path: Path) -> None:
+    # memory.json of a run from before step_peak_mb was written, and a run on the CPU (fp32)
+    old = make_run(tmp_path, "old", step_peak_mb=None)
+    cpu = make_run(tmp_path, "cpu", dropit=True, cuda_peak_mb=None, amp="none")
+    md = build_report([old, cpu])
+    assert row_of(md, "Memory", "old (baseline)")[3:7] == ["3000.0", "1.00", "-", "-"]
+    assert row_of(md, "Memory", "cpu")[3:7] == ["2502.0", "0.83", "1500.0", "-"]
+    assert row_of(md, "Runs", "cpu")[3] == "none"
 
 
 def test_explicit_baseline_and_no_baseline(tmp_path: Path) -> None:
@@ -158,7 +181,7 @@ def test_group_seeds_means_and_deltas(tmp_path: Path) -> None:
     drop = row_of(md, "Box AP", "g08")
     assert drop[1:3] == ["2", "38.5 (+0.6)"]
     assert drop[-1] == "38.4, 38.6"
-    assert row_of(md, "Runs", "g08")[6:8] == ["1, 2", "2"]
+    assert row_of(md, "Runs", "g08")[7:9] == ["1, 2", "2"]
     # without grouping every seed is its own row, deltas against the first baseline seed
     md = build_report(runs)
     assert row_of(md, "Box AP", "g08_s2")[1] == "38.6 (+0.8)"

@@ -74,8 +74,9 @@ ab_words = "; ".join(
 text = f"""# Gradients made once: the RPN head's map and the poolers' pyramid (CPU, bf16)
 
 Issue 39's GPU targets are set at 8 images of 800 px under AMP; no GPU was lent, so this is
-their CPU proxy, as in [../archive/step_peak_bf16_cpu/](../archive/step_peak_bf16_cpu/README.md): the R50-FPN
-COCO recipe, 8 images of 800 px, bf16 autocast, RSS that follows live memory, one training step
+their CPU proxy, as in
+[../archive/step_peak_bf16_cpu/](../archive/step_peak_bf16_cpu/README.md): the R50-FPN COCO
+recipe, 8 images of 800 px, bf16 autocast, RSS that follows live memory, one training step
 after a warm one, memory only. Each run is
 
 ```bash
@@ -136,7 +137,8 @@ gradient, rebuilding its input an image at a time, before its input gradient), s
 while they rebuild: the likeliest owner of the DropIT head's difference, not traced further.
 """
 fp32 = rows(D / "fp32_methods.json")
-fp32_before = [rows(D.parent / f"archive/step_peak_bf16_cpu/fp32_time_after_{i}.json") for i in (1, 2)]
+BEFORE = D.parent / "archive/step_peak_bf16_cpu"
+fp32_before = [rows(BEFORE / f"fp32_time_after_{i}.json") for i in (1, 2)]
 span = {
     s: " and ".join(f"{r[s]['peak_mb']:.1f}" for r in fp32_before)
     for s in ("baseline", "quant_4bit")
