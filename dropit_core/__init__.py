@@ -30,6 +30,9 @@ swaps torchvision's ``FrozenBatchNorm2d`` for one that keeps its input's dtype u
 (bit-equal in fp32); ``lean_detector(model)`` does that and gives a torchvision R-CNN a forward
 that releases each large map after its last use (bit-equal in fp32 too).
 :mod:`dropit_core.memory` measures what autograd keeps and the memory of a training step.
+``configure(kernels=..., native=..., hooked=..., fuse=...)``, ``override_settings`` (a ``with``
+block) and ``current_settings()`` hold how DropIT runs (:mod:`dropit_core.settings`, read from
+the ``DROPIT_*`` environment once).
 """
 
 from .base import Packed, Strategy
@@ -53,6 +56,8 @@ from .recompute import checkpoint_modules, is_checkpointed, uncheckpoint_modules
 from .registry import Option, Registry
 from .rules import PAPER_EXCLUDE, Rule, check_options, check_rules
 from .saved import CompressSaved, SavedCompression, compress_saved, saved_compression
+from .settings import Settings, configure, override_settings, reset_settings
+from .settings import current as current_settings
 from .strategies import REGISTRY, STRATEGIES, build_strategy
 
 register_strategy = REGISTRY.register  # a strategy of your own, by name or class to to_dropit
@@ -73,11 +78,14 @@ __all__ = [
     "Registry",
     "Rule",
     "SavedCompression",
+    "Settings",
     "Strategy",
     "build_strategy",
     "check_options",
     "checkpoint_modules",
     "compress_saved",
+    "configure",
+    "current_settings",
     "check_rules",
     "dropit_record",
     "dropped_values",
@@ -87,8 +95,10 @@ __all__ = [
     "is_frozen_batchnorm",
     "lean_detector",
     "lean_frozen_batchnorm",
+    "override_settings",
     "pack_backend",
     "register_strategy",
+    "reset_settings",
     "saved_compression",
     "set_step",
     "to_dropit",

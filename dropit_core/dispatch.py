@@ -1,55 +1,46 @@
 """Which path packs a tensor: the Triton kernels (:mod:`dropit_core.kernels`) or eager torch.
 
-``auto`` (the default): CUDA tensors take the kernels when triton imports, CPU tensors eager;
-``triton`` forces the kernels (on a CPU tensor they need ``TRITON_INTERPRET=1``, which is how the
-CPU tests run them); ``eager`` forces eager torch. Set it with the environment variable
-``DROPIT_KERNELS`` or :func:`set_kernels` (which wins). Both paths write the same packed format,
-so a pack made by one rebuilds with the other. Decided from the tensor's device alone: no sync.
-
-The variable is read on the first question and again after ``set_kernels(None)``, not on every
-call: every layer asks, on each pack and rebuild, and reading the environment took about a
-microsecond each time (host time that a GPU step waits on, docs/gpu.md).
+``settings.kernels`` (:mod:`dropit_core.settings`, ``$DROPIT_KERNELS``) chooses: ``auto`` (the
+default) gives CUDA tensors the kernels when triton imports, CPU tensors the C loops or eager
+torch; ``triton`` forces the kernels (on a CPU tensor they need ``TRITON_INTERPRET=1``, which is
+how the CPU tests run them); ``eager`` forces eager torch everywhere. Every path writes the same
+packed format, so a pack made by one rebuilds with another. Decided from the tensor's device
+alone: no sync, and the environment is not read per call (every layer asks, on each pack and
+rebuild: host time a GPU step waits on, docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import warnings
 from types import ModuleType
 
 import torch
 
-MODES = ("auto", "triton", "eager")
-ENV = "DROPIT_KERNELS"
+from . import settings
 
-_mode: str | None = None  # set_kernels' choice; None: the environment's
-_env_mode: str | None = None  # $DROPIT_KERNELS as last read; None: read it on the next question
+ENV = settings.ENVIRONMENT["kernels"]
+
 _warned = False
 
 
 def set_kernels(mode: str | None) -> None:
-    """Force the kernels (``"triton"``), eager torch (``"eager"``) or choose by device
-    (``"auto"``); ``None`` goes back to ``$DROPIT_KERNELS`` (default ``auto``), read anew."""
-    global _mode, _env_mode
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"DropIT kernels={mode!r} is invalid: allowed {MODES}")
-    _mode = mode
-    _env_mode = None
+    """Deprecated: ``dropit_core.configure(kernels=mode)`` (None: ``reset_settings()``)."""
+    warnings.warn(
+        "dropit_core.dispatch.set_kernels is deprecated: use dropit_core.configure(kernels=...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    if mode is None:
+        settings.configure(kernels=settings.Settings.from_environment().kernels)
+    else:
+        settings.configure(kernels=mode)
 
 
 def kernel_mode() -> str:
-    """The mode in force: :func:`set_kernels`' choice, else ``$DROPIT_KERNELS``, else auto."""
-    global _env_mode
-    if _mode is not None:
-        return _mode
-    if _env_mode is None:
-        mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-        if mode not in MODES:
-            raise ValueError(f"{ENV}={mode!r} is invalid: allowed {', '.join(MODES)}")
-        _env_mode = mode
-    return _env_mode
+    """The kernels setting in force (``settings.current().kernels``)."""
+    return settings.current().kernels
 
 
 def triton_available() -> bool:
@@ -69,7 +60,7 @@ _has_triton = _find_triton()
 
 def use_kernels(t: torch.Tensor) -> bool:
     """Whether ``t`` is packed and rebuilt by the Triton kernels."""
-    mode = kernel_mode()
+    mode = settings.current().kernels
     if mode == "eager":
         return False
     if mode == "triton":

@@ -20,17 +20,18 @@ A layer takes this path only where the Function would do just that (:func:`takes
   a memory count or any user's hooks would not see the conv's tensors while ours is pushed.
   With them the layer runs the Function, which they see as they always did.
 
-``DROPIT_HOOKED=0`` in the environment (or :func:`set_hooked`) makes every eager conv run its
+``DROPIT_HOOKED=0`` (or ``configure(hooked=False)``) makes every eager conv run its
 Function: to measure one against the other on a GPU.
 """
 
 from __future__ import annotations
 
-import os
+import warnings
 from typing import Any
 
 import torch
 
+from . import settings
 from .base import Packed, refuse_double_backward
 
 _push = torch._C._autograd._push_saved_tensors_default_hooks
@@ -38,25 +39,17 @@ _pop = torch._C._autograd._pop_saved_tensors_default_hooks
 _top = torch._C._autograd._top_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
-HOOKED_ENV = "DROPIT_HOOKED"
-
-
-def _from_environment() -> bool:
-    """``$DROPIT_HOOKED``: 0 (or false, off, no) makes every eager conv run its Function."""
-    return os.environ.get(HOOKED_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-_enabled = _from_environment()  # read once: the hot path asks a module global, not the environment
-
 
 def set_hooked(enabled: bool | None) -> bool:
-    """Let eager convs take this path (True, the default) or always run the autograd Function
-    (False: tests compare the two, a bench can too); None: as ``$DROPIT_HOOKED`` says. Returns
-    the previous setting."""
-    global _enabled
-    previous = _enabled
-    _enabled = _from_environment() if enabled is None else bool(enabled)
-    return previous
+    """Deprecated: ``dropit_core.configure(hooked=enabled)``, which returns the settings it
+    replaced. Returns the previous setting (None: as ``$DROPIT_HOOKED`` says)."""
+    warnings.warn(
+        "dropit_core.hooked.set_hooked is deprecated: use dropit_core.configure(hooked=...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    value = settings.Settings.from_environment().hooked if enabled is None else bool(enabled)
+    return settings.configure(hooked=value).hooked
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None, limit: int) -> bool:
@@ -65,7 +58,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None, limi
     saved-tensor hooks active."""
     itemsize = x.itemsize if dtype is None else dtype.itemsize
     return (
-        _enabled
+        settings.current().hooked
         and weight.requires_grad
         and x.numel() * itemsize < limit
         and _top(False) is None

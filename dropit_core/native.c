@@ -102,26 +102,83 @@ PACK_CODES(4)
 UNPACK_CODES(2)
 UNPACK_CODES(4)
 
+/* fp32 -> bf16 -> fp32, rounding to nearest even as torch's .to(torch.bfloat16) does (NaN left
+ * a NaN). */
+static inline float round_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return v;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    u &= 0xFFFF0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* fp32 -> fp16 -> fp32, rounding to nearest even as torch's .to(torch.float16) does: 13 bits
+ * dropped from a normal value, a multiple of 2^-24 below fp16's smallest normal (2^-14), inf
+ * from 65520 up (fp16's largest is 65504). */
+static inline float round_fp16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    const uint32_t sign = u & 0x80000000u, a = u & 0x7FFFFFFFu;
+    if (a >= 0x7F800000u) return v;                         /* inf, NaN */
+    if (a >= 0x477FF000u) u = sign | 0x7F800000u;           /* >= 65520: inf */
+    else if (a >= 0x38800000u) u = sign | ((a + 0xFFFu + ((a >> 13) & 1u)) & 0xFFFFE000u);
+    else {                                                  /* fp16 subnormal or zero */
+        float q;
+        memcpy(&q, &a, sizeof q);
+        q = q * 0x1p24f;                                    /* exact: a power of two */
+        q = (q + 0x1p23f) - 0x1p23f;                        /* q < 1024: nearest even integer */
+        q = q * 0x1p-24f;
+        memcpy(&u, &q, sizeof u);
+        u |= sign;
+    }
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* xs[0..len) rounded as `cast` says (1: bf16, 2: fp16) into out[0..len). */
+static void round_into(const float *xs, int64_t len, int64_t cast, float *out) {
+    if (cast == 1)
+        for (int64_t j = 0; j < len; j++) out[j] = round_bf16(xs[j]);
+    else
+        for (int64_t j = 0; j < len; j++) out[j] = round_fp16(xs[j]);
+}
+
 /* Quant's pack of n fp32 values: groups of `group` values (the last may be shorter), each as
  * its minimum, its step ((max - min) * inv_levels, at least the smallest normal) and `bits`-bit
  * codes floor(min((x - min) / step + u, levels)), u = 24-bit draw * 2^-24 of element i:
  * (mix32(i mod 4096 + k0) ^ mix32(i / 4096 + k1)) >> 8 (seeds.hash_bits), i = start + the
  * element's place in x (a range of a larger pack starts where its first group lies). Codes are
  * packed 8 / bits per byte, the first in the low bits; a group's codes start on a byte (the
- * caller checks group % (8 / bits) == 0) and the last byte is padded with zero codes. */
+ * caller checks group % (8 / bits) == 0) and the last byte is padded with zero codes. cast 1 or
+ * 2: every value is read as its bf16 or fp16 rounding (the pack of x.to(dtype), bit for bit),
+ * a chunk at a time, so no rounded copy of x is made. */
 void dropit_quant_pack(const float *x, int64_t n, int64_t start, int64_t group, int64_t bits,
-                       uint32_t k0, uint32_t k1, float inv_levels, uint8_t *codes, float *mins,
-                       float *scales) {
+                       uint32_t k0, uint32_t k1, float inv_levels, int64_t cast, uint8_t *codes,
+                       float *mins, float *scales) {
     uint32_t low[TABLE];
     for (uint32_t j = 0; j < TABLE; j++) low[j] = mix32(j + k0) >> 8;
     const float levels = (float)((1 << bits) - 1);
     const float tiny = 1.17549435082228750797e-38f; /* torch.finfo(float32).tiny */
     const int64_t per_byte = 8 / bits;
     uint8_t code[TABLE];
+    float rounded[TABLE];
     for (int64_t g = 0, first = 0; first < n; g++, first += group) {
         const int64_t end = first + group < n ? first + group : n;
         float lo, hi;
-        range_of(x + first, end - first, &lo, &hi);
+        if (cast == 0) {
+            range_of(x + first, end - first, &lo, &hi);
+        } else { /* the chunks' ranges: a minimum and a maximum are exact in any order */
+            for (int64_t at = first; at < end; at += TABLE) {
+                const int64_t len = end - at < TABLE ? end - at : TABLE;
+                float clo, chi;
+                round_into(x + at, len, cast, rounded);
+                range_of(rounded, len, &clo, &chi);
+                lo = at == first || clo < lo ? clo : lo;
+                hi = at == first || chi > hi ? chi : hi;
+            }
+        }
         float step = (hi - lo) * inv_levels;
         step = step < tiny ? tiny : step;
         mins[g] = lo;
@@ -136,7 +193,12 @@ void dropit_quant_pack(const float *x, int64_t n, int64_t start, int64_t group, 
             const int64_t len = stop - at;
             const uint32_t high = mix32((uint32_t)(index / TABLE) + k1) >> 8;
             uint8_t *dst = bits == 8 ? out : code;
-            codes_of(x + at, low + index % TABLE, high, len, lo, step, levels, dst);
+            const float *xs = x + at;
+            if (cast != 0) {
+                round_into(xs, len, cast, rounded);
+                xs = rounded;
+            }
+            codes_of(xs, low + index % TABLE, high, len, lo, step, levels, dst);
             if (bits == 4) pack_4(code, len, out);
             if (bits == 2) pack_2(code, len, out);
             out += (len + per_byte - 1) / per_byte;

@@ -12,7 +12,7 @@ pack made here rebuilds eagerly or with the Triton kernels and the committed run
 Built on first use with ``$CC`` (default ``cc``) into ``$DROPIT_CACHE_DIR`` (default
 ``~/.cache/dropit_core``), once per source version and machine; loaded with
 ctypes (no Python headers, no ninja). Where no compiler works, one warning is given and the eager
-path packs. ``DROPIT_NATIVE=0`` or :func:`set_native` turns it off; ``DROPIT_KERNELS=eager``
+path packs. ``DROPIT_NATIVE=0`` (``configure(native=False)``) turns it off; ``DROPIT_KERNELS=eager``
 (pure torch) bypasses it too. Only contiguous fp32 CPU tensors take it; others pack eagerly.
 A call over at least :data:`PARALLEL_MIN` values per thread is split into ranges of whole groups
 (or flag bytes) run on up to ``torch.get_num_threads()`` threads; the bytes do not depend on it.
@@ -34,22 +34,20 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch
+from . import settings
 
-ENV = "DROPIT_NATIVE"
 SOURCE = Path(__file__).with_name("native.c")
 # No -march=native: a cache directory shared by machines of different kinds (a cluster's home)
 # must not hand one an instruction another lacks. -ffp-contract=off: no fused multiply-add, so
 # every rounding is the eager path's.
 FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
 
-_enabled: bool | None = None  # set_native's choice; None: the environment's
 _lib: ctypes.CDLL | None = None
 _failed = False
 
 _i64, _u32, _f32, _ptr = ctypes.c_int64, ctypes.c_uint32, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "dropit_quant_pack": (_ptr, _i64, _i64, _i64, _i64, _u32, _u32, _f32, _ptr, _ptr, _ptr),
+    "dropit_quant_pack": (_ptr, _i64, _i64, _i64, _i64, _u32, _u32, _f32, _i64, _ptr, _ptr, _ptr),
     "dropit_quant_rebuild": (_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr),
     "dropit_relu_mask": (_ptr, _i64, _ptr),
     "dropit_relu_apply": (_ptr, _ptr, _i64, _ptr),
@@ -57,27 +55,21 @@ _SIGNATURES = {
 
 
 def set_native(enabled: bool | None) -> None:
-    """Use the C loops (True), never (False), or as ``$DROPIT_NATIVE`` says (None; default on)."""
-    global _enabled
-    _enabled = enabled
-
-
-def native_enabled() -> bool:
-    """Whether the C loops are wanted (built or not)."""
-    if _enabled is not None:
-        return _enabled
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    """Deprecated: ``dropit_core.configure(native=enabled)`` (None: as ``$DROPIT_NATIVE`` says)."""
+    warnings.warn(
+        "dropit_core.native.set_native is deprecated: use dropit_core.configure(native=...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    settings.configure(
+        native=settings.Settings.from_environment().native if enabled is None else bool(enabled)
+    )
 
 
 def ready(device: torch.device) -> bool:
-    """Whether tensors on ``device`` go through the C loops: the CPU, the loops wanted and
-    built (built here on the first call that asks)."""
-    return (
-        device.type == "cpu"
-        and native_enabled()
-        and dispatch.kernel_mode() == "auto"
-        and library() is not None
-    )
+    """Whether tensors on ``device`` go through the C loops: the CPU, the loops wanted
+    (``settings.loops``) and built (built here on the first call that asks)."""
+    return device.type == "cpu" and settings.current().loops and library() is not None
 
 
 def takes(t: torch.Tensor) -> bool:
@@ -189,6 +181,10 @@ def _ranges(units: int, parts: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
+# A pack read through a cast: native.c's code for each narrower dtype it rounds to
+_CASTS = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def quant_pack(
     flat: torch.Tensor,
     bits: int,
@@ -198,18 +194,21 @@ def quant_pack(
     codes: torch.Tensor,
     mins: torch.Tensor,
     scales: torch.Tensor,
+    cast: torch.dtype | None = None,
 ) -> None:
     """Pack the flat fp32 ``flat`` into the final buffers (``packing.quant_buffers``) with draw
-    keys ``keys`` (``seeds.hash_keys(seed)``); element 0 is the pack's
-    element 0. ``group`` must hold whole bytes of codes. Large inputs: a range of whole groups
-    per thread."""
+    keys ``keys`` (``seeds.hash_keys(seed)``); element 0 is the pack's element 0. ``cast``
+    (bf16 or fp16): each value read as its rounding to that dtype, the pack of
+    ``flat.to(cast)`` bit for bit. ``group`` must hold whole bytes of codes. Large inputs: a
+    range of whole groups per thread."""
     lib, n, per_byte = library(), flat.numel(), 8 // bits
     x, c, lo, st = flat.data_ptr(), codes.data_ptr(), mins.data_ptr(), scales.data_ptr()
+    how = _CASTS[cast]
 
     def part(g0: int, g1: int) -> Callable[[], None]:
         first, count = g0 * group, min(n, g1 * group) - g0 * group
         return lambda: lib.dropit_quant_pack(
-            x + 4 * first, count, first, group, bits, keys[0], keys[1], inv_levels,
+            x + 4 * first, count, first, group, bits, keys[0], keys[1], inv_levels, how,
             c + first // per_byte, lo + 4 * g0, st + 4 * g0,
         )  # fmt: skip
 

@@ -60,13 +60,18 @@ UNIFORM_BITS = 24  # a 24-bit integer times 2**-24: exact in fp32, in [0, 1)
 TABLE_BITS = 12  # the draw XORs a hash of the index's low 12 bits with one of the rest
 
 
-def mix32(x: int) -> int:
-    """The 32-bit mixer on a Python int (a bijection of [0, 2**32))."""
+def mix32(x: int | torch.Tensor) -> int | torch.Tensor:
+    """The 32-bit mixer, a bijection of [0, 2**32), on a Python int or, in place, on an int64
+    tensor of such values (the caller's scratch: one temporary a step, no more): the one Python
+    form of the mixer that native.c and kernels/noise.py write in their languages."""
     x ^= x >> 16
-    x = (x * MIX_MUL1) & MASK32
+    x *= MIX_MUL1
+    x &= MASK32
     x ^= x >> 15
-    x = (x * MIX_MUL2) & MASK32
-    return x ^ (x >> 15)
+    x *= MIX_MUL2
+    x &= MASK32
+    x ^= x >> 15
+    return x
 
 
 def hash_key(seed: int, index_hi: int) -> int:
@@ -77,7 +82,7 @@ def hash_key(seed: int, index_hi: int) -> int:
 
 def hash_keys(seed: int) -> tuple[int, int]:
     """The two 32-bit keys of a pack seed's draws (:func:`hash_bits`' k0 and k1): what every
-    path that hashes element indices itself (Triton, the C loops, the compiled loop) takes.
+    path that hashes element indices itself (Triton, the C loops, the fused Inductor pack) takes.
     ``(hash_key(seed, 0), hash_key(seed, 1))``, their salted index words mixed once at import
     (every pack of every layer asks: host time)."""
     lo, hi = seed & MASK32, (seed >> 32) & MASK32
@@ -87,20 +92,10 @@ def hash_keys(seed: int) -> tuple[int, int]:
 _SALTED_0, _SALTED_1 = mix32(KEY_SALT), mix32(1 + KEY_SALT)
 
 
-def _mix32_(x: torch.Tensor) -> torch.Tensor:
-    """:func:`mix32` in place on an int64 tensor of values in [0, 2**32)."""
-    x ^= x >> 16
-    x.mul_(MIX_MUL1).bitwise_and_(MASK32)
-    x ^= x >> 15
-    x.mul_(MIX_MUL2).bitwise_and_(MASK32)
-    x ^= x >> 15
-    return x
-
-
 def _table(key: int, first: int, count: int, device: torch.device) -> torch.Tensor:
     """``mix32((first + j + key) mod 2**32) >> 8`` for j < count, as int32."""
     x = torch.arange(first + key, first + key + count, dtype=torch.int64, device=device)
-    return (_mix32_(x.bitwise_and_(MASK32)) >> (32 - UNIFORM_BITS)).to(torch.int32)
+    return (mix32(x.bitwise_and_(MASK32)) >> (32 - UNIFORM_BITS)).to(torch.int32)
 
 
 def hash_bits(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:

@@ -20,8 +20,8 @@ seed ever becomes a graph constant:
 - ``dropit::conv`` / ``dropit::linear``: the plain op forward; backward reads the pack.
 - ``dropit::relu_mask`` / ``dropit::relu_mask_grad``: the ReLU that keeps a 1-bit mask.
 
-With ``DROPIT_FUSE=1`` (:func:`set_fuse`) a quant pack and the ReLU's mask are plain torch ops
-instead, which Inductor builds into its own kernels; only the draw (``dropit::draw``, the
+With ``DROPIT_FUSE=1`` (``configure(fuse=True)``) a quant pack and the ReLU's mask are plain
+torch ops instead, which Inductor builds into its own kernels; only the draw (``dropit::draw``, the
 cache's next key) stays an opaque call.
 
 A tensor fed to several layers of one cache is packed once, as eagerly: each layer calls
@@ -36,14 +36,16 @@ autograd Function traces as it is.
 from __future__ import annotations
 
 import math
-import os
+import warnings
 
 import torch
 from torch import Tensor
 
+from . import settings
 from .base import Packed, QuantMeta
 from .ops import ConvArgs, InputCache, cache_by_number
 from .packing import code_bytes, pack_blocked, zero_flagged_sliced
+from .seeds import MASK32, TABLE_BITS, UNIFORM_BITS, mix32
 
 
 def traceable(cache: InputCache) -> bool:
@@ -142,13 +144,12 @@ def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor
     kernel (with ``x``'s pointwise producer, a norm or ReLU, inlined where it chooses): only
     the draw is an opaque call, and it needs ``x`` to exist (``x`` names the shared pack), so
     the pack reads ``x`` once after it is made, not inside the kernel that makes it. The eager
-    path's arithmetic (``compiled.quant_fields``), so the bytes are eager's.
+    path's arithmetic (:func:`quant_fields`), so the bytes are eager's.
 
     None (the opaque pack) where that does not hold or cannot be traced: another strategy, a
     group that does not fill whole bytes of codes, an input that is not whole groups, or one
     read through an autocast cast (fused into its consumer, Inductor would skip the cast's
     rounding unless ``emulate_precision_casts`` is set, and the bytes would not be eager's)."""
-    from .compiled import quant_fields
     from .unbiased import Quant
 
     strategy = cache.strategy
@@ -169,24 +170,46 @@ def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor
     return [codes, scales, mins]  # Packed's order (values, scales, mins)
 
 
-FUSE_ENV = "DROPIT_FUSE"
-_fuse: bool | None = None  # set_fuse's choice; None: the environment's (default off)
+def quant_fields(
+    rows: Tensor, params: Tensor, bits: int, inv_levels: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(codes, minima, steps) of ``rows`` (one group each, whole bytes of codes) as new tensors,
+    in plain torch ops that Inductor fuses with whatever produced ``rows``: quant's format
+    (``Quant._quantize`` and :func:`dropit_core.seeds.hash_bits`, op for op, so the bytes are
+    the eager pack's). ``params``: the hash keys k0 and k1 (int64), a tensor so that new values
+    do not recompile."""
+    levels, per_byte = (1 << bits) - 1, 8 // bits
+    g = rows.float()
+    lo = g.amin(1)
+    scale = ((g.amax(1) - lo) * inv_levels).clamp_min(torch.finfo(torch.float32).tiny)
+    idx = torch.arange(rows.numel(), device=rows.device).view(rows.shape)
+    low = mix32(((idx & ((1 << TABLE_BITS) - 1)) + params[0]) & MASK32)
+    high = mix32(((idx >> TABLE_BITS) + params[1]) & MASK32)
+    noise = (low >> (32 - UNIFORM_BITS)) ^ (high >> (32 - UNIFORM_BITS))
+    y = (g - lo[:, None]) / scale[:, None]
+    y = y + noise.float() * 2.0**-UNIFORM_BITS
+    code = y.clamp_max(levels).to(torch.uint8).view(-1, per_byte)
+    packed = code[:, 0]
+    for j in range(1, per_byte):
+        packed = packed | (code[:, j] << (bits * j))
+    return packed.view(-1), lo, scale
 
 
 def set_fuse(enabled: bool | None) -> None:
-    """Trace packs and ReLU masks as plain torch ops where they can be (True), always as the
-    opaque operators (False), or as ``$DROPIT_FUSE`` says (None; default off: on the CPU a
-    compile several times longer and no faster step; unmeasured on a GPU; docs/dropit.md).
-    Read while tracing: set it before the first compiled call."""
-    global _fuse
-    _fuse = enabled
+    """Deprecated: ``dropit_core.configure(fuse=enabled)`` (None: as ``$DROPIT_FUSE`` says)."""
+    warnings.warn(
+        "dropit_core.traced.set_fuse is deprecated: use dropit_core.configure(fuse=...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    value = settings.Settings.from_environment().fuse if enabled is None else bool(enabled)
+    settings.configure(fuse=value)
 
 
 def fuse_enabled() -> bool:
-    """Whether a traced pack or ReLU mask is written as plain torch ops."""
-    if _fuse is not None:
-        return _fuse
-    return os.environ.get(FUSE_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+    """Whether a traced pack or ReLU mask is written as plain torch ops (``settings.fuse``:
+    default off, on the CPU a compile several times longer and no faster step; docs/dropit.md)."""
+    return settings.current().fuse
 
 
 def autocast_inputs(
@@ -377,7 +400,8 @@ relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)
 def relu(x: Tensor, inplace: bool) -> Tensor:
     """The traced form of ``MaskedReLUFunction.apply`` (in place: the result copied into x,
     which the compiler turns back into one buffer): plain torch ops (:class:`_MaskedReLU`) that
-    Inductor fuses with the ops around it, or the opaque ``dropit::relu_mask`` (``set_fuse``)."""
+    Inductor fuses with the ops around it, or the opaque ``dropit::relu_mask`` (per
+    ``settings.fuse``)."""
     out = _MaskedReLU.apply(x) if fuse_enabled() else torch.ops.dropit.relu_mask(x)[0]
     return x.copy_(out) if inplace else out
 

@@ -14,8 +14,8 @@ Both draw their random numbers from the pack's seed (:mod:`dropit_core.seeds`) o
 device; neither needs a host sync (importance's tau stays a device tensor). importance draws from a
 generator, slice by slice. quant's noise is a hash of (seed, element index),
 :func:`dropit_core.seeds.hash_bits`, that the Triton kernels (:mod:`dropit_core.kernels`, used
-for CUDA tensors) and the compiled CPU loop (:mod:`dropit_core.compiled`) compute alike: every
-path writes the same bytes. (Before 2026-11-24 quant drew from a generator per slice: a quant run
+for CUDA tensors) and the C loops (:mod:`dropit_core.native`, CPU) compute alike: every path
+writes the same bytes. (Before 2026-11-24 quant drew from a generator per slice: a quant run
 made since draws other numbers than the same config did then, e.g. in the study's runs.)
 """
 
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import base, compiled, dispatch, native
+from . import base, dispatch, native
 from .base import SEED, Packed, QuantMeta, Strategy
 from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise, expected_capacity
 from .keep_rule import IMPORTANCE, KeepRule
@@ -223,20 +223,19 @@ class Quant(Strategy):
     def _pack_eager(
         self, flat: torch.Tensor, seed: int, cast: torch.dtype | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, mins, scales), each path writing into the final buffers: the whole groups
-        by the compiled loop where it runs (CPU), the rest eagerly, slice by slice."""
+        """(codes, mins, scales), written into the final buffers: by the C loops where they run
+        (the CPU, fp32 read as itself or through a bf16/fp16 cast), else eagerly, slice by
+        slice."""
         n, group = flat.numel(), self.group
         codes, mins, scales = quant_buffers(n, self.bits, group, flat.device)
-        if cast is None and self._whole_bytes() and native.takes(flat):
+        if self._whole_bytes() and native.takes(flat):
             keys = hash_keys(seed)
-            native.quant_pack(flat, self.bits, group, keys, self._inv_levels, codes, mins, scales)
+            native.quant_pack(
+                flat, self.bits, group, keys, self._inv_levels, codes, mins, scales, cast
+            )
             return codes, mins, scales
-        whole = n // group * group
-        done = 0  # elements packed by the compiled loop (whole groups, whole bytes)
-        if self._use_compiled(flat, whole):
-            done = self._pack_compiled(flat[:whole], seed, codes, mins, scales, cast)
         step = self.slice_len()
-        for start in range(done, n, step):
+        for start in range(0, n, step):
             self._pack_slice(flat[start : start + step], start, seed, (codes, mins, scales), cast)
         return codes, mins, scales
 
@@ -272,47 +271,6 @@ class Quant(Strategy):
     def _whole_bytes(self) -> bool:
         """Whether each group's codes fill whole bytes (what the C loops and kernels take)."""
         return self.group % (8 // self.bits) == 0
-
-    def _use_compiled(self, flat: torch.Tensor, whole: int) -> bool:
-        """Whether the ``whole`` values of whole groups are packed by the compiled loop: on the
-        CPU, large enough, whole bytes of codes per group."""
-        return (
-            flat.device.type == "cpu"
-            and whole >= compiled.COMPILE_MIN
-            and self.group % (8 // self.bits) == 0
-            and compiled.compile_available()
-        )
-
-    def _pack_compiled(
-        self,
-        piece: torch.Tensor,
-        seed: int,
-        codes: torch.Tensor,
-        mins: torch.Tensor,
-        scales: torch.Tensor,
-        cast: torch.dtype | None,
-    ) -> int:
-        """Pack whole groups from element 0 with the compiled loop, straight into the final
-        buffers; the values packed (0 if it failed)."""
-        rows = piece.detach().view(-1, self.group)  # no autograd in the compiled graph
-        # A slice of rows per call: the compiled loop keeps an fp32 value per element in
-        # between (inductor stores the long hash expression), so its temporaries stay a slice's.
-        step = max(1, base.SLICE // self.group)
-        try:
-            quant_rows = compiled.compiled_quant_rows(self.bits)
-            for r0 in range(0, rows.shape[0], step):
-                r1 = min(r0 + step, rows.shape[0])
-                first = r0 * self.group
-                params = torch.tensor([*hash_keys(seed), first], dtype=torch.int64)
-                quant_rows(
-                    rows[r0:r1], params, self._inv_levels,
-                    codes[first * self.bits // 8 : r1 * self.group * self.bits // 8],
-                    mins[r0:r1], scales[r0:r1], cast,
-                )  # fmt: skip
-        except Exception as err:  # no compiler, an unsupported torch: pack eagerly from now on
-            compiled.compile_failed(err)
-            return 0
-        return piece.numel()
 
     def _quantize(
         self,

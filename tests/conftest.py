@@ -69,20 +69,16 @@ def tiny_shapes(shapes_set) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _eager_packs_in_the_quick_tier(request):
-    """Unmarked tests pack eagerly: the compiled CPU pack writes the same bytes (checked by
-    tests/core/test_dropit_kernels.py's slow tests) but costs each process seconds to load
-    per bit width, more than the quick tests it would serve together."""
-    if request.node.get_closest_marker("slow") is not None:
-        yield
-        return
-    from dropit_core import compiled
+def _dropit_settings_as_they_were():
+    """Every test leaves DropIT's settings as it found them (a test that configures kernels,
+    loops or hooks must not change the next one's path)."""
+    import dataclasses
 
-    compiled.set_compile(False)
-    try:
-        yield
-    finally:
-        compiled.set_compile(None)
+    from dropit_core import configure, current_settings
+
+    before = current_settings()
+    yield
+    configure(**dataclasses.asdict(before))
 
 
 @pytest.fixture

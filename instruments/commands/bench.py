@@ -451,7 +451,7 @@ def _demo(config: str, repeats: int, out: Path | None, quiet: bool) -> None:
     """Step time of the demo with DropIT against the demo without: JSON lines (baseline = 1x).
     A third row packs with eager torch instead of the C loops (dropit_core.native): what they
     save, in the same rounds."""
-    from dropit_core import native
+    from dropit_core import configure, native, reset_settings
     from instruments.measure.width_bench import compare_step_time
 
     variants = [
@@ -460,14 +460,14 @@ def _demo(config: str, repeats: int, out: Path | None, quiet: bool) -> None:
         ("dropit_eager_packs", ()),
     ]
     setups = {
-        "baseline": lambda: native.set_native(None),
-        "dropit": lambda: native.set_native(None),
-        "dropit_eager_packs": lambda: native.set_native(False),
+        "baseline": lambda: reset_settings(),
+        "dropit": lambda: reset_settings(),
+        "dropit_eager_packs": lambda: configure(native=False),
     }
     try:
         rows = compare_step_time(config, variants, repeats=max(repeats, 5), setups=setups)
     finally:
-        native.set_native(None)
+        reset_settings()
     for row in rows:
         row["c_packs"] = row["model"] == "dropit" and native.library() is not None
     for row in rows:

@@ -133,7 +133,7 @@ def gpu_header(command: str, device: str, quiet: bool, **run: Any) -> dict[str, 
     """The provenance of a GPU table: the command, commit, machine and date (methods_table's),
     the GPU's name, the torch, CUDA and triton versions, the DropIT kernel path in force, and
     the run's own settings (``run``: images, budget, ...)."""
-    from dropit_core import dispatch
+    from dropit_core import current_settings
 
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     return {
@@ -142,7 +142,7 @@ def gpu_header(command: str, device: str, quiet: bool, **run: Any) -> dict[str, 
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": _version("triton"),
-        "kernels": dispatch.kernel_mode(),
+        "kernels": current_settings().kernels,
         **run,
     }
 

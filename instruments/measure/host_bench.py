@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dropit_core import compress_saved, dispatch, hooked, to_dropit
+from dropit_core import compress_saved, configure, dispatch, hooked, to_dropit
 from dropit_core.base import Packed
 from dropit_core.packing import quant_buffers
 from dropit_core.timing import timed_rounds
@@ -90,15 +90,14 @@ def stubbed_launches() -> Iterator[Launches]:
 
     modules = {name: importlib.import_module(f"dropit_core.kernels.{name}") for name, _ in KERNELS}
     saved = [(modules[m], k, getattr(modules[m], k)) for m, k in KERNELS]
-    previous = dispatch.kernel_mode()
     launches = Launches()
     try:
         for module, kernel, _ in saved:
             setattr(module, kernel, _NoLaunch(launches))
-        dispatch.set_kernels("triton")
+        previous = configure(kernels="triton")
         yield launches
     finally:
-        dispatch.set_kernels(previous)
+        configure(kernels=previous.kernels)
         for module, kernel, original in saved:
             setattr(module, kernel, original)
 
@@ -203,7 +202,7 @@ def _bare(model: nn.Module) -> nn.Module:
 
 
 class _FunctionPath(nn.Module):
-    """A converted model whose convs run their autograd Function (``hooked.set_hooked(False)``
+    """A converted model whose convs run their autograd Function (``configure(hooked=False)``
     for its forward: the backward follows the forward's choice)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -211,11 +210,11 @@ class _FunctionPath(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        previous = hooked.set_hooked(False)
+        previous = configure(hooked=False)
         try:
             return self.model(x)
         finally:
-            hooked.set_hooked(previous)
+            configure(hooked=previous.hooked)
 
 
 class _HooksNoPack(hooked.SavedInputHooks):

@@ -45,10 +45,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 MB = 1024.0 * 1024.0
-# Code that runs compiled (one fused loop) in training but op by op under a dispatch mode: what it
-# allocates is that loop's scratch, which the compiled loop does not make (it stores into the
-# pack's buffers, allocated outside it).
-SCRATCH = ("dropit_core/compiled.py",)
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.abspath(__file__)
 
@@ -184,8 +180,6 @@ class _Tracker(TorchDispatchMode):
         if not outs:
             return
         where = making_line(3)
-        if where.startswith(SCRATCH):
-            return
         # Dead storages go first: a new one may sit at a dead one's address.
         self.sweep()
         for t in outs:

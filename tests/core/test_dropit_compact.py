@@ -14,7 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import build_strategy, dispatch, dropped_values, set_step, to_dropit
+from dropit_core import (
+    build_strategy,
+    configure,
+    dropped_values,
+    reset_settings,
+    set_step,
+    to_dropit,
+)
 from dropit_core import elementwise as elementwise_mod
 from dropit_core.keep_rule import AT_LEAST, DRAW, IMPORTANCE, TIES, KeepRule
 from dropit_core.packing import compact_into, pack_bits, scatter_kept
@@ -33,8 +40,8 @@ from dropit_core.kernels.compact import compact_pack, scatter_pack  # noqa: E402
 def paths(monkeypatch):
     """Fixed-capacity packs on every device, and a switch between the kernels and eager torch."""
     monkeypatch.setattr(elementwise_mod, "fixed_capacity", lambda device: True)
-    yield dispatch.set_kernels
-    dispatch.set_kernels(None)
+    yield lambda mode: configure(kernels=mode)
+    reset_settings()
 
 
 @pytest.mark.usefixtures("small_slices")  # slices of 1000, mink's radix select from 256 on

@@ -14,7 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import FrozenBatchNorm2d, compress_saved, set_step, to_dropit, traced
+from dropit_core import (
+    FrozenBatchNorm2d,
+    compress_saved,
+    configure,
+    reset_settings,
+    set_step,
+    to_dropit,
+    traced,
+)
 
 # Relative tolerance of compiled gradients and losses against eager ones: fp32 sums in another
 # order differ by a few ulps (2**-23 ~ 1.2e-7 each); 1e-5 leaves room for two steps.
@@ -119,7 +127,7 @@ def _assert_trains_alike(losses, grads, eager_losses, eager_grads, tolerance: fl
 @pytest.mark.slow  # Inductor's C++ compile: ~20 s on one core, per fuse setting
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "opaque"])
 def test_compiled_training_matches_eager_and_packs_the_same_bytes(fuse: bool, monkeypatch):
-    monkeypatch.setattr(traced, "_fuse", fuse)
+    configure(fuse=fuse)
     x = torch.randn(4, 3, 16, 16)
     y = torch.randint(0, 10, (4,))
     eager = _model()
@@ -150,7 +158,7 @@ def test_packs_and_relu_masks_are_fused_into_the_graphs_kernels(monkeypatch):
     x = torch.randn(4, 3, 16, 16)
 
     def forward_code(fuse: bool) -> str:
-        monkeypatch.setattr(traced, "_fuse", fuse)
+        configure(fuse=fuse)
         torch._dynamo.reset()
         model = _model()
         compiled = torch.compile(model, fullgraph=True)
@@ -213,7 +221,7 @@ def test_a_fused_pack_is_the_eager_pack_byte_for_byte(bits: int, monkeypatch):
     from dropit_core.ops import InputCache
     from dropit_core.strategies import build_strategy
 
-    monkeypatch.setattr(traced, "_fuse", True)
+    configure(fuse=True)
     strategy = build_strategy("quant", 0.0, bits=bits)
     cache, twin = InputCache(strategy), InputCache(strategy)
     x = torch.randn(2, 8, 16, 16) * 3
@@ -246,13 +254,18 @@ def test_the_fused_relu_keeps_the_eager_mask_and_gradient():
 
 
 def test_fusing_is_off_unless_asked(monkeypatch):
-    monkeypatch.setattr(traced, "_fuse", None)
     monkeypatch.delenv("DROPIT_FUSE", raising=False)
+    reset_settings()
     assert not traced.fuse_enabled()
     monkeypatch.setenv("DROPIT_FUSE", "1")
-    assert traced.fuse_enabled()
-    traced.set_fuse(False)
-    assert not traced.fuse_enabled()
+    reset_settings()
+    try:
+        assert traced.fuse_enabled()
+        configure(fuse=False)
+        assert not traced.fuse_enabled()
+    finally:
+        monkeypatch.delenv("DROPIT_FUSE")
+        reset_settings()
 
 
 def test_a_data_sized_strategy_packs_eagerly_behind_a_graph_break():

@@ -1,7 +1,7 @@
 """No second copy: a quant pack is written once into its final buffers, and autocast's copy of a
 layer input lives no longer than the layer (bytes counted by the CPU allocator:
 tests/core/allocations.py), the layer still the plain one under autocast. The kernel and
-compiled paths' own counts are in tests/core/test_dropit_kernels.py."""
+C loops' own counts are in tests/core/test_dropit_kernels.py and test_dropit_native.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from dropit_core import base, build_strategy, compiled, dispatch, hooked, to_dropit
+from dropit_core import base, build_strategy, configure, reset_settings, to_dropit
 from tests.core.allocations import allocations
 
 SLICE = 8192  # the strategies' slice, made small so that a test input spans many
@@ -23,13 +23,11 @@ SLICE = 8192  # the strategies' slice, made small so that a test input spans man
 
 @pytest.fixture
 def eager(monkeypatch):
-    """The eager path (no kernels, no compiled loop), with small slices."""
+    """The eager path (no kernels, no C loops), with small slices."""
     monkeypatch.setattr(base, "SLICE", SLICE)
-    dispatch.set_kernels("eager")
-    compiled.set_compile(False)
+    configure(kernels="eager")
     yield
-    dispatch.set_kernels(None)
-    compiled.set_compile(None)
+    reset_settings()
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -82,9 +80,9 @@ def layer_path(request):
     """(layer kind, whether a conv takes the saved-tensor hooks, dropit_core.hooked, or the
     autograd Function): each path has its own order of op and pack."""
     kind, hooks = request.param
-    previous = hooked.set_hooked(hooks)
+    previous = configure(hooked=hooks)
     yield kind, hooks
-    hooked.set_hooked(previous)
+    configure(hooked=previous.hooked)
 
 
 def test_autocast_copy_of_a_quant_layer_input_goes_with_the_layer(eager, layer_path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import compress_saved, hooked, set_step, to_dropit
+from dropit_core import compress_saved, configure, reset_settings, set_step, to_dropit
 from dropit_core.base import DOUBLE_BACKWARD
 from dropit_core.ops import SPLIT_BYTES
 
@@ -56,7 +56,7 @@ def _recorded(model: nn.Module) -> list[tuple]:
 def _step(model: nn.Module, x: torch.Tensor, hooks: bool, amp: bool = False) -> tuple:
     """(output, input gradient, parameter gradients, packs) of one training step."""
     packs = _recorded(model)
-    previous = hooked.set_hooked(hooks)
+    previous = configure(hooked=hooks)
     try:
         set_step(model, 3)
         x = x.clone().requires_grad_(True)
@@ -64,7 +64,7 @@ def _step(model: nn.Module, x: torch.Tensor, hooks: bool, amp: bool = False) -> 
             out = model(x)
         out.float().square().sum().backward()
     finally:
-        hooked.set_hooked(previous)
+        configure(hooked=previous.hooked)
     grads = [p.grad.clone() for p in model.parameters()]
     return out.detach(), x.grad, grads, packs
 
@@ -110,11 +110,11 @@ def test_which_path_a_conv_takes():
     assert _grad_fn_name(model, x) == "ConvolutionBackward0"  # aten's node: the hooks
     up = model.up(torch.randn(1, 6, 4, 4, requires_grad=True))
     assert type(up.grad_fn).__name__ == "ConvolutionBackward0"  # a transposed conv's too
-    previous = hooked.set_hooked(False)
+    previous = configure(hooked=False)
     try:
         assert "DropITConvFunction" in _grad_fn_name(model, x)
     finally:
-        hooked.set_hooked(previous)
+        configure(hooked=previous.hooked)
     # Another pair of hooks active: the Function, which they see.
     seen = []
 
@@ -173,13 +173,13 @@ def test_compress_saved_on_a_converted_model_sees_the_functions_tensors():
 def test_dropit_hooked_0_in_the_environment_makes_convs_run_their_function(monkeypatch):
     model = _model("quant", bits=4)
     x = torch.randn(1, 6, 8, 8)
-    previous = hooked.set_hooked(True)
     try:
         monkeypatch.setenv("DROPIT_HOOKED", "0")
-        assert hooked.set_hooked(None) is True  # the previous setting
+        assert reset_settings().hooked is True  # the previous setting
         assert "DropITConvFunction" in _grad_fn_name(model, x)
         monkeypatch.setenv("DROPIT_HOOKED", "1")
-        hooked.set_hooked(None)
+        reset_settings()
         assert _grad_fn_name(model, x) == "ConvolutionBackward0"
     finally:
-        hooked.set_hooked(previous)
+        monkeypatch.delenv("DROPIT_HOOKED")
+        reset_settings()

@@ -1,5 +1,5 @@
 """The Triton kernels against their eager references: quant pack and rebuild, the masked ReLU;
-and the compiled CPU quant pack against the eager one.
+and the C loops against the eager path.
 
 Without a GPU they run under Triton's interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1 before any kernel is defined); with one, compiled on it. Tensors stay near
@@ -16,7 +16,17 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import build_strategy, compiled, dispatch, native, seeds, set_step, to_dropit
+from dropit_core import (
+    build_strategy,
+    configure,
+    current_settings,
+    dispatch,
+    native,
+    reset_settings,
+    seeds,
+    set_step,
+    to_dropit,
+)
 from dropit_core.ops import MaskedReLUFunction
 from dropit_core.packing import unpack_codes
 from dropit_core.unbiased import quant_kernels_take
@@ -40,8 +50,8 @@ SIZES = [(256, 3000), (100, 1001), (8, 77), (256, 5)]
 @pytest.fixture
 def mode():
     """Set the dispatch mode for one test, and restore the environment's after it."""
-    yield dispatch.set_kernels
-    dispatch.set_kernels(None)
+    yield lambda mode: configure(kernels=mode)
+    reset_settings()
 
 
 def _x(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -401,34 +411,47 @@ def test_relu_mask_bytes_are_pack_bits_of_the_blocked_outputs() -> None:
 
 def test_dispatch_modes_env_and_warning(monkeypatch) -> None:
     cpu, cuda = SimpleNamespace(is_cuda=False), SimpleNamespace(is_cuda=True)
-    monkeypatch.setattr(dispatch, "_env_mode", None)  # the cached reading comes back after
     monkeypatch.setenv(dispatch.ENV, "auto")
+    reset_settings()
     assert not dispatch.use_kernels(cpu)
     assert dispatch.use_kernels(cuda) == dispatch.triton_available()
-    # Read once: a change takes effect from set_kernels(None) on (which re-reads it).
+    # Read once: a change takes effect from reset_settings() on (which re-reads it).
     monkeypatch.setenv(dispatch.ENV, "triton")
     assert not dispatch.use_kernels(cpu)
-    dispatch.set_kernels(None)
+    reset_settings()
     assert dispatch.use_kernels(cpu)
-    dispatch.set_kernels("eager")  # the call wins over the environment
+    configure(kernels="eager")  # the call wins over the environment
     try:
         assert not dispatch.use_kernels(cuda)
     finally:
-        dispatch.set_kernels(None)
+        reset_settings()
     monkeypatch.setenv(dispatch.ENV, "fast")
-    dispatch.set_kernels(None)
     with pytest.raises(ValueError, match="DROPIT_KERNELS"):
-        dispatch.kernel_mode()
+        reset_settings()
     with pytest.raises(ValueError, match="allowed"):
-        dispatch.set_kernels("cuda")
+        configure(kernels="cuda")
     # CUDA without triton: one warning, then eager.
     monkeypatch.setenv(dispatch.ENV, "auto")
-    dispatch.set_kernels(None)
+    reset_settings()
     monkeypatch.setattr(dispatch, "_has_triton", False)
     monkeypatch.setattr(dispatch, "_warned", False)
     with pytest.warns(RuntimeWarning, match="triton is not installed"):
         assert not dispatch.use_kernels(cuda)
     assert not dispatch.use_kernels(cuda)  # no second warning (pytest errors on none above)
+
+
+def test_eager_kernels_mean_eager_everywhere(monkeypatch) -> None:
+    # DROPIT_KERNELS=eager turns off the C loops too: plain torch on every device
+    monkeypatch.setenv(dispatch.ENV, "eager")
+    reset_settings()
+    try:
+        assert not current_settings().loops
+        assert not native.ready(torch.device("cpu"))
+        assert not dispatch.use_kernels(SimpleNamespace(is_cuda=True))
+    finally:
+        monkeypatch.delenv(dispatch.ENV)
+        reset_settings()
+    assert current_settings().loops
 
 
 def test_only_the_kernels_package_imports_triton() -> None:
@@ -437,100 +460,6 @@ def test_only_the_kernels_package_imports_triton() -> None:
     for path in package.rglob("*.py"):
         if "kernels" not in path.parts:
             assert "import triton" not in path.read_text(), path
-
-
-# ------------------------------------------------------------------- the compiled CPU pack
-
-
-@pytest.fixture
-def no_native():
-    """The C loops off: fp32 packs would take them before the compiled loop."""
-    native.set_native(False)
-    yield
-    native.set_native(None)
-
-
-def _large(dtype: torch.dtype) -> torch.Tensor:
-    """Above compiled.COMPILE_MIN, with a last partial group; on the CPU (the compiled path's)."""
-    gen = torch.Generator().manual_seed(5)
-    return torch.randn(compiled.COMPILE_MIN + 300, generator=gen).relu().to(dtype)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits,group", [(4, 256), (2, 100), (8, 256)])
-def test_compiled_cpu_pack_is_the_eager_one_bit_for_bit(
-    dtype, bits: int, group: int, no_native
-) -> None:
-    # Compiles (10-30 s the first time, then from inductor's disk cache).
-    x = _large(dtype)
-    strategy = build_strategy("quant", 0.8, bits=bits, group=group)
-    try:
-        compiled.set_compile(False)
-        eager = strategy.pack(x, "linear", 8)
-        compiled.set_compile(True)
-        if not compiled.compile_available():
-            pytest.skip("torch.compile failed here earlier")
-        packed = strategy.pack(x, "linear", 8)
-    finally:
-        compiled.set_compile(None)
-    if not compiled.compile_available():
-        pytest.skip("torch.compile is not available here")
-    assert all(torch.equal(a, b) for a, b in zip(packed.stored(), eager.stored(), strict=True))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("cast,bits", [(torch.bfloat16, 4), (torch.float16, 2)])
-def test_compiled_cpu_pack_writes_once_into_the_final_buffers(
-    cast, bits: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from dropit_core import base
-    from tests.core.allocations import allocations
-
-    monkeypatch.setattr(base, "SLICE", 8192)  # the compiled loop's temporaries are a slice's
-    # Earlier tests compile other bit widths and dtypes of the same function: past dynamo's
-    # recompile limit it would run eagerly (op by op), which this test is not about.
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(2 * compiled.COMPILE_MIN + 300, generator=gen) * 3
-    strategy = build_strategy("quant", 0.8, bits=bits)
-    try:
-        compiled.set_compile(False)
-        eager = strategy.pack(x.to(cast), "linear", 8)
-        compiled.set_compile(True)
-        strategy.pack(x, "linear", 8, cast)  # compiles
-        if not compiled.compile_available():
-            pytest.skip("torch.compile is not available here")
-        packed, made = allocations(lambda: strategy.pack(x, "linear", 8, cast))
-    finally:
-        compiled.set_compile(None)
-    assert all(torch.equal(a, b) for a, b in zip(packed.stored(), eager.stored(), strict=True))
-    # Beyond the pack: the compiled loop's temporaries (an fp32 value and a code byte per
-    # element) for one slice at a time, and the eager tail's few; not per element of the input.
-    assert made.alive == packed.nbytes()
-    assert made.peak - packed.nbytes() < 8 * base.SLICE < x.numel() / 2
-
-
-def test_a_failed_compile_warns_once_and_packs_eagerly(monkeypatch, no_native) -> None:
-    def broken(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(compiled, "_failed", False)
-    monkeypatch.setitem(compiled._COMPILED, "quant_rows_4", broken)
-    x = _large(torch.float32)
-    strategy = build_strategy("quant", 0.8, bits=4)
-    compiled.set_compile(True)
-    try:
-        with pytest.warns(RuntimeWarning, match="no C.. compiler"):
-            packed = strategy.pack(x, "linear", 8)
-        assert not compiled.compile_available()
-        again = strategy.pack(x, "linear", 8)  # no second warning, no second try
-        compiled.set_compile(False)
-        eager = strategy.pack(x, "linear", 8)
-    finally:
-        compiled.set_compile(None)
-    for pack in (packed, again):
-        assert all(torch.equal(a, b) for a, b in zip(pack.stored(), eager.stored(), strict=True))
 
 
 def test_launch_arithmetic_is_tritons_in_plain_python() -> None:
@@ -542,29 +471,3 @@ def test_launch_arithmetic_is_tritons_in_plain_python() -> None:
             assert launch.cdiv(n, per) == triton.cdiv(n, per)
     assert launch.cdiv(0, 256) == 0 and launch.tile(100, 2048) == (128, 16)
     assert launch.tile(8192, 2048) == (8192, 1)  # a group wider than a block: one per program
-
-
-@pytest.mark.slow
-def test_a_cpu_only_compiled_pack_prints_no_cuda_runtime_warning(tmp_path) -> None:
-    """The compiled CPU pack imports torch's C++ extension helper, which warns "No CUDA runtime
-    is found" on a CUDA build without a GPU: on a CPU-only run that reads like an error, so the
-    pack imports it with that one record filtered (a fresh interpreter: it warns at import)."""
-    import os
-    import subprocess
-    import sys
-
-    code = (
-        "import torch\n"
-        "from dropit_core import build_strategy, compiled\n"
-        "x = torch.randn(compiled.COMPILE_MIN + 300)\n"
-        "build_strategy('quant', 0.8, bits=4).pack(x, 'linear', 8)\n"
-        "print('compiled' if compiled.compile_available() else 'eager')\n"
-    )
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "CUDA_HOME": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert out.returncode == 0, out.stderr
-    assert "No CUDA runtime is found" not in out.stderr + out.stdout
-    if out.stdout.strip() != "compiled":
-        pytest.skip("torch.compile is not available here: nothing imported the helper")

@@ -10,27 +10,36 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import base, build_strategy, dispatch, native, set_step, to_dropit
+from dropit_core import (
+    base,
+    build_strategy,
+    configure,
+    current_settings,
+    native,
+    reset_settings,
+    set_step,
+    to_dropit,
+)
 from dropit_core.packing import pack_blocked, zero_flagged_sliced
 
 
 @pytest.fixture
 def loops():
     """The C loops built (skipped where no C compiler works: the eager path then packs)."""
-    native.set_native(True)
+    configure(native=True)
     if native.library() is None:
-        native.set_native(None)
+        reset_settings()
         pytest.skip("no C compiler here: the eager path packs")
     yield
-    native.set_native(None)
+    reset_settings()
 
 
 def _eager(fn):
-    native.set_native(False)
+    configure(native=False)
     try:
         return fn()
     finally:
-        native.set_native(True)
+        configure(native=True)
 
 
 def _values(n: int, seed: int) -> torch.Tensor:
@@ -121,10 +130,51 @@ def test_relu_mask_and_gradient_are_the_eager_ones(loops, n) -> None:
     assert torch.equal(result == 0, (out <= 0) | (grad == 0))
 
 
+def _cast_values(n: int, seed: int) -> torch.Tensor:
+    """Values whose bf16 and fp16 roundings exercise every branch: ties, fp16 subnormals and
+    their rounding, values near fp16's largest (65504), exact zeros of both signs."""
+    x = _values(n, seed)
+    x[::5] *= 1e-6  # fp16 subnormals (below 2**-14 = 6.1e-5)
+    x[1::7] = 65519.0  # rounds down to 65504 in fp16
+    x[2::13] = 1.0 + 2.0**-11  # a tie for fp16: to even (1.0)
+    x[3::17] = 1.0 + 3 * 2.0**-11  # a tie the other way (up)
+    x[4::19] = 1.0 + 2.0**-8  # a tie for bf16
+    x[5::23] = -0.0
+    x[6::29] = 2.0**-24 * 1.5  # half-way between fp16 subnormals 1 and 2 (of 2**-24): to 2
+    return x
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,group", [(4, 256), (2, 100), (8, 256), (4, 6000)])
+def test_a_pack_read_through_a_cast_is_the_eager_pack_of_the_cast(loops, cast, bits, group):
+    # autocast's layers pack their fp32 input as the fp16/bf16 values the op computed with:
+    # the loops round each value as they read it, the bytes of the eager pack of x.to(cast)
+    strategy = build_strategy("quant", 0.0, bits=bits, group=group, seed=3)
+    for n in SIZES:
+        x = _cast_values(n, n)
+        packed = strategy.pack(x, "linear", 11, cast)
+        eager = _eager(lambda: strategy.pack(x.to(cast), "linear", 11))  # noqa: B023
+        assert packed.meta == eager.meta
+        for mine, theirs in zip(packed.stored(), eager.stored(), strict=True):
+            assert torch.equal(mine, theirs), (cast, bits, group, n)
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
+def test_a_cast_pack_is_written_once_into_its_final_buffers(loops, cast) -> None:
+    from tests.core.allocations import allocations
+
+    x = _cast_values(3 * 4096 * 8 + 300, 6)
+    strategy = build_strategy("quant", 0.0, bits=4)
+    packed, made = allocations(lambda: strategy.pack(x, "linear", 8, cast))
+    # no rounded copy of x: what is left is the pack, and nothing larger was made on the way
+    assert made.alive == packed.nbytes()
+    assert made.peak == packed.nbytes()
+
+
 def test_a_training_step_is_the_eager_one(loops) -> None:
     # conv -> BatchNorm -> ReLU -> max-pool -> linear, every input 4-bit: the same gradients.
     def step(use: bool) -> list[torch.Tensor]:
-        native.set_native(use)
+        configure(native=use)
         torch.manual_seed(0)
         model = nn.Sequential(
             nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
@@ -145,20 +195,23 @@ def test_only_contiguous_fp32_cpu_tensors_take_the_loops(loops) -> None:
     assert native.takes(x)
     assert not native.takes(x.t())
     assert not native.takes(x.half())
-    dispatch.set_kernels("eager")  # pure torch, for comparisons with the kernels
+    configure(kernels="eager")  # pure torch, for comparisons with the kernels
     try:
         assert not native.takes(x)
     finally:
-        dispatch.set_kernels(None)
+        reset_settings()
 
 
 def test_the_environment_turns_the_loops_off(monkeypatch) -> None:
-    native.set_native(None)
-    monkeypatch.setenv(native.ENV, "0")
-    assert not native.native_enabled()
-    assert not native.takes(torch.randn(8))
-    monkeypatch.setenv(native.ENV, "1")
-    assert native.native_enabled()
+    monkeypatch.setenv("DROPIT_NATIVE", "0")
+    reset_settings()
+    try:
+        assert not current_settings().native
+        assert not native.takes(torch.randn(8))
+    finally:
+        monkeypatch.setenv("DROPIT_NATIVE", "1")
+        reset_settings()
+    assert current_settings().native
 
 
 def test_the_build_is_cached_per_source(loops, tmp_path, monkeypatch) -> None:
@@ -179,7 +232,7 @@ def test_without_a_compiler_one_warning_and_eager_packs(tmp_path, monkeypatch) -
     monkeypatch.setattr(native, "_failed", False)
     monkeypatch.setenv("DROPIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
-    native.set_native(True)
+    configure(native=True)
     strategy = build_strategy("quant", 0.0, bits=4)
     x = _values(3000, 1)
     try:
@@ -187,10 +240,10 @@ def test_without_a_compiler_one_warning_and_eager_packs(tmp_path, monkeypatch) -
             packed = strategy.pack(x, "linear", 2)
         again = strategy.pack(x, "linear", 2)  # no second warning, no second try
         assert not native.takes(x)
-        native.set_native(False)
+        configure(native=False)
         eager = strategy.pack(x, "linear", 2)
     finally:
-        native.set_native(None)
+        reset_settings()
     for pack in (packed, again):
         assert all(torch.equal(a, b) for a, b in zip(pack.stored(), eager.stored(), strict=True))
 

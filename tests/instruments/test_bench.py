@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from dropit_core import is_dropit, timing
+from dropit_core import current_settings, is_dropit, timing
 from dropit_core.memory import SavedReport, StepMemory
 from instruments.measure import max_batch, step_bench
 from instruments.measure.grad_fidelity import cosine, mean_fidelity, norm_ratio
@@ -341,7 +341,6 @@ def test_demo_mode_times_the_demo_against_itself_without_dropit(monkeypatch, cap
     """--demo: the demo's config with its DropIT section and with `dropit.enabled=false`, side
     by side, and DropIT again with eager packs instead of the C loops (switched before each of
     its steps); the rows say the config, whether the machine was quiet and the command."""
-    from dropit_core import native
     from instruments.commands import bench
     from instruments.measure import width_bench
 
@@ -351,7 +350,7 @@ def test_demo_mode_times_the_demo_against_itself_without_dropit(monkeypatch, cap
         calls.append((config, variants, repeats))
         for label, setup in setups.items():
             setup()
-            switched[label] = native.native_enabled()
+            switched[label] = current_settings().native
         return [
             {"model": label, "step_ratio": 1.0 + i / 10} for i, (label, _) in enumerate(variants)
         ]
@@ -367,7 +366,7 @@ def test_demo_mode_times_the_demo_against_itself_without_dropit(monkeypatch, cap
         ("baseline", ("dropit.enabled=false",)), ("dropit", ()), ("dropit_eager_packs", ())
     ]  # fmt: skip
     assert switched == {"baseline": True, "dropit": True, "dropit_eager_packs": False}
-    assert native.native_enabled()  # back as it was
+    assert current_settings().native  # back as it was
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["model"] for r in rows] == ["baseline", "dropit", "dropit_eager_packs"]
     assert all(r["quiet"] and r["config"] == config and "--demo" in r["command"] for r in rows)

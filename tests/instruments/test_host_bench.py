@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import dispatch, to_dropit
+from dropit_core import current_settings, to_dropit
 from dropit_core.kernels import quant as kq
 from dropit_core.kernels import relu as kr
 from instruments.measure import host_bench
@@ -26,13 +26,13 @@ def test_stubbed_launches_take_the_kernel_path_and_launch_nothing(monkeypatch) -
                       strategy="quant", bits=4, strict=False)  # fmt: skip
     x = torch.randn(1, 3, 9, 9, requires_grad=True)
     with host_bench.stubbed_launches():
-        assert dispatch.kernel_mode() == "triton"
+        assert current_settings().kernels == "triton"
         model(x).sum().backward()
     # each conv's pack and rebuild, the ReLU's forward and backward: every wrapper reached its
     # launch with its grid, and nothing ran
     assert len(grids) == 6 and all(isinstance(g, tuple) and g[0] >= 1 for g in grids)
     assert (kq._quant_codes_kernel, kr._relu_mask_kernel) == originals
-    assert dispatch.kernel_mode() == "auto"
+    assert current_settings().kernels == "auto"
 
 
 def test_stubbed_launches_put_everything_back_after_an_error() -> None:
@@ -42,7 +42,7 @@ def test_stubbed_launches_put_everything_back_after_an_error() -> None:
     with pytest.raises(RuntimeError, match="boom"), host_bench.stubbed_launches():
         raise RuntimeError("boom")
     assert [kq._quant_rebuild_kernel, kr._relu_mask_grad_kernel] == originals
-    assert dispatch.kernel_mode() == "auto"
+    assert current_settings().kernels == "auto"
 
 
 def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:

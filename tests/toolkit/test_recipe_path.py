@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from dropit_core import dispatch
+from dropit_core import configure, dispatch, reset_settings
 from tests.helpers import REPO
 
 SECTION = "## From COCO on 8 GPUs to a table of AP, memory and speed"
@@ -32,10 +32,10 @@ def test_the_documented_triton_check_names_the_path_the_packs_take(mode, printed
     code = triton_check()
     assert "pack_backend('cuda')" in code
     out = io.StringIO()
-    dispatch.set_kernels(mode)
+    configure(kernels=mode)
     try:
         with contextlib.redirect_stdout(out):
             exec(code.replace("pack_backend('cuda')", "pack_backend('cpu')"), {})
     finally:
-        dispatch.set_kernels(None)
+        reset_settings()
     assert out.getvalue() == f"DropIT packs on CUDA: {printed}\n"

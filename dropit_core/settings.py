@@ -1,0 +1,121 @@
+"""How DropIT runs, in one place: the switches, read from the environment once, settable in code.
+
+- ``kernels`` (``DROPIT_KERNELS``, default ``auto``): ``auto`` gives CUDA tensors the Triton
+  kernels (when triton imports) and CPU tensors the C loops; ``triton`` the kernels for every
+  tensor (on the CPU under ``TRITON_INTERPRET=1``: the tests); ``eager`` plain torch everywhere,
+  the C loops included.
+- ``native`` (``DROPIT_NATIVE``, default on): the C loops (``native.c``) for CPU packs under
+  ``auto``.
+- ``hooked`` (``DROPIT_HOOKED``, default on): an eager conv runs aten's op with a saved-tensor
+  hook rather than an autograd Function (less host time).
+- ``fuse`` (``DROPIT_FUSE``, default off): under ``torch.compile``, quant packs and ReLU masks as
+  plain torch ops that Inductor fuses.
+
+The environment is read when this module is imported and again by :func:`reset_settings`;
+:func:`configure` changes fields in code (it returns the settings it replaced) and
+:func:`override_settings` changes them for a ``with`` block. Every path asks :func:`current`,
+one call per layer, so a change takes effect at the next layer; ``fuse`` is read while tracing,
+so set it before the first compiled call. :mod:`dropit_core.dispatch` decides from these
+fields which implementation packs a tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+KERNELS = ("auto", "triton", "eager")
+ENVIRONMENT = {
+    "kernels": "DROPIT_KERNELS",
+    "native": "DROPIT_NATIVE",
+    "hooked": "DROPIT_HOOKED",
+    "fuse": "DROPIT_FUSE",
+}
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The switches; see the module's table."""
+
+    kernels: str = "auto"
+    native: bool = True
+    hooked: bool = True
+    fuse: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise ValueError(f"DropIT kernels={self.kernels!r} is invalid: allowed {KERNELS}")
+        for name in ("native", "hooked", "fuse"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DropIT {name}={getattr(self, name)!r} is invalid: a bool")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+        """The settings ``environ`` asks for (unset variables: the defaults)."""
+        fields: dict[str, object] = {}
+        for name, var in ENVIRONMENT.items():
+            raw = environ.get(var, "").strip().lower()
+            if not raw:
+                continue
+            if name == "kernels":
+                if raw not in KERNELS:
+                    raise ValueError(f"{var}={raw!r} is invalid: allowed {', '.join(KERNELS)}")
+                fields[name] = raw
+            elif raw in _ON or raw in _OFF:
+                fields[name] = raw in _ON
+            else:
+                raise ValueError(f"{var}={raw!r} is invalid: allowed {', '.join(_ON + _OFF)}")
+        return cls(**fields)
+
+    @property
+    def loops(self) -> bool:
+        """Whether CPU packs may take the C loops: on, and neither forced kernels nor eager."""
+        return self.native and self.kernels == "auto"
+
+
+_current = Settings.from_environment()
+
+
+def current() -> Settings:
+    """The settings in force."""
+    return _current
+
+
+def configure(**changes: object) -> Settings:
+    """Change the named fields (checked: one ValueError naming a bad one); returns the
+    settings they replace, which ``configure(**dataclasses.asdict(previous))`` puts back."""
+    global _current
+    unknown = set(changes) - set(ENVIRONMENT)
+    if unknown:
+        raise ValueError(
+            f"unknown DropIT setting(s) {sorted(unknown)}: allowed {list(ENVIRONMENT)}"
+        )
+    previous = _current
+    _current = dataclasses.replace(_current, **changes)
+    return previous
+
+
+def reset_settings() -> Settings:
+    """Read the environment anew, dropping what :func:`configure` set; returns the old ones."""
+    global _current
+    previous, _current = _current, Settings.from_environment()
+    return previous
+
+
+@contextlib.contextmanager
+def override_settings(**changes: object) -> Iterator[Settings]:
+    """The named fields changed inside a ``with`` block, put back after it."""
+    previous = configure(**changes)
+    try:
+        yield _current
+    finally:
+        _restore(previous)
+
+
+def _restore(previous: Settings) -> None:
+    global _current
+    _current = previous
