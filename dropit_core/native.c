@@ -9,13 +9,18 @@
 #include <stdint.h>
 #include <string.h>
 
-#define TABLE 4096 /* seeds.TABLE_BITS = 12 */
+/* The draw's constants are seeds.py's, defined by the build (native.py's SPEC). */
+#if !defined(MIX_MUL1) || !defined(MIX_MUL2) || !defined(TABLE_BITS) || !defined(UNIFORM_BITS)
+#error "build with native.py: it defines the constants of seeds.py"
+#endif
+#define TABLE (1 << TABLE_BITS)
+#define UNIFORM_SHIFT (32 - UNIFORM_BITS)
 
 static inline uint32_t mix32(uint32_t x) { /* seeds.mix32 */
     x ^= x >> 16;
-    x *= 0x21F0AAADu;
+    x *= MIX_MUL1;
     x ^= x >> 15;
-    x *= 0x735A2D97u;
+    x *= MIX_MUL2;
     x ^= x >> 15;
     return x;
 }
@@ -64,7 +69,7 @@ static void codes_of(const float *xs, const uint32_t *lows, uint32_t high, int64
                      float step, float levels, uint8_t *code) {
     for (int64_t j = 0; j < len; j++) {
         float y = (xs[j] - lo) / step;
-        y = y + (float)(int32_t)(lows[j] ^ high) * 0x1p-24f;
+        y = y + (float)(int32_t)(lows[j] ^ high) * (1.0f / (float)(1 << UNIFORM_BITS));
         y = y > levels ? levels : y;
         code[j] = (uint8_t)(int32_t)y;
     }
@@ -148,7 +153,7 @@ static void round_into(const float *xs, int64_t len, int64_t cast, float *out) {
 /* Quant's pack of n fp32 values: groups of `group` values (the last may be shorter), each as
  * its minimum, its step ((max - min) * inv_levels, at least the smallest normal) and `bits`-bit
  * codes floor(min((x - min) / step + u, levels)), u = 24-bit draw * 2^-24 of element i:
- * (mix32(i mod 4096 + k0) ^ mix32(i / 4096 + k1)) >> 8 (seeds.hash_bits), i = start + the
+ * (mix32(i mod TABLE + k0) ^ mix32(i / TABLE + k1)) >> UNIFORM_SHIFT (seeds.hash_bits), i = start + the
  * element's place in x (a range of a larger pack starts where its first group lies). Codes are
  * packed 8 / bits per byte, the first in the low bits; a group's codes start on a byte (the
  * caller checks group % (8 / bits) == 0) and the last byte is padded with zero codes. cast 1 or
@@ -158,7 +163,7 @@ void dropit_quant_pack(const float *x, int64_t n, int64_t start, int64_t group, 
                        uint32_t k0, uint32_t k1, float inv_levels, int64_t cast, uint8_t *codes,
                        float *mins, float *scales) {
     uint32_t low[TABLE];
-    for (uint32_t j = 0; j < TABLE; j++) low[j] = mix32(j + k0) >> 8;
+    for (uint32_t j = 0; j < TABLE; j++) low[j] = mix32(j + k0) >> UNIFORM_SHIFT;
     const float levels = (float)((1 << bits) - 1);
     const float tiny = 1.17549435082228750797e-38f; /* torch.finfo(float32).tiny */
     const int64_t per_byte = 8 / bits;
@@ -184,14 +189,14 @@ void dropit_quant_pack(const float *x, int64_t n, int64_t start, int64_t group, 
         mins[g] = lo;
         scales[g] = step;
         uint8_t *out = codes + first / per_byte;
-        /* a chunk at a time within one 4096-row of the draw table: one `high` per chunk, and
+        /* a chunk at a time within one TABLE-row of the draw table: one `high` per chunk, and
          * every chunk but a group's last starts and ends on a byte of codes */
         for (int64_t at = first; at < end;) {
             const int64_t index = start + at;
             const int64_t row_end = at + (TABLE - index % TABLE);
             const int64_t stop = end < row_end ? end : row_end;
             const int64_t len = stop - at;
-            const uint32_t high = mix32((uint32_t)(index / TABLE) + k1) >> 8;
+            const uint32_t high = mix32((uint32_t)(index / TABLE) + k1) >> UNIFORM_SHIFT;
             uint8_t *dst = bits == 8 ? out : code;
             const float *xs = x + at;
             if (cast != 0) {

@@ -34,13 +34,21 @@ from pathlib import Path
 
 import torch
 
-from . import settings
+from . import seeds, settings
 
 SOURCE = Path(__file__).with_name("native.c")
 # No -march=native: a cache directory shared by machines of different kinds (a cluster's home)
 # must not hand one an instruction another lacks. -ffp-contract=off: no fused multiply-add, so
 # every rounding is the eager path's.
 FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+# The draw's constants come from seeds.py, where the format states them once: the C source
+# names them and the build defines them (and they are part of the build's cache key).
+SPEC = (
+    f"-DMIX_MUL1={seeds.MIX_MUL1:#x}u",
+    f"-DMIX_MUL2={seeds.MIX_MUL2:#x}u",
+    f"-DTABLE_BITS={seeds.TABLE_BITS}",
+    f"-DUNIFORM_BITS={seeds.UNIFORM_BITS}",
+)
 
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -114,7 +122,7 @@ def _build() -> Path:
         raise FileNotFoundError(f"no C compiler {compiler!r} on PATH (set CC)")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
-        source + " ".join((compiler, *FLAGS, platform.machine(), platform.system())).encode()
+        source + " ".join((compiler, *FLAGS, *SPEC, platform.machine(), platform.system())).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"dropit_native_{key}.so"
     if target.exists():
@@ -125,7 +133,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+        cmd = [compiler, *FLAGS, *SPEC, str(SOURCE), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
@@ -196,7 +204,7 @@ def quant_pack(
     scales: torch.Tensor,
     cast: torch.dtype | None = None,
 ) -> None:
-    """Pack the flat fp32 ``flat`` into the final buffers (``packing.quant_buffers``) with draw
+    """Pack the flat fp32 ``flat`` into the final buffers (``quant_format.buffers``) with draw
     keys ``keys`` (``seeds.hash_keys(seed)``); element 0 is the pack's element 0. ``cast``
     (bf16 or fp16): each value read as its rounding to that dtype, the pack of
     ``flat.to(cast)`` bit for bit. ``group`` must hold whole bytes of codes. Large inputs: a

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
@@ -320,83 +319,6 @@ def compact_bits(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``values[unpack_bits(bits, n)]`` for a flat tensor of n values: the CPU's compaction when
     the mask is packed anyway (about 0.7x the time of a boolean index; :func:`kept_indices`)."""
     return values.index_select(0, kept_indices(bits))
-
-
-# Codes per byte -> the integer of that many bytes, and the shifts that gather its bytes' codes
-# into the low byte: a word of codes c_j (byte j) OR-ed with itself shifted right by
-# j * (8 - bits) has c_j at bit j * bits of its low byte (the other shifted copies land above it
-# or on zero bits, as every code is below 2**bits).
-_WORDS = {2: (torch.int16, (4,)), 4: (torch.int32, (6, 12, 18))}
-
-
-def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack a flat uint8 tensor of ``bits``-bit codes (2, 4 or 8; each below ``2**bits``) into
-    bytes, the first code in the low bits; a last partial byte is padded with zero codes.
-    ``out``: the bytes' buffer.
-
-    Over whole words (two or four codes each), not strided bytes: three to five passes of a
-    quarter or half the codes' count, where the strided byte passes were twice as slow."""
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return codes if out is None else out.copy_(codes)
-    pad = (-codes.numel()) % per_byte
-    if pad:
-        codes = torch.nn.functional.pad(codes, (0, pad))
-    codes = codes.contiguous()
-    if codes.data_ptr() % per_byte:  # reading bytes as wider words needs their alignment
-        codes = codes.clone()
-    word_dtype, shifts = _WORDS[per_byte]
-    words = codes.view(word_dtype)
-    gathered = words >> shifts[0]
-    gathered |= words
-    for shift in shifts[1:]:
-        gathered |= words >> shift
-    # Integer narrowing keeps the low byte (modulo 2**8): the gathered codes.
-    return gathered.to(torch.uint8) if out is None else out.copy_(gathered)
-
-
-def code_bytes(elements: int, bits: int) -> int:
-    """Bytes that :func:`pack_codes` makes of ``elements`` codes of ``bits`` bits."""
-    return (elements * bits + 7) // 8
-
-
-@cache  # per pack on the kernels' path: a torch.tensor per call otherwise
-def inv_levels(bits: int) -> float:
-    """1 / (2**bits - 1) rounded to fp32: quant's step is ``(max - min) * inv_levels(bits)`` on
-    every path (a multiply by the rounded reciprocal, the same on every device)."""
-    return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
-
-
-def quant_buffers(
-    n: int, bits: int, group: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The final (codes, mins, scales) buffers of a quant pack of n values: every path writes
-    its pack into these, once (no concatenation, no second copy)."""
-    groups = -(-n // group)
-    return (
-        torch.empty(code_bytes(n, bits), dtype=torch.uint8, device=device),
-        torch.empty(groups, dtype=torch.float32, device=device),
-        torch.empty(groups, dtype=torch.float32, device=device),
-    )
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: the first ``n`` codes as a flat uint8 tensor.
-
-    Each byte widened to a word and OR-ed with itself shifted left by j * (8 - bits): byte j of
-    the word then holds code j in its low bits, which one mask keeps (the inverse of the pack's
-    gather; a few passes over words, where a broadcast shift per code was slower)."""
-    if bits == 8:
-        return packed[:n]
-    per_byte = 8 // bits
-    word_dtype, shifts = _WORDS[per_byte]
-    byte = packed.to(word_dtype)
-    words = byte << shifts[0]
-    words |= byte
-    for shift in shifts[1:]:
-        words |= byte << shift
-    words &= int.from_bytes(bytes([(1 << bits) - 1] * per_byte), "little")
-    return words.view(torch.uint8)[:n]
 
 
 _INT_LEVELS = {"int8": 127, "int4": 7}

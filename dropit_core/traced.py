@@ -44,7 +44,8 @@ from torch import Tensor
 from . import settings
 from .base import Packed, QuantMeta
 from .ops import ConvArgs, InputCache, cache_by_number
-from .packing import code_bytes, pack_blocked, zero_flagged_sliced
+from .packing import pack_blocked, zero_flagged_sliced
+from .quant_format import code_bytes
 from .seeds import MASK32, TABLE_BITS, UNIFORM_BITS, mix32
 
 
@@ -175,7 +176,7 @@ def quant_fields(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(codes, minima, steps) of ``rows`` (one group each, whole bytes of codes) as new tensors,
     in plain torch ops that Inductor fuses with whatever produced ``rows``: quant's format
-    (``Quant._quantize`` and :func:`dropit_core.seeds.hash_bits`, op for op, so the bytes are
+    (``quant_format.quantize`` and :func:`dropit_core.seeds.hash_bits`, op for op, so the bytes are
     the eager pack's). ``params``: the hash keys k0 and k1 (int64), a tensor so that new values
     do not recompile."""
     levels, per_byte = (1 << bits) - 1, 8 // bits

@@ -26,22 +26,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import base, dispatch, native
+from . import dispatch, native, quant_format
 from .base import SEED, Packed, QuantMeta, Strategy
 from .elementwise import POSITIONS_OPTION, SAMPLE_OPTION, Elementwise, expected_capacity
 from .keep_rule import IMPORTANCE, KeepRule
-from .packing import (
-    ValueCodec,
-    code_bytes,
-    inv_levels,
-    pack_bits,
-    pack_codes,
-    quant_buffers,
-    unpack_bits,
-    unpack_codes,
-)
+from .packing import ValueCodec, pack_bits, unpack_bits
+from .quant_format import inv_levels
 from .registry import Option
-from .seeds import UNIFORM_BITS, hash_bits, hash_keys, hash_uniform, mix_part, mix_seed, mix_state
+from .seeds import hash_keys, hash_uniform, mix_part, mix_seed, mix_state
 from .select import sample_size, sample_stride, tiny
 
 
@@ -175,7 +167,7 @@ class Quant(Strategy):
         self._levels = (1 << bits) - 1
         self._inv_levels = inv_levels(bits)
         self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
-        self._kernels_take = quant_kernels_take(bits, group)  # asked per pack: answered once
+        self._kernels_take = quant_format.kernels_take(bits, group)  # asked per pack: answered once
 
     def draw_keys(self, key: int) -> tuple[int, int]:
         """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
@@ -188,7 +180,7 @@ class Quant(Strategy):
 
     def slice_len(self) -> int:
         """Elements per slice: whole groups and whole code bytes."""
-        return self.group * 8 * max(1, base.SLICE // (self.group * 8))
+        return quant_format.slice_len(self.group)
 
     def pack(
         self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None
@@ -224,99 +216,23 @@ class Quant(Strategy):
         self, flat: torch.Tensor, seed: int, cast: torch.dtype | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, mins, scales), written into the final buffers: by the C loops where they run
-        (the CPU, fp32 read as itself or through a bf16/fp16 cast), else eagerly, slice by
-        slice."""
-        n, group = flat.numel(), self.group
-        codes, mins, scales = quant_buffers(n, self.bits, group, flat.device)
-        if self._whole_bytes() and native.takes(flat):
-            keys = hash_keys(seed)
-            native.quant_pack(
-                flat, self.bits, group, keys, self._inv_levels, codes, mins, scales, cast
-            )
-            return codes, mins, scales
-        step = self.slice_len()
-        for start in range(0, n, step):
-            self._pack_slice(flat[start : start + step], start, seed, (codes, mins, scales), cast)
-        return codes, mins, scales
-
-    def _pack_slice(
-        self,
-        piece: torch.Tensor,
-        start: int,
-        seed: int,
-        buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        cast: torch.dtype | None,
-    ) -> None:
-        """Pack the values of one slice from element ``start`` (whole groups, a last partial
-        group at the end only) into their places in the final ``buffers``."""
-        codes, mins, scales = buffers
-        length, group = piece.numel(), self.group
-        whole = length // group * group
-        g0 = start // group
-        first, last = start * self.bits // 8, code_bytes(start + length, self.bits)
-        # 8-bit codes are their bytes: written in place. Narrower: a byte per code, then packed.
-        code = codes[first:last] if self.bits == 8 else piece.new_empty(length, dtype=torch.uint8)
-        noise = hash_bits(seed, start, length, piece.device)
-        # The whole groups as rows, then a last partial group (its range is its own).
-        for lo_el, hi_el in ((0, whole), (whole, length)):
-            if hi_el > lo_el:
-                rows = piece[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
-                r0 = g0 + lo_el // group
-                r1 = r0 + rows.shape[0]
-                at = slice(lo_el, hi_el)
-                self._quantize(rows, noise[at], code[at], mins[r0:r1], scales[r0:r1], cast)
-        if self.bits != 8:
-            pack_codes(code, self.bits, codes[first:last])
-
-    def _whole_bytes(self) -> bool:
-        """Whether each group's codes fill whole bytes (what the C loops and kernels take)."""
-        return self.group % (8 // self.bits) == 0
-
-    def _quantize(
-        self,
-        rows: torch.Tensor,
-        noise: torch.Tensor,
-        code: torch.Tensor,
-        mins: torch.Tensor,
-        scales: torch.Tensor,
-        cast: torch.dtype | None = None,
-    ) -> None:
-        """Codes of ``rows`` (one group each) into ``code``, their minimum and step into ``mins``
-        and ``scales``: the same fp32 operations, in the same order, as the Triton kernel.
-        ``cast``: the values are read as that dtype's (rounded to it first)."""
-        g = (rows if cast is None else rows.to(cast)).float()
-        # Two reductions, not aminmax: over rows of a group, torch's CPU aminmax was 9x slower.
-        torch.amin(g, 1, out=mins)
-        torch.amax(g, 1, out=scales)
-        # Times the fp32 1/levels, not divided by levels: CUDA's torch turns a division by a
-        # scalar into that product anyway, and the kernels compute it alike everywhere.
-        scales.sub_(mins).mul_(self._inv_levels).clamp_min_(tiny(torch.float32))
-        y = torch.sub(g, mins[:, None]).div_(scales[:, None])  # in [0, levels]: the exact code
-        # floor(y + u), u = noise * 2**-24 (exact): y rounded up with probability equal to its
-        # remainder. y + u >= 0, so the uint8 cast's truncation is the floor; clamping first
-        # gives what the kernel's floor-then-clamp gives.
-        y.add_(noise.view_as(y), alpha=2.0**-UNIFORM_BITS).clamp_max_(self._levels)
-        # Via int16 (the same truncation, every code fits): torch's CPU float -> uint8 cast is
-        # several times slower than float -> int16 and int16 -> uint8 together.
-        code.copy_(y.view(-1).to(torch.int16))
+        (the CPU, fp32 read as itself or through a bf16/fp16 cast), else by the reference."""
+        n, group, bits = flat.numel(), self.group, self.bits
+        out = quant_format.buffers(n, bits, group, flat.device)
+        if quant_format.whole_bytes(bits, group) and native.takes(flat):
+            native.quant_pack(flat, bits, group, hash_keys(seed), self._inv_levels, *out, cast)
+        else:
+            quant_format.pack_eager(flat, seed, bits, group, cast, out)
+        return out
 
     def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
         # Every group is coded alone: a range of whole groups starting on a whole code byte is
         # a pack of its own, rebuilt by the same kernels.
         if packed.norm is not None or start % self.group or start * self.bits % 8:
             return None
-        values, mins, scales = self._fields(packed, start, stop)
+        values, mins, scales = quant_format.fields(packed, start, stop, self.bits, self.group)
         meta = QuantMeta((stop - start,), packed.meta.dtype)
         return self._unpack(Packed(meta, values=values, scales=scales, mins=mins))
-
-    def _fields(
-        self, packed: Packed, start: int, stop: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of the codes, minimums and steps of elements ``[start, stop)`` of ``packed``
-        (``start`` on a whole group and code byte)."""
-        first, last = start // self.group, -(-stop // self.group)
-        values = packed.values[start * self.bits // 8 : code_bytes(stop, self.bits)]
-        return values, packed.mins[first:last], packed.scales[first:last]
 
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype = packed.meta
@@ -327,7 +243,7 @@ class Quant(Strategy):
                 shape=shape,
             )  # fmt: skip
         step, group = self.slice_len(), self.group
-        loops = self._whole_bytes() and native.ready(packed.values.device)
+        loops = quant_format.whole_bytes(self.bits, group) and native.ready(packed.values.device)
         if loops and dtype == torch.float32:
             values = native.quant_rebuild(
                 packed.values, packed.mins, packed.scales, n, self.bits, group
@@ -341,40 +257,14 @@ class Quant(Strategy):
                 # eager path's, a slice at a time (a whole map in fp32 beside its cast was the
                 # largest tensor of a bf16 backward on the CPU: tools/gpu_probe.py --what
                 # live-step).
-                values, mins, scales = self._fields(packed, start, stop)
+                values, mins, scales = quant_format.fields(packed, start, stop, self.bits, group)
                 dense[start:stop].copy_(
                     native.quant_rebuild(values, mins, scales, stop - start, self.bits, group)
                 )
             else:
                 # Eager: a few passes, faster than a compiled loop here (its codes unpack slowly).
-                length = stop - start
-                self._rebuild_eager(packed, start, length, length // group * group, dense)
+                quant_format.rebuild_eager(packed, start, stop - start, self.bits, group, dense)
         return dense.view(shape)
-
-    def _rebuild_eager(
-        self, packed: Packed, start: int, length: int, whole: int, dense: torch.Tensor
-    ) -> None:
-        """Rebuild ``length`` values from element ``start`` (on a whole byte) into ``dense``;
-        the first ``whole`` of them are whole groups."""
-        group = self.group
-        code = unpack_codes(
-            packed.values[start * self.bits // 8 : code_bytes(start + length, self.bits)],
-            self.bits,
-            length,
-        )
-        # fp32 output: rebuilt in place in its final buffer; narrower: via an fp32 slice.
-        out = dense[start : start + length]
-        values = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
-        values.copy_(code)
-        g0 = start // group
-        for lo_el, hi_el in ((0, whole), (whole, length)):
-            if hi_el > lo_el:
-                rows = values[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
-                r0 = g0 + lo_el // group
-                r1 = r0 + rows.shape[0]
-                rows.mul_(packed.scales[r0:r1, None]).add_(packed.mins[r0:r1, None])
-        if values is not out:
-            out.copy_(values)
 
     def pack_signed(self, x: torch.Tensor, key: int) -> tuple[Packed, torch.Tensor, torch.Tensor]:
         """(:meth:`pack`'s pack of ``x``, bit for bit; the flags of its zeros; the flags of its
@@ -415,12 +305,3 @@ class Quant(Strategy):
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"bits={self.bits}", f"group={self.group}")
-
-
-def quant_kernels_take(bits: int, group: int) -> bool:
-    """Whether the Triton kernels pack this setting: each group's codes whole bytes, and a group
-    small enough for one program's registers; other settings run eager (same format)."""
-    return group % (8 // bits) == 0 and group <= MAX_KERNEL_GROUP
-
-
-MAX_KERNEL_GROUP = 8192

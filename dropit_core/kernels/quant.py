@@ -2,7 +2,7 @@
 
 Each program owns whole groups (``ROWS`` of them, a [ROWS, group] tile), so its group minima and
 steps never leave registers, and each group's codes fill whole bytes (``group`` a multiple of
-``8 // bits``: :func:`dropit_core.unbiased.quant_kernels_take`), so no two programs share a byte.
+``8 // bits``: :func:`dropit_core.quant_format.kernels_take`), so no two programs share a byte.
 The fp32 operations are the eager path's, in its order, with no fused multiply-add
 (``enable_fp_fusion=False``): the codes, minima and steps are bit-identical to it.
 """
@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..packing import inv_levels, quant_buffers
+from ..quant_format import buffers as quant_buffers
+from ..quant_format import inv_levels
 from ..seeds import UNIFORM_BITS, hash_keys
 from .launch import tile
 from .noise import uniform

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropit_core import compress_saved, configure, dispatch, hooked, to_dropit
 from dropit_core.base import Packed
-from dropit_core.packing import quant_buffers
+from dropit_core.quant_format import buffers as quant_buffers
 from dropit_core.timing import timed_rounds
 from instruments.measure.rows import rows_with
 from rcnn_dropit.errors import UsageError

@@ -28,8 +28,8 @@ from dropit_core import (
     to_dropit,
 )
 from dropit_core.ops import MaskedReLUFunction
-from dropit_core.packing import unpack_codes
-from dropit_core.unbiased import quant_kernels_take
+from dropit_core.quant_format import kernels_take as quant_kernels_take
+from dropit_core.quant_format import unpack_codes
 from tests.core.kernel_env import DEVICE, FLOATS, INTERPRETED, NEEDS_KERNELS, same_bits
 from tests.core.test_dropit_unbiased import _activation, _error_in_noise_units
 

@@ -15,12 +15,11 @@ from dropit_core.packing import (
     compact_into,
     kept_indices,
     pack_bits,
-    pack_codes,
     scatter_kept,
     unpack_bits,
-    unpack_codes,
     zero_flagged,
 )
+from dropit_core.quant_format import pack_codes, unpack_codes
 
 
 def _reference_pack(mask: torch.Tensor) -> torch.Tensor:
