@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dropit_core import PAPER_EXCLUDE, REGISTRY, Rule, check_rules
+from rcnn_dropit.memory_methods import DEFAULT_CANDIDATES, candidates_error, parse_budget
 
 # train.compile's companions: the torch.compile backends and Inductor modes the toolkit offers.
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -81,6 +82,13 @@ class ModelConfig:
     # activation checkpointing, e.g. [backbone.body.layer2, backbone.body.layer3,
     # backbone.body.layer4]); DropIT leaves the layers inside them plain.
     activation_checkpointing: list[str] = _f(factory=list)
+    # Fixed padded batch sizes [[height, width], ...], multiples of 32: each batch is padded to
+    # the smallest that holds torchvision's own padded size (the heads still see each image's
+    # size), so the backbone meets few input shapes (a CUDA graph or compiled graph each); a
+    # batch none holds is padded as torchvision pads it and counted (unbucketed_batches in
+    # metrics.jsonl). Empty: off. The COCO recipe's two orientations at its max size (800 x
+    # 1333 rounded to 32): [[800, 1344], [1344, 800]].
+    size_buckets: list[list[int]] = _f(factory=list)
 
 
 @dataclass
@@ -190,8 +198,24 @@ class TrainConfig:
     compile_backend: str = _f("inductor", choices=COMPILE_BACKENDS)
     # Inductor's mode: reduce-overhead replays CUDA graphs (no per-kernel launch from Python)
     compile_mode: str = _f("default", choices=COMPILE_MODES)
+    # torch.use_deterministic_algorithms, cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG) and
+    # cuDNN without autotuning, for two GPU runs of one seed to log the same losses; an op
+    # without a deterministic implementation stops the run naming it. CPU runs are bit-exact
+    # without it.
+    deterministic: bool = False
     measure_memory: bool = True
     tensorboard: bool = False  # scalars next to metrics.jsonl; needs the 'tensorboard' extra
+    # Train with the fastest memory method that fits this budget per process, measured on this
+    # process's device with the run's model, batch and largest image before training
+    # (rcnn_dropit/engine/budget.py): a size ("22GB", "22000MB"; binary units) or a fraction of
+    # the device's memory (0.9). A size or a number, hence untyped here: cross_check reads it.
+    # None: train the config's own method.
+    memory_budget: Any = None
+    # The methods measured for it (rcnn_dropit.memory_methods.METHODS), by name
+    memory_candidates: list[str] = _f(factory=lambda: list(DEFAULT_CANDIDATES))
+    # A method fits when its measured peak times (1 + margin) is within the budget: what the
+    # allocator's fragmentation and the CUDA context take beyond the tensors' own bytes
+    memory_margin: float = _f(0.1, ge=0.0, lt=1.0)
 
 
 @dataclass
@@ -239,6 +263,13 @@ def cross_check(cfg: Config) -> list[str]:
         )
     if m.max_size < m.min_size:
         errors.append(f"model.max_size ({m.max_size}) must be >= model.min_size ({m.min_size})")
+    bad_buckets = [b for b in m.size_buckets if len(b) != 2 or min(b) < 1 or any(x % 32 for x in b)]
+    if bad_buckets:
+        errors.append(
+            f"model.size_buckets {m.size_buckets}: each bucket must be [height, width], two "
+            f"positive multiples of 32 (torchvision pads batches to multiples of 32), e.g. "
+            f"[[800, 1344], [1344, 800]]; {bad_buckets[0]} is not"
+        )
     shapes = cfg.data.shapes
     if cfg.data.dataset == "shapes" and shapes.first_class + shapes.num_classes > 6:
         errors.append(
@@ -251,6 +282,7 @@ def cross_check(cfg: Config) -> list[str]:
             f"({shapes.num_classes + 1}: the shape classes plus background)"
         )
     errors += _dropit_option_errors(cfg.dropit)
+    errors += memory_budget_errors(cfg.train)
     mode_error = compile_mode_error(cfg.train.compile_backend, cfg.train.compile_mode)
     if mode_error:
         errors.append(mode_error)
@@ -258,6 +290,20 @@ def cross_check(cfg: Config) -> list[str]:
     if any(b <= a for a, b in zip(steps[:-1], steps[1:], strict=True)) or any(x < 1 for x in steps):
         errors.append(f"solver.lr_steps {steps}: must be positive and strictly increasing")
     return errors
+
+
+def memory_budget_errors(t: TrainConfig) -> list[str]:
+    """What is wrong with ``train.memory_budget`` and ``train.memory_candidates`` (the
+    candidates are checked even without a budget: a typo would wait there for the day one is
+    set)."""
+    errors = []
+    if t.memory_budget is not None:
+        try:
+            parse_budget(t.memory_budget)
+        except ValueError as err:
+            errors.append(str(err))
+    problem = candidates_error(list(t.memory_candidates))
+    return [*errors, problem] if problem else errors
 
 
 def compile_mode_error(backend: str, mode: str) -> str | None:

@@ -1,9 +1,9 @@
 """A run directory: its paths and every file a run writes (atomically, rcnn_dropit.atomic).
 
 `outputs/<run>/`: config.yaml, metrics.jsonl, checkpoints/, eval.json, memory.json,
-coco_results_{bbox,segm}.json, log.txt (log.rank<N>.txt for other ranks' warnings and errors),
-TensorBoard event files with train.tensorboard; during a run started with --overwrite, the run it
-replaces, in .replaced/.
+budget.json (with train.memory_budget), coco_results_{bbox,segm}.json, log.txt (log.rank<N>.txt
+for other ranks' warnings and errors), TensorBoard event files with train.tensorboard; during a
+run started with --overwrite, the run it replaces, in .replaced/.
 Its writing methods are called on every rank: rank 0 writes, and an error it meets there is
 raised on every rank (distributed.run_on_main).
 """
@@ -36,8 +36,10 @@ RUN_ARTIFACTS = (
     "coco_results_segm.json",
     "eval.json",
     "memory.json",
+    "budget.json",
     "log.txt",
 )
+BUDGET_FILE = "budget.json"  # the method train.memory_budget chose, and what it measured
 _OTHER_ARTIFACTS = ("log.rank*.txt", "events.out.tfevents.*")  # other ranks' logs, TensorBoard
 _ELSEWHERE = "; choose another with --output-dir"
 REPLACED = ".replaced"  # the run --overwrite replaces, until the new one can stand alone

@@ -31,7 +31,9 @@ from rcnn_dropit.distributed import (
     run_on_main,
 )
 from rcnn_dropit.engine.amp import make_scaler
+from rcnn_dropit.engine.budget import settle_method, write_choice
 from rcnn_dropit.engine.compiling import compile_model
+from rcnn_dropit.engine.determinism import deterministic_algorithms, set_cublas_workspace
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
 from rcnn_dropit.engine.memory_report import dropit_summary, measure_memory
 from rcnn_dropit.engine.optim import (
@@ -43,6 +45,7 @@ from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer
 from rcnn_dropit.errors import UsageError, one_line, require_path
 from rcnn_dropit.evaluation import format_metrics_table
 from rcnn_dropit.models import build_model
+from rcnn_dropit.models.buckets import size_buckets
 from rcnn_dropit.models.build import trainable_batch_norm
 from rcnn_dropit.models.weights import check_model_compat
 from rcnn_dropit.provenance import describe_code
@@ -149,12 +152,15 @@ def train(
 ) -> TrainResult:
     """Train per config (single process or under torchrun), evaluate, write the run directory."""
     cfg = load_config(config, overrides)
+    if cfg.train.deterministic:  # before CUDA starts: cuBLAS sizes its workspace from it once
+        set_cublas_workspace()
     info = init_distributed(cfg.train.device)
     run_dir = RunDir(resolve_output_dir(cfg, output_dir))
     created = not run_dir.root.exists()
     run_dir.start_logging()
     try:
-        result = _train(cfg, info, run_dir, resume, overwrite)
+        with deterministic_algorithms(cfg.train.deterministic):
+            result = _train(cfg, info, run_dir, resume, overwrite)
     except Exception as err:
         log_error(err)
         usage = isinstance(err, UsageError)
@@ -208,12 +214,16 @@ def _train(
             resume = None
     run_on_main(lambda: run_dir.check(resume, overwrite, clear=False))
     run_on_main(lambda: ensure_dataset(cfg))
-    parts = build(cfg, info, scaler, run_dir)
+    # train.memory_budget: the method measured now, or the one a resumed run chose at its start
+    settled = settle_method(cfg, info, run_dir, resuming=ckpt_path is not None)
+    cfg = settled.cfg
+    parts = build(cfg, info, scaler, run_dir, settled.train_loader)
     start = parts.checkpointer.load(ckpt_path) if ckpt_path is not None else None
     if start is not None:
         say(f"resumed from '{ckpt_path}' at iteration {start.iteration}")
     run_on_main(lambda: run_dir.check(resume, overwrite))  # --overwrite clears only now
     run_dir.create(config_yaml(cfg))
+    write_choice(run_dir, settled.choice)
     return run(cfg, info, parts, run_dir, start, resumed=resume is not None)
 
 
@@ -228,12 +238,14 @@ def _fresh_start_allowed(run_dir: RunDir, overwrite: bool) -> None:
         )
 
 
-def build(cfg: Config, info: DistInfo, scaler, run_dir: RunDir) -> Parts:
-    """Model, loaders, optimizer, scheduler, schedule and checkpointer of a run."""
+def build(cfg: Config, info: DistInfo, scaler, run_dir: RunDir, train_loader=None) -> Parts:
+    """Model, loaders, optimizer, scheduler, schedule and checkpointer of a run (the training
+    loader as given, when one was built already: it draws nothing from the random streams)."""
     seed_all(cfg.train.seed)  # same initial weights on every rank
     model, net = prepare_model(cfg, info)
     seed_all(cfg.train.seed + info.rank)  # different augmentation/sampling noise per rank
-    train_loader = build_train_loader(cfg, info.distributed, cfg.train.seed, info.device)
+    if train_loader is None:
+        train_loader = build_train_loader(cfg, info.distributed, cfg.train.seed, info.device)
     val_loader = build_val_loader(cfg, info.distributed, info.device)
     say_dropped(train_loader.dataset, "train")
     say_dropped(val_loader.dataset, "val")
@@ -313,6 +325,7 @@ def run(
         evaluate=evaluate_and_write,
         on_eval=on_eval,
         progress=info.is_main,
+        buckets=size_buckets(parts.net),
     )
     if start is not None:
         trainer.load_loop_state(start.loop)

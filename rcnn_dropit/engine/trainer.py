@@ -20,6 +20,8 @@ from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import get_rank, get_world_size, reduce_dict
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
+from rcnn_dropit.engine.determinism import deterministic_refusal
+from rcnn_dropit.models.buckets import BucketedTransform
 from rcnn_dropit.rng import restore_rng_state, rng_preserved
 
 log = logging.getLogger(__name__)
@@ -218,6 +220,7 @@ class Trainer:
         evaluate: Callable[[], dict] | None = None,
         on_eval: Callable[[int, dict], None] | None = None,
         progress: bool = True,
+        buckets: BucketedTransform | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -239,6 +242,11 @@ class Trainer:
         self.last_eval: dict | None = None
         self.last_lr = optimizer.param_groups[0]["lr"]
         self.last_eval_iter: int | None = None
+        # model.size_buckets: the transform that counts this rank's batches no bucket held,
+        # and all ranks' count up to the last record or checkpoint
+        self.buckets = buckets
+        self.unbucketed_batches = 0
+        self._unbucketed_seen = 0
 
     # ---- one step -------------------------------------------------------------------------
     def step(self, images: list[torch.Tensor], targets: list[dict], iteration: int) -> dict:
@@ -359,18 +367,45 @@ class Trainer:
             "peak_mem_mb": memory.peak_mb(self.device, reset=True),
             "skipped_steps": self.skipped_steps,
         }
+        if self.buckets is not None:
+            record["unbucketed_batches"] = self._count_unbucketed()
         self.writer.write(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}", refresh=False)
         self.window = LogWindow()
 
+    def _count_unbucketed(self) -> int:
+        """All ranks' batches that no size bucket held so far (a collective when distributed:
+        every rank calls it, at each record and checkpoint)."""
+        if self.buckets is None:
+            return 0
+        mine = self.buckets.unbucketed - self._unbucketed_seen
+        self._unbucketed_seen = self.buckets.unbucketed
+        count = torch.tensor(float(mine), device=self.device)
+        new = int(reduce_dict({"unbucketed": count}, average=False)["unbucketed"].item())
+        if new:
+            last = self.buckets.last_unbucketed
+            size = f" (this rank's last: {last[0]}x{last[1]})" if last else ""
+            log.warning(
+                f"warning: {new} more batch(es) fit no bucket of model.size_buckets "
+                f"{[list(b) for b in self.buckets.buckets]}{size}: padded as torchvision pads "
+                "them (unbucketed_batches in metrics.jsonl)"
+            )
+        self.unbucketed_batches += new
+        return self.unbucketed_batches
+
     def loop_state(self) -> dict:
         """The loop's own bookkeeping, for checkpoints: resumed logs then match exactly."""
-        return {"log_window": self.window.state_dict(), "skipped_steps": self.skipped_steps}
+        loop = {"log_window": self.window.state_dict(), "skipped_steps": self.skipped_steps}
+        if self.buckets is not None:
+            loop["unbucketed_batches"] = self._count_unbucketed()
+        return loop
 
     def load_loop_state(self, loop: dict) -> None:
         """Restore what loop_state() returned."""
         self.window = LogWindow.from_state(loop.get("log_window"))
         self.skipped_steps = int(loop.get("skipped_steps", 0))
+        self.unbucketed_batches = int(loop.get("unbucketed_batches", 0))
+        self._unbucketed_seen = self.buckets.unbucketed if self.buckets is not None else 0
 
     def save(self, iteration: int) -> None:
         """Checkpoint through the checkpointer (a collective: every rank calls it)."""
@@ -449,6 +484,11 @@ class Trainer:
                     self.run_eval(iteration)
                     self.model.train()
                 t_prev = time.perf_counter()
+        except RuntimeError as err:  # the one place a train.deterministic refusal becomes a line
+            refusal = deterministic_refusal(err)
+            if refusal is None:
+                raise
+            raise refusal from err
         finally:
             bar.close()
         return self.last_eval

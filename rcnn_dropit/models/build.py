@@ -24,6 +24,7 @@ from rcnn_dropit.config import Config
 from rcnn_dropit.config_schema import PAPER_EXCLUDE, ModelConfig
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models.backbone import HEAD_NORMS, build_backbone
+from rcnn_dropit.models.buckets import use_size_buckets
 from rcnn_dropit.models.heads import MLPHead
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
 
@@ -75,6 +76,8 @@ def build_model(cfg: Config, sync_bn: bool = False) -> tuple[nn.Module, DropITRe
     )
     if m.forward == "lean":  # the backbone's FPN is made lean (or not) by model.fpn
         lean_forward(model, fpn=False)
+    if m.size_buckets:
+        use_size_buckets(model, m.size_buckets)
     if m.weights is not None:
         state = load_state_dict_file(m.weights, "model.weights")
         load_strict(model, state, "model.weights", m.weights)

@@ -154,6 +154,18 @@ def build_report(
         tables.description_table(rows, base_row, group_seeds),
         "",
     ]
+    chosen = tables.budget_lines(rows)
+    if chosen:
+        lines += [
+            "## Memory methods chosen by a budget",
+            "",
+            "Runs that set `train.memory_budget` trained with the method the trainer measured as "
+            "the fastest that fits (budget.json); a candidate's peak is the largest over the "
+            "processes, weights, gradients and optimizer state included:",
+            "",
+            *chosen,
+            "",
+        ]
     lines += _figures_section(rows, base_row, out_path)
     lines += _problems_section(rows, skipped)
     markdown = "\n".join(lines).rstrip("\n") + "\n"

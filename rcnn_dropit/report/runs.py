@@ -1,4 +1,5 @@
-"""Read one run directory (config.yaml, eval.json, metrics.jsonl, memory.json) into a Run."""
+"""Read one run directory (config.yaml, eval.json, metrics.jsonl, memory.json, budget.json) into
+a Run."""
 
 from __future__ import annotations
 
@@ -20,6 +21,19 @@ class RunNotUsable(Exception):
 
 
 @dataclass(frozen=True)
+class MemoryChoice:
+    """A run's budget.json: the method train.memory_budget chose before training, and why."""
+
+    method: str
+    reason: str
+    budget_mb: float | None
+    margin: float | None
+    device: str
+    # (method, peak MB or None, why none, whether it fitted) of every candidate measured
+    candidates: tuple[tuple[str, float | None, str, bool], ...]
+
+
+@dataclass(frozen=True)
 class Run:
     """What the report needs from one finished run."""
 
@@ -38,6 +52,9 @@ class Run:
     evals: tuple[tuple[int, dict[str, float]], ...] = ()
     # memory.json's measured step: its peak above what was held when it began (the benches' peak)
     step_peak_mb: float | None = None
+    # budget.json: the memory method train.memory_budget chose before training, why, and what
+    # each candidate measured (None: the run trained the method its config named)
+    memory_choice: MemoryChoice | None = None
 
     def cfg(self, dotted: str, default: Any = None) -> Any:
         """Value at a dotted config path such as 'dropit.gamma', or default."""
@@ -189,6 +206,15 @@ def load_run(path: str | Path) -> Run:
     # The median ignores warm-up and evaluation stalls; memory.json's one-step figure is a fallback.
     ips = statistics.median(speeds) if speeds else _number(memory.get("images_per_sec"))
 
+    choice = None
+    if (path / "budget.json").is_file():
+        try:
+            loaded = _read_json(path / "budget.json")
+        except RunNotUsable as err:
+            notes.append(str(err))
+        else:
+            choice = _memory_choice(loaded)
+
     iterations = eval_data.get("iter")
     if not isinstance(iterations, int) or isinstance(iterations, bool):
         iterations = max((it for it, _ in losses), default=None)
@@ -207,6 +233,7 @@ def load_run(path: str | Path) -> Run:
         notes=tuple(notes),
         evals=evals,
         step_peak_mb=_number(memory.get("step_peak_mb")),
+        memory_choice=choice,
     )
 
 
@@ -219,3 +246,27 @@ def _ap_values(record: dict[str, Any]) -> dict[str, float]:
         if value is not None and value >= 0:
             found[family] = value
     return found
+
+
+def _memory_choice(data: Any) -> MemoryChoice | None:
+    """budget.json read leniently (None when it names no method)."""
+    if not isinstance(data, dict) or not isinstance(data.get("method"), str):
+        return None
+    candidates = tuple(
+        (
+            str(m.get("method")),
+            _number(m.get("peak_mb")),
+            str(m.get("note") or ""),
+            bool(m.get("fits")),
+        )
+        for m in data.get("methods") or []
+        if isinstance(m, dict)
+    )
+    return MemoryChoice(
+        data["method"],
+        str(data.get("reason") or ""),
+        _number(data.get("budget_mb")),
+        _number(data.get("margin")),
+        str(data.get("device") or "-"),
+        candidates,
+    )

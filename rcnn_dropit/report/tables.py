@@ -144,3 +144,32 @@ def description_table(rows: Sequence[Row], baseline: Row | None, grouped: bool) 
         ]
         body.append(cells)
     return markdown_table(header, body, numeric_from=len(header))
+
+
+def _mb_or_gb(mb: float) -> str:
+    return f"{mb / 1024:.2f} GB" if mb >= 1024 else f"{mb:.1f} MB"
+
+
+def budget_lines(rows: Sequence[Row]) -> list[str]:
+    """One line per run whose memory method ``train.memory_budget`` chose (its budget.json):
+    the method, why, the budget, and each candidate's peak."""
+    lines = []
+    for row in rows:
+        for run in row.runs:
+            choice = run.memory_choice
+            if choice is None:
+                continue
+            budget = DASH if choice.budget_mb is None else _mb_or_gb(choice.budget_mb)
+            if choice.margin is not None:
+                budget += f" (a {choice.margin:.0%} margin)"
+            peaks = ", ".join(
+                f"{method} "
+                + (_mb_or_gb(peak) if peak is not None else note or DASH)
+                + (" (fits)" if fits else "")
+                for method, peak, note, fits in choice.candidates
+            )
+            lines.append(
+                f"- {row.label} (`{run.path}`): `{choice.method}`, {choice.reason or DASH}; "
+                f"budget {budget} per process on {choice.device}; peaks: {peaks or DASH}"
+            )
+    return lines

@@ -214,6 +214,25 @@ def test_distributed_eval_matches_single_process(mask_run, shapes_root, tmp_path
     assert json.loads((single_out / "coco_results_segm.json").read_text())  # detections compared
 
 
+def test_every_rank_probes_a_memory_budget_and_they_train_one_choice(shapes_root, tmp_path):
+    run = tmp_path / "run"
+    opts = shapes_opts(
+        shapes_root,
+        "solver.max_iters=1",
+        "train.memory_budget=64GB",
+        "train.memory_candidates=[quant_4bit, baseline]",
+    )
+    args = ["--config", str(FASTER_CFG), "--output-dir", str(run), "--opts", *opts]
+    output = run_job(torchrun(single_node(), TRAIN_PY, args))
+    record = json.loads((run / "budget.json").read_text())
+    assert record["world_size"] == 2 and record["device"] == "cpu"
+    assert [m["method"] for m in record["methods"]] == ["quant_4bit", "baseline"]
+    assert all(m["fits"] and m["peak_mb"] > 0 for m in record["methods"])
+    assert output.count(f"training with {record['method']}: ") == 1  # rank 0 prints it
+    dropit = load_config(run / "config.yaml").dropit
+    assert dropit.enabled is (record["method"] == "quant_4bit")
+
+
 # ---- two nodes, and one step equal to a single-process step ----------------------------------
 
 

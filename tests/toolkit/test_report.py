@@ -157,6 +157,33 @@ def test_a_memory_json_without_the_step_peak_leaves_that_cell_empty(tmp_path: Pa
     assert row_of(md, "Runs", "cpu")[3] == "none"
 
 
+def test_a_run_whose_method_a_budget_chose_says_which_and_why(pair, tmp_path: Path) -> None:
+    base, chosen = pair
+    choice = {
+        "method": "accumulate_2",
+        "reason": "the fastest that fits",
+        "budget_mb": 22528.0,
+        "margin": 0.1,
+        "device": "cuda",
+        "methods": [
+            {"method": "baseline", "peak_mb": 24576.0, "fits": False, "note": ""},
+            {"method": "accumulate_2", "peak_mb": 14000.0, "fits": True, "note": ""},
+            {"method": "quant_2bit", "peak_mb": None, "fits": False, "note": "out of memory"},
+        ],
+    }
+    (chosen / "budget.json").write_text(json.dumps(choice))
+    md = build_report([base, chosen])
+    section = md.split("## Memory methods chosen by a budget", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("- ")]
+    assert lines == [
+        f"- g08 (`{chosen}`): `accumulate_2`, the fastest that fits; budget 22.00 GB (a 10% "
+        "margin) per process on cuda; peaks: baseline 24.00 GB, accumulate_2 13.67 GB (fits), "
+        "quant_2bit out of memory"
+    ]
+    (chosen / "budget.json").unlink()
+    assert "chosen by a budget" not in build_report([base, chosen])  # none: no section
+
+
 def test_explicit_baseline_and_no_baseline(tmp_path: Path) -> None:
     a = make_run(tmp_path, "a", dropit=True, gamma=0.8, bbox=BASE_BBOX | {"AP": 0.380})
     b = make_run(tmp_path, "b", dropit=True, gamma=0.9, bbox=BASE_BBOX | {"AP": 0.371})
