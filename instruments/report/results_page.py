@@ -484,7 +484,7 @@ def readme_block(lease: Lease | None, accuracy: Mapping[str, str]) -> str:
         g = gpu.get(s, {})
         c = cpu.get(s, {})
         steps = " / ".join(_x(g.get(f"step_ratio_{n}img")) for n in (images[0], images[-1]))
-        batch = str(lease.batches[s]) if lease and s in lease.batches else "-"
+        batch = str(lease.batches[s]) if lease and s in lease.batches else "not reached"
         acc = _accuracy_cell(s, accuracy)
         lines.append(
             f"| `{s}`: {SUMMARY.get(s, s)} | {_x(g.get(f'peak_ratio_{images[-1]}img'))} "
