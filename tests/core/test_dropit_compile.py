@@ -411,3 +411,65 @@ def test_compress_saved_compresses_a_compiled_models_saved_tensors() -> None:
             continue
         cos = torch.nn.functional.cosine_similarity(g.flatten(), c.flatten(), dim=0)
         assert cos > 0.98, (i, float(cos))
+
+
+def _bucket_net() -> nn.Module:
+    """Convs, ReLUs and a global pool before the linear layer: any input size trains it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
+    )  # fmt: skip
+    return to_dropit(model, strategy="quant", bits=4)
+
+
+@pytest.mark.slow  # Dynamo and AOTAutograd trace the model once per bucket: about 5 s
+def test_two_bucket_sizes_compile_once_each_and_every_step_draws_anew():
+    """Issue 58: a compiled DropIT model trained 20 steps, ``set_step`` changing every step and
+    the batches alternating between two padded sizes, is traced once per size (the step's seed
+    reaches the graph at run time, through the opaque draw, not as a constant it guards on), and
+    trains as eager does: the same draws, step by step, and the same gradients."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager, compiled_model = _bucket_net(), _bucket_net()
+    eager_keys, _ = _record_packs_of(eager[0])
+    keys, _ = _record_packs_of(compiled_model[0])
+    counter = CompileCounterWithBackend("aot_eager")
+    run = torch.compile(compiled_model, backend=counter, dynamic=False)
+    gen = torch.Generator().manual_seed(1)
+    buckets = [(16, 24), (24, 16)]
+    batches = [
+        (torch.randn(2, 3, *buckets[step % 2], generator=gen), torch.randint(0, 10, (2,)))
+        for step in range(20)
+    ]
+    grads: dict[str, list[list[torch.Tensor]]] = {"eager": [], "compiled": []}
+    for name, model, forward in (("eager", eager, eager), ("compiled", compiled_model, run)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(batches):
+            set_step(model, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(forward(x), y).backward()
+            grads[name].append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+    assert counter.frame_count == len(buckets)  # one graph per bucket, none per step
+    # the same draws as eager, in order, a whole step's apart (each step the layers' packs),
+    # and none twice: a new draw every step
+    assert keys == eager_keys and len(keys) % 20 == 0 and len(set(keys)) == len(keys) >= 20
+    for got, want in zip(grads["compiled"], grads["eager"], strict=True):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=0)
+
+
+def _record_packs_of(layer: nn.Module) -> tuple[list[int], list[bytes]]:
+    """``_record_packs`` for any converted layer: the keys its packs draw, in order."""
+    keys: list[int] = []
+    cache = layer.dropit_cache
+    next_key = cache.next_key
+
+    def recording_next_key() -> int:
+        keys.append(next_key())
+        return keys[-1]
+
+    cache.next_key = recording_next_key
+    return keys, []
