@@ -157,22 +157,30 @@ def _pack_slice(
     at the end only) into their places in the final buffers."""
     codes, mins, scales = out
     length = piece.numel()
-    whole = length // group * group
-    g0 = start // group
     first, last = start * bits // 8, code_bytes(start + length, bits)
     # 8-bit codes are their bytes: written in place. Narrower: a byte per code, then packed.
     code = codes[first:last] if bits == 8 else piece.new_empty(length, dtype=torch.uint8)
     noise = hash_bits(seed, start, length, piece.device)
-    # The whole groups as rows, then a last partial group (its range is its own).
-    for lo_el, hi_el in ((0, whole), (whole, length)):
-        if hi_el > lo_el:
-            rows = piece[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
-            r0 = g0 + lo_el // group
-            r1 = r0 + rows.shape[0]
-            at = slice(lo_el, hi_el)
-            quantize(rows, noise[at], bits, (code[at], mins[r0:r1], scales[r0:r1]), cast)
+    for at, width, groups in _group_rows(start, length, group):
+        rows = piece[at].view(-1, width)
+        quantize(rows, noise[at], bits, (code[at], mins[groups], scales[groups]), cast)
     if bits != 8:
         pack_codes(code, bits, codes[first:last])
+
+
+def _group_rows(start: int, length: int, group: int) -> list[tuple[slice, int, slice]]:
+    """How ``length`` values from element ``start`` (on a group's first value) lie in groups:
+    the whole groups as rows, then a last partial group (its range is its own), each as (the
+    values' slice within the range, the row width, the groups' slice in the pack)."""
+    whole = length // group * group
+    g0 = start // group
+    parts = []
+    for lo, hi in ((0, whole), (whole, length)):
+        if hi > lo:
+            width = min(group, hi - lo)
+            r0 = g0 + lo // group
+            parts.append((slice(lo, hi), width, slice(r0, r0 + (hi - lo) // width)))
+    return parts
 
 
 def quantize(
@@ -219,7 +227,6 @@ def rebuild_eager(
 ) -> None:
     """The reference rebuild of ``length`` values from element ``start`` (on a whole group and
     byte) into ``dense``."""
-    whole = length // group * group
     code = unpack_codes(
         packed.values[start * bits // 8 : code_bytes(start + length, bits)], bits, length
     )
@@ -227,12 +234,8 @@ def rebuild_eager(
     out = dense[start : start + length]
     values = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
     values.copy_(code)
-    g0 = start // group
-    for lo_el, hi_el in ((0, whole), (whole, length)):
-        if hi_el > lo_el:
-            rows = values[lo_el:hi_el].view(-1, min(group, hi_el - lo_el))
-            r0 = g0 + lo_el // group
-            r1 = r0 + rows.shape[0]
-            rows.mul_(packed.scales[r0:r1, None]).add_(packed.mins[r0:r1, None])
+    for at, width, groups in _group_rows(start, length, group):
+        rows = values[at].view(-1, width)
+        rows.mul_(packed.scales[groups, None]).add_(packed.mins[groups, None])
     if values is not out:
         out.copy_(values)
