@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 # Trains the shapes Mask R-CNN with DropIT (data generated on first use) and prints the AP table,
 # then draws 4 validation images, prediction next to ground truth, into the run's predictions.png.
-# Its packs take the C loops (dropit_core/native.c), or eager torch where no C compiler works.
+# Its packs take the C loops (dropit_core/backends/native.c), or eager torch where no C compiler works.
 demo: setup
 	$(PY) tools/train.py --config configs/demo/maskrcnn_shapes_quant4.yaml --overwrite
 	$(PY) tools/infer.py --run outputs/maskrcnn_shapes_quant4 --val 4

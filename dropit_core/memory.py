@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .patch import is_dropit
-from .recompute import is_checkpointed
-from .saved import saved_compression
+from dropit_core.convert import is_dropit
+from dropit_core.recompute import is_checkpointed
+from dropit_core.saved import saved_compression
 
 MB = 1024.0 * 1024.0
 

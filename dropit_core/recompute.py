@@ -20,8 +20,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from .patch import CHECKPOINTED_ATTRIBUTE, is_dropit
-from .rules import check_matches, matches
+from dropit_core.convert import CHECKPOINTED_ATTRIBUTE, is_dropit
+from dropit_core.rules import check_matches, matches
 
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from torch import nn
 
-from .base import Strategy
-from .strategies import build_strategy
+from dropit_core.strategies.base import Strategy
+from dropit_core.strategies.catalog import build_strategy
 
 RULE_KEYS = ("include", "exclude", "strategy", "gamma", "relu", "norm", "pool", "options")
 

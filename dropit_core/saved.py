@@ -33,10 +33,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .base import PACK_TAG, Packed, refuse_double_backward
-from .seeds import mix_seed
-from .strategies import build_strategy
-from .unbiased import Quant
+from dropit_core.formats.packed import PACK_TAG, Packed, refuse_double_backward
+from dropit_core.formats.seeds import mix_seed
+from dropit_core.strategies.catalog import build_strategy
+from dropit_core.strategies.quant import Quant
 
 # The attribute of a saved tensor that holds its pack: (block number, version, pack).
 _SEEN = "_dropit_saved_pack"

@@ -15,7 +15,7 @@ The environment is read when this module is imported and again by :func:`reset_s
 :func:`configure` changes fields in code (it returns the settings it replaced) and
 :func:`override_settings` changes them for a ``with`` block. Every path asks :func:`current`,
 one call per layer, so a change takes effect at the next layer; ``fuse`` is read while tracing,
-so set it before the first compiled call. :mod:`dropit_core.dispatch` decides from these
+so set it before the first compiled call. :mod:`dropit_core.backends.dispatch` decides from these
 fields which implementation packs a tensor.
 """
 

@@ -50,7 +50,7 @@ class ModelConfig:
     frozen_bn: str = _f("lean", choices=("lean", "torchvision"))
     # The FPN's forward: "lean" upsamples in the features' dtype under CUDA autocast
     # (F.interpolate is on its fp32 list), adds each top-down map into its lateral in place and
-    # lets every map go after its last use (dropit_core.lean_detection; bit-equal in fp32);
+    # lets every map go after its last use (dropit_core.detection.forward; bit-equal in fp32);
     # "torchvision" is torchvision's FPN: kept only to measure against.
     fpn: str = _f("lean", choices=("lean", "torchvision"))
     # The detector's, backbone's and RoI poolers' forward: "lean" hands the body's maps to the

@@ -184,3 +184,66 @@ def test_the_library_tests_need_nothing_of_the_toolkit() -> None:
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [n for n in names if n.startswith(banned)], path
+
+
+DROPIT = REPO / "dropit_core"
+# Where rcnn_dropit and the instruments may import dropit_core from: the package, its public
+# top-level modules, and the subpackages' own surfaces (their __init__), never a module inside a
+# subpackage: those can move without a deprecation.
+PUBLIC_SURFACES = {
+    "dropit_core",
+    "dropit_core.memory",
+    "dropit_core.timing",
+    "dropit_core.settings",
+    *(f"dropit_core.{p.parent.name}" for p in DROPIT.glob("*/__init__.py")),
+}
+
+
+def test_dropit_core_keeps_a_dozen_entry_points_at_its_top_level() -> None:
+    top = sorted(p.stem for p in DROPIT.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= 12, top
+    subpackages = sorted(p.parent.name for p in DROPIT.glob("*/__init__.py"))
+    assert subpackages == ["backends", "detection", "formats", "layers", "strategies"]
+
+
+def test_every_dropit_core_module_is_mapped_in_its_package_docstring() -> None:
+    # a newcomer reads one docstring per package and finds every module named in it
+    packages = [DROPIT, *(p.parent for p in DROPIT.rglob("*/__init__.py"))]
+    for package in packages:
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+        modules = [p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")]
+        modules += [p.parent.name for p in package.glob("*/__init__.py")]
+        missing = [m for m in modules if f":mod:`.{m}`" not in doc]
+        assert not missing, (package, missing)
+
+
+def test_only_the_detection_subpackage_imports_torchvision() -> None:
+    known = _modules()
+    users = [
+        m
+        for m in known
+        if m.startswith("dropit_core") and not m.startswith("dropit_core.detection")
+        for target, _, _ in _imports(m, known[m], known)
+        if target.split(".")[0] == "torchvision"
+    ]
+    assert not users, users
+
+
+def test_the_toolkit_and_instruments_import_dropit_core_public_surfaces_only() -> None:
+    import importlib
+
+    known = _modules()
+    wrong = []
+    for m in known:
+        if not m.startswith(("rcnn_dropit", "instruments")):
+            continue
+        for target, name, line in _imports(m, known[m], known):
+            if not target.startswith("dropit_core"):
+                continue
+            if target not in PUBLIC_SURFACES:
+                wrong.append(f"{m}:{line} imports {target}")
+            elif name is not None:
+                exported = getattr(importlib.import_module(target), "__all__", None)
+                if _private(name) or (exported is not None and name not in exported):
+                    wrong.append(f"{m}:{line} imports {target}.{name}, not in its __all__")
+    assert not wrong, wrong

@@ -98,7 +98,7 @@ stage bench_gpu_rest $(($(left) * 50 / 100)) "${table[@]}" --batch-limit 0 --set
   --json "$OUT/bench_gpu_rest.json"
 
 # 1b. Issue 40's host time: the eager 4-bit step with every conv on its autograd Function
-# (DROPIT_HOOKED=0), what the table's quant_4bit ran before dropit_core.hooked; steps only.
+# (DROPIT_HOOKED=0), what the table's quant_4bit ran before dropit_core.layers.hooked; steps only.
 DROPIT_HOOKED=0 stage bench_gpu_function $(($(left) * 20 / 100)) "${table[@]}" --batch-limit 0 \
   --settings baseline quant_4bit --json "$OUT/bench_gpu_function.json"
 

@@ -449,9 +449,9 @@ def _widths(config: str, repeats: int, out: Path | None) -> None:
 
 def _demo(config: str, repeats: int, out: Path | None, quiet: bool) -> None:
     """Step time of the demo with DropIT against the demo without: JSON lines (baseline = 1x).
-    A third row packs with eager torch instead of the C loops (dropit_core.native): what they
-    save, in the same rounds."""
-    from dropit_core import configure, native, reset_settings
+    A third row packs with eager torch instead of the C loops (dropit_core.backends.native): what
+    they save, in the same rounds."""
+    from dropit_core import configure, pack_backend, reset_settings
     from instruments.measure.width_bench import compare_step_time
 
     variants = [
@@ -469,7 +469,7 @@ def _demo(config: str, repeats: int, out: Path | None, quiet: bool) -> None:
     finally:
         reset_settings()
     for row in rows:
-        row["c_packs"] = row["model"] == "dropit" and native.library() is not None
+        row["c_packs"] = row["model"] == "dropit" and pack_backend("cpu") == "native"
     for row in rows:
         row.update(config=config, quiet=quiet, command=_command_line())
     _emit(rows, out)

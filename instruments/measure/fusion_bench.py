@@ -78,7 +78,7 @@ def measure(
     with 4-bit DropIT, compiled (packs as ``DROPIT_FUSE`` says) or eager, in this process."""
     from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 
-    from dropit_core import lean_detector, set_step, to_dropit, traced
+    from dropit_core import current_settings, lean_detector, set_step, to_dropit
     from rcnn_dropit.engine.compiling import compiled as as_train_compiles
 
     if repeats < 1:
@@ -104,7 +104,7 @@ def measure(
     times = [step(i) for i in range(1, repeats + 1)]
     return {
         "compiled": compiled,
-        "fuse": compiled and traced.fuse_enabled(),
+        "fuse": compiled and current_settings().fuse,
         "backbone": backbone,
         "image_size": image_size,
         "images": images,

@@ -140,8 +140,9 @@ def launch_costs(
     calls are not synchronised: on a GPU that is the host's time to launch, while the tiny
     kernels keep up. Separates Triton's launcher from our Python in a step that waits on the
     host (docs/gpu.md)."""
-    from dropit_core.kernels import quant as kq
-    from dropit_core.kernels import relu as kr
+    from dropit_core.backends import kernels
+
+    kq, kr = kernels("quant"), kernels("relu")
 
     dev = torch.device(device)
     dtype = torch.float16 if dev.type == "cuda" else torch.float32

@@ -1,16 +1,16 @@
 """Host time of a DropIT layer on the GPU path, measured on any machine (a benchmark).
 
-Used by ``tools/bench.py --host``. On a GPU the training step waits on the host, not on the
-kernels (docs/gpu.md): what a DropIT layer costs there is mostly Python, its autograd Function,
-its pack's bookkeeping and the launch wrappers. This runs that very code with the Triton launches
-stubbed out: ``dropit_core`` is told to use its kernels (``dispatch``), every wrapper computes
+Used by ``tools/bench.py --host``. On a GPU the training step waits on the host, not on the kernels
+(docs/gpu.md): what a DropIT layer costs there is mostly Python, its autograd Function, its pack's
+bookkeeping and the launch wrappers. This runs that very code with the Triton launches stubbed out:
+``dropit_core`` is told to use its kernels (``configure(kernels="triton")``), every wrapper computes
 its grid and buffers as it would, and the launch itself does nothing. Tiny tensors on the CPU then
-leave the host work alone: stacks of 3x3 convs on an 8x8 map (conv; conv + ReLU; conv +
-BatchNorm + ReLU, with DropIT norms or through saved-tensor hooks), forward and backward, against
-the plain layers, in microseconds per unit of the stack. Each row also counts the launches per
-unit: the aten ops that compute (not views, not allocations), each at least one kernel on a GPU,
-and the Triton launches. The launch's own cost, Triton's, is not in it: that needs a GPU
-(``tools/gpu_probe.py --what python``).
+leave the host work alone: stacks of 3x3 convs on an 8x8 map (conv; conv + ReLU; conv + BatchNorm +
+ReLU, with DropIT norms or through saved-tensor hooks), forward and backward, against the plain
+layers, in microseconds per unit of the stack. Each row also counts the launches per unit: the aten
+ops that compute (not views, not allocations), each at least one kernel on a GPU, and the Triton
+launches. The launch's own cost, Triton's, is not in it: that needs a GPU (``tools/gpu_probe.py
+--what python``).
 """
 
 from __future__ import annotations
@@ -24,19 +24,20 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dropit_core import compress_saved, configure, dispatch, hooked, to_dropit
-from dropit_core.base import Packed
-from dropit_core.quant_format import buffers as quant_buffers
+from dropit_core import compress_saved, configure, to_dropit
+from dropit_core.backends import kernels, triton_available
+from dropit_core.formats import Packed, quant_buffers
+from dropit_core.layers import SavedInputHooks
 from dropit_core.timing import timed_rounds
 from instruments.measure.rows import rows_with
 from rcnn_dropit.errors import UsageError
 
 # The kernels whose launches are stubbed: every one a quant layer and a masked ReLU reach.
 KERNELS = (
-    ("quant", "_quant_codes_kernel"),
-    ("quant", "_quant_rebuild_kernel"),
-    ("relu", "_relu_mask_kernel"),
-    ("relu", "_relu_mask_grad_kernel"),
+    ("quant", "quant_codes_kernel"),
+    ("quant", "quant_rebuild_kernel"),
+    ("relu", "relu_mask_kernel"),
+    ("relu", "relu_mask_grad_kernel"),
 )
 
 
@@ -84,11 +85,9 @@ class _NoLaunch:
 def stubbed_launches() -> Iterator[Launches]:
     """Within: DropIT takes its kernel path on any tensor, and no kernel is launched; what it
     yields counts the launches stubbed."""
-    if not dispatch.triton_available():
+    if not triton_available():
         raise UsageError("--host runs the kernels' wrappers: it needs triton installed")
-    import importlib
-
-    modules = {name: importlib.import_module(f"dropit_core.kernels.{name}") for name, _ in KERNELS}
+    modules = {name: kernels(name) for name, _ in KERNELS}
     saved = [(modules[m], k, getattr(modules[m], k)) for m, k in KERNELS]
     launches = Launches()
     try:
@@ -106,11 +105,11 @@ def stubbed_launches() -> Iterator[Launches]:
 # converts nothing to DropIT: each conv (and ReLU) becomes the least a layer written as a Python
 # autograd Function can be (it saves its input, its backward is one aten call), the part of
 # DropIT's host time that its work cannot remove. "layers, Function": the converted convs run
-# their autograd Function, as every eager conv did before dropit_core.hooked (the same packs).
-# The last two take a converted conv apart (dropit_core.hooked's path): "hooks, no pack" keeps
-# the layer's Python and its saved-tensor hooks but saves the input as it is; "pack, no rebuild"
-# packs it for real and hands the backward a ready tensor: against "layers", what the pack and
-# the rebuild each add. "buffers and launches only": the least any pack of this format written
+# their autograd Function, as every eager conv did before dropit_core.layers.hooked (the same
+# packs). The last two take a converted conv apart (dropit_core.layers.hooked's path): "hooks, no
+# pack" keeps the layer's Python and its saved-tensor hooks but saves the input as it is; "pack, no
+# rebuild" packs it for real and hands the backward a ready tensor: against "layers", what the pack
+# and the rebuild each add. "buffers and launches only": the least any pack of this format written
 # in Python does per layer (its three buffers and launch, the rebuild's buffer and launch; no
 # seeds, no sharing, no pack object): what the "layers" rows of its stack cannot go below.
 STACKS = (
@@ -217,7 +216,7 @@ class _FunctionPath(nn.Module):
             configure(hooked=previous.hooked)
 
 
-class _HooksNoPack(hooked.SavedInputHooks):
+class _HooksNoPack(SavedInputHooks):
     """A converted conv's hooks that keep its input as it is (no pack, no rebuild)."""
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -227,7 +226,7 @@ class _HooksNoPack(hooked.SavedInputHooks):
         return saved
 
 
-class _PackNoRebuild(hooked.SavedInputHooks):
+class _PackNoRebuild(SavedInputHooks):
     """A converted conv's hooks that pack its input and give the backward a ready tensor of the
     input's shape (made once per shape) instead of the rebuilt one."""
 
@@ -244,7 +243,7 @@ class _PackNoRebuild(hooked.SavedInputHooks):
         return self.ready[key]
 
 
-class _BuffersAndLaunches(hooked.SavedInputHooks):
+class _BuffersAndLaunches(SavedInputHooks):
     """A converted conv's hooks that do only what no pack of the quant format can skip: its
     three buffers and its launch, then the rebuilt input's buffer and its launch (both launches
     stubbed, and nothing written: the backward reads an uninitialised input)."""
@@ -252,9 +251,9 @@ class _BuffersAndLaunches(hooked.SavedInputHooks):
     def pack(self, t: torch.Tensor) -> Any:
         if t is self.weight:
             return t
-        kernels, quant = dispatch.kernels("quant"), self.cache.strategy
+        module, quant = kernels("quant"), self.cache.strategy
         codes, mins, scales = quant_buffers(t.numel(), quant.bits, quant.group, t.device)
-        kernels._quant_codes_kernel[(1,)](t, codes, mins, scales)
+        module.quant_codes_kernel[(1,)](t, codes, mins, scales)
         return (t.shape, t.dtype, codes, mins, scales)
 
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -262,7 +261,7 @@ class _BuffersAndLaunches(hooked.SavedInputHooks):
             return saved
         shape, dtype, codes, mins, scales = saved
         out = torch.empty(*shape, dtype=dtype, device=codes.device)
-        dispatch.kernels("quant")._quant_rebuild_kernel[(1,)](codes, mins, scales, out)
+        kernels("quant").quant_rebuild_kernel[(1,)](codes, mins, scales, out)
         return out
 
 

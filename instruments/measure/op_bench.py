@@ -14,7 +14,13 @@ from typing import Any
 
 import torch
 
-from dropit_core.packing import bit_positions, compact_bits, pack_bits, scatter_kept, zero_flagged
+from dropit_core.formats import (
+    bit_positions,
+    compact_bits,
+    pack_bits,
+    scatter_kept,
+    zero_flagged,
+)
 from dropit_core.timing import timed_rounds
 from instruments.measure.allocator import training_allocator
 from rcnn_dropit.errors import UsageError

@@ -1,8 +1,8 @@
 """The RoI poolers under autocast, torchvision's and the lean one, side by side (a benchmark).
 
 Used by ``tools/bench.py --pooler``. Under autocast torchvision's ``roi_align`` pools in fp32 from
-an fp32 copy of the whole level it reads; the lean pooler (dropit_core.lean_detection) pools a few
-images at a time, so its copy is one image's finest level. This measures what that buys and what
+an fp32 copy of the whole level it reads; the lean pooler (dropit_core.detection.forward) pools a
+few images at a time, so its copy is one image's finest level. This measures what that buys and what
 it costs, on the pooler alone: a pyramid P2-P5 of the COCO recipe's 256 channels for a batch of
 ``images`` of ``image_size`` x 4/3 px, the box head's 512 RoIs per image (7x7) and 128 for the
 mask head (14x14), sized from 16 px to the image. Per pooler and batch: the bytes allocated above
@@ -26,7 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from torchvision.ops import MultiScaleRoIAlign
 
-from dropit_core.lean_detection import LeanMultiScaleRoIAlign
+from dropit_core.detection import LeanMultiScaleRoIAlign
 from dropit_core.memory import PeakMeter
 from dropit_core.timing import timed_rounds
 from instruments.measure.allocator import training_allocator

@@ -1,8 +1,8 @@
 """``train.compile``: the backbone or the whole model under ``torch.compile``, on request.
 
-The DropIT layers trace as ``torch.library`` operators (``dropit_core.traced``), so a converted
-ResNet-FPN backbone compiles into one graph; the detector's heads hold data-dependent steps
-(proposal sampling, NMS), where the compiler breaks the graph and runs them eagerly. The
+The DropIT layers trace as ``torch.library`` operators (``dropit_core.layers.library``), so a
+converted ResNet-FPN backbone compiles into one graph; the detector's heads hold data-dependent
+steps (proposal sampling, NMS), where the compiler breaks the graph and runs them eagerly. The
 compiled function replaces the module's ``forward`` on the instance: parameters, buffers and
 ``state_dict`` keys stay the module's own, so checkpoints, resume and DDP see the same model.
 Shapes are dynamic (``dynamic=True``): detector images vary in size from batch to batch.

@@ -11,7 +11,7 @@ from torchvision.models.detection.backbone_utils import BackboneWithFPN, _resnet
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from dropit_core.frozen_norm import FrozenBatchNorm2d as LeanFrozenBatchNorm2d
+from dropit_core.detection import FrozenBatchNorm2d as LeanFrozenBatchNorm2d
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models.fpn import lean_fpn
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict

@@ -19,7 +19,7 @@ from dropit_core import (
     dropit_record,
     to_dropit,
 )
-from dropit_core.lean_detection import lean_forward
+from dropit_core.detection import lean_forward
 from rcnn_dropit.config import Config
 from rcnn_dropit.config_schema import PAPER_EXCLUDE, ModelConfig
 from rcnn_dropit.errors import UsageError

@@ -1,5 +1,5 @@
-"""The element-wise packs' Triton kernels (``dropit_core.kernels.compact``) against the eager
-fixed-capacity path: the same bytes from the pack, the same tensor from the rebuild, either
+"""The element-wise packs' Triton kernels (``dropit_core.backends.triton.compact``) against the
+eager fixed-capacity path: the same bytes from the pack, the same tensor from the rebuild, either
 path rebuilding the other's pack, whatever the block size; ties, overflows, odd and empty sizes.
 
 Run under Triton's interpreter on CPU tensors where there is no GPU (tests/conftest.py sets
@@ -22,18 +22,18 @@ from dropit_core import (
     set_step,
     to_dropit,
 )
-from dropit_core import elementwise as elementwise_mod
-from dropit_core.keep_rule import AT_LEAST, DRAW, IMPORTANCE, TIES, KeepRule
-from dropit_core.packing import compact_into, pack_bits, scatter_kept
-from dropit_core.seeds import hash_uniform
+from dropit_core.formats.bits import compact_into, pack_bits, scatter_kept
+from dropit_core.formats.seeds import hash_uniform
+from dropit_core.strategies import elementwise as elementwise_mod
+from dropit_core.strategies.keep_rule import AT_LEAST, DRAW, IMPORTANCE, TIES, KeepRule
 from tests.core.kernel_env import DEVICE, FLOATS, NEEDS_KERNELS, same_bits
 from tests.core.test_dropit_fixed import SETTINGS, _x, small_slices  # noqa: F401 (a fixture)
 
 triton = pytest.importorskip("triton")
 pytestmark = NEEDS_KERNELS
 
-from dropit_core.kernels import compact as compact_mod  # noqa: E402  (after the skip)
-from dropit_core.kernels.compact import compact_pack, scatter_pack  # noqa: E402
+from dropit_core.backends.triton import compact as compact_mod  # noqa: E402  (after the skip)
+from dropit_core.backends.triton.compact import compact_pack, scatter_pack  # noqa: E402
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def test_a_drawn_rebuild_zeroes_the_flags_past_its_last_slot() -> None:
 
 def test_one_launch_of_each_kernel_per_pack_whatever_the_slices(paths, monkeypatch) -> None:
     # The eager fixed pack loops over slices of SLICE elements; the kernels cover the tensor.
-    from dropit_core import base as base_mod
+    from dropit_core.formats import packed as base_mod
 
     monkeypatch.setattr(base_mod, "SLICE", 512)
     launches: list[str] = []
@@ -229,8 +229,8 @@ def test_converted_layers_train_the_same_on_either_path(paths, name: str) -> Non
 
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_radix_histograms_and_kth_value_are_the_eager_ones(paths, dtype) -> None:
-    from dropit_core import select as select_mod
-    from dropit_core.kernels.select import abs_bits_histogram
+    from dropit_core.backends.triton.select import abs_bits_histogram
+    from dropit_core.strategies import select as select_mod
 
     x = (_x(seed=9, relu=False) * 3).to(dtype).to(DEVICE).reshape(-1)  # signs, ties (16-bit)
     x[::3] = 0  # a third zeros, as a ReLU leaves: summed per program, not by atomics

@@ -1,6 +1,6 @@
 """A converted model under ``torch.compile``: one graph, and training equal to eager.
 
-The DropIT layers call ``torch.library`` operators while compiling (dropit_core.traced): the
+The DropIT layers call ``torch.library`` operators while compiling (dropit_core.layers.library): the
 packs are the eager code's, drawn with the same keys, so the packs of a step are byte-equal to
 eager ones; the compiler reorders float sums of its own (the linear bias gradient, a sum over
 rows), so gradients agree to a few ulps (TOLERANCE), not bit for bit.
@@ -21,8 +21,8 @@ from dropit_core import (
     reset_settings,
     set_step,
     to_dropit,
-    traced,
 )
+from dropit_core.layers import library as traced
 
 # Relative tolerance of compiled gradients and losses against eager ones: fp32 sums in another
 # order differ by a few ulps (2**-23 ~ 1.2e-7 each); 1e-5 leaves room for two steps.
@@ -218,8 +218,8 @@ def test_a_fused_pack_is_the_eager_pack_byte_for_byte(bits: int, monkeypatch):
     """The traced pack's torch ops (what Inductor fuses), run eagerly: the eager pack's bytes
     for the same draw, and the draw is the cache's next key (a pack of another shape, dtype or
     group is left to the opaque operator)."""
-    from dropit_core.ops import InputCache
-    from dropit_core.strategies import build_strategy
+    from dropit_core.layers.functions import InputCache
+    from dropit_core.strategies.catalog import build_strategy
 
     configure(fuse=True)
     strategy = build_strategy("quant", 0.0, bits=bits)
@@ -236,8 +236,8 @@ def test_a_fused_pack_is_the_eager_pack_byte_for_byte(bits: int, monkeypatch):
 
 
 def test_the_fused_relu_keeps_the_eager_mask_and_gradient():
-    from dropit_core.ops import MaskedReLUFunction
-    from dropit_core.packing import pack_blocked
+    from dropit_core.formats.bits import pack_blocked
+    from dropit_core.layers.functions import MaskedReLUFunction
 
     x = torch.randn(3, 5, 7)  # 105 values: a last byte of flags only partly used
     x[0, 0, :3] = torch.tensor([0.0, float("nan"), -0.0])
@@ -317,7 +317,7 @@ def test_the_lean_fpn_compiles_with_dynamic_shapes_and_trains_as_eager():
 
     from torchvision.ops.feature_pyramid_network import LastLevelMaxPool
 
-    from dropit_core.lean_detection import LeanFeaturePyramidNetwork
+    from dropit_core.detection.forward import LeanFeaturePyramidNetwork
 
     torch.manual_seed(0)
     widths = (8, 16, 32, 64)

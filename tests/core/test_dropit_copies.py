@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from dropit_core import base, build_strategy, configure, reset_settings, to_dropit
+from dropit_core import build_strategy, configure, reset_settings, to_dropit
+from dropit_core.formats import packed as base
 from tests.core.allocations import allocations
 
 SLICE = 8192  # the strategies' slice, made small so that a test input spans many
@@ -77,7 +78,7 @@ def _recorded(layer: nn.Module) -> list:
     ids=["conv-function", "conv-hooks", "linear-function"],
 )
 def layer_path(request):
-    """(layer kind, whether a conv takes the saved-tensor hooks, dropit_core.hooked, or the
+    """(layer kind, whether a conv takes the saved-tensor hooks, dropit_core.layers.hooked, or the
     autograd Function): each path has its own order of op and pack."""
     kind, hooks = request.param
     previous = configure(hooked=hooks)

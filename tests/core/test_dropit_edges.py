@@ -14,7 +14,7 @@ from dropit_core import (
     register_strategy,
     to_dropit,
 )
-from dropit_core.base import DOUBLE_BACKWARD
+from dropit_core.formats.packed import DOUBLE_BACKWARD
 
 
 def _pair(plain: nn.Module, **kwargs) -> tuple[nn.Module, nn.Module]:

@@ -17,12 +17,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dropit_core import base as base_mod
 from dropit_core import build_strategy, dropped_values, set_step, to_dropit
-from dropit_core import elementwise as elementwise_mod
-from dropit_core import select as select_mod
-from dropit_core.elementwise import CAPACITY_SLACK, CAPACITY_SPREAD, expected_capacity
-from dropit_core.packing import unpack_bits
+from dropit_core.formats import packed as base_mod
+from dropit_core.formats.bits import unpack_bits
+from dropit_core.strategies import elementwise as elementwise_mod
+from dropit_core.strategies import select as select_mod
+from dropit_core.strategies.elementwise import CAPACITY_SLACK, CAPACITY_SPREAD, expected_capacity
 
 ELEMENTWISE = ("mink", "parallel_mink", "threshold", "importance", "random")
 SETTINGS = [

@@ -1,6 +1,6 @@
-"""The eager conv through saved-tensor hooks (dropit_core.hooked) against the autograd Function it
-stands in for: the same outputs, packs and gradients bit for bit, and the Function wherever the
-hooks would not do the same (a frozen weight, a large input, other hooks active)."""
+"""The eager conv through saved-tensor hooks (dropit_core.layers.hooked) against the autograd
+Function it stands in for: the same outputs, packs and gradients bit for bit, and the Function
+wherever the hooks would not do the same (a frozen weight, a large input, other hooks active)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from dropit_core import compress_saved, configure, reset_settings, set_step, to_dropit
-from dropit_core.base import DOUBLE_BACKWARD
-from dropit_core.ops import SPLIT_BYTES
+from dropit_core.formats.packed import DOUBLE_BACKWARD
+from dropit_core.layers.functions import SPLIT_BYTES
 
 
 class _Fork(nn.Module):

@@ -20,16 +20,15 @@ from dropit_core import (
     build_strategy,
     configure,
     current_settings,
-    dispatch,
-    native,
     reset_settings,
-    seeds,
     set_step,
     to_dropit,
 )
-from dropit_core.ops import MaskedReLUFunction
-from dropit_core.quant_format import kernels_take as quant_kernels_take
-from dropit_core.quant_format import unpack_codes
+from dropit_core.backends import dispatch, native
+from dropit_core.formats import seeds
+from dropit_core.formats.quant import kernels_take as quant_kernels_take
+from dropit_core.formats.quant import unpack_codes
+from dropit_core.layers.functions import MaskedReLUFunction
 from tests.core.kernel_env import DEVICE, FLOATS, INTERPRETED, NEEDS_KERNELS, same_bits
 from tests.core.test_dropit_unbiased import _activation, _error_in_noise_units
 
@@ -38,9 +37,9 @@ pytestmark = NEEDS_KERNELS
 
 import triton.language as tl  # noqa: E402  (after the skip: triton may be missing)
 
-from dropit_core.kernels import noise  # noqa: E402
-from dropit_core.kernels.quant import quant_pack, quant_rebuild  # noqa: E402
-from dropit_core.kernels.relu import relu_mask, relu_mask_grad  # noqa: E402
+from dropit_core.backends.triton import noise  # noqa: E402
+from dropit_core.backends.triton.quant import quant_pack, quant_rebuild  # noqa: E402
+from dropit_core.backends.triton.relu import relu_mask, relu_mask_grad  # noqa: E402
 
 # (group, n): the default group with a last partial group, a group not a power of two, a group
 # of one byte of 2-bit codes with an odd n (a last byte's unused codes), fewer values than a group.
@@ -287,7 +286,7 @@ def _signed_values(n: int, dtype: torch.dtype) -> torch.Tensor:
 def test_signed_pack_is_the_pack_and_pack_bits_of_the_flags_in_one_launch(
     dtype, bits, group, n, mode
 ) -> None:
-    from dropit_core.packing import pack_bits
+    from dropit_core.formats.bits import pack_bits
 
     x = _signed_values(n, dtype)
     strategy = build_strategy("quant", 0.8, bits=bits, group=group)
@@ -337,7 +336,7 @@ def test_signed_pack_and_rebuild_allocate_their_outputs_and_nothing_else(mode) -
 
 
 def test_signed_kernels_leave_groups_of_part_bytes_to_the_eager_flags(mode) -> None:
-    from dropit_core.kernels.quant import quant_pack_signed
+    from dropit_core.backends.triton.quant import quant_pack_signed
 
     x = _signed_values(300, torch.float32)
     with pytest.raises(ValueError, match="group 100 is not whole bytes of flags"):
@@ -397,7 +396,7 @@ def test_relu_mask_kernels_are_the_eager_relu(dtype, n: int, inplace: bool, mode
 
 
 def test_relu_mask_bytes_are_pack_bits_of_the_blocked_outputs() -> None:
-    from dropit_core.packing import pack_bits
+    from dropit_core.formats.bits import pack_bits
 
     x = _x(1003, torch.float32)
     out, bits = relu_mask(x)
@@ -454,16 +453,18 @@ def test_eager_kernels_mean_eager_everywhere(monkeypatch) -> None:
     assert current_settings().loops
 
 
-def test_only_the_kernels_package_imports_triton() -> None:
-    # dropit_core must import where triton is missing: triton appears in kernels/ alone.
-    package = Path(dispatch.__file__).parent
+def test_only_the_triton_backend_imports_triton() -> None:
+    # dropit_core must import where triton is missing: triton appears in backends/triton/ alone.
+    package = Path(dispatch.__file__).parents[1]
+    kernels = package / "backends" / "triton"
+    assert sorted(p.name for p in kernels.glob("*.py") if "import triton" in p.read_text())
     for path in package.rglob("*.py"):
-        if "kernels" not in path.parts:
+        if kernels not in path.parents:
             assert "import triton" not in path.read_text(), path
 
 
 def test_launch_arithmetic_is_tritons_in_plain_python() -> None:
-    from dropit_core.kernels import launch
+    from dropit_core.backends.triton import launch
 
     for n in range(1, 5000):
         assert launch.next_power_of_2(n) == triton.next_power_of_2(n)

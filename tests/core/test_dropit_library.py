@@ -22,7 +22,7 @@ from dropit_core import (
     register_strategy,
     to_dropit,
 )
-from dropit_core.base import QuantMeta
+from dropit_core.formats.packed import QuantMeta
 
 ROOT = Path(__file__).resolve().parents[2]
 

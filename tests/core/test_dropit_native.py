@@ -1,5 +1,5 @@
-"""The C loops of the CPU packs (dropit_core/native.c) against eager torch, byte for byte: the
-quant pack and rebuild, the ReLU's mask and its gradient; the build, its cache and the fallback
+"""The C loops of the CPU packs (dropit_core/backends/native.c) against eager torch, byte for byte:
+the quant pack and rebuild, the ReLU's mask and its gradient; the build, its cache and the fallback
 where no compiler works."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import torch
 from torch import nn
 
 from dropit_core import (
-    base,
     build_strategy,
     configure,
     current_settings,
-    native,
     reset_settings,
     set_step,
     to_dropit,
 )
-from dropit_core.packing import pack_blocked, zero_flagged_sliced
+from dropit_core.backends import native
+from dropit_core.formats import packed as base
+from dropit_core.formats.bits import pack_blocked, zero_flagged_sliced
 
 
 @pytest.fixture

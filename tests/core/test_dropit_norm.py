@@ -10,8 +10,8 @@ from torch import nn
 
 import dropit_core
 from dropit_core import from_dropit, memory, set_step, to_dropit
-from dropit_core.norm import DropITBatchNorm2d, DropITGroupNorm, DropITSyncBatchNorm
-from dropit_core.pooling import DropITMaxPool2d
+from dropit_core.layers.norm import DropITBatchNorm2d, DropITGroupNorm, DropITSyncBatchNorm
+from dropit_core.layers.pooling import DropITMaxPool2d
 
 NORMS = {
     "bn": lambda c: nn.BatchNorm2d(c),
@@ -205,9 +205,9 @@ def test_norm_under_cpu_autocast_matches_the_plain_layer() -> None:
 def test_sync_batchnorm_across_processes_packs_its_saved_input() -> None:
     """The several-process path runs torch's function under a hook that packs the saved input:
     here the same hook around an op that saves its input twice (one pack, an unbiased rebuild)."""
-    from dropit_core.norm import _pack_saved
-    from dropit_core.ops import InputCache
-    from dropit_core.strategies import build_strategy
+    from dropit_core.layers.functions import InputCache
+    from dropit_core.layers.norm import _pack_saved
+    from dropit_core.strategies.catalog import build_strategy
 
     cache = InputCache(build_strategy("quant", 0.0, bits=8))
     x = torch.randn(4, 8, 6, 6, requires_grad=True)

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import is_dropit, ops, set_step, to_dropit
-from dropit_core.ops import MaskedReLUFunction
+from dropit_core import is_dropit, set_step, to_dropit
+from dropit_core.layers import functions as ops
+from dropit_core.layers.functions import MaskedReLUFunction
 from tests.core.contracts import contract_layers
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -398,8 +399,8 @@ def test_shared_input_is_packed_once_under_autocast(monkeypatch) -> None:
 
 
 def test_pack_shared_through_the_cast_source_follows_its_version() -> None:
-    from dropit_core.ops import InputCache
-    from dropit_core.strategies import build_strategy
+    from dropit_core.layers.functions import InputCache
+    from dropit_core.strategies.catalog import build_strategy
 
     cache = InputCache(build_strategy("mink", 0.5))
     h = torch.randn(4, 5)

@@ -1,4 +1,5 @@
-"""Bit masks and value codecs of dropit_core.packing: exact round trips and exact byte counts."""
+"""Bit masks and value codecs of dropit_core.formats.bits: exact round trips and exact byte
+counts."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import math
 import pytest
 import torch
 
-from dropit_core.packing import (
-    VALUE_FORMATS,
-    ValueCodec,
+from dropit_core.formats.bits import (
     bit_positions,
     compact_bits,
     compact_into,
@@ -19,7 +18,8 @@ from dropit_core.packing import (
     unpack_bits,
     zero_flagged,
 )
-from dropit_core.quant_format import pack_codes, unpack_codes
+from dropit_core.formats.quant import pack_codes, unpack_codes
+from dropit_core.formats.values import VALUE_FORMATS, ValueCodec
 
 
 def _reference_pack(mask: torch.Tensor) -> torch.Tensor:
@@ -300,7 +300,12 @@ def test_pack_codes_order_is_low_bits_first() -> None:
 def test_the_relu_mask_packed_and_applied_by_slices_is_the_whole_maps() -> None:
     """pack_blocked and zero_flagged_sliced work a slice at a time (their temporaries stay a
     slice's): the same bytes and values as the one-pass forms, a ragged last slice included."""
-    from dropit_core.packing import MASK_SLICE, pack_blocked, zero_flagged, zero_flagged_sliced
+    from dropit_core.formats.bits import (
+        MASK_SLICE,
+        pack_blocked,
+        zero_flagged,
+        zero_flagged_sliced,
+    )
 
     gen = torch.Generator().manual_seed(0)
     n = 2 * MASK_SLICE + 13

@@ -22,7 +22,12 @@ from dropit_core import (
     is_dropit,
     to_dropit,
 )
-from dropit_core.patch import DropITConv2d, DropITConvTranspose2d, DropITLinear, DropITReLU
+from dropit_core.layers.modules import (
+    DropITConv2d,
+    DropITConvTranspose2d,
+    DropITLinear,
+    DropITReLU,
+)
 
 
 class Body(nn.Module):
@@ -697,7 +702,7 @@ def test_autocast_casts_are_asked_the_same_with_or_without_the_one_call_check(
 ) -> None:
     # ops.autocast_inputs asks torch's one-call "any autocast?" first; a torch without it asks
     # the device's own flag every time: the same casts either way, outside autocast and in it.
-    from dropit_core import ops
+    from dropit_core.layers import functions as ops
 
     if not one_call:
         monkeypatch.setattr(ops, "_any_autocast", ops._any_autocast_fallback)

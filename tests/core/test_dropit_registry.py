@@ -12,15 +12,9 @@ import torch
 
 from dropit_core import REGISTRY, STRATEGIES, Option, Registry, build_strategy
 from dropit_core import strategies as strategies_mod
-from dropit_core.base import (
-    COMMON_OPTIONS,
-    BlocksMeta,
-    ElementsMeta,
-    PoolMeta,
-    QuantMeta,
-    UnitsMeta,
-)
+from dropit_core.formats.packed import BlocksMeta, ElementsMeta, PoolMeta, QuantMeta, UnitsMeta
 from dropit_core.registry import DOCS_BEGIN, DOCS_END
+from dropit_core.strategies.base import COMMON_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/core/ is two below
 OPTIONS_DOC = ROOT / "docs" / "dropit.md"  # the generated strategy and option tables

@@ -1,5 +1,5 @@
-"""The exact k-th largest magnitude (dropit_core.select): the CPU's sampled bracket and the radix
-select that accelerators run (no host read).
+"""The exact k-th largest magnitude (dropit_core.strategies.select): the CPU's sampled bracket and
+the radix select that accelerators run (no host read).
 
 Small tensors with a small sample and slices exercise the same code the R50 layers run (where
 n is millions and the sample 64Ki); the reference is the published method's dense kthvalue.
@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from dropit_core import base as base_mod
 from dropit_core import build_strategy
-from dropit_core import elementwise as elementwise_mod
-from dropit_core import select as select_mod
-from dropit_core.select import (
+from dropit_core.formats import packed as base_mod
+from dropit_core.strategies import elementwise as elementwise_mod
+from dropit_core.strategies import select as select_mod
+from dropit_core.strategies.select import (
     kth_largest_abs,
     largest,
     radix_kth_largest_abs,

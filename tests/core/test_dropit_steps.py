@@ -228,8 +228,8 @@ def test_a_caches_keys_are_mix_seed_of_rank_stream_step_and_position() -> None:
     import pickle
 
     from dropit_core import build_strategy
-    from dropit_core.ops import InputCache
-    from dropit_core.seeds import mix_seed, mix_state
+    from dropit_core.formats.seeds import mix_seed, mix_state
+    from dropit_core.layers.functions import InputCache
 
     assert mix_state(mix_state(0, 3, 4), 5) >> 2 == mix_seed(3, 4, 5)
     cache = InputCache(build_strategy("quant", 0.8), stream=7)

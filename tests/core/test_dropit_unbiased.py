@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dropit_core import REGISTRY, build_strategy, from_dropit, set_step, to_dropit
-from dropit_core import base as base_mod
-from dropit_core.unbiased import water_level
+from dropit_core.formats import packed as base_mod
+from dropit_core.strategies.importance import water_level
 from tests.core.contracts import contract_layers
 
 UNBIASED = [

@@ -10,7 +10,7 @@ from instruments.commands.gpu_probe import main as probe_main
 from instruments.measure.gpu_probe import frame_of, launch_costs, live_at_peak
 
 TV = {"filename": "/site/torchvision/ops/feature_pyramid_network.py", "line": 194, "name": "fwd"}
-OURS = {"filename": "/work/main/dropit_core/ops.py", "line": 200, "name": "conv"}
+OURS = {"filename": "/work/main/dropit_core/layers/functions.py", "line": 200, "name": "conv"}
 TORCH = {"filename": "/site/torch/nn/functional.py", "line": 9, "name": "interpolate"}
 
 
@@ -41,7 +41,7 @@ def test_live_at_peak_ignores_frees_of_blocks_from_before_the_trace() -> None:
 
 def test_frame_of_names_the_innermost_frame_of_ours_or_torchvisions() -> None:
     assert frame_of([TORCH, TV, OURS]) == "torchvision/ops/feature_pyramid_network.py:194 fwd"
-    assert frame_of([OURS, TV]) == "dropit_core/ops.py:200 conv"
+    assert frame_of([OURS, TV]) == "dropit_core/layers/functions.py:200 conv"
     assert frame_of([TORCH]) == "(no frame of ours)"
 
 

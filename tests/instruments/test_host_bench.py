@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from dropit_core import current_settings, to_dropit
-from dropit_core.kernels import quant as kq
-from dropit_core.kernels import relu as kr
+from dropit_core.backends.triton import quant as kq
+from dropit_core.backends.triton import relu as kr
 from instruments.measure import host_bench
 
 
@@ -20,7 +20,7 @@ def test_stubbed_launches_take_the_kernel_path_and_launch_nothing(monkeypatch) -
         "__getitem__",
         lambda self, grid: grids.append(grid) or (lambda *a, **k: None),
     )
-    originals = (kq._quant_codes_kernel, kr._relu_mask_kernel)
+    originals = (kq.quant_codes_kernel, kr.relu_mask_kernel)
     torch.manual_seed(0)
     model = to_dropit(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1)),
                       strategy="quant", bits=4, strict=False)  # fmt: skip
@@ -31,17 +31,17 @@ def test_stubbed_launches_take_the_kernel_path_and_launch_nothing(monkeypatch) -
     # each conv's pack and rebuild, the ReLU's forward and backward: every wrapper reached its
     # launch with its grid, and nothing ran
     assert len(grids) == 6 and all(isinstance(g, tuple) and g[0] >= 1 for g in grids)
-    assert (kq._quant_codes_kernel, kr._relu_mask_kernel) == originals
+    assert (kq.quant_codes_kernel, kr.relu_mask_kernel) == originals
     assert current_settings().kernels == "auto"
 
 
 def test_stubbed_launches_put_everything_back_after_an_error() -> None:
     originals = [
-        getattr(m, k) for m, k in ((kq, "_quant_rebuild_kernel"), (kr, "_relu_mask_grad_kernel"))
+        getattr(m, k) for m, k in ((kq, "quant_rebuild_kernel"), (kr, "relu_mask_grad_kernel"))
     ]
     with pytest.raises(RuntimeError, match="boom"), host_bench.stubbed_launches():
         raise RuntimeError("boom")
-    assert [kq._quant_rebuild_kernel, kr._relu_mask_grad_kernel] == originals
+    assert [kq.quant_rebuild_kernel, kr.relu_mask_grad_kernel] == originals
     assert current_settings().kernels == "auto"
 
 

@@ -155,7 +155,7 @@ def test_quant_packs_the_same_bytes_on_cpu_and_cuda(dtype: torch.dtype) -> None:
 def test_elementwise_packs_the_same_bytes_on_cpu_and_cuda(monkeypatch, dtype, strategy, options):
     # The CPU's fixed-capacity pack (eager torch) and the CUDA one (the Triton compaction where
     # triton imports): the same kept set, slots, mask and draws (a hash of the element index).
-    from dropit_core import elementwise
+    from dropit_core.strategies import elementwise
 
     monkeypatch.setattr(elementwise, "fixed_capacity", lambda device: True)
     x = _input(torch.device("cpu"), (2, 16, 48, 48)).relu().to(dtype)

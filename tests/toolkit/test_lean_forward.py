@@ -1,4 +1,4 @@
-"""The lean forward (dropit_core.lean_detection): torchvision's detector bit for bit in fp32,
+"""The lean forward (dropit_core.detection.forward): torchvision's detector bit for bit in fp32,
 losses, gradients and detections, with and without DropIT and checkpointing, while the maps it
 hands over are released after their last use."""
 
@@ -19,8 +19,8 @@ from torchvision.models.detection.rpn import RPNHead
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
 
-from dropit_core import CompressSaved, lean_detector, ops, set_step, to_dropit
-from dropit_core.lean_detection import (
+from dropit_core import CompressSaved, lean_detector, set_step, to_dropit
+from dropit_core.detection.forward import (
     ConsumableMaps,
     LeanFeaturePyramidNetwork,
     LeanMaskRCNN,
@@ -30,6 +30,7 @@ from dropit_core.lean_detection import (
     _ReadersInputGrad,
     add_top_down,
 )
+from dropit_core.layers import functions as ops
 from rcnn_dropit.config import config_from_dict
 from rcnn_dropit.models import build_model
 from tests.core.allocations import allocations

@@ -66,7 +66,7 @@ def sample():
 def test_build_and_train_forward(arch: str, expected: set[str]):
     model, record = build_model(tiny_cfg(arch=arch))
     assert record == [] and record.settings == ()  # an empty DropITRecord, not a bare list
-    # torchvision's class, with the toolkit's lean forward (dropit_core.lean_detection)
+    # torchvision's class, with the toolkit's lean forward (dropit_core.detection.forward)
     plain = {"maskrcnn": "MaskRCNN", "fasterrcnn": "FasterRCNN"}[arch]
     assert type(model).__name__ == "Lean" + plain and type(model).__mro__[2].__name__ == plain
     assert isinstance(model.roi_heads.box_head, MLPHead)
@@ -365,8 +365,8 @@ def test_exported_backbone_loads_as_backbone_weights(tmp_path: Path):
 
 
 def test_dropit_norm_and_pool_convert_the_batchnorms_and_the_stem_max_pool():
-    from dropit_core.norm import DropITBatchNorm2d
-    from dropit_core.pooling import DropITMaxPool2d
+    from dropit_core.layers.norm import DropITBatchNorm2d
+    from dropit_core.layers.pooling import DropITMaxPool2d
 
     dropit = {"enabled": True, "strategy": "quant", "options": {"bits": 4}}
     cfg = tiny_cfg(norm="bn", trainable_layers=5, dropit={**dropit, "norm": True, "pool": True})
@@ -502,7 +502,7 @@ def test_group_norm_refuses_imagenet_weights_and_widths_it_cannot_split():
 
 
 def test_sync_bn_comes_before_dropit_so_the_synchronised_norms_are_dropits():
-    from dropit_core.norm import DropITSyncBatchNorm
+    from dropit_core.layers.norm import DropITSyncBatchNorm
 
     dropit = {"enabled": True, "strategy": "quant", "options": {"bits": 4}, "norm": True}
     model, record = build_model(tiny_cfg(heads="v2", dropit=dropit), sync_bn=True)

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from dropit_core import configure, dispatch, reset_settings
+from dropit_core import configure, reset_settings
+from dropit_core.backends import dispatch
 from tests.helpers import REPO
 
 SECTION = "## From COCO on 8 GPUs to a table of AP, memory and speed"

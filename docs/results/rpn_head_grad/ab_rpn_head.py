@@ -17,7 +17,7 @@ from unittest import mock
 import torch
 
 from dropit_core import lean_detection, set_step, to_dropit
-from dropit_core.lean_detection import LeanRPNHead
+from dropit_core.detection.forward import LeanRPNHead
 from tests.core.allocations import allocations
 
 

@@ -1,0 +1,564 @@
+"""A torchvision R-CNN forward that holds only what it needs: each map goes after its last use.
+
+The peak of a DropIT step is in the forward, and most of it is not what backward keeps but what
+the detector's Python still holds (docs/results/memory.md, "The forward's working set"): the
+backbone's C2-C5 through the whole FPN, the FPN's lateral, upsampled and summed maps at each
+level after their last reader, the pyramid P2-P6 through the mask head. The classes below are
+torchvision's own, with the same modules, parameters and ``state_dict`` keys; only ``forward``
+changes, and it computes the same ops in the same order, so outputs, losses and gradients are
+torchvision's bit for bit in fp32 (tests/toolkit/test_lean_forward.py), and DropIT's draws,
+keyed by the order of the packs, are the same too.
+
+- :class:`LeanBackboneWithFPN` hands the body's C2-C5 to the FPN as :class:`ConsumableMaps`: the
+  FPN drops each one as soon as its lateral conv has read it (what backward needs of it is that
+  conv's pack, or, without DropIT, the conv's own saved input).
+- :class:`LeanFeaturePyramidNetwork` adds the top-down map into the lateral in place, and where
+  the lateral is exactly twice the coarser map's size (always, for inputs padded to a multiple
+  of 32) it adds the nearest-upsampled map by broadcasting, without making it; its gradient is
+  the upsample's own backward. Its upsample runs outside autocast in the maps' dtype: CUDA
+  autocast would run it, and every sum after it, in fp32.
+- :class:`LeanGeneralizedRCNN` hands the pyramid to the heads as :class:`ConsumableMaps` whose
+  last reader, the last RoI pooler of the heads, empties it once it has pooled
+  (:class:`LeanMultiScaleRoIAlign`): the mask head runs without P2-P6 alive. The padded image
+  batch goes once the backbone has run: the heads read its shape alone.
+- :class:`LeanRPNHead` lets each level's conv map go once its predictors have read it, and in
+  the backward makes that map's gradient once, an image at a time (:class:`_ReadersInputGrad`),
+  where autograd makes one whole map per predictor and sums them.
+- :class:`LeanMultiScaleRoIAlign` under autocast pools a level a few images at a time, so the
+  fp32 copy ``roi_align`` makes of what it reads, and the fp32 gradient of it in the backward,
+  are never more than one image's finest level (torchvision's are the whole level's); the
+  same bits under CPU autocast too.
+
+A dict is consumed only inside these forwards: a user who calls ``model.backbone.fpn(maps)`` or
+``model.roi_heads(features, ...)`` with a dict of their own gets it back untouched. TorchScript
+is not supported by these forwards (``torch.jit.script`` needs torchvision's own classes).
+
+This module needs torchvision; ``dropit_core`` imports it only when a model has torchvision's
+modules (:func:`dropit_core.detection.lean.lean_detector`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torchvision.models.detection.backbone_utils import BackboneWithFPN
+from torchvision.models.detection.faster_rcnn import FasterRCNN
+from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
+from torchvision.models.detection.image_list import ImageList
+from torchvision.models.detection.keypoint_rcnn import KeypointRCNN
+from torchvision.models.detection.mask_rcnn import MaskRCNN
+from torchvision.models.detection.rpn import RPNHead
+from torchvision.ops.feature_pyramid_network import FeaturePyramidNetwork, LastLevelMaxPool
+from torchvision.ops.poolers import (
+    MultiScaleRoIAlign,
+    # torchvision's own, so the maps, RoIs and scales are picked and made as its pooler does
+    _convert_to_roi_format,
+    _filter_input,
+    _setup_scales,
+)
+
+from dropit_core.layers import functions as ops
+from dropit_core.layers.functions import ConvArgs
+
+
+class ConsumableMaps(OrderedDict):
+    """Feature maps handed over: the reader may drop each map after its last use.
+
+    ``last_reader``: the module whose call is the dict's last use (it empties the dict); None:
+    the reader drops the maps it has used (the FPN's inputs).
+    """
+
+    def __init__(self, maps: dict[str, Tensor], last_reader: nn.Module | None = None) -> None:
+        super().__init__(maps)
+        self.last_reader = last_reader
+
+
+class _AddUpsampled2x(torch.autograd.Function):
+    """``lateral += nearest_upsample(top, 2x)`` in place, without the upsampled map.
+
+    Each sum is the same single add as ``lateral + F.interpolate(top, size, mode="nearest")``;
+    the top map's gradient is ``upsample_nearest2d_backward`` of the sum's, the kernel
+    torchvision's upsample's backward runs, so both are bit-equal to torchvision's.
+    """
+
+    @staticmethod
+    def forward(ctx, lateral: Tensor, top: Tensor) -> Tensor:
+        n, c, h, w = top.shape
+        ctx.sizes = (list(lateral.shape[-2:]), [n, c, h, w])
+        grid = lateral.unflatten(3, (w, 2)).unflatten(2, (h, 2))  # n, c, h, 2, w, 2: a view
+        grid.add_(top[:, :, :, None, :, None])
+        ctx.mark_dirty(lateral)
+        return lateral
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        out_size, in_size = ctx.sizes
+        top = torch.ops.aten.upsample_nearest2d_backward(grad, out_size, in_size, None, None)
+        return grad, top
+
+
+def add_top_down(lateral: Tensor, top: Tensor) -> Tensor:
+    """``lateral + F.interpolate(top, size=lateral's, mode="nearest")``, in place into
+    ``lateral`` (a fresh map nothing else reads), in ``top``'s dtype outside autocast."""
+    h, w = lateral.shape[-2:]
+    if torch.compiler.is_compiling():
+        # The compiler fuses the upsample into the add (no map is made either way), and the
+        # in-place add into a strided view of the lateral broke Inductor's layout code under
+        # dynamic shapes (torch 2.14: "cannot determine truth value of Relational").
+        with torch.autocast(lateral.device.type, enabled=False):
+            return lateral + F.interpolate(top, size=(h, w), mode="nearest")
+    exact_2x = top.dim() == 4 and (h, w) == (2 * top.shape[-2], 2 * top.shape[-1])
+    if exact_2x and lateral.dtype == top.dtype and lateral.shape[:2] == top.shape[:2]:
+        return _AddUpsampled2x.apply(lateral, top)
+    with torch.autocast(lateral.device.type, enabled=False):
+        up = F.interpolate(top, size=(h, w), mode="nearest")
+    if up.dtype != lateral.dtype:  # what torchvision's out-of-place sum would promote to
+        return lateral + up
+    return lateral.add_(up)
+
+
+class LeanFeaturePyramidNetwork(FeaturePyramidNetwork):
+    """torchvision's FPN with the same modules and keys; the forward releases as it goes.
+
+    In fp32 and under CPU autocast its outputs and gradients are torchvision's bit for bit;
+    under CUDA autocast each level's top-down sum is an fp16/bf16 add where torchvision's
+    upsample promotes it to fp32 (the two largest blocks at an H200 step's peak were those
+    fp32 maps: docs/gpu.md).
+    """
+
+    def forward(self, x: dict[str, Tensor]) -> dict[str, Tensor]:
+        names = list(x)
+        feats: list[Tensor | None] = list(x.values())
+        if isinstance(x, ConsumableMaps):
+            x.clear()  # ``feats`` is now the maps' only holder here
+        else:
+            x = None  # the caller's dict stays as it is; only our list lets go
+        # Extra blocks other than torchvision's max pool may read the body's maps (P6/P7 read C5)
+        release = self.extra_blocks is None or type(self.extra_blocks) is LastLevelMaxPool
+        last = len(feats) - 1
+        inner = self.get_result_from_inner_blocks(feats[last], -1)
+        if release:
+            feats[last] = None
+        results = [self.get_result_from_layer_blocks(inner, -1)]
+        for idx in range(last - 1, -1, -1):
+            lateral = self.get_result_from_inner_blocks(feats[idx], idx)
+            if release:
+                feats[idx] = None
+            inner = add_top_down(lateral, inner)
+            del lateral
+            results.insert(0, self.get_result_from_layer_blocks(inner, idx))
+        del inner  # backward keeps what it needs of it (the layer conv's saved input or pack)
+        if self.extra_blocks is not None:
+            results, names = self.extra_blocks(results, feats, names)
+        return OrderedDict(zip(names, results, strict=True))
+
+
+class LeanBackboneWithFPN(BackboneWithFPN):
+    """torchvision's ResNet + FPN backbone; the body's maps are handed to the FPN to consume."""
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return self.fpn(ConsumableMaps(self.body(x)))
+
+
+class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
+    """torchvision's RoI pooler; when it is the last reader of handed-over maps, it empties them
+    once it has pooled.
+
+    Under autocast, ``roi_align`` pools in fp32: it casts the whole level it reads to fp32 first,
+    and at the finest level that copy (twice the fp16 map) was the largest block at the forward
+    peak of an H200 step (docs/results/gpu_h200_2026-11-28/probe_live.log); its backward makes
+    the level's gradient in fp32 beside its cast. Here each level is pooled a few images at a
+    time (:class:`_PoolByImage`), so that no copy or fp32 gradient is larger than one image's
+    finest level. Each RoI's bins read its own image alone and every value takes torchvision's
+    casts and kernels, so outputs and gradients are bit for bit torchvision's. Without autocast
+    (fp32, or a half model) nothing is copied and each level is pooled whole, through the same
+    Function: saved-tensor hooks (``compress_saved``) cannot make its RoIs lossy, and the levels
+    take one host sync, not one each. Compiling, tracing or with deterministic algorithms on a
+    GPU (where torchvision pools in Python), torchvision's own forward runs.
+    """
+
+    def forward(
+        self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]
+    ) -> Tensor:
+        maps = _filter_input(x, self.featmap_names)
+        if _pools_here(maps):
+            if self.scales is None or self.map_levels is None:
+                self.scales, self.map_levels = _setup_scales(
+                    maps, image_shapes, self.canonical_scale, self.canonical_level
+                )
+            out = self._pool_by_image(maps, boxes, cast=_autocast_casts(maps))
+        else:
+            out = super().forward(x, boxes, image_shapes)
+        del maps
+        if isinstance(x, ConsumableMaps) and x.last_reader is self:
+            x.clear()
+        return out
+
+    def _pool_by_image(self, maps: list[Tensor], boxes: list[Tensor], cast: bool) -> Tensor:
+        """torchvision's ``_multiscale_roi_align``; ``cast``: as autocast's ``roi_align``, in
+        fp32, each level in groups of images (else each level whole, in its dtype)."""
+        rois = _convert_to_roi_format(boxes)
+        images, levels_n = len(boxes), len(maps)
+        if levels_n == 1:
+            levels = torch.zeros(len(rois), dtype=torch.int64, device=rois.device)
+        else:
+            levels = self.map_levels(boxes)
+        # RoIs sorted by (level, image), stable: each group's RoIs are one slice of ``order``,
+        # in the order torchvision pools them. One host sync for all levels (torchvision's
+        # ``torch.where`` makes one per level).
+        key = levels * images + rois[:, 0].to(torch.int64)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=levels_n * images).tolist()
+        finest = maps[0][0].numel()  # the largest fp32 copy allowed: one image's finest level
+        plan, start = [], 0
+        for level, fmap in enumerate(maps):
+            group = max(1, finest // max(1, fmap[0].numel())) if cast else images
+            parts = []
+            for lo in range(0, images, group):
+                hi = min(images, lo + group)
+                n = sum(counts[level * images + lo : level * images + hi])
+                if n:  # images no RoI reads here get zeros in the backward, as torchvision's
+                    parts.append((lo, hi, start, start + n))
+                    start += n
+            plan.append(parts)
+        meta = (tuple(self.scales), tuple(self.output_size), self.sampling_ratio, plan, cast)
+        return _PoolByImage.apply(meta, rois, order, *maps)
+
+
+class _PoolByImage(torch.autograd.Function):
+    """torchvision's multi-level ``roi_align``, under autocast a group of images at a time.
+
+    Autocast's ``roi_align`` casts the level it reads to fp32, pools, and casts the pooled maps
+    back; here each group of images of a level is cast, pooled and written into the result in
+    turn, so one group's fp32 copy is alive at a time. The backward makes each level's gradient
+    once, in the level's dtype, and fills it group by group from that group's fp32 gradient
+    (torchvision's kernel, ``_roi_align_backward``), where torchvision's holds the level's whole
+    fp32 gradient beside its cast. Every value takes the same casts and kernels as torchvision's.
+    ``meta``: (scales, output size, sampling ratio, per level its groups (lo, hi, start, end):
+    images lo:hi, RoIs ``order[start:end]``, whether autocast casts: without it every value stays
+    in its dtype, as torchvision's ``roi_align`` runs then).
+    """
+
+    @staticmethod
+    def forward(ctx, meta, rois: Tensor, order: Tensor, *maps: Tensor) -> Tensor:
+        scales, size, sampling_ratio, plan, cast = meta
+        ctx.meta = meta
+        ctx.maps = [(m.shape, m.dtype) for m in maps]
+        # The RoIs saved as their bits in an integer view: saved-tensor hooks still count them,
+        # but compress_saved leaves integers alone, where it would keep coordinates as lossy
+        # 4-bit codes (and move every bilinear weight of the backward)
+        ctx.rois_dtype = rois.dtype
+        ctx.save_for_backward(rois.view(_BITS[rois.element_size()]), order)
+        result = maps[0].new_zeros((len(rois), maps[0].shape[1], *size))
+        with torch.autocast(maps[0].device.type, enabled=False):
+            for fmap, scale, parts in zip(maps, scales, plan, strict=True):
+                for lo, hi, start, end in parts:
+                    picked = order[start:end]
+                    part, part_rois = _operands(fmap[lo:hi], rois[picked], lo, cast)
+                    pooled = torch.ops.torchvision.roi_align(
+                        part, part_rois, scale, *size, sampling_ratio, False
+                    )
+                    del part  # the fp32 copy goes before the next group's is made
+                    result[picked] = pooled.to(fmap.dtype).to(result.dtype)
+                    del pooled
+        return result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        scales, size, sampling_ratio, plan, cast = ctx.meta
+        bits, order = ctx.saved_tensors
+        rois = bits.view(ctx.rois_dtype)
+        grads = []
+        for (shape, dtype), scale, parts, needed in zip(
+            ctx.maps, scales, plan, ctx.needs_input_grad[3:], strict=True
+        ):
+            if not needed:
+                grads.append(None)
+                continue
+            grad_map = None
+            done = 0
+            for lo, hi, start, end in parts:
+                picked = order[start:end]
+                part_grad, part_rois = _operands(grad[picked].to(dtype), rois[picked], lo, cast)
+                part = torch.ops.torchvision._roi_align_backward(
+                    part_grad, part_rois, scale, *size, hi - lo, *shape[1:], sampling_ratio, False
+                )
+                if (lo, hi) == (0, shape[0]) and part.dtype == dtype:
+                    grad_map = part  # the whole level in its dtype: the kernel's own, no copy
+                    done = hi
+                    continue
+                if grad_map is None:
+                    grad_map = grad.new_empty(shape, dtype=dtype)
+                grad_map[done:lo].zero_()
+                grad_map[lo:hi].copy_(part)
+                del part
+                done = hi
+            if grad_map is None:  # no RoI read this level
+                grad_map = grad.new_empty(shape, dtype=dtype)
+            grad_map[done:].zero_()
+            grads.append(grad_map)
+        return (None, None, None, *grads)
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
+
+
+def _operands(x: Tensor, rois: Tensor, lo: int, cast: bool) -> tuple[Tensor, Tensor]:
+    """``x`` and the RoIs of images ``lo``.. renumbered from 0 (the batch index is their first
+    column), both in fp32 where autocast would cast them."""
+    if lo:
+        rois = rois - rois.new_tensor([lo, 0.0, 0.0, 0.0, 0.0])
+    return (x.float(), rois.float()) if cast else (x, rois)
+
+
+def _pools_here(maps: list[Tensor]) -> bool:
+    """Whether :class:`_PoolByImage` pools these maps: not while compiling or tracing, nor
+    without torchvision's compiled ops or with deterministic algorithms on a GPU (torchvision
+    pools in Python then)."""
+    if not maps or not torchvision.extension._has_ops():
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torchvision._is_tracing():
+        return False
+    return maps[0].device.type == "cpu" or not torch.are_deterministic_algorithms_enabled()
+
+
+def _autocast_casts(maps: list[Tensor]) -> bool:
+    """Whether autocast casts any of these maps to fp32 inside ``roi_align``."""
+    narrow = any(m.dtype != torch.float32 for m in maps)
+    return narrow and torch.is_autocast_enabled(maps[0].device.type)
+
+
+class LeanRPNHead(RPNHead):
+    """torchvision's RPN head; each level's shared conv map goes once its two predictors have
+    read it (torchvision's loop keeps it until the next level's is made, so at P3 the P2 map,
+    the largest, was still alive), and in the backward the map's gradient is made once
+    (:class:`_ReadersInputGrad`), not once per predictor and then summed."""
+
+    def forward(self, x: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        logits, bbox_reg = [], []
+        for feature in x:
+            t = self.conv(feature)
+            readers = (self.cls_logits, self.bbox_pred)
+            if _one_input_grad(t, readers):
+                # The predictors read a detached alias: their nodes make only their weights'
+                # gradients, the map's comes from the Function (one pack still: both read it).
+                seen = t.detach()
+                outs = [reader(seen) for reader in readers]
+                args = tuple(_conv_args(reader) for reader in readers)
+                weights = tuple(reader.weight for reader in readers)
+                cls, box = _ReadersInputGrad.apply(t, weights, args, *outs)
+                del seen, outs
+            else:
+                cls, box = self.cls_logits(t), self.bbox_pred(t)
+            logits.append(cls)
+            bbox_reg.append(box)
+            del t  # backward keeps what it needs of it (the predictors' saved input or pack)
+        return logits, bbox_reg
+
+
+def _one_input_grad(t: Tensor, readers: tuple[nn.Module, ...]) -> bool:
+    """Whether the readers' input gradient is made by :class:`_ReadersInputGrad`: a training
+    step that needs it, eagerly (a compiled graph plans its own buffers), of 1x1 convs of
+    stride 1 (torchvision's predictors, DropIT's included: their input gradient an image at a
+    time is the batch's bit for bit, which a strided 3x3 conv's is not always on the CPU), on a
+    map autocast does not cast (a leaf's cast is shared by its readers, who then sum their
+    gradients before the cast's backward)."""
+    if not (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return False
+    device = t.device.type
+    if torch.is_autocast_enabled(device) and t.dtype != torch.get_autocast_dtype(device):
+        return False
+    return t.dim() == 4 and all(
+        isinstance(m, nn.Conv2d)
+        and tuple(m.kernel_size) == (1, 1)
+        and tuple(m.stride) == (1, 1)
+        and tuple(m.padding) == (0, 0)
+        and m.padding_mode == "zeros"
+        for m in readers
+    )
+
+
+def _conv_args(conv: nn.Conv2d) -> ConvArgs:
+    return ConvArgs(conv.stride, conv.padding, conv.dilation, False, (0, 0), conv.groups)
+
+
+class _ReadersInputGrad(torch.autograd.Function):
+    """The identity on the outputs of two convs that read one map ``t`` (through a detached
+    alias); its backward makes ``t``'s gradient, the sum of the convs' input gradients, into one
+    map a chunk of images at a time.
+
+    Autograd would have each conv's node make a whole input gradient and then add the two: at
+    the RPN head's P2 level two maps of the backward's largest size alive at once, and a third
+    for a moment (the CPU's kernel writes a map-sized scratch besides its output), the step's
+    peak with DropIT (docs/results/step_peak_bf16_cpu). Here each chunk (of at most
+    ``ops.SPLIT_BYTES`` of gradient, one image at P2) gets the first reader's term, then the
+    second's added into it: the map and two chunks alive. Each term is the transposed conv of
+    the chunk's output gradient (:func:`dropit_core.layers.functions.conv_input_grad`; of a 1x1
+    conv, the same bits whatever the chunk, as the tests check), cast to ``t``'s dtype as autograd's
+    cast would: with two terms the sum is autograd's bit for bit, whichever it adds first
+    (tests/toolkit/test_lean_forward.py). The weights are kept as they are (parameters) and
+    cast to the gradient's dtype here, as autocast cast them."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, weights: tuple[Tensor, ...], args: tuple, *outs: Tensor):
+        ctx.weights, ctx.args, ctx.t_shape, ctx.t_dtype = weights, args, t.shape, t.dtype
+        return tuple(out.view_as(out) for out in outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: Tensor):
+        terms = [
+            (g.contiguous(), w.to(g.dtype), a)
+            for g, w, a in zip(grads, ctx.weights, ctx.args, strict=True)
+            if g is not None
+        ]
+        if not terms or not ctx.needs_input_grad[0]:
+            return None, None, None, *grads
+        shape, dtype = ctx.t_shape, ctx.t_dtype
+        batch, image = shape[0], shape[1:]
+        chunk = max(1, ops.SPLIT_BYTES // max(math.prod(image) * terms[0][0].element_size(), 1))
+
+        def term(k: int, i: int, j: int) -> Tensor:
+            g, w, a = terms[k]
+            return ops.conv_input_grad(g[i:j], w, (j - i, *image), a).to(dtype)
+
+        if chunk >= batch:  # one chunk: the first term is the gradient
+            gt = term(0, 0, batch)
+            for k in range(1, len(terms)):
+                gt.add_(term(k, 0, batch))
+        else:
+            gt = terms[0][0].new_empty(shape, dtype=dtype)
+            for i in range(0, batch, chunk):
+                j = min(i + chunk, batch)
+                gt[i:j].copy_(term(0, i, j))
+                for k in range(1, len(terms)):
+                    gt[i:j].add_(term(k, i, j))
+        return gt, None, None, *grads
+
+
+def last_pooler(roi_heads: nn.Module) -> nn.Module | None:
+    """The RoI pooler that reads the pyramid last in torchvision's ``RoIHeads.forward`` (box,
+    then mask, then keypoint), or None when it is not a lean pooler or also pools earlier."""
+    poolers = [
+        getattr(roi_heads, name, None)
+        for name in ("box_roi_pool", "mask_roi_pool", "keypoint_roi_pool")
+    ]
+    poolers = [p for p in poolers if p is not None]
+    if not poolers or not isinstance(poolers[-1], LeanMultiScaleRoIAlign):
+        return None
+    last = poolers[-1]
+    return last if sum(p is last for p in poolers) == 1 else None
+
+
+class LeanGeneralizedRCNN(GeneralizedRCNN):
+    """torchvision's R-CNN wrapper (Faster, Mask, Keypoint R-CNN keep their classes' own
+    ``__init__``); its forward hands the pyramid to the heads, whose last pooler lets it go."""
+
+    def forward(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None):
+        if self.training:
+            _check_target_boxes(targets)
+        original_sizes = []
+        for image in images:
+            if image.dim() < 2:
+                raise ValueError(
+                    f"an image must have at least 2 dimensions (H, W last), got {image.shape}"
+                )
+            original_sizes.append((image.shape[-2], image.shape[-1]))
+        batch, targets = self.transform(images, targets)
+        _check_degenerate_boxes(targets)
+        features = self.backbone(batch.tensors)
+        if isinstance(features, Tensor):
+            features = OrderedDict([("0", features)])
+        features = ConsumableMaps(features, last_pooler(self.roi_heads))
+        # The heads read the padded batch's shape alone (the anchors' image size): a stand-in
+        # of that shape lets the pixels go (unless the stem conv trains and keeps them).
+        batch = ImageList(_shape_only(batch.tensors), batch.image_sizes)
+        proposals, proposal_losses = self.rpn(batch, features, targets)
+        detections, detector_losses = self.roi_heads(
+            features, proposals, batch.image_sizes, targets
+        )
+        del features
+        detections = self.transform.postprocess(detections, batch.image_sizes, original_sizes)
+        return self.eager_outputs({**detector_losses, **proposal_losses}, detections)
+
+
+def _shape_only(t: Tensor) -> Tensor:
+    """A tensor of ``t``'s shape, dtype and device holding one element (every stride 0)."""
+    return t.new_empty(()).expand(t.shape)
+
+
+def _check_target_boxes(targets: list[dict[str, Tensor]] | None) -> None:
+    """Training needs targets whose ``boxes`` are [N, 4] tensors."""
+    if targets is None:
+        raise ValueError("targets should not be None in training mode")
+    for target in targets:
+        boxes = target["boxes"]
+        if not isinstance(boxes, Tensor):
+            raise TypeError(f"target boxes must be a Tensor, got {type(boxes).__name__}")
+        if boxes.dim() != 2 or boxes.shape[-1] != 4:
+            raise ValueError(f"target boxes must have shape [N, 4], got {list(boxes.shape)}")
+
+
+def _check_degenerate_boxes(targets: list[dict[str, Tensor]] | None) -> None:
+    """Refuse a box of zero or negative width or height (after the transform's resize)."""
+    for index, target in enumerate(targets or []):
+        boxes = target["boxes"]
+        bad = boxes[:, 2:] <= boxes[:, :2]
+        if bad.any():
+            first = boxes[bad.any(dim=1)][0].tolist()
+            raise ValueError(
+                f"every box needs a positive width and height: target {index} has {first}"
+            )
+
+
+class LeanFasterRCNN(LeanGeneralizedRCNN, FasterRCNN):
+    """torchvision's Faster R-CNN with the lean forward."""
+
+
+class LeanMaskRCNN(LeanGeneralizedRCNN, MaskRCNN):
+    """torchvision's Mask R-CNN with the lean forward."""
+
+
+class LeanKeypointRCNN(LeanGeneralizedRCNN, KeypointRCNN):
+    """torchvision's Keypoint R-CNN with the lean forward."""
+
+
+# torchvision's class -> its lean form (a subclass: isinstance checks keep working)
+_LEAN: dict[type, type] = {
+    FeaturePyramidNetwork: LeanFeaturePyramidNetwork,
+    BackboneWithFPN: LeanBackboneWithFPN,
+    MultiScaleRoIAlign: LeanMultiScaleRoIAlign,
+    RPNHead: LeanRPNHead,
+    FasterRCNN: LeanFasterRCNN,
+    MaskRCNN: LeanMaskRCNN,
+    KeypointRCNN: LeanKeypointRCNN,
+    GeneralizedRCNN: LeanGeneralizedRCNN,
+}
+
+
+def lean_fpn(model: nn.Module) -> nn.Module:
+    """Make every torchvision ``FeaturePyramidNetwork`` of ``model`` lean, in place (only the
+    class changes); returns ``model``."""
+    for module in model.modules():
+        if type(module) is FeaturePyramidNetwork:
+            module.__class__ = LeanFeaturePyramidNetwork
+    return model
+
+
+def lean_forward(model: nn.Module, fpn: bool = True) -> nn.Module:
+    """Give every torchvision detector, ResNet-FPN backbone, FPN, RPN head and RoI pooler of
+    ``model`` its lean forward, in place (the same modules and parameters; only the class
+    changes, to a subclass); returns ``model``. ``fpn=False`` leaves the FPNs torchvision's. A
+    subclass of these of your own keeps its class."""
+    for module in model.modules():
+        cls = type(module)
+        if cls in _LEAN and (fpn or cls is not FeaturePyramidNetwork):
+            module.__class__ = _LEAN[cls]
+    return model

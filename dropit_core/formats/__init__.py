@@ -1,0 +1,36 @@
+"""Each pack format, specified once: the fields, sizes and rules every backend writes and reads.
+
+- :mod:`.packed`: :class:`~.packed.Packed`, the cache every strategy returns, and its metadata.
+- :mod:`.quant`: quant's format (codes, group minimum and step, the group rule) and its eager
+  reference pack and rebuild.
+- :mod:`.seeds`: the counter hash ``mix32`` and the seeds derived from it: the noise every
+  backend draws, bit for bit.
+- :mod:`.bits`: 1-bit position and ReLU masks, compaction of kept values, their rebuild.
+- :mod:`.values`: how sparse packs store their kept values (``same``, ``fp16``, ``bf16``,
+  ``int8``, ``int4``: symmetric, round to nearest; not quant's 4-bit codes).
+"""
+
+from dropit_core.formats.bits import (
+    bit_positions,
+    compact_bits,
+    pack_bits,
+    scatter_kept,
+    unpack_bits,
+    zero_flagged,
+)
+from dropit_core.formats.packed import Packed
+from dropit_core.formats.quant import buffers as quant_buffers
+from dropit_core.formats.values import VALUE_FORMATS, ValueCodec
+
+__all__ = [
+    "VALUE_FORMATS",
+    "Packed",
+    "ValueCodec",
+    "bit_positions",
+    "compact_bits",
+    "pack_bits",
+    "quant_buffers",
+    "scatter_kept",
+    "unpack_bits",
+    "zero_flagged",
+]

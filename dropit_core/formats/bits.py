@@ -1,0 +1,317 @@
+"""Compact encodings for a dropped cache: 1-bit position masks and narrow kept values.
+
+A kept element costs its value (4, 2, 1 or 1/2 byte) and the position mask costs 1 bit per
+element of the whole tensor, so at gamma=0.8 an fp32 cache costs 0.2 * 4 + 1/8 = 0.925 bytes per
+element instead of the published (1 - gamma) * (4 + 4) = 1.6 (value + int32 index).
+
+``int8``/``int4`` scale each chunk of kept values by its largest magnitude (one fp32 scale per
+chunk) and round to the nearest of 255 / 15 levels. Kept values are the large ones, so a
+chunk's range is narrow compared with the whole tensor's: ActNN-style group quantisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dropit_core.backends import native
+
+# Multiplying eight 0/1 bytes (read as one little-endian int64) by this constant gathers them into
+# the top byte, bit i coming from byte i: one multiply packs eight flags at memory speed.
+_GATHER = 0x0102040810204080
+
+
+def pack_bits(mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack a flat bool tensor into uint8, 8 flags per byte (little-endian bit order); ``out``:
+    the bytes' buffer (a slice of a pack's final one)."""
+    n = mask.numel()
+    pad = (-n) % 8
+    if pad:
+        mask = torch.cat([mask, mask.new_zeros(pad)])
+    if n + pad == 0:
+        return torch.empty(0, dtype=torch.uint8, device=mask.device) if out is None else out
+    mask = mask.contiguous()
+    if mask.data_ptr() % 8:  # reading bytes as int64 needs 8-byte alignment
+        mask = mask.clone()
+    words = mask.view(torch.uint8).view(torch.int64)
+    # int64 multiply wraps; the cast keeps the low byte, which drops the shift's sign bits.
+    gathered = (words * _GATHER) >> 56
+    return gathered.to(torch.uint8) if out is None else out.copy_(gathered)
+
+
+def _signed64(c: int) -> int:
+    """A 64-bit pattern as the int64 torch takes for it."""
+    return c - (1 << 64) if c >> 63 else c
+
+
+# Each byte's flags as eight bytes: the byte copied into all eight (a multiply, no carries), bit i
+# kept in byte i, then each byte's high bit set where it is not zero (+0x7F: no byte carries).
+_SPREAD = 0x0101010101010101
+_PICK = _signed64(0x8040201008040201)
+_LOW7 = 0x7F7F7F7F7F7F7F7F
+
+
+def _flag_words(bits: torch.Tensor) -> torch.Tensor:
+    """Each byte of ``bits`` as an int64 word whose byte i has its high bit set where flag i is:
+    six passes over words (an eighth of the flags' count each), where the broadcast shift of
+    every byte by each of eight amounts was several times slower on the CPU."""
+    words = bits.to(torch.int64) * _SPREAD  # int64 multiply wraps: bytes of 255 stay bytes
+    words &= _PICK
+    words += _LOW7
+    return words
+
+
+def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` flags as a flat bool tensor."""
+    words = _flag_words(bits)
+    words >>= 7  # the sign's copies land above bit 56, which the mask drops
+    words &= _SPREAD
+    return words.view(torch.bool).reshape(-1)[:n]
+
+
+# Integer dtypes of each float width: masks applied to bit patterns.
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# Elements per slice of the ReLU mask's pack and apply: a multiple of 8 (whole bytes of flags);
+# the temporaries of a slice (a byte and a few int64 words per element) stay a few MB.
+MASK_SLICE = 1 << 20
+
+
+def pack_blocked(out: torch.Tensor) -> torch.Tensor:
+    """``pack_bits((out <= 0).reshape(-1))``, a slice at a time: the same bytes, with the
+    comparison's and the packing's temporaries a slice's, not a whole map's (at the RPN's P2
+    conv they were the largest transients of a DropIT forward)."""
+    if native.takes(out):
+        return native.relu_mask(out)
+    flat = out.reshape(-1)
+    n = flat.numel()
+    if n <= MASK_SLICE:
+        return pack_bits(flat <= 0)
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=out.device)
+    for start in range(0, n, MASK_SLICE):
+        part = flat[start : start + MASK_SLICE]
+        pack_bits(part <= 0, out=bits[start // 8 : (start + part.numel() + 7) // 8])
+    return bits
+
+
+def zero_flagged_sliced(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """:func:`zero_flagged`, a slice at a time into one result: the same values, with the
+    flags' temporaries (a byte and a value's width per element) a slice's."""
+    if native.takes(values):
+        return native.relu_apply(values, bits)
+    n = values.numel()
+    if n <= MASK_SLICE:
+        return zero_flagged(values, bits)
+    flat = values.reshape(-1)
+    result = torch.empty(n, dtype=values.dtype, device=values.device)
+    for start in range(0, n, MASK_SLICE):
+        stop = min(start + MASK_SLICE, n)
+        result[start:stop] = zero_flagged(flat[start:stop], bits[start // 8 : (stop + 7) // 8])
+    return result.view(values.shape)
+
+
+def zero_flagged(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``values.masked_fill(flags, 0)`` for the flags packed in ``bits``, without a branch.
+
+    A masked fill branches on every element, and a ReLU's mask is random enough to defeat the
+    branch predictor: on the CPU it runs several times slower than a plain pass. Here each flag
+    becomes an integer of the values' width, all ones where the value passes and zero where it is
+    flagged, and one AND on the bit patterns applies it: passing NaN and inf stay as they are,
+    flagged elements become +0.0, exactly as ``masked_fill`` makes them.
+    """
+    words = _flag_words(bits)
+    words.bitwise_not_()  # high bit of each byte: the flag is clear (the value passes)
+    words >>= 7
+    words &= _SPREAD
+    words *= 0xFF  # passes -> 0xFF, flagged -> 0 (no byte carries)
+    # Read as int8, 0xFF is -1, and widening keeps it all ones.
+    flags = words.view(torch.int8).reshape(-1)[: values.numel()]
+    keep = flags.to(_SAME_WIDTH_INT[values.element_size()])
+    ints = values.view(keep.dtype)
+    return (ints & keep.view(values.shape)).view(values.dtype)
+
+
+_TABLES: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _byte_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(set bits of each byte value; for each byte value and bit j, 1 + the set bits below j
+    where bit j is set, and a large negative number where it is not)."""
+    key = (device, dtype)
+    if key not in _TABLES:
+        never = torch.iinfo(dtype).min + 1
+        rows = [
+            [(b & ((1 << j) - 1)).bit_count() + 1 if b >> j & 1 else never for j in range(8)]
+            for b in range(256)
+        ]
+        _TABLES[key] = (
+            torch.tensor([b.bit_count() for b in range(256)], dtype=dtype, device=device),
+            torch.tensor(rows, dtype=dtype, device=device),
+        )
+    return _TABLES[key]
+
+
+def _index_dtype(top: int) -> torch.dtype:
+    """int32 indices where the largest one, ``top``, fits (half the bytes), else int64."""
+    return torch.int32 if top < torch.iinfo(torch.int32).max else torch.int64
+
+
+def _set_per_byte(bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the mask bytes as table indices, how many flags each byte has set, as ``dtype``)."""
+    as_index = bits.to(torch.int32)
+    return as_index, _byte_tables(bits.device, dtype)[0].index_select(0, as_index)
+
+
+def bit_positions(
+    bits: torch.Tensor, n: int, base: int | torch.Tensor = 0, total: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the first ``n`` flags in ``bits``: ``base`` + 1 + how many flags are set before
+    it when it is set, else 0. Indexing ``cat([0], kept)`` with it rebuilds the dense tensor.
+    Also returns ``base`` + the flags set (a 0-dim tensor): the next slice's base, which never
+    leaves the device (``base`` may be such a tensor).
+
+    Computed per byte with two 256-entry tables and a prefix sum over the bytes, not the flags:
+    a prefix sum is serial, and eight times shorter is eight times cheaper. ``total``, the
+    largest index that can occur (default: ``base + n``; give it when ``base`` is a tensor),
+    picks int32 indices where they suffice.
+    """
+    dtype = _index_dtype(base + n if total is None else total)
+    as_index, per_byte = _set_per_byte(bits, dtype)
+    start = torch.cumsum(per_byte, 0, dtype=dtype)
+    end = (start[-1] if start.numel() else start.new_zeros(())) + base
+    start -= per_byte - base  # exclusive: the flags set in earlier bytes, plus base
+    pos = _byte_tables(bits.device, dtype)[1].index_select(0, as_index)
+    pos += start.unsqueeze(1)  # unset flags stay far below zero
+    return pos.view(-1)[:n].clamp_min_(0), end
+
+
+_SELECT: dict[torch.device, torch.Tensor] = {}
+
+
+def _select_table(device: torch.device) -> torch.Tensor:
+    """Entry 8 * b + r: the position in byte value b of its r-th set bit (0 past the last)."""
+    if device not in _SELECT:
+        rows = []
+        for b in range(256):
+            set_bits = [j for j in range(8) if b >> j & 1]
+            rows += set_bits + [0] * (8 - len(set_bits))
+        _SELECT[device] = torch.tensor(rows, dtype=torch.int32, device=device)
+    return _SELECT[device]
+
+
+def kept_indices(bits: torch.Tensor) -> torch.Tensor:
+    """The positions of the set flags in ``bits``, ascending: ``nonzero`` of the unpacked flags.
+
+    ``nonzero`` over the flags themselves branches on each one and is the slowest pass of a pack
+    on the CPU. Here it runs over the non-empty bytes only (8x fewer elements), and each kept
+    flag's position comes from gathers: which non-empty byte it falls in (a prefix sum over
+    marks at each byte's first output slot), and where in that byte (a 256 x 8 table).
+    Indices are int32 when they fit, else int64 (``index_select`` takes either).
+    """
+    dtype = _index_dtype(8 * bits.numel())
+    as_index, per_byte = _set_per_byte(bits, dtype)
+    nonempty = torch.nonzero(per_byte).squeeze(1)
+    if nonempty.numel() == 0:
+        return torch.empty(0, dtype=dtype, device=bits.device)
+    per_nonempty = per_byte.index_select(0, nonempty)
+    start = torch.cumsum(per_nonempty, 0, dtype=dtype)
+    count = int(start[-1])
+    start -= per_nonempty  # each non-empty byte's first output slot
+    mark = torch.zeros(count, dtype=dtype, device=bits.device)
+    mark.index_fill_(0, start[1:].long(), 1)
+    ordinal = torch.cumsum(mark, 0, dtype=dtype)  # output slot -> which non-empty byte
+    del mark
+    # 8 * byte value - first slot, per non-empty byte: + the slot gives the select-table entry.
+    code = as_index.index_select(0, nonempty).to(dtype) * 8 - start
+    code = code.index_select(0, ordinal)
+    code += torch.arange(count, dtype=dtype, device=bits.device)
+    out = nonempty.to(dtype).mul_(8).index_select(0, ordinal)
+    out += _select_table(bits.device).index_select(0, code)
+    return out
+
+
+def scatter_kept(
+    bits: torch.Tensor | None,
+    kept: torch.Tensor,
+    n: int,
+    slice_len: int,
+    slice_bits: Callable[[int, int], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The dense flat tensor of n elements whose set flags take ``kept`` in order, zeros elsewhere.
+
+    ``torch.zeros(n).masked_scatter_(mask, kept)`` branches on every flag (slow on a CPU for a
+    random mask) and needs the mask unpacked to bytes; here each slice of ``slice_len`` flags (a
+    multiple of 8) becomes gather indices (:func:`bit_positions`) and one ``index_select`` writes
+    it, index 0 reading a zero. Where a slice starts in ``kept`` is counted on the device: no
+    host read. ``kept`` may end with unused slots (a pack's capacity). ``slice_bits(start,
+    length)``, when given, supplies each slice's packed flags instead of ``bits`` (a mask
+    rebuilt from a seed); flags past ``kept``'s last slot rebuild as zeros then.
+    """
+    slots = kept.numel()
+    # Index 0, and slots + 1 (flags past the last slot, when flags are rebuilt), read a zero.
+    zero = kept.new_zeros(1)
+    padded = torch.cat([zero, kept] if slice_bits is None else [zero, kept, zero])
+    dense = torch.empty(n, dtype=kept.dtype, device=kept.device)
+    top = slots + 1 if slice_bits is None else max(slots, n) + 1  # the largest index that occurs
+    base: int | torch.Tensor = 0
+    for start in range(0, n, slice_len):
+        length = min(slice_len, n - start)
+        if slice_bits is None:
+            piece = bits[start // 8 : (start + length + 7) // 8]
+        else:
+            piece = slice_bits(start, length)
+        pos, base = bit_positions(piece, length, base, total=top)
+        if slice_bits is not None:
+            pos.clamp_max_(slots + 1)
+        torch.index_select(padded, 0, pos, out=dense[start : start + length])
+    return dense
+
+
+def compact(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values[mask]`` for flat tensors (the CPU's compaction: its size is read on the host)."""
+    return values[mask]
+
+
+def compact_into(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor,
+    base: torch.Tensor,
+    flags: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Write ``values[mask]`` (flat) into ``out`` from slot ``base`` (a 0-dim int64 tensor) on.
+
+    Nothing here depends on a data-dependent size, so on CUDA it never waits for the device.
+    ``out``'s last slot takes what does not fit (nothing there is read): values past the other
+    slots are not stored, the later ones in flat order. Returns (with ``flags``, which values
+    were stored, a bool tensor of ``values``' length; the next base; how many ``mask`` flagged).
+    """
+    length, capacity = values.numel(), out.numel() - 1
+    dev = values.device
+    stored_flags = None
+    if flags:  # + a slot that the positions past the capacity set
+        stored_flags = torch.zeros(length + 1, dtype=torch.bool, device=dev)
+    flagged = torch.count_nonzero(mask)
+    size = min(length, capacity)
+    if size == 0:
+        return (None if stored_flags is None else stored_flags[:length]), base, flagged
+    # The first `size` flagged positions in order, then -1: a fixed-size output.
+    idx = torch.nonzero_static(mask, size=size, fill_value=-1).squeeze(1)
+    kept = values.index_select(0, idx.clamp_min(0))
+    stored = torch.minimum((capacity - base).clamp_min_(0), flagged)  # how many of them fit
+    slot = torch.arange(size, dtype=torch.int32, device=dev)
+    skip = slot >= stored
+    slot += base
+    out.index_put_((slot.masked_fill_(skip, capacity),), kept)
+    if stored_flags is None:
+        return None, base + stored, flagged
+    stored_flags.index_fill_(0, idx.masked_fill_(skip, length), True)
+    return stored_flags[:length], base + stored, flagged
+
+
+def compact_bits(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``values[unpack_bits(bits, n)]`` for a flat tensor of n values: the CPU's compaction when
+    the mask is packed anyway (about 0.7x the time of a boolean index; :func:`kept_indices`)."""
+    return values.index_select(0, kept_indices(bits))

@@ -1,0 +1,243 @@
+"""quant's pack format, specified once, and its eager reference: what every path writes.
+
+A pack of ``n`` values read as ``dtype`` (a layer's fp32 input, or the bf16/fp16 values an
+autocast op computed with), in groups of ``group`` consecutive values (the last may be shorter),
+is three tensors, in this order in :class:`dropit_core.formats.packed.Packed` (``values, scales,
+mins``):
+
+- ``values``: uint8[:func:`code_bytes` (n, bits)], the codes packed ``8 // bits`` per byte, the
+  first in the low bits; a last partial byte is padded with zero codes. A group's codes start on
+  a byte when ``group % (8 // bits) == 0`` (:func:`whole_bytes`): the only groups the C loops
+  and the Triton kernels take; others pack eagerly, in the same format.
+- ``scales``: fp32[groups], the group's step: ``max((max - min) * inv_levels(bits), tiny)``,
+  ``inv_levels`` the fp32 rounding of ``1 / (2**bits - 1)``, ``tiny`` fp32's smallest normal.
+- ``mins``: fp32[groups], the group's minimum.
+
+Code of element ``i``: ``floor(min((x - min) / step + u_i, 2**bits - 1))``, ``u_i`` its draw,
+:func:`dropit_core.formats.seeds.hash_bits` ``(seed, i) * 2**-24``: ``(mix32(i mod 4096 + k0) ^
+mix32(i >> 12 + k1)) >> 8``, ``(k0, k1) = seeds.hash_keys(seed)``; the constants are seeds.py's.
+Rebuilt: ``code * step + min`` in fp32, then cast to ``dtype``. No fused multiply-add anywhere.
+
+Implementations, each tested byte for byte against this module: :mod:`dropit_core.backends.native`
+(``native.c``: the CPU), :mod:`dropit_core.backends.triton.quant` (Triton: CUDA), and
+:func:`dropit_core.layers.library.quant_fields` (plain torch ops Inductor fuses under
+``DROPIT_FUSE``).
+:class:`dropit_core.strategies.quant.Quant` chooses among them.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from dropit_core.formats import packed as base
+from dropit_core.formats.packed import tiny
+from dropit_core.formats.seeds import UNIFORM_BITS, hash_bits
+
+MAX_KERNEL_GROUP = 8192  # values of a group one Triton program holds in its registers
+
+# Codes per byte -> the integer of that many bytes, and the shifts that gather its bytes' codes
+# into the low byte: a word of codes c_j (byte j) OR-ed with itself shifted right by
+# j * (8 - bits) has c_j at bit j * bits of its low byte (the other shifted copies land above it
+# or on zero bits, as every code is below 2**bits).
+_WORDS = {2: (torch.int16, (4,)), 4: (torch.int32, (6, 12, 18))}
+
+
+def code_bytes(elements: int, bits: int) -> int:
+    """Bytes that :func:`pack_codes` makes of ``elements`` codes of ``bits`` bits."""
+    return (elements * bits + 7) // 8
+
+
+@cache  # per pack on the kernels' path: a torch.tensor per call otherwise
+def inv_levels(bits: int) -> float:
+    """1 / (2**bits - 1) rounded to fp32: quant's step is ``(max - min) * inv_levels(bits)`` on
+    every path (a multiply by the rounded reciprocal, the same on every device)."""
+    return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
+
+
+def whole_bytes(bits: int, group: int) -> bool:
+    """Whether each group's codes fill whole bytes (what the C loops and kernels take)."""
+    return group % (8 // bits) == 0
+
+
+def kernels_take(bits: int, group: int) -> bool:
+    """Whether the Triton kernels pack this setting: each group's codes whole bytes, and a group
+    small enough for one program's registers; other settings run eager (same format)."""
+    return whole_bytes(bits, group) and group <= MAX_KERNEL_GROUP
+
+
+def slice_len(group: int) -> int:
+    """Elements per slice of the eager path: whole groups and whole code bytes."""
+    return group * 8 * max(1, base.SLICE // (group * 8))
+
+
+def buffers(
+    n: int, bits: int, group: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final (codes, mins, scales) buffers of a pack of n values: every path writes its pack
+    into these, once (no concatenation, no second copy)."""
+    groups = -(-n // group)
+    return (
+        torch.empty(code_bytes(n, bits), dtype=torch.uint8, device=device),
+        torch.empty(groups, dtype=torch.float32, device=device),
+        torch.empty(groups, dtype=torch.float32, device=device),
+    )
+
+
+def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack a flat uint8 tensor of ``bits``-bit codes (2, 4 or 8; each below ``2**bits``) into
+    bytes, the first code in the low bits; a last partial byte is padded with zero codes.
+    ``out``: the bytes' buffer.
+
+    Over whole words (two or four codes each), not strided bytes: three to five passes of a
+    quarter or half the codes' count, where the strided byte passes were twice as slow."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes if out is None else out.copy_(codes)
+    pad = (-codes.numel()) % per_byte
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    codes = codes.contiguous()
+    if codes.data_ptr() % per_byte:  # reading bytes as wider words needs their alignment
+        codes = codes.clone()
+    word_dtype, shifts = _WORDS[per_byte]
+    words = codes.view(word_dtype)
+    gathered = words >> shifts[0]
+    gathered |= words
+    for shift in shifts[1:]:
+        gathered |= words >> shift
+    # Integer narrowing keeps the low byte (modulo 2**8): the gathered codes.
+    return gathered.to(torch.uint8) if out is None else out.copy_(gathered)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the first ``n`` codes as a flat uint8 tensor.
+
+    Each byte widened to a word and OR-ed with itself shifted left by j * (8 - bits): byte j of
+    the word then holds code j in its low bits, which one mask keeps (the inverse of the pack's
+    gather; a few passes over words, where a broadcast shift per code was slower)."""
+    if bits == 8:
+        return packed[:n]
+    per_byte = 8 // bits
+    word_dtype, shifts = _WORDS[per_byte]
+    byte = packed.to(word_dtype)
+    words = byte << shifts[0]
+    words |= byte
+    for shift in shifts[1:]:
+        words |= byte << shift
+    words &= int.from_bytes(bytes([(1 << bits) - 1] * per_byte), "little")
+    return words.view(torch.uint8)[:n]
+
+
+def pack_eager(
+    flat: torch.Tensor,
+    seed: int,
+    bits: int,
+    group: int,
+    cast: torch.dtype | None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """The reference pack of the flat ``flat`` (read as ``cast`` values where given) into the
+    final buffers ``out`` (codes, mins, scales), slice by slice: per slice a few temporaries,
+    nothing of the whole size."""
+    step = slice_len(group)
+    for start in range(0, flat.numel(), step):
+        _pack_slice(flat[start : start + step], start, seed, bits, group, cast, out)
+
+
+def _pack_slice(
+    piece: torch.Tensor,
+    start: int,
+    seed: int,
+    bits: int,
+    group: int,
+    cast: torch.dtype | None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """Pack the values of one slice from element ``start`` (whole groups, a last partial group
+    at the end only) into their places in the final buffers."""
+    codes, mins, scales = out
+    length = piece.numel()
+    first, last = start * bits // 8, code_bytes(start + length, bits)
+    # 8-bit codes are their bytes: written in place. Narrower: a byte per code, then packed.
+    code = codes[first:last] if bits == 8 else piece.new_empty(length, dtype=torch.uint8)
+    noise = hash_bits(seed, start, length, piece.device)
+    for at, width, groups in _group_rows(start, length, group):
+        rows = piece[at].view(-1, width)
+        quantize(rows, noise[at], bits, (code[at], mins[groups], scales[groups]), cast)
+    if bits != 8:
+        pack_codes(code, bits, codes[first:last])
+
+
+def _group_rows(start: int, length: int, group: int) -> list[tuple[slice, int, slice]]:
+    """How ``length`` values from element ``start`` (on a group's first value) lie in groups:
+    the whole groups as rows, then a last partial group (its range is its own), each as (the
+    values' slice within the range, the row width, the groups' slice in the pack)."""
+    whole = length // group * group
+    g0 = start // group
+    parts = []
+    for lo, hi in ((0, whole), (whole, length)):
+        if hi > lo:
+            width = min(group, hi - lo)
+            r0 = g0 + lo // group
+            parts.append((slice(lo, hi), width, slice(r0, r0 + (hi - lo) // width)))
+    return parts
+
+
+def quantize(
+    rows: torch.Tensor,
+    noise: torch.Tensor,
+    bits: int,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    cast: torch.dtype | None = None,
+) -> None:
+    """Codes of ``rows`` (one group each) into ``out``'s codes (a byte per code), their minimum
+    and step into its mins and scales: the same fp32 operations, in the same order, as the
+    Triton kernel and the C loops. ``cast``: the values are read as that dtype's (rounded to it
+    first)."""
+    code, mins, scales = out
+    g = (rows if cast is None else rows.to(cast)).float()
+    # Two reductions, not aminmax: over rows of a group, torch's CPU aminmax was 9x slower.
+    torch.amin(g, 1, out=mins)
+    torch.amax(g, 1, out=scales)
+    # Times the fp32 1/levels, not divided by levels: CUDA's torch turns a division by a
+    # scalar into that product anyway, and the kernels compute it alike everywhere.
+    scales.sub_(mins).mul_(inv_levels(bits)).clamp_min_(tiny(torch.float32))
+    y = torch.sub(g, mins[:, None]).div_(scales[:, None])  # in [0, levels]: the exact code
+    # floor(y + u), u = noise * 2**-24 (exact): y rounded up with probability equal to its
+    # remainder. y + u >= 0, so the uint8 cast's truncation is the floor; clamping first
+    # gives what the kernel's floor-then-clamp gives.
+    y.add_(noise.view_as(y), alpha=2.0**-UNIFORM_BITS).clamp_max_((1 << bits) - 1)
+    # Via int16 (the same truncation, every code fits): torch's CPU float -> uint8 cast is
+    # several times slower than float -> int16 and int16 -> uint8 together.
+    code.copy_(y.view(-1).to(torch.int16))
+
+
+def fields(
+    packed: base.Packed, start: int, stop: int, bits: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of the codes, minimums and steps of elements ``[start, stop)`` of ``packed``
+    (``start`` on a whole group and code byte)."""
+    first, last = start // group, -(-stop // group)
+    values = packed.values[start * bits // 8 : code_bytes(stop, bits)]
+    return values, packed.mins[first:last], packed.scales[first:last]
+
+
+def rebuild_eager(
+    packed: base.Packed, start: int, length: int, bits: int, group: int, dense: torch.Tensor
+) -> None:
+    """The reference rebuild of ``length`` values from element ``start`` (on a whole group and
+    byte) into ``dense``."""
+    code = unpack_codes(
+        packed.values[start * bits // 8 : code_bytes(start + length, bits)], bits, length
+    )
+    # fp32 output: rebuilt in place in its final buffer; narrower: via an fp32 slice.
+    out = dense[start : start + length]
+    values = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
+    values.copy_(code)
+    for at, width, groups in _group_rows(start, length, group):
+        rows = values[at].view(-1, width)
+        rows.mul_(packed.scales[groups, None]).add_(packed.mins[groups, None])
+    if values is not out:
+        out.copy_(values)

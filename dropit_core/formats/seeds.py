@@ -1,0 +1,126 @@
+"""Seeds for reproducible random packs: one integer hash of (strategy seed, step, pack, ...).
+
+A strategy that draws (random keeps, importance sampling, stochastic rounding) seeds each pack
+from its ``seed`` option and a key that :class:`dropit_core.layers.functions.InputCache` derives
+from the
+training step and the pack's position in that step's forward. Plain Python integers: no
+generator state to save in a checkpoint, nothing read from a device.
+
+:func:`hash_uniform` is the counter-based draw: a pure function of (seed, element index), the
+same numbers in eager torch (int64 arithmetic here) and in Triton (uint32, in
+:mod:`dropit_core.backends.triton`), whatever the slice or block an element falls in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """One step of SplitMix64 (Steele, Lea and Flood 2014): a bijective 64-bit mixer."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def mix_seed(*parts: int) -> int:
+    """A seed in [0, 2**62) that depends on every part and on their order.
+
+    Below 2**62 so that a slice offset (a few billion at most) can be added and the sum still
+    fits ``torch.Generator.manual_seed``.
+    """
+    return mix_state(0, *parts) >> 2
+
+
+def mix_part(state: int, part: int) -> int:
+    """``mix_state(state, part)`` of one part in [0, 2**64), without the loop (each pack of each
+    layer folds in its position and its key: host time)."""
+    return _splitmix64(state ^ part)
+
+
+def mix_state(state: int, *parts: int) -> int:
+    """The 64-bit state :func:`mix_seed` folds its parts into, from ``state`` on:
+    ``mix_seed(a, b, c) == mix_state(mix_state(0, a, b), c) >> 2``. A caller that mixes many
+    seeds with one prefix folds the prefix once (every layer's pack, every step: host time)."""
+    for part in parts:
+        state = _splitmix64(state ^ (part & _MASK64))
+    return state
+
+
+# The 32-bit mixer: two xorshift-multiply rounds (hash-prospector's best two-round constants).
+# Both multipliers are below 2**31, so a 32-bit value times one stays below 2**63: torch's int64
+# arithmetic never overflows, and masking to 32 bits gives the uint32 product Triton computes.
+MIX_MUL1 = 0x21F0AAAD
+MIX_MUL2 = 0x735A2D97
+MASK32 = 0xFFFFFFFF
+KEY_SALT = 0x9E3779B9  # keeps the key of index word 0 away from mix32(0) == 0
+UNIFORM_BITS = 24  # a 24-bit integer times 2**-24: exact in fp32, in [0, 1)
+TABLE_BITS = 12  # the draw XORs a hash of the index's low 12 bits with one of the rest
+
+
+def mix32(x: int | torch.Tensor) -> int | torch.Tensor:
+    """The 32-bit mixer, a bijection of [0, 2**32), on a Python int or, in place, on an int64
+    tensor of such values (the caller's scratch: one temporary a step, no more): the one Python
+    form of the mixer that native.c and kernels/noise.py write in their languages."""
+    x ^= x >> 16
+    x *= MIX_MUL1
+    x &= MASK32
+    x ^= x >> 15
+    x *= MIX_MUL2
+    x &= MASK32
+    x ^= x >> 15
+    return x
+
+
+def hash_key(seed: int, index_hi: int) -> int:
+    """The 32-bit key of a seed's draws for elements ``index_hi * 2**32`` onward."""
+    lo, hi = seed & MASK32, (seed >> 32) & MASK32
+    return mix32(mix32(hi ^ mix32((index_hi + KEY_SALT) & MASK32)) ^ lo)
+
+
+def hash_keys(seed: int) -> tuple[int, int]:
+    """The two 32-bit keys of a pack seed's draws (:func:`hash_bits`' k0 and k1): what every
+    path that hashes element indices itself (Triton, the C loops, the fused Inductor pack) takes.
+    ``(hash_key(seed, 0), hash_key(seed, 1))``, their salted index words mixed once at import
+    (every pack of every layer asks: host time)."""
+    lo, hi = seed & MASK32, (seed >> 32) & MASK32
+    return mix32(mix32(hi ^ _SALTED_0) ^ lo), mix32(mix32(hi ^ _SALTED_1) ^ lo)
+
+
+_SALTED_0, _SALTED_1 = mix32(KEY_SALT), mix32(1 + KEY_SALT)
+
+
+def _table(key: int, first: int, count: int, device: torch.device) -> torch.Tensor:
+    """``mix32((first + j + key) mod 2**32) >> 8`` for j < count, as int32."""
+    x = torch.arange(first + key, first + key + count, dtype=torch.int64, device=device)
+    return (mix32(x.bitwise_and_(MASK32)) >> (32 - UNIFORM_BITS)).to(torch.int32)
+
+
+def hash_bits(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
+    """The 24-bit integers (int32) behind :func:`hash_uniform`: element i of a pack seeded
+    ``seed`` draws ``(mix32(i mod 4096 + k0) ^ mix32(i >> 12 + k1)) >> 8`` (sums modulo 2**32;
+    k0, k1 = hash_key(seed, 0 and 1)), for i below 2**44.
+
+    A pure function of (seed, i), which the Triton kernels compute per element. Here it is two
+    small tables (4096 entries, and one per 4096 elements) and one broadcast XOR: a single pass
+    over the output, where hashing every index would take a dozen int64 passes.
+    """
+    if start + length > 1 << 44:
+        raise ValueError("hash_bits draws for element indices below 2**44")
+    first_row = start >> TABLE_BITS
+    rows = ((start + length - 1) >> TABLE_BITS) + 1 - first_row if length else 0
+    offset = start - (first_row << TABLE_BITS)
+    high = _table(hash_key(seed, 1), first_row, rows, device)
+    if rows <= 1:  # within one row (a group's tail, say): the low entries it needs, no more
+        return _table(hash_key(seed, 0), offset, length, device) ^ high
+    low = _table(hash_key(seed, 0), 0, 1 << TABLE_BITS, device)
+    return (high[:, None] ^ low[None, :]).view(-1)[offset : offset + length]
+
+
+def hash_uniform(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
+    """``length`` fp32 numbers uniform in [0, 1) for flat elements ``start`` onward of a pack
+    seeded ``seed``: :func:`hash_bits` times 2**-24 (exact in fp32)."""
+    return hash_bits(seed, start, length, device).float().mul_(2.0**-UNIFORM_BITS)

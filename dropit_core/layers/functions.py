@@ -1,0 +1,487 @@
+"""Autograd functions: convolution and linear layers that keep a dropped input, and a ReLU that
+keeps a 1-bit mask of its output.
+
+The forward output is exactly the plain op's. The input gradient needs only the weight, and the
+bias gradient only the output gradient, so both are exact; only the weight gradient is computed
+from the rebuilt (dropped) input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from dropit_core.backends import dispatch
+from dropit_core.formats.bits import pack_blocked, zero_flagged_sliced
+from dropit_core.formats.packed import Packed, refuse_double_backward, tag_pack
+from dropit_core.formats.seeds import mix_part, mix_state
+from dropit_core.layers.hooked import SavedInputHooks
+from dropit_core.strategies.base import Strategy
+
+# The caches by number: a torch.library operator takes plain values (dropit_core.layers.library),
+# and names a cache by its number, for as long as the cache lives.
+_CACHES: weakref.WeakValueDictionary[int, InputCache] = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count(1)
+
+# The attribute of a layer input that holds its pack: (forward, version, layout, dtype, pack).
+# Forward numbers are unique across caches, so two caches never take each other's pack.
+_SHARED = "_dropit_shared_pack"
+_FORWARDS = itertools.count(1)
+
+
+def _number(cache: InputCache) -> int:
+    number = next(_NUMBERS)
+    _CACHES[number] = cache
+    return number
+
+
+def cache_by_number(number: int) -> InputCache:
+    """The live :class:`InputCache` numbered ``number`` (its ``number`` attribute)."""
+    cache = _CACHES.get(number)
+    if cache is None:
+        raise RuntimeError(f"DropIT: the input cache #{number} of a compiled graph is gone")
+    return cache
+
+
+class InputCache:
+    """Packs layer inputs with one strategy, sharing a pack between layers fed the same tensor.
+
+    In a ResNet the block input feeds conv1 and the downsample conv, and FPN reads the same stage
+    outputs; in the RPN head one tensor feeds two convs. Packing it once halves or thirds both the
+    work and the bytes. The pack rides on the input tensor itself (an attribute, tagged with the
+    cache and its forward): it dies with the tensor, and a backward or a new step makes it stale.
+    An attribute costs a tenth of a microsecond to read or write; the weak-keyed dictionary it
+    replaced cost microseconds per layer, and a callback as each input died (host time that a
+    GPU step waits on: docs/gpu.md).
+
+    It also says where the packs are in their random streams: each pack that draws is keyed by
+    (rank, ``stream``, step, its position among this step's packs). The forward order is
+    deterministic, so the position names the layer and the call; :meth:`set_step` (called through
+    ``dropit_core.set_step`` before each forward) makes a resumed run draw what the original drew.
+    Without it the position keeps counting, so every pack still draws afresh.
+
+    ``dropped`` sums, on the device, the values its packs chose but could not store (packs sized
+    from the shape: :mod:`dropit_core.strategies.elementwise`); None until a pack reports some.
+    """
+
+    def __init__(self, strategy: Strategy, stream: int = 0) -> None:
+        self.strategy = strategy
+        self.stream = stream  # tells the caches of one model apart (one per rule)
+        self.step = 0
+        self.rank = 0
+        self.position = 0
+        self._prefix = mix_state(0, self.rank, self.stream, self.step)
+        self._forward = next(_FORWARDS)  # names this cache's current forward on its packs
+        self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.dropped: torch.Tensor | None = None
+        self.number = _number(self)  # how the torch.library operators name it (traced.py)
+        self.saved_hooks = SavedInputHooks(self)  # its convs' path without a Function (hooked.py)
+
+    def set_step(self, step: int, rank: int = 0) -> None:
+        """Start the random streams of training step ``step`` (on process ``rank``).
+
+        Packs of earlier steps are forgotten: a tensor fed again (a fixed input) packs afresh.
+        """
+        self.step, self.rank, self.position = step, rank, 0
+        self._prefix = mix_state(0, rank, self.stream, step)
+        self._forward = next(_FORWARDS)
+
+    def next_key(self) -> int:
+        """The key of the next pack that draws, and move on."""
+        # mix_seed(rank, stream, step, position), its first three parts folded in set_step
+        key = mix_part(self._prefix, self.position) >> 2
+        self.position += 1
+        return key
+
+    def cast_param(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
+        once per FPN level), as autocast's own weight cache does for the plain layer.
+
+        The cast is held weakly: the autograd graph keeps it alive through the forward and lets
+        it go with the graph, so no copy of the weights outlives a step.
+        """
+        if p.dtype == dtype:
+            return p
+        hit = self._param_casts.get(p)
+        if hit is not None:
+            cast = hit[1]()
+            if cast is not None and hit[0] == p._version and cast.dtype == dtype:
+                return cast
+        cast = p.to(dtype)
+        self._param_casts[p] = (p._version, weakref.ref(cast))
+        return cast
+
+    def pack(
+        self,
+        x: torch.Tensor,
+        layout: str,
+        source: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Packed:
+        """Pack ``x`` as ``dtype`` values (default its own), or return the pack made earlier in
+        this forward for the same tensor.
+
+        Layers fed the same tensor share its pack, under autocast too: the key is ``source``, the
+        tensor ``x`` was cast from, when given, else ``x``; ``dtype`` is the layer's compute
+        dtype, so that ``x`` may be the uncast input (a strategy that reads through the cast
+        packs it without a copy: :meth:`Strategy.pack`).
+        """
+        key = x if source is None else source
+        dtype = x.dtype if dtype is None else dtype
+        hit = getattr(key, _SHARED, None)
+        if hit is not None and hit[:4] == (self._forward, key._version, layout, dtype):
+            return hit[4]
+        draw = self.next_key() if self.strategy.draws else 0
+        if dtype == x.dtype:  # the usual call (strategies that override pack take it)
+            packed = self.strategy.pack(x, layout, draw)
+        else:
+            packed = self.strategy.pack(x, layout, draw, dtype)
+        if packed.dropped is not None:  # a device-side sum: reading it is the caller's choice
+            self.dropped = packed.dropped if self.dropped is None else self.dropped + packed.dropped
+        setattr(key, _SHARED, (self._forward, key._version, layout, dtype, packed))
+        return packed
+
+    def end_forward(self) -> None:
+        """Forget this forward's packs: a backward has begun, so the forward that shares them is
+        over. A tensor fed again in a later step then packs afresh, with a new draw, even without
+        ``set_step``. (A pack stays on its input until the input dies or is packed again: a
+        tensor the caller keeps past the step keeps its last pack, a fraction of its own bytes.)"""
+        self._forward = next(_FORWARDS)
+
+    def reads_through_cast(self) -> bool:
+        """Whether a pack of an autocast input is made from the uncast tensor (so the cast the
+        layer ran need not outlive the layer's op)."""
+        strategy = self.strategy
+        return strategy.reads_through_cast and strategy.rescale == "none"
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        """Rebuild the dense (dropped) input."""
+        return self.strategy.unpack(packed)
+
+    def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
+        """Elements ``[start, stop)`` of the flat rebuilt input, or None where the strategy
+        cannot rebuild them alone (``Strategy.unpack_part``)."""
+        return self.strategy.unpack_part(packed, start, stop)
+
+    # Weak dictionaries neither pickle nor deep-copy; a copy starts with an empty cache, at the
+    # same place in the random streams.
+    _STATE = ("strategy", "stream", "step", "rank", "position")
+
+    def __getstate__(self) -> dict:
+        return {name: getattr(self, name) for name in self._STATE}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["strategy"], state["stream"])
+        self.set_step(state["step"], state["rank"])
+        self.position = state["position"]
+
+
+class ConvArgs(NamedTuple):
+    """The arguments of ``aten.convolution`` besides input, weight and bias (lists or tuples:
+    aten takes either; the compiled path's operators take lists)."""
+
+    stride: Sequence[int]
+    padding: Sequence[int]
+    dilation: Sequence[int]
+    transposed: bool
+    output_padding: Sequence[int]
+    groups: int
+
+
+def _zeros_like_shape(ref: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    # A zero-stride stand-in: the input gradient only reads the input's shape.
+    return ref.new_zeros(()).expand(shape)
+
+
+def _save_pack(
+    ctx,
+    used: torch.Tensor,
+    x: torch.Tensor,
+    dtype: torch.dtype | None,
+    weight: torch.Tensor,
+    cache: InputCache,
+    layout: str,
+) -> None:
+    """Keep for backward the weight (input gradient) and, when the weight trains, the pack of
+    the input the op computed with (``x`` cast to ``dtype``, autocast's; None: ``x`` as it is):
+    its tensor fields through ``save_for_backward`` (None included), its metadata on ``ctx``.
+
+    ``used`` is what to pack: the cast, or ``x`` itself where the strategy packs ``x`` as the
+    cast's values directly (quant). The caller drops its own reference to the cast before this
+    call in that case (:func:`_packed_from`), so the cast lives as long as the op, as plain
+    autocast's copy does. The pack is keyed by ``x``: the layers fed ``x`` share it.
+    """
+    ctx.cache, ctx.x_shape = cache, x.shape
+    if not weight.requires_grad:
+        ctx.meta = None
+        ctx.save_for_backward(weight)
+        return
+    packed = cache.pack(used, layout, x, used.dtype if dtype is None else dtype)
+    tag_pack(packed)  # before compress_saved's hooks, if any, see its tensors
+    ctx.meta = packed.meta
+    ctx.save_for_backward(weight, *packed[1:])
+
+
+def _packed_from(used: torch.Tensor, x: torch.Tensor, cache: InputCache) -> torch.Tensor:
+    """What to pack after an op that computed with ``used`` (``x`` or its autocast cast): ``x``
+    where the strategy reads through the cast (the cast's last reference then goes)."""
+    return x if used is not x and cache.reads_through_cast() else used
+
+
+def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
+    """(weight, the packed input or None) from what :func:`_save_pack` kept, for a
+    backward: one that would be differentiated again is refused, and the forward is over."""
+    refuse_double_backward()
+    ctx.cache.end_forward()
+    weight, *tensors = ctx.saved_tensors
+    return weight, (Packed(ctx.meta, *tensors) if ctx.meta is not None else None)
+
+
+# Inputs of at least this many bytes have their conv's weight and input gradients made in turn
+# (_conv_backward_split): the memory of a rebuilt map, for one more call (host time) per layer,
+# which smaller layers are not worth.
+SPLIT_BYTES = 8 << 20
+
+
+class DropITConvFunction(torch.autograd.Function):
+    """Convolution (plain or transposed) whose weight gradient uses a dropped input cache."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache, dtype):
+        ctx.args = args
+        used = x if dtype is None else x.to(dtype)
+        out = torch.convolution(used, weight, bias, *args)
+        used = _packed_from(used, x, cache)
+        _save_pack(ctx, used, x, dtype, weight, cache, "conv")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, packed = _saved_pack(ctx)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        args = ctx.args
+        out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
+        grad = grad.contiguous()  # a no-op when it already is
+        bias_sizes = [out_channels] if need_b else None
+        if need_w and math.prod(ctx.x_shape) * grad.element_size() >= SPLIT_BYTES:
+            split = _conv_backward_split(ctx, grad, weight, packed, bias_sizes, need_x)
+            return split + (None,) * 3
+        if not need_w and not need_b:
+            gx = conv_input_grad(grad, weight, ctx.x_shape, args) if need_x else None
+            return gx, None, None, None, None, None
+        x_hat = ctx.cache.unpack(packed) if need_w else _zeros_like_shape(grad, ctx.x_shape)
+        gx, gw, gb = torch.ops.aten.convolution_backward.default(
+            grad, x_hat, weight, bias_sizes, *args, [need_x, need_w, need_b]
+        )
+        return gx, gw, gb, None, None, None
+
+
+def _conv_backward_split(
+    ctx,
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    packed: Packed,
+    bias_sizes: list[int] | None,
+    need_x: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """(input, weight, bias gradients) of a conv with a large input, in turn: the weight's (and
+    bias's) first, then the rebuilt input goes, then the input gradient (if needed) is made.
+    One map fewer is alive at the backward's peak (a P2-level conv's); the input gradient is the
+    joint call's bit for bit, the weight's is summed over images (_weight_grad_by_images), each
+    chunk of images rebuilt alone where the strategy can (quant): a chunk's map alive, not the
+    batch's."""
+    images = _rebuilt_images(ctx.cache, packed, ctx.x_shape)
+    gw, gb = _weight_grad_by_images(grad, images, ctx.x_shape, weight, bias_sizes, ctx.args)
+    del images
+    if not need_x:
+        return None, gw, gb
+    return conv_input_grad(grad, weight, ctx.x_shape, ctx.args), gw, gb
+
+
+def conv_input_grad(
+    grad: torch.Tensor, weight: torch.Tensor, x_shape: torch.Size, args: ConvArgs
+) -> torch.Tensor:
+    """A conv's input gradient without its input. On the CPU a 2-D conv's is the transposed
+    conv of ``grad``: the backward's kernel would first make its input argument contiguous (a
+    whole map of zeros for the zero-stride stand-in); the same values."""
+    if grad.device.type == "cpu" and not args.transposed and grad.dim() == 4:
+        k = weight.shape[2:]
+        pad = [
+            x_shape[2 + i]
+            - ((grad.shape[2 + i] - 1) * args.stride[i] - 2 * args.padding[i]
+               + args.dilation[i] * (k[i] - 1) + 1)
+            for i in range(2)
+        ]  # fmt: skip
+        # the rows and columns the forward's stride skipped at the end (what torch allows)
+        if all(0 <= p < max(s, d) for p, s, d in zip(pad, args.stride, args.dilation, strict=True)):
+            return F.conv_transpose2d(
+                grad, weight, None, args.stride, args.padding, pad, args.groups, args.dilation
+            )
+    return torch.ops.aten.convolution_backward.default(
+        grad, _zeros_like_shape(grad, x_shape), weight, None, *args, [True, False, False]
+    )[0]
+
+
+def _rebuilt_images(
+    cache: InputCache, packed: Packed, shape: torch.Size
+) -> Callable[[int, int], torch.Tensor]:
+    """``images(i, j)``: images ``[i, j)`` of the rebuilt input of ``shape``, each call's
+    rebuilt alone where the strategy can (``InputCache.unpack_part``), else sliced from one
+    rebuild of the whole batch (made once, on the first call that needs it). The same values
+    either way."""
+    per_image = math.prod(shape[1:])
+    whole: list[torch.Tensor] = []
+
+    def images(i: int, j: int) -> torch.Tensor:
+        if not whole:
+            part = cache.unpack_part(packed, i * per_image, j * per_image)
+            if part is not None:
+                return part.view(j - i, *shape[1:])
+            whole.append(cache.unpack(packed))
+        return whole[0][i:j]
+
+    return images
+
+
+def _weight_grad_by_images(
+    grad: torch.Tensor,
+    images: Callable[[int, int], torch.Tensor],
+    x_shape: torch.Size,
+    weight: torch.Tensor,
+    bias_sizes: list[int] | None,
+    args: ConvArgs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight (and bias) gradient of a conv as a sum over chunks of images of at most
+    SPLIT_BYTES of input each (one image where an image is larger), the input (of
+    ``x_shape``) of images ``[i, j)`` read as ``images(i, j)`` (:func:`_rebuilt_images`): the
+    rebuilt input and the CPU kernel's copies of it and of the output gradient in its own
+    layout are then a chunk's, not the batch's. Each chunk's part is summed in fp32 (in the
+    order of the images): the same value as one call up to float rounding, not bit for bit where
+    the batch takes more than one chunk. The input's dtype is the output gradient's (the conv
+    computed in it)."""
+    batch = x_shape[0]
+    per_image = math.prod(x_shape[1:]) * grad.element_size()
+    chunk = max(1, SPLIT_BYTES // max(per_image, 1))
+    mask = [False, True, bias_sizes is not None]
+    if chunk >= batch:
+        _, gw, gb = torch.ops.aten.convolution_backward.default(
+            grad, images(0, batch), weight, bias_sizes, *args, mask
+        )
+        return gw, gb
+    gw = gb = None
+    for i in range(0, batch, chunk):
+        _, w_i, b_i = torch.ops.aten.convolution_backward.default(
+            grad[i : i + chunk], images(i, min(i + chunk, batch)), weight, bias_sizes, *args,
+            mask,
+        )  # fmt: skip
+        gw = w_i.float() if gw is None else gw.add_(w_i)
+        if b_i is not None:
+            gb = b_i.float() if gb is None else gb.add_(b_i)
+    return gw.to(weight.dtype), (None if gb is None else gb.to(weight.dtype))
+
+
+class DropITLinearFunction(torch.autograd.Function):
+    """Linear layer over any leading dims whose weight gradient uses a dropped input cache."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, cache: InputCache, dtype):
+        used = x if dtype is None else x.to(dtype)
+        out = F.linear(used, weight, bias)
+        used = _packed_from(used, x, cache)
+        _save_pack(ctx, used, x, dtype, weight, cache, "linear")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, packed = _saved_pack(ctx)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = gw = gb = None
+        if need_w:  # first, so that the rebuilt input goes before the input gradient is made
+            x_hat = ctx.cache.unpack(packed)
+            gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
+            del x_hat
+        if need_x:
+            gx = (g2 @ weight).view(ctx.x_shape)
+        if need_b:
+            gb = g2.sum(0)
+        return gx, gw, gb, None, None
+
+
+class MaskedReLUFunction(torch.autograd.Function):
+    """ReLU that keeps one bit per element (output <= 0) for backward instead of the output.
+
+    Storing "blocked" rather than "passes" lets NaN through exactly as the plain ReLU backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, inplace: bool):
+        if _relu_kernels(x, inplace):
+            out, bits = dispatch.kernels("relu").relu_mask(x, inplace)
+            if inplace:
+                ctx.mark_dirty(x)
+            ctx.save_for_backward(bits)
+            return out
+        if inplace:
+            out = x.relu_()
+            ctx.mark_dirty(x)
+        else:
+            out = torch.relu(x)
+        ctx.save_for_backward(pack_blocked(out))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_double_backward()
+        (bits,) = ctx.saved_tensors
+        if dispatch.use_kernels(grad):
+            return dispatch.kernels("relu").relu_mask_grad(grad, bits), None
+        return zero_flagged_sliced(grad, bits), None
+
+
+def _relu_kernels(x: torch.Tensor, inplace: bool) -> bool:
+    """Whether the ReLU's forward runs the kernel: a float tensor, contiguous when in place
+    (the kernel writes the output in x's memory order)."""
+    return dispatch.use_kernels(x) and x.is_floating_point() and (x.is_contiguous() or not inplace)
+
+
+def _any_autocast_fallback() -> bool:
+    return True  # a torch without the one-call check: ask the device's flag every time
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast_fallback)
+
+
+def autocast_inputs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: InputCache
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype | None]:
+    """(weight, bias, the input's dtype) as autocast would cast them for conv/linear; the dtype
+    None without autocast. The weight casts are made here, outside the Function, so that
+    autograd sees them; they are shared by the calls of one forward through ``cache``.
+
+    Conv and linear run in the autocast dtype on CUDA (fp16/bf16) and CPU (bf16); casting alike
+    keeps outputs identical to the plain layer and lets the cache hold narrow values. The input
+    is cast inside the Function (:func:`_forward_and_save`), so that the cast can go as soon as
+    the op has run; its gradient is cast back to ``x``'s dtype by autograd, as autocast's own
+    cast's backward does, and the layers fed ``x`` sum their gradients in that dtype.
+    """
+    # One C call answers the usual fp32 case; the device's own flag only under some autocast
+    # (reading x.device.type alone took about a microsecond, on every layer of every step).
+    if not _any_autocast():
+        return weight, bias, None
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return weight, bias, None
+    dtype = torch.get_autocast_dtype(device_type)
+    return (
+        cache.cast_param(weight, dtype),
+        cache.cast_param(bias, dtype) if bias is not None else None,
+        dtype,
+    )

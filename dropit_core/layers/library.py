@@ -1,0 +1,587 @@
+"""The DropIT layers as ``torch.library`` operators: what a converted layer runs under
+``torch.compile``.
+
+Eager layers run the autograd Functions of :mod:`dropit_core.layers.functions`, and an eager conv
+mostly aten's own op with its input packed through a saved-tensor hook
+(:mod:`dropit_core.layers.hooked`). Dynamo cannot trace those: their packs are shared through Python
+state on tensors and seeded from Python integers up to 2**64, which Inductor cannot hold as
+constants. While compiling (``torch.compiler.is_compiling()``) a converted layer calls the operators
+below instead; each is opaque to Dynamo and Inductor, with a fake (shape-only) implementation and an
+autograd formula, so that ``torch.compile(model, fullgraph=True)`` traces the whole model into one
+graph and no seed ever becomes a graph constant:
+
+- ``dropit::pack`` packs a layer input with its cache's strategy. Its real implementation runs
+  the eager strategy code itself, drawn with the cache's next key
+  (:meth:`~dropit_core.layers.functions.InputCache.next_key`, the step's Python counter that
+  ``set_step`` resets): a compiled pack is byte-equal to the eager pack of the same step and layer,
+  as long as the compiled graph packs in program order (Inductor keeps the order of its opaque
+  calls; tests/core/test_dropit_compile.py checks the bytes).
+- ``dropit::unpack`` rebuilds the input in backward.
+- ``dropit::conv`` / ``dropit::linear``: the plain op forward; backward reads the pack.
+- ``dropit::relu_mask`` / ``dropit::relu_mask_grad``: the ReLU that keeps a 1-bit mask.
+
+With ``DROPIT_FUSE=1`` (``configure(fuse=True)``) a quant pack and the ReLU's mask are plain
+torch ops instead, which Inductor builds into its own kernels; only the draw (``dropit::draw``, the
+cache's next key) stays an opaque call.
+
+A tensor fed to several layers of one cache is packed once, as eagerly: each layer calls
+``dropit::pack`` with the same arguments, and the compiler merges identical calls of a functional
+operator. Only strategies whose pack sizes follow from the input's shape are traced (``quant``);
+the others run their eager autograd Function through ``torch.compiler.disable``
+(``patch._conv_behind_break``: a graph break, which torch 2.14's Dynamo turns into an opaque call
+in the graph), as the CPU's element-wise packs are sized by their data. The max-pool's
+autograd Function traces as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from dropit_core import settings
+from dropit_core.formats.bits import pack_blocked, zero_flagged_sliced
+from dropit_core.formats.packed import Packed, QuantMeta
+from dropit_core.formats.quant import code_bytes
+from dropit_core.formats.seeds import MASK32, TABLE_BITS, UNIFORM_BITS, mix32
+from dropit_core.layers.functions import ConvArgs, InputCache, cache_by_number
+
+
+def traceable(cache: InputCache) -> bool:
+    """Whether the packs of ``cache`` are traced (sizes from the shape alone) rather than made
+    behind a graph break."""
+    return _static_fields(cache, (1,), torch.float32) is not None
+
+
+def _static_fields(
+    cache: InputCache, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...] | None:
+    """(field, shape, dtype) of each tensor of the pack of a ``shape`` input in ``dtype``, in
+    ``Packed`` order, or None where the sizes depend on the data."""
+    from dropit_core.strategies.quant import Quant
+
+    strategy = cache.strategy
+    if type(strategy) is not Quant or strategy.rescale != "none":
+        return None
+    n = math.prod(shape)
+    groups = -(-n // strategy.group)
+    return (
+        ("values", (code_bytes(n, strategy.bits),), torch.uint8),
+        ("scales", (groups,), torch.float32),
+        ("mins", (groups,), torch.float32),
+    )
+
+
+def _packed(cache: InputCache, fields: list[Tensor], shape: list[int], dtype) -> Packed:
+    """The eager ``Packed`` of a traced pack's tensors."""
+    names = [name for name, _, _ in _static_fields(cache, tuple(shape), dtype)]
+    return Packed(QuantMeta(tuple(shape), dtype), **dict(zip(names, fields, strict=True)))
+
+
+@torch.library.custom_op("dropit::pack", mutates_args=())
+def pack_op(x: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
+    """The tensors of ``cache``'s pack of ``x`` read as ``dtype``: the eager pack, drawn with
+    the cache's next key."""
+    owner = cache_by_number(cache)
+    draw = owner.next_key() if owner.strategy.draws else 0
+    if dtype == x.dtype:
+        packed = owner.strategy.pack(x, layout, draw)
+    else:
+        packed = owner.strategy.pack(x, layout, draw, dtype)
+    return [t for t in packed[1:] if t is not None]
+
+
+@pack_op.register_fake
+def _(x: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
+    fields = _static_fields(cache_by_number(cache), tuple(x.shape), dtype)
+    return [x.new_empty(shape, dtype=kind) for _, shape, kind in fields]
+
+
+@torch.library.custom_op("dropit::unpack", mutates_args=())
+def unpack_op(fields: list[Tensor], cache: int, shape: list[int], dtype: torch.dtype) -> Tensor:
+    """The input rebuilt from a traced pack's tensors."""
+    owner = cache_by_number(cache)
+    return owner.unpack(_packed(owner, fields, shape, dtype))
+
+
+@unpack_op.register_fake
+def _(fields: list[Tensor], cache: int, shape: list[int], dtype: torch.dtype) -> Tensor:
+    return fields[0].new_empty(shape, dtype=dtype)
+
+
+def pack(cache: InputCache, x: Tensor, layout: str, dtype: torch.dtype) -> list[Tensor]:
+    """``cache``'s pack of ``x`` read as ``dtype``: in the graph (:func:`_fused_pack`) where it
+    can be, else by the opaque ``dropit::pack``.
+
+    Layers fed one tensor call this with the same arguments, and the compiler merges the
+    identical calls (common subexpressions): one pack, one draw, as ``InputCache.pack`` shares
+    one eagerly."""
+    fused = _fused_pack(cache, x, dtype)
+    if fused is not None:
+        return fused
+    return torch.ops.dropit.pack(x.detach(), cache.number, layout, dtype)
+
+
+@torch.library.custom_op("dropit::draw", mutates_args=())
+def draw_op(x: Tensor, cache: int) -> Tensor:
+    """(k0, k1, 0): the hash keys of ``cache``'s next pack and the index of its first element,
+    int64 on ``x``'s device; the eager pack's draw. ``x`` only names the pack: layers fed one
+    tensor make identical calls, which the compiler merges, so they share a draw as they share
+    the pack."""
+    owner = cache_by_number(cache)
+    keys = owner.strategy.draw_keys(owner.next_key())
+    return torch.tensor([*keys, 0], dtype=torch.int64, device=x.device)
+
+
+@draw_op.register_fake
+def _(x: Tensor, cache: int) -> Tensor:
+    return x.new_empty((3,), dtype=torch.int64)
+
+
+def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor] | None:
+    """A 4-bit (2-, 8-bit) pack written as plain torch ops, which Inductor generates as its own
+    kernel (with ``x``'s pointwise producer, a norm or ReLU, inlined where it chooses): only
+    the draw is an opaque call, and it needs ``x`` to exist (``x`` names the shared pack), so
+    the pack reads ``x`` once after it is made, not inside the kernel that makes it. The eager
+    path's arithmetic (:func:`quant_fields`), so the bytes are eager's.
+
+    None (the opaque pack) where that does not hold or cannot be traced: another strategy, a
+    group that does not fill whole bytes of codes, an input that is not whole groups, or one
+    read through an autocast cast (fused into its consumer, Inductor would skip the cast's
+    rounding unless ``emulate_precision_casts`` is set, and the bytes would not be eager's)."""
+    from dropit_core.strategies.quant import Quant
+
+    strategy = cache.strategy
+    if (
+        not fuse_enabled()
+        or type(strategy) is not Quant
+        or strategy.rescale != "none"
+        or strategy.group % (8 // strategy.bits)
+        or dtype != x.dtype
+        or x.numel() == 0
+        or x.numel() % strategy.group  # a guard of the compiled graph under dynamic shapes
+    ):
+        return None
+    x = x.detach()
+    keys = torch.ops.dropit.draw(x, cache.number)
+    rows = x.reshape(-1, strategy.group)
+    codes, mins, scales = quant_fields(rows, keys, strategy.bits, strategy._inv_levels)
+    return [codes, scales, mins]  # Packed's order (values, scales, mins)
+
+
+def quant_fields(
+    rows: Tensor, params: Tensor, bits: int, inv_levels: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(codes, minima, steps) of ``rows`` (one group each, whole bytes of codes) as new tensors,
+    in plain torch ops that Inductor fuses with whatever produced ``rows``: quant's format
+    (``quant_format.quantize`` and :func:`dropit_core.formats.seeds.hash_bits`, op for op, so the
+    bytes are the eager pack's). ``params``: the hash keys k0 and k1 (int64), a tensor so that new
+    values do not recompile."""
+    levels, per_byte = (1 << bits) - 1, 8 // bits
+    g = rows.float()
+    lo = g.amin(1)
+    scale = ((g.amax(1) - lo) * inv_levels).clamp_min(torch.finfo(torch.float32).tiny)
+    idx = torch.arange(rows.numel(), device=rows.device).view(rows.shape)
+    low = mix32(((idx & ((1 << TABLE_BITS) - 1)) + params[0]) & MASK32)
+    high = mix32(((idx >> TABLE_BITS) + params[1]) & MASK32)
+    noise = (low >> (32 - UNIFORM_BITS)) ^ (high >> (32 - UNIFORM_BITS))
+    y = (g - lo[:, None]) / scale[:, None]
+    y = y + noise.float() * 2.0**-UNIFORM_BITS
+    code = y.clamp_max(levels).to(torch.uint8).view(-1, per_byte)
+    packed = code[:, 0]
+    for j in range(1, per_byte):
+        packed = packed | (code[:, j] << (bits * j))
+    return packed.view(-1), lo, scale
+
+
+def set_fuse(enabled: bool | None) -> None:
+    """Deprecated: ``dropit_core.configure(fuse=enabled)`` (None: as ``$DROPIT_FUSE`` says)."""
+    warnings.warn(
+        "dropit_core.layers.library.set_fuse is deprecated: use dropit_core.configure(fuse=...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    value = settings.Settings.from_environment().fuse if enabled is None else bool(enabled)
+    settings.configure(fuse=value)
+
+
+def fuse_enabled() -> bool:
+    """Whether a traced pack or ReLU mask is written as plain torch ops (``settings.fuse``:
+    default off, on the CPU a compile several times longer and no faster step; docs/dropit.md)."""
+    return settings.current().fuse
+
+
+def autocast_inputs(
+    x: Tensor, weight: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor | None, torch.dtype | None]:
+    """``ops.autocast_inputs`` while tracing: the casts are plain ones (the compiler shares the
+    copies that the eager cache shares)."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return weight, bias, None
+    dtype = torch.get_autocast_dtype(device_type)
+    return weight.to(dtype), None if bias is None else bias.to(dtype), dtype
+
+
+# Convolution ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dropit::conv", mutates_args=())
+def conv_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    fields: list[Tensor],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    transposed: bool,
+    output_padding: list[int],
+    groups: int,
+    cache: int,
+) -> Tensor:
+    """``torch.convolution``; its backward's weight gradient reads the pack ``fields``."""
+    return torch.convolution(
+        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
+
+
+@conv_op.register_fake
+def _(
+    x, weight, bias, fields, stride, padding, dilation, transposed, output_padding, groups, cache
+):
+    return torch.convolution(
+        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
+
+
+def _conv_setup(ctx, inputs, output) -> None:
+    x, weight, bias, fields, *args, cache = inputs
+    ctx.args, ctx.cache = args, cache
+    ctx.x_shape, ctx.x_dtype = list(x.shape), x.dtype
+    ctx.save_for_backward(weight, *fields)
+
+
+def _conv_backward(ctx, grad):
+    weight, *fields = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    stride, padding, dilation, transposed, output_padding, groups = ctx.args
+    out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
+    if need_w and fields:
+        x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+    else:  # the input gradient reads only the input's shape
+        x_hat = grad.new_zeros((), dtype=ctx.x_dtype).expand(ctx.x_shape)
+    gx, gw, gb = torch.ops.aten.convolution_backward.default(
+        grad.contiguous(), x_hat, weight, [out_channels] if need_b else None,
+        stride, padding, dilation, transposed, output_padding, groups,
+        [need_x, need_w and bool(fields), need_b],
+    )  # fmt: skip
+    # a gradient per input: the pack's list gets a list of Nones
+    return gx, gw, gb, [None] * len(fields), None, None, None, None, None, None, None
+
+
+conv_op.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+def conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    args: ConvArgs,
+    cache: InputCache,
+    dtype: torch.dtype | None,
+) -> Tensor:
+    """The traced form of ``DropITConvFunction.apply``: the same output, pack and gradients."""
+    used = x if dtype is None else x.to(dtype)
+    fields = pack(cache, x, "conv", used.dtype) if weight.requires_grad else []
+    return torch.ops.dropit.conv(used, weight, bias, fields, *args, cache.number)
+
+
+# Linear --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dropit::linear", mutates_args=())
+def linear_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, fields: list[Tensor], cache: int
+) -> Tensor:
+    """``F.linear``; its backward's weight gradient reads the pack ``fields``."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@linear_op.register_fake
+def _(x, weight, bias, fields, cache):
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    x, weight, bias, fields, cache = inputs
+    ctx.cache, ctx.x_shape, ctx.x_dtype = cache, list(x.shape), x.dtype
+    ctx.save_for_backward(weight, *fields)
+
+
+def _linear_backward(ctx, grad):
+    weight, *fields = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gx = gw = gb = None
+    if need_w and fields:
+        x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+        gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
+    if need_x:
+        gx = (g2 @ weight).view(ctx.x_shape)
+    if need_b:
+        gb = g2.sum(0)
+    return gx, gw, gb, [None] * len(fields), None
+
+
+linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, cache: InputCache, dtype: torch.dtype | None
+) -> Tensor:
+    """The traced form of ``DropITLinearFunction.apply``."""
+    used = x if dtype is None else x.to(dtype)
+    fields = pack(cache, x, "linear", used.dtype) if weight.requires_grad else []
+    return torch.ops.dropit.linear(used, weight, bias, fields, cache.number)
+
+
+# ReLU ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dropit::relu_mask", mutates_args=())
+def relu_mask_op(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(relu(x), the packed flags of ``relu(x) <= 0``), as ``MaskedReLUFunction`` keeps them."""
+    from dropit_core.backends import dispatch
+
+    if dispatch.use_kernels(x) and x.is_floating_point():
+        from dropit_core.backends.triton.relu import relu_mask as kernel
+
+        return kernel(x, False)
+    out = torch.relu(x)
+    return out, pack_blocked(out)
+
+
+@relu_mask_op.register_fake
+def _(x: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("dropit::relu_mask_grad", mutates_args=())
+def relu_mask_grad_op(grad: Tensor, bits: Tensor) -> Tensor:
+    """The ReLU's input gradient from its output gradient and mask."""
+    from dropit_core.backends import dispatch
+
+    if dispatch.use_kernels(grad):
+        from dropit_core.backends.triton.relu import relu_mask_grad
+
+        return relu_mask_grad(grad, bits)
+    return zero_flagged_sliced(grad, bits)
+
+
+@relu_mask_grad_op.register_fake
+def _(grad: Tensor, bits: Tensor) -> Tensor:
+    return torch.empty_like(grad)
+
+
+def _relu_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1])
+
+
+def _relu_backward(ctx, grad, _bits_grad):
+    (bits,) = ctx.saved_tensors
+    return torch.ops.dropit.relu_mask_grad(grad, bits)
+
+
+relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)
+
+
+def relu(x: Tensor, inplace: bool) -> Tensor:
+    """The traced form of ``MaskedReLUFunction.apply`` (in place: the result copied into x,
+    which the compiler turns back into one buffer): plain torch ops (:class:`_MaskedReLU`) that
+    Inductor fuses with the ops around it, or the opaque ``dropit::relu_mask`` (per
+    ``settings.fuse``)."""
+    out = _MaskedReLU.apply(x) if fuse_enabled() else torch.ops.dropit.relu_mask(x)[0]
+    return x.copy_(out) if inplace else out
+
+
+class _MaskedReLU(torch.autograd.Function):
+    """ReLU keeping the packed flags of ``output <= 0`` (eager's bytes: 8 flags a byte, flag i
+    in bit i), in torch ops that Dynamo traces into the graph; backward zeroes the flagged
+    gradients (+0.0, as eager's mask does; NaN passes)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        out = torch.relu(x)
+        flags = (out <= 0).reshape(-1).to(torch.uint8)
+        flags = torch.nn.functional.pad(flags, (0, (-flags.numel()) % 8)).view(-1, 8)
+        bits = flags[:, 0]
+        for i in range(1, 8):
+            bits = bits | (flags[:, i] << i)
+        ctx.save_for_backward(bits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (bits,) = ctx.saved_tensors
+        shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+        flags = ((bits[:, None] >> shifts) & 1).reshape(-1)[: grad.numel()]
+        return torch.where(flags.view(grad.shape).bool(), 0.0, grad)
+
+
+# Normalisation layers (norm=True) ---------------------------------------------------------------
+
+
+@torch.library.custom_op("dropit::batch_norm", mutates_args=())
+def batch_norm_op(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    fields: list[Tensor],
+    momentum: float,
+    eps: float,
+    cache: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Training-mode batch norm as ``norm._BatchNormFunction`` runs it: (output, mean, invstd,
+    reserve, the updated running mean and variance). Functional: the statistics are updated in
+    copies, which the caller writes back (an operator with an autograd formula mutates nothing).
+    """
+    if running_mean is None:
+        out, mean, invstd = torch.ops.aten.native_batch_norm.default(
+            x, weight, bias, None, None, True, momentum, eps
+        )
+        empty = x.new_empty(0)
+        return out, mean, invstd, empty, empty.clone(), empty.clone()
+    new_mean, new_var = running_mean.clone(), running_var.clone()
+    out, mean, invstd, reserve = torch.ops.aten._batch_norm_with_update.default(
+        x, weight, bias, new_mean, new_var, momentum, eps
+    )
+    return out, mean, invstd, reserve, new_mean, new_var
+
+
+@batch_norm_op.register_fake
+def _(x, weight, bias, running_mean, running_var, fields, momentum, eps, cache):
+    channels = x.shape[1]
+    stats = x.new_empty(channels, dtype=torch.float32)
+    if running_mean is None:
+        empty = x.new_empty(0)
+        return torch.empty_like(x), stats, stats.clone(), empty, empty.clone(), empty.clone()
+    return (
+        torch.empty_like(x),
+        stats,
+        stats.clone(),
+        x.new_empty(0, dtype=torch.uint8),
+        torch.empty_like(running_mean),
+        torch.empty_like(running_var),
+    )
+
+
+def _batch_norm_setup(ctx, inputs, output) -> None:
+    x, weight, bias, running_mean, _, fields, _, eps, cache = inputs
+    ctx.eps, ctx.cache, ctx.update = eps, cache, running_mean is not None
+    ctx.x_shape, ctx.x_dtype, ctx.affine = list(x.shape), x.dtype, weight is not None
+    _, mean, invstd, reserve, _, _ = output
+    ctx.save_for_backward(weight, mean, invstd, reserve, *fields)
+
+
+def _batch_norm_backward(ctx, grad, *_):
+    weight, mean, invstd, reserve, *fields = ctx.saved_tensors
+    x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+    need = list(ctx.needs_input_grad[:3])
+    grad = grad.contiguous()
+    if not ctx.update:
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward.default(
+            grad, x_hat, weight, None, None, mean, invstd, True, ctx.eps, need
+        )
+    else:
+        if not ctx.affine:  # the op wants a weight even without affine parameters
+            weight = torch.ones(ctx.x_shape[1], device=grad.device, dtype=torch.float32)
+            need[1] = need[2] = False
+        gx, gw, gb = torch.ops.aten.batch_norm_backward.default(
+            grad, x_hat, weight, None, None, mean, invstd, True, ctx.eps, need, reserve
+        )
+    return gx, gw, gb, None, None, [None] * len(fields), None, None, None
+
+
+batch_norm_op.register_autograd(_batch_norm_backward, setup_context=_batch_norm_setup)
+
+
+def batch_norm(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    momentum: float,
+    eps: float,
+    cache: InputCache,
+) -> Tensor:
+    """The traced form of ``norm._BatchNormFunction.apply`` (running statistics updated alike)."""
+    fields = pack(cache, x, "conv", x.dtype)
+    out, _, _, _, new_mean, new_var = torch.ops.dropit.batch_norm(
+        x, weight, bias, running_mean, running_var, fields, momentum, eps, cache.number
+    )
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.copy_(new_mean)
+            running_var.copy_(new_var)
+    return out
+
+
+@torch.library.custom_op("dropit::group_norm", mutates_args=())
+def group_norm_op(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    fields: list[Tensor],
+    groups: int,
+    eps: float,
+    cache: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Group norm as ``norm._GroupNormFunction`` runs it: (output, mean, rstd)."""
+    n, c = x.shape[:2]
+    hw = x[0, 0].numel() if n and c else 0
+    return torch.ops.aten.native_group_norm.default(x, weight, bias, n, c, hw, groups, eps)
+
+
+@group_norm_op.register_fake
+def _(x, weight, bias, fields, groups, eps, cache):
+    n = x.shape[0]
+    stats = x.new_empty((n, groups))
+    return torch.empty_like(x), stats, stats.clone()
+
+
+def _group_norm_setup(ctx, inputs, output) -> None:
+    x, weight, _, fields, groups, _, cache = inputs
+    n, c = x.shape[:2]
+    ctx.dims = (n, c, math.prod(x.shape[2:]), groups)
+    ctx.cache, ctx.x_shape, ctx.x_dtype = cache, list(x.shape), x.dtype
+    ctx.affine = weight is not None
+    ctx.save_for_backward(weight, output[1], output[2], *fields)
+
+
+def _group_norm_backward(ctx, grad, *_):
+    weight, mean, rstd, *fields = ctx.saved_tensors
+    x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+    need = list(ctx.needs_input_grad[:3])
+    if not ctx.affine:
+        need[1] = need[2] = False
+    gx, gw, gb = torch.ops.aten.native_group_norm_backward.default(
+        grad.contiguous(), x_hat, mean, rstd, weight, *ctx.dims, need
+    )
+    return gx, gw, gb, [None] * len(fields), None, None, None
+
+
+group_norm_op.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
+
+
+def group_norm(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int, eps: float, cache
+) -> Tensor:
+    """The traced form of ``norm._GroupNormFunction.apply``."""
+    fields = pack(cache, x, "conv", x.dtype)
+    return torch.ops.dropit.group_norm(x, weight, bias, fields, groups, eps, cache.number)[0]

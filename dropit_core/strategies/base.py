@@ -1,0 +1,147 @@
+"""What every strategy shares: the options every strategy takes and the :class:`Strategy` base.
+
+The base class owns how kept values are stored (a
+:class:`~dropit_core.formats.values.ValueCodec`) and the ``rescale`` of the rebuilt input
+(declared, applied in :meth:`Strategy.pack` / :meth:`Strategy.unpack`, and described here,
+nowhere else). The packed cache itself is :mod:`dropit_core.formats.packed`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dropit_core.formats.packed import Packed, tiny
+from dropit_core.formats.values import VALUE_FORMATS, ValueCodec
+from dropit_core.registry import Option
+
+
+def encoded(
+    codec: ValueCodec, values: torch.Tensor, keep_sign: bool = False
+) -> dict[str, torch.Tensor | None]:
+    """The ``values``/``scales`` fields of a pack whose kept values ``codec`` stores
+    (``keep_sign``: see :meth:`ValueCodec.encode`)."""
+    parts = codec.encode(values, keep_sign)
+    return {"values": parts[0], "scales": parts[1] if len(parts) > 1 else None}
+
+
+def decoded(codec: ValueCodec, packed: Packed, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """The kept values of ``packed`` (``count`` of them) decoded to ``dtype``."""
+    parts = (packed.values,) if packed.scales is None else (packed.values, packed.scales)
+    return codec.decode(parts, dtype, count)
+
+
+# How a rebuilt input is scaled before the weight gradient: as it is, or to the input's L2 norm.
+RESCALES = ("none", "norm")
+# Options every strategy takes (unless it names them in ``skips_common``): how the kept values
+# are stored (see ValueCodec), and the rescale.
+COMMON_OPTIONS = (
+    Option("values", str, "same", "how kept values are stored", choices=VALUE_FORMATS),
+    Option("int8_chunk", int, ValueCodec.int8_chunk, "values per fp32 scale of `int8`", minimum=1),
+    Option("int4_chunk", int, ValueCodec.int4_chunk, "values per fp32 scale of `int4`", minimum=1),
+    Option(
+        "rescale",
+        str,
+        "none",
+        "`norm`: scale each rebuilt input by the L2 norm ratio of the input to the rebuilt one, "
+        "so the weight gradient keeps the exact gradient's scale",
+        choices=RESCALES,
+    ),
+)
+# The common options that build the codec, and the ValueCodec field each sets.
+CODEC_OPTIONS = {"values": "fmt", "int8_chunk": "int8_chunk", "int4_chunk": "int4_chunk"}
+SEED = Option(
+    "seed", int, 0, "seed of the random draws, mixed with the step and the layer (`set_step`)"
+)
+
+
+def keep_count(gamma: float, n: int) -> int:
+    """How many of n elements (or units) a drop of ``gamma`` keeps."""
+    return int((1.0 - gamma) * n)
+
+
+class Strategy:
+    """Base class: pick what to keep of a layer input and rebuild a dense tensor from it.
+
+    A subclass declares its ``name``, its ``options`` (passed to ``__init__`` as keywords, with
+    the registry's defaults filled in) and, for the docs, what it ``keeps`` and its
+    ``cache_bytes``; it implements :meth:`_pack` and :meth:`_unpack`. ``draws``: whether a pack
+    draws random numbers (from its ``key``); ``uses_gamma``: whether gamma means anything to it;
+    ``skips_common``: common options that do not apply to it; ``reads_through_cast``: whether
+    it implements :meth:`_pack_cast` (packs an autocast input from the tensor it was cast from).
+    """
+
+    name = ""
+    options: tuple[Option, ...] = ()
+    keeps = ""
+    cache_bytes = ""
+    draws = False
+    uses_gamma = True
+    # Whether the rebuilt tensor estimates every element (nothing dropped): only such a strategy
+    # may pack a normalisation layer's input, whose backward reads all of it.
+    every_element = False
+    skips_common: tuple[str, ...] = ()
+    reads_through_cast = False
+
+    def __init__(self, gamma: float, codec: ValueCodec, rescale: str = RESCALES[0]) -> None:
+        self.gamma = gamma
+        self.codec = codec
+        self.rescale = rescale
+
+    def pack(
+        self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None
+    ) -> Packed:
+        """Compress ``x`` (a ``"conv"`` or ``"linear"`` input). Random draws are seeded from
+        ``key`` (and the strategy's ``seed``): the same key gives the same pack. ``dtype``: the
+        dtype the layer computed in (autocast's): the pack is that of ``x.to(dtype)``, made
+        without the copy by a strategy that reads through the cast (quant)."""
+        if dtype is None or dtype == x.dtype:
+            packed = self._pack(x, layout, key)
+        elif self.reads_through_cast and self.rescale == RESCALES[0]:
+            packed = self._pack_cast(x, layout, key, dtype)
+        else:  # the norm below is the cast's
+            x = x.to(dtype)
+            packed = self._pack(x, layout, key)
+        if self.rescale == "norm":  # one more pass over x; the norm rides with the pack
+            packed = packed._replace(norm=torch.linalg.vector_norm(x, dtype=torch.float32))
+        return packed
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        """Rebuild a dense tensor of the packed input's shape and dtype; with ``rescale="norm"``
+        scaled to the input's L2 norm (dropping small elements shrinks the weight gradient by the
+        same factor)."""
+        x_hat = self._unpack(packed)
+        if packed.norm is None:
+            return x_hat
+        rebuilt = torch.linalg.vector_norm(x_hat, dtype=torch.float32)
+        # An all-zero rebuild stays zero (no division by zero); no host sync either way.
+        scale = torch.where(rebuilt > 0, packed.norm / rebuilt.clamp_min(tiny(torch.float32)), 1.0)
+        # Out of place: some strategies rebuild as a view of a cached tensor, which layers share.
+        return x_hat * scale.to(x_hat.dtype)
+
+    def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
+        """Elements ``[start, stop)`` of the flat rebuilt input, the same values as
+        ``unpack(packed).reshape(-1)[start:stop]`` without rebuilding the rest; None where
+        this strategy's pack cannot be read in parts there (the default: nowhere)."""
+        return None
+
+    def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
+        raise NotImplementedError
+
+    def _pack_cast(self, x: torch.Tensor, layout: str, key: int, dtype: torch.dtype) -> Packed:
+        """The pack of ``x.to(dtype)``, bit for bit, read from ``x`` (``reads_through_cast``)."""
+        raise NotImplementedError
+
+    def _unpack(self, packed: Packed) -> torch.Tensor:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """Short human-readable form, e.g. ``mink(gamma=0.8)``."""
+        params = [f"gamma={self.gamma}"] if self.uses_gamma else []
+        params += self._describe_params()
+        if self.rescale != RESCALES[0]:
+            params.append(f"rescale={self.rescale}")
+        return f"{self.name}({', '.join(params)})"
+
+    def _describe_params(self) -> tuple[str, ...]:
+        """The strategy's own settings worth showing in :meth:`describe`."""
+        return ()

@@ -1,0 +1,276 @@
+"""The slice-by-slice pack and rebuild shared by the strategies that keep single elements.
+
+An element-wise pack keeps a 1-bit position mask (or, for a mask drawn from a seed, nothing) plus
+the kept values; a subclass says which elements a slice keeps (:meth:`Elementwise._slice_mask`)
+and, optionally, a per-tensor state computed first (:meth:`Elementwise._begin`: a threshold, a
+seed).
+
+The kept values sit in flat order in a buffer of ``meta.kept`` slots, sized one of two ways;
+the format is the same, and so is the rebuild:
+
+- to the kept count, on the CPU: each slice's count is read on the host, which costs nothing
+  there, and the pack is as small as it can be;
+- from the shape, on an accelerator (:func:`fixed_capacity`): :meth:`Elementwise.capacity`
+  slots, so that no size depends on the data and the host never waits for the device. Slots
+  past the kept values hold zeros. Should a pack choose more values than its capacity holds, it
+  stores the first ones in flat order, its position mask marks exactly those (the rest rebuild
+  as zeros, as dropped ones do), and it counts the others in ``Packed.dropped``.
+
+The rebuild finds where each slice's values start from the mask, on the device.
+
+Where :func:`dropit_core.backends.dispatch.use_kernels` says so (CUDA tensors, by default), a
+strategy that states its choice as a :class:`KeepRule` packs and rebuilds with the Triton kernels of
+:mod:`dropit_core.backends.triton.compact` instead: the fixed-capacity format, byte for byte, in a
+few launches for the whole tensor instead of a dozen per slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dropit_core.backends import dispatch
+from dropit_core.formats import packed as base
+from dropit_core.formats.bits import compact, compact_bits, compact_into, pack_bits, scatter_kept
+from dropit_core.formats.packed import ElementsMeta, Packed
+from dropit_core.formats.values import ValueCodec
+from dropit_core.registry import Option
+from dropit_core.strategies.base import Strategy, decoded, encoded
+from dropit_core.strategies.keep_rule import KeepRule
+
+POSITIONS = ("bits", "sparse_bits")
+POSITIONS_OPTION = Option(
+    "positions",
+    str,
+    POSITIONS[0],
+    "the kept positions: a 1-bit mask, or only its non-zero bytes plus 1 bit per mask byte",
+    choices=POSITIONS,
+)
+SAMPLE_OPTION = Option(
+    "sample",
+    int,
+    1 << 16,
+    "elements read at a prime stride to estimate the threshold (quantile or tau)",
+    minimum=1,
+)
+
+# A capacity sized from the shape holds the expected kept count plus this many standard
+# deviations of it, plus a few slots: at 8 deviations a normal count overflows about once in
+# 1e15 packs, so an overflow means the estimate itself was off, not bad luck.
+CAPACITY_SPREAD = 8.0
+CAPACITY_SLACK = 64
+
+
+def fixed_capacity(device: torch.device) -> bool:
+    """Whether packs on ``device`` are sized from the shape instead of their kept count: on an
+    accelerator, reading a count would make the host wait for the device, once per layer."""
+    return device.type != "cpu"
+
+
+def expected_capacity(n: int, p: float, sample: int | None = None, draws: bool = False) -> int:
+    """Slots for a count that keeps p of n elements on average, at most n.
+
+    ``p n`` plus :data:`CAPACITY_SPREAD` standard deviations of the count, from a threshold
+    estimated as the p-quantile of ``sample`` values (its rank is off by about
+    ``sqrt(p (1-p) / sample)`` of n) and from n independent draws (``sqrt(n p (1-p))``), plus
+    :data:`CAPACITY_SLACK`.
+    """
+    variance = 0.0
+    if sample:
+        variance += n * n * p * (1.0 - p) / sample
+    if draws:
+        variance += n * p * (1.0 - p)
+    return min(n, math.ceil(p * n + CAPACITY_SPREAD * math.sqrt(variance)) + CAPACITY_SLACK)
+
+
+def _sparse_bits(bits: torch.Tensor, slots: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which bytes of the mask are non-zero, 1 bit each; those bytes): at gamma 0.9 a fifth to
+    half of the mask bytes are zero, and storing a zero byte as one bit saves 7/8 of it.
+
+    ``slots``: the pack's value capacity (fixed-capacity packs; None: sized to the count). A
+    non-zero byte flags at least one stored value, so that many bytes always hold them.
+    """
+    flags = bits != 0
+    if slots is None:
+        return pack_bits(flags), compact(bits, flags)
+    nonzero = bits.new_zeros(min(bits.numel(), slots) + 1)  # + compact_into's spare slot
+    compact_into(bits, flags, nonzero, torch.zeros((), dtype=torch.int64, device=bits.device))
+    return pack_bits(flags), nonzero[:-1]
+
+
+def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int, kernels: bool) -> torch.Tensor:
+    """Inverse of :func:`_sparse_bits` for a mask of n elements (``kernels``: by the Triton
+    scatter, which rebuilds bytes as it rebuilds values)."""
+    n_bytes = (n + 7) // 8
+    if kernels:
+        from dropit_core.backends.triton.compact import scatter_pack
+
+        return scatter_pack(flags, nonzero, n_bytes)
+    # one slice of whole mask bytes: the same rebuild as the values' (scatter_kept)
+    return scatter_kept(flags, nonzero, n_bytes, max(8, 8 * len(flags)))
+
+
+class Elementwise(Strategy):
+    """Keep single elements: a packed 1-bit position mask plus the kept values.
+
+    ``positions="sparse_bits"`` stores the mask's non-zero bytes plus one bit per mask byte. A
+    subclass with ``stores_mask = False`` rebuilds its mask from the pack's state instead
+    (:meth:`_rebuild_mask`). One with ``exact_capacity = True`` keeps, by definition, at most
+    its :meth:`capacity` (mink: k; ties past it are left out by design, not counted as dropped).
+    """
+
+    stores_mask = True
+    exact_capacity = False
+    # True: integer value codes never code a non-zero kept value as 0 (its sign is kept)
+    signed_values = False
+
+    def __init__(
+        self, gamma: float, codec: ValueCodec, rescale: str, *, positions: str = POSITIONS[0]
+    ) -> None:
+        super().__init__(gamma, codec, rescale)
+        self.positions = positions
+
+    def capacity(self, n: int) -> int:
+        """Value slots of a pack of n elements sized from the shape (on an accelerator); by
+        default n, which always holds them."""
+        return n
+
+    def _begin(self, flat: torch.Tensor, static: bool, key: int) -> Any:
+        """Per-tensor state computed once before the slices (e.g. a global threshold, a seed).
+
+        ``static``: the pack is sized from the shape, and nothing here may wait for the device.
+        """
+        return None
+
+    def _slice_mask(self, piece: torch.Tensor, start: int, state: Any) -> torch.Tensor:
+        """Which elements of ``piece`` (starting at flat index ``start``) to keep; by default
+        the magnitudes at or above the threshold ``state`` (mink, threshold)."""
+        return piece.abs() >= state
+
+    def _rebuild_mask(
+        self, start: int, length: int, state: Any, device: torch.device
+    ) -> torch.Tensor:
+        """The mask of a slice rebuilt from the state alone (``stores_mask = False`` only)."""
+        raise NotImplementedError
+
+    def _kernel_rule(self, state: Any) -> KeepRule | None:
+        """The rule of :meth:`_slice_mask` for the Triton kernels, or None: eager torch only.
+        A strategy that stores no mask draws its flags again from this rule in the rebuild."""
+        return None
+
+    def _kept_state(self, state: Any) -> Any:
+        """What of the state the pack's metadata keeps (by default all of it)."""
+        return state
+
+    def _rebuilt_values(self, values: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """What the kept values rebuild as (by default themselves)."""
+        return values
+
+    def slice_len(self) -> int:
+        """Elements per slice of the pack and the rebuild (a multiple of 8: whole mask bytes)."""
+        return base.SLICE
+
+    def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
+        flat = x.reshape(-1)
+        kernels = dispatch.use_kernels(flat)
+        if kernels or fixed_capacity(flat.device):
+            bits, values, state, dropped = self._pack_fixed(flat, key, kernels)
+            slots = values.numel()
+        else:
+            bits, values, state = self._pack_tight(flat, key)
+            dropped, slots = None, None
+        fields = encoded(self.codec, values, self.signed_values)
+        if self.stores_mask:
+            if self.positions == "sparse_bits":
+                fields["bits"], fields["mask_bytes"] = _sparse_bits(bits, slots)
+            else:
+                fields["bits"] = bits
+        meta = ElementsMeta(tuple(x.shape), x.dtype, values.numel(), self._kept_state(state))
+        return Packed(meta, dropped=dropped, **fields)
+
+    def _pack_tight(self, flat: torch.Tensor, key: int):
+        """(position bits, kept values, state), the values' buffer sized to their count."""
+        bits, values, state = self._pack_one_pass(flat, key)
+        if not values:  # an empty input
+            values, bits = [flat], [pack_bits(flat.new_zeros(0, dtype=torch.bool))]
+        vals = values[0] if len(values) == 1 else torch.cat(values)
+        packed_bits = None
+        if self.stores_mask:
+            packed_bits = bits[0] if len(bits) == 1 else torch.cat(bits)
+        return packed_bits, vals, state
+
+    def _pack_one_pass(self, flat: torch.Tensor, key: int):
+        """Per slice: (position bits, kept values), and the state (CPU: host reads are free)."""
+        return self._pack_with_state(flat, self._begin(flat, False, key))
+
+    def _pack_with_state(self, flat: torch.Tensor, state: Any):
+        step = self.slice_len()
+        bits, values = [], []
+        for start in range(0, flat.numel(), step):
+            piece = flat[start : start + step]
+            mask = self._slice_mask(piece, start, state)
+            if self.stores_mask:  # compacting from the packed bits beats a boolean index
+                bits.append(pack_bits(mask))
+                values.append(compact_bits(piece, bits[-1]))
+            else:
+                values.append(compact(piece, mask))
+        return bits, values, state
+
+    def _pack_fixed(self, flat: torch.Tensor, key: int, kernels: bool):
+        """(position bits, kept values, state, values chosen but not stored) with every size
+        from the shape: each slice's values go to the device-side count of those before it."""
+        n, dev = flat.numel(), flat.device
+        state = self._begin(flat, True, key)
+        slots = self.capacity(n)
+        rule = self._kernel_rule(state) if kernels else None
+        if rule is not None:  # the Triton kernels (kernels: what dispatch chose for flat)
+            from dropit_core.backends.triton.compact import compact_pack
+
+            bits, values, chosen = compact_pack(flat, rule, slots, self.stores_mask)
+            dropped = None if self.exact_capacity else (chosen - slots).clamp_min(0)
+            return bits, values, state, dropped
+        values = torch.zeros(slots + 1, dtype=flat.dtype, device=dev)  # + compact_into's spare
+        bits = None
+        if self.stores_mask:
+            bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev)
+        stored = torch.zeros((), dtype=torch.int64, device=dev)
+        chosen = torch.zeros((), dtype=torch.int64, device=dev)
+        step = self.slice_len()
+        for start in range(0, n, step):
+            piece = flat[start : start + step]
+            mask = self._slice_mask(piece, start, state)
+            flags, stored, count = compact_into(piece, mask, values, stored, bits is not None)
+            chosen += count
+            if bits is not None:  # the flags of what was stored: an overflow never misleads
+                pack_bits(flags, out=bits[start // 8 : (start + piece.numel() + 7) // 8])
+        dropped = None if self.exact_capacity else chosen - stored
+        return bits, values[:slots], state, dropped
+
+    def _unpack(self, packed: Packed) -> torch.Tensor:
+        shape, dtype, kept, state = packed.meta
+        n = math.prod(shape)
+        values = self._rebuilt_values(decoded(self.codec, packed, dtype, kept), packed)
+        step = self.slice_len()
+        kernels = dispatch.use_kernels(values)
+        if self.stores_mask:
+            bits = packed.bits
+            if self.positions == "sparse_bits":
+                bits = _dense_bits(bits, packed.mask_bytes, n, kernels)
+            if kernels:
+                from dropit_core.backends.triton.compact import scatter_pack
+
+                return scatter_pack(bits, values, n).view(shape)
+            return scatter_kept(bits, values, n, step).view(shape)
+        rule = self._kernel_rule(state) if kernels else None
+        if rule is not None:
+            from dropit_core.backends.triton.compact import scatter_pack
+
+            return scatter_pack(None, values, n, draw=rule).view(shape)
+
+        def slice_bits(start: int, length: int) -> torch.Tensor:
+            # One slice's mask at a time: the only full-size tensor alive here is the output.
+            return pack_bits(self._rebuild_mask(start, length, state, values.device))
+
+        return scatter_kept(None, values, n, step, slice_bits).view(shape)

@@ -1,0 +1,199 @@
+"""``quant`` (ActNN, Chen et al. 2021): every value, in groups of ``group`` consecutive values,
+as a ``bits``-bit code of its place between the group's minimum and maximum, rounded up with
+probability equal to the remainder (stochastic rounding); rebuilt as minimum + code * step, so
+the rebuilt input equals the input in expectation (unbiased).
+
+The format (fields, sizes, group rule, the noise's hash) is :mod:`dropit_core.formats.quant`,
+with the eager reference; the C loops (:mod:`dropit_core.backends.native`, CPU) and the Triton
+kernels (:mod:`dropit_core.backends.triton.quant`, CUDA) write the same bytes; which one runs is
+:mod:`dropit_core.backends.dispatch`'s choice. (Before 2026-11-24 quant drew from a generator
+per slice: a quant run made since draws other numbers than the same config did then.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dropit_core.backends import dispatch, native
+from dropit_core.formats import quant as quant_format
+from dropit_core.formats.bits import pack_bits, unpack_bits
+from dropit_core.formats.packed import Packed, QuantMeta, tiny
+from dropit_core.formats.quant import inv_levels
+from dropit_core.formats.seeds import hash_keys, mix_part, mix_state
+from dropit_core.formats.values import ValueCodec
+from dropit_core.registry import Option
+from dropit_core.strategies.base import SEED, Strategy
+
+
+class Quant(Strategy):
+    """Every value as a ``bits``-bit stochastically rounded code of its group's range (ActNN)."""
+
+    name = "quant"
+    options = (
+        Option("bits", int, 4, "bits per value", choices=(2, 4, 8)),
+        Option(
+            "group", int, 256, "consecutive values sharing one fp32 minimum and step", minimum=1
+        ),
+        SEED,
+    )
+    keeps = (
+        "every element as a `bits`-bit code between its group's minimum and maximum, "
+        "stochastically rounded (ActNN): unbiased; gamma unused"
+    )
+    cache_bytes = "n bits/8 + 8 n/group"
+    draws = True
+    uses_gamma = False
+    every_element = True
+    skips_common = ("values", "int8_chunk", "int4_chunk")  # it stores codes, not kept values
+    reads_through_cast = True  # codes are the same bytes whatever dtype they were read from
+
+    def __init__(
+        self, gamma: float, codec: ValueCodec, rescale: str, *, bits: int, group: int, seed: int
+    ) -> None:
+        super().__init__(gamma, codec, rescale)
+        self.bits = bits
+        self.group = group
+        self.seed = seed
+        self._levels = (1 << bits) - 1
+        self._inv_levels = inv_levels(bits)
+        self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
+        self._kernels_take = quant_format.kernels_take(bits, group)  # asked per pack: answered once
+
+    def draw_keys(self, key: int) -> tuple[int, int]:
+        """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
+        element indices itself reads (see :meth:`_pack_as`)."""
+        return hash_keys(self._seed(key))
+
+    def _seed(self, key: int) -> int:
+        """The seed of the pack drawn with ``key``: ``mix_seed(seed, key)``, seed folded once."""
+        return mix_part(self._seed_state, key) >> 2
+
+    def slice_len(self) -> int:
+        """Elements per slice: whole groups and whole code bytes."""
+        return quant_format.slice_len(self.group)
+
+    def pack(
+        self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None
+    ) -> Packed:
+        # Strategy.pack's cases, the usual one first without its calls (every layer, every step:
+        # host time); a pack read through a cast is that of the cast, bit for bit.
+        if self.rescale == "none":
+            return self._pack_as(x, key, x.dtype if dtype is None else dtype)
+        return super().pack(x, layout, key, dtype)
+
+    def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
+        return self._pack_as(x, key, x.dtype)
+
+    def _pack_cast(self, x: torch.Tensor, layout: str, key: int, dtype: torch.dtype) -> Packed:
+        # Every path rounds each value to dtype as it reads it: the pack of x.to(dtype), bit for
+        # bit, and no copy of x in dtype is made for it.
+        return self._pack_as(x, key, dtype)
+
+    def _pack_as(self, x: torch.Tensor, key: int, dtype: torch.dtype) -> Packed:
+        """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower)."""
+        seed = self._seed(key)
+        cast = None if dtype == x.dtype else dtype
+        if self._kernels_take and dispatch.use_kernels(x):
+            # The kernel reads memory flat: no reshape (each op here is host time on a GPU).
+            codes, mins, scales = dispatch.kernels("quant").pack_contiguous(
+                x.contiguous(), self.bits, self.group, seed, cast
+            )[:3]
+        else:
+            codes, mins, scales = self._pack_eager(x.reshape(-1), seed, cast)
+        return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
+
+    def _pack_eager(
+        self, flat: torch.Tensor, seed: int, cast: torch.dtype | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, mins, scales), written into the final buffers: by the C loops where they run
+        (the CPU, fp32 read as itself or through a bf16/fp16 cast), else by the reference."""
+        n, group, bits = flat.numel(), self.group, self.bits
+        out = quant_format.buffers(n, bits, group, flat.device)
+        if quant_format.whole_bytes(bits, group) and native.takes(flat):
+            native.quant_pack(flat, bits, group, hash_keys(seed), self._inv_levels, *out, cast)
+        else:
+            quant_format.pack_eager(flat, seed, bits, group, cast, out)
+        return out
+
+    def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
+        # Every group is coded alone: a range of whole groups starting on a whole code byte is
+        # a pack of its own, rebuilt by the same kernels.
+        if packed.norm is not None or start % self.group or start * self.bits % 8:
+            return None
+        values, mins, scales = quant_format.fields(packed, start, stop, self.bits, self.group)
+        meta = QuantMeta((stop - start,), packed.meta.dtype)
+        return self._unpack(Packed(meta, values=values, scales=scales, mins=mins))
+
+    def _unpack(self, packed: Packed) -> torch.Tensor:
+        shape, dtype = packed.meta
+        n = math.prod(shape)
+        if self._kernels_take and dispatch.use_kernels(packed.values):
+            return dispatch.kernels("quant").rebuild_unchecked(
+                packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
+                shape=shape,
+            )  # fmt: skip
+        step, group = self.slice_len(), self.group
+        loops = quant_format.whole_bytes(self.bits, group) and native.ready(packed.values.device)
+        if loops and dtype == torch.float32:
+            values = native.quant_rebuild(
+                packed.values, packed.mins, packed.scales, n, self.bits, group
+            )
+            return values.view(shape)
+        dense = torch.empty(n, dtype=dtype, device=packed.values.device)
+        for start in range(0, n, step):  # slices hold whole groups and whole code bytes
+            stop = min(start + step, n)
+            if loops:
+                # A narrower dtype: the C loops' fp32 values, rounded by the same cast as the
+                # eager path's, a slice at a time (a whole map in fp32 beside its cast was the
+                # largest tensor of a bf16 backward on the CPU: tools/gpu_probe.py --what
+                # live-step).
+                values, mins, scales = quant_format.fields(packed, start, stop, self.bits, group)
+                dense[start:stop].copy_(
+                    native.quant_rebuild(values, mins, scales, stop - start, self.bits, group)
+                )
+            else:
+                # Eager: a few passes, faster than a compiled loop here (its codes unpack slowly).
+                quant_format.rebuild_eager(packed, start, stop - start, self.bits, group, dense)
+        return dense.view(shape)
+
+    def pack_signed(self, x: torch.Tensor, key: int) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+        """(:meth:`pack`'s pack of ``x``, bit for bit; the flags of its zeros; the flags of its
+        negative values), flags 1 bit each as ``packing.pack_bits`` packs them: what
+        ``dropit_core.saved.CompressSaved`` keeps. One launch on the kernel path (a group of
+        whole flag bytes), else the pack and two flag passes."""
+        if self._signed_kernels(x):
+            seed = self._seed(key)
+            codes, mins, scales, zero, negative = dispatch.kernels("quant").pack_contiguous(
+                x.contiguous(), self.bits, self.group, seed, signs=True
+            )
+            meta = QuantMeta(tuple(x.shape), x.dtype)
+            return Packed(meta, None, None, None, codes, scales, mins), zero, negative
+        flat = x.reshape(-1)
+        return self._pack_as(x, key, x.dtype), pack_bits(flat == 0), pack_bits(flat < 0)
+
+    def unpack_signed(
+        self, packed: Packed, zero: torch.Tensor, negative: torch.Tensor
+    ) -> torch.Tensor:
+        """The rebuilt tensor of :meth:`pack_signed`, with the original's zeros (+0.0) and signs:
+        every other value has at least the magnitude of the dtype's smallest normal, so a rebuilt
+        value is zero where the original was and nowhere else (one launch on the kernel path)."""
+        shape, dtype = packed.meta
+        n = math.prod(shape)
+        if self._signed_kernels(packed.values):
+            return dispatch.kernels("quant").rebuild_unchecked(
+                packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
+                signs=(zero, negative), shape=shape,
+            )  # fmt: skip
+        values = self._unpack(packed).reshape(-1)
+        magnitude = values.abs().clamp_min_(tiny(values.dtype))
+        signed = torch.where(unpack_bits(negative, n), -magnitude, magnitude)
+        return signed.masked_fill_(unpack_bits(zero, n), 0.0).view(shape)
+
+    def _signed_kernels(self, t: torch.Tensor) -> bool:
+        # The flags' bytes must not straddle two programs' groups: groups of whole flag bytes.
+        return self._kernels_take and dispatch.use_kernels(t) and self.group % 8 == 0
+
+    def _describe_params(self) -> tuple[str, ...]:
+        return (f"bits={self.bits}", f"group={self.group}")
