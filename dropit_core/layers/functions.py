@@ -265,44 +265,45 @@ class DropITConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, packed = _saved_pack(ctx)
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        args = ctx.args
-        out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
-        grad = grad.contiguous()  # a no-op when it already is
-        bias_sizes = [out_channels] if need_b else None
-        if need_w and math.prod(ctx.x_shape) * grad.element_size() >= SPLIT_BYTES:
-            split = _conv_backward_split(ctx, grad, weight, packed, bias_sizes, need_x)
-            return split + (None,) * 3
-        if not need_w and not need_b:
-            gx = conv_input_grad(grad, weight, ctx.x_shape, args) if need_x else None
-            return gx, None, None, None, None, None
-        x_hat = ctx.cache.unpack(packed) if need_w else _zeros_like_shape(grad, ctx.x_shape)
-        gx, gw, gb = torch.ops.aten.convolution_backward.default(
-            grad, x_hat, weight, bias_sizes, *args, [need_x, need_w, need_b]
-        )
-        return gx, gw, gb, None, None, None
+        rebuilt = None if packed is None else Rebuilt.of(ctx.cache, packed, ctx.x_shape)
+        grads = conv_grads(grad, weight, ctx.x_shape, ctx.args, ctx.needs_input_grad, rebuilt)
+        return grads + (None,) * 3
 
 
-def _conv_backward_split(
-    ctx,
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def conv_grads(
     grad: torch.Tensor,
     weight: torch.Tensor,
-    packed: Packed,
-    bias_sizes: list[int] | None,
-    need_x: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """(input, weight, bias gradients) of a conv with a large input, in turn: the weight's (and
-    bias's) first, then the rebuilt input goes, then the input gradient (if needed) is made.
-    One map fewer is alive at the backward's peak (a P2-level conv's); the input gradient is the
-    joint call's bit for bit, the weight's is summed over images (_weight_grad_by_images), each
-    chunk of images rebuilt alone where the strategy can (quant): a chunk's map alive, not the
-    batch's."""
-    images = _rebuilt_images(ctx.cache, packed, ctx.x_shape)
-    gw, gb = _weight_grad_by_images(grad, images, ctx.x_shape, weight, bias_sizes, ctx.args)
-    del images
-    if not need_x:
-        return None, gw, gb
-    return conv_input_grad(grad, weight, ctx.x_shape, ctx.args), gw, gb
+    x_shape: Sequence[int],
+    args: ConvArgs,
+    needs: Sequence[bool],
+    rebuilt: Rebuilt | None,
+) -> Grads:
+    """(input, weight, bias gradients) of a DropIT conv, the one body of the autograd Function's
+    backward and the traced operator's. ``rebuilt`` reads the packed input (None: no pack, the
+    weight does not train); ``needs`` the first three of ``ctx.needs_input_grad``.
+
+    A large input (at least SPLIT_BYTES) has its gradients made in turn: the weight's (and
+    bias's) first, summed over chunks of images (:func:`_weight_grad_by_images`, each chunk
+    rebuilt alone where the strategy can: a chunk's map alive, not the batch's), then the input
+    gradient, bit for bit the joint call's: one map fewer alive at the backward's peak."""
+    need_x, need_w, need_b = needs[:3]
+    need_w = need_w and rebuilt is not None
+    out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
+    grad = grad.contiguous()  # a no-op when it already is
+    bias_sizes = [out_channels] if need_b else None
+    if need_w and math.prod(x_shape) * grad.element_size() >= SPLIT_BYTES:
+        gw, gb = _weight_grad_by_images(grad, rebuilt, x_shape, weight, bias_sizes, args)
+        return (conv_input_grad(grad, weight, x_shape, args) if need_x else None), gw, gb
+    if not need_w and not need_b:
+        return (conv_input_grad(grad, weight, x_shape, args) if need_x else None), None, None
+    x_hat = rebuilt.whole() if need_w else _zeros_like_shape(grad, x_shape)
+    gx, gw, gb = torch.ops.aten.convolution_backward.default(
+        grad, x_hat, weight, bias_sizes, *args, [need_x, need_w, need_b]
+    )
+    return gx, gw, gb
 
 
 def conv_input_grad(
@@ -329,38 +330,56 @@ def conv_input_grad(
     )[0]
 
 
-def _rebuilt_images(
-    cache: InputCache, packed: Packed, shape: torch.Size
-) -> Callable[[int, int], torch.Tensor]:
-    """``images(i, j)``: images ``[i, j)`` of the rebuilt input of ``shape``, each call's
-    rebuilt alone where the strategy can (``InputCache.unpack_part``), else sliced from one
+class Rebuilt:
+    """A layer's packed input, read back for its backward: whole, or images ``[i, j)`` at a
+    time, each chunk rebuilt alone where the strategy can (``part``), else sliced from one
     rebuild of the whole batch (made once, on the first call that needs it). The same values
     either way."""
-    per_image = math.prod(shape[1:])
-    whole: list[torch.Tensor] = []
 
-    def images(i: int, j: int) -> torch.Tensor:
-        if not whole:
-            part = cache.unpack_part(packed, i * per_image, j * per_image)
+    def __init__(
+        self,
+        shape: Sequence[int],
+        whole: Callable[[], torch.Tensor],
+        part: Callable[[int, int], torch.Tensor | None] | None = None,
+    ) -> None:
+        self.shape, self._whole, self._part = shape, whole, part
+        self._batch: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, cache: InputCache, packed: Packed, shape: Sequence[int]) -> Rebuilt:
+        """The eager layers' reader: the cache's strategy rebuilds (``InputCache.unpack``)."""
+        return cls(
+            shape,
+            lambda: cache.unpack(packed),
+            lambda start, stop: cache.unpack_part(packed, start, stop),
+        )
+
+    def whole(self) -> torch.Tensor:
+        """The whole rebuilt input."""
+        return self._whole() if self._batch is None else self._batch
+
+    def images(self, i: int, j: int) -> torch.Tensor:
+        """Images ``[i, j)`` of the rebuilt input."""
+        if self._batch is None:
+            per_image = math.prod(self.shape[1:])
+            part = self._part and self._part(i * per_image, j * per_image)
             if part is not None:
-                return part.view(j - i, *shape[1:])
-            whole.append(cache.unpack(packed))
-        return whole[0][i:j]
-
-    return images
+                return part.view(j - i, *self.shape[1:])
+            self._batch = self._whole()
+        return self._batch[i:j]
 
 
 def _weight_grad_by_images(
     grad: torch.Tensor,
-    images: Callable[[int, int], torch.Tensor],
-    x_shape: torch.Size,
+    rebuilt: Rebuilt,
+    x_shape: Sequence[int],
     weight: torch.Tensor,
     bias_sizes: list[int] | None,
     args: ConvArgs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight (and bias) gradient of a conv as a sum over chunks of images of at most
     SPLIT_BYTES of input each (one image where an image is larger), the input (of
-    ``x_shape``) of images ``[i, j)`` read as ``images(i, j)`` (:func:`_rebuilt_images`): the
+    ``x_shape``) of images ``[i, j)`` read as ``rebuilt.images(i, j)``: the
     rebuilt input and the CPU kernel's copies of it and of the output gradient in its own
     layout are then a chunk's, not the batch's. Each chunk's part is summed in fp32 (in the
     order of the images): the same value as one call up to float rounding, not bit for bit where
@@ -372,13 +391,14 @@ def _weight_grad_by_images(
     mask = [False, True, bias_sizes is not None]
     if chunk >= batch:
         _, gw, gb = torch.ops.aten.convolution_backward.default(
-            grad, images(0, batch), weight, bias_sizes, *args, mask
+            grad, rebuilt.images(0, batch), weight, bias_sizes, *args, mask
         )
         return gw, gb
     gw = gb = None
     for i in range(0, batch, chunk):
         _, w_i, b_i = torch.ops.aten.convolution_backward.default(
-            grad[i : i + chunk], images(i, min(i + chunk, batch)), weight, bias_sizes, *args,
+            grad[i : i + chunk], rebuilt.images(i, min(i + chunk, batch)), weight, bias_sizes,
+            *args,
             mask,
         )  # fmt: skip
         gw = w_i.float() if gw is None else gw.add_(w_i)
@@ -401,18 +421,31 @@ class DropITLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, packed = _saved_pack(ctx)
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gx = gw = gb = None
-        if need_w:  # first, so that the rebuilt input goes before the input gradient is made
-            x_hat = ctx.cache.unpack(packed)
-            gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
-            del x_hat
-        if need_x:
-            gx = (g2 @ weight).view(ctx.x_shape)
-        if need_b:
-            gb = g2.sum(0)
-        return gx, gw, gb, None, None
+        rebuilt = None if packed is None else Rebuilt.of(ctx.cache, packed, ctx.x_shape)
+        return linear_grads(grad, weight, ctx.x_shape, ctx.needs_input_grad, rebuilt) + (None,) * 2
+
+
+def linear_grads(
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    x_shape: Sequence[int],
+    needs: Sequence[bool],
+    rebuilt: Rebuilt | None,
+) -> Grads:
+    """(input, weight, bias gradients) of a DropIT linear layer over any leading dims: the one
+    body of the autograd Function's backward and the traced operator's (as :func:`conv_grads`)."""
+    need_x, need_w, need_b = needs[:3]
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gx = gw = gb = None
+    if need_w and rebuilt is not None:  # first: the rebuilt input goes before gx is made
+        x_hat = rebuilt.whole()
+        gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
+        del x_hat
+    if need_x:
+        gx = (g2 @ weight).view(x_shape)
+    if need_b:
+        gb = g2.sum(0)
+    return gx, gw, gb
 
 
 class MaskedReLUFunction(torch.autograd.Function):
@@ -423,33 +456,34 @@ class MaskedReLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, inplace: bool):
-        if _relu_kernels(x, inplace):
-            out, bits = dispatch.kernels("relu").relu_mask(x, inplace)
-            if inplace:
-                ctx.mark_dirty(x)
-            ctx.save_for_backward(bits)
-            return out
+        out, bits = relu_and_mask(x, inplace)
         if inplace:
-            out = x.relu_()
             ctx.mark_dirty(x)
-        else:
-            out = torch.relu(x)
-        ctx.save_for_backward(pack_blocked(out))
+        ctx.save_for_backward(bits)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward()
         (bits,) = ctx.saved_tensors
-        if dispatch.use_kernels(grad):
-            return dispatch.kernels("relu").relu_mask_grad(grad, bits), None
-        return zero_flagged_sliced(grad, bits), None
+        return relu_mask_grad(grad, bits), None
 
 
-def _relu_kernels(x: torch.Tensor, inplace: bool) -> bool:
-    """Whether the ReLU's forward runs the kernel: a float tensor, contiguous when in place
-    (the kernel writes the output in x's memory order)."""
-    return dispatch.use_kernels(x) and x.is_floating_point() and (x.is_contiguous() or not inplace)
+def relu_and_mask(x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(relu(x), the packed flags of ``relu(x) <= 0``): the masked ReLU's forward, eager and
+    traced alike. The kernel takes a float tensor, contiguous when in place (it writes the
+    output in x's memory order)."""
+    if dispatch.use_kernels(x) and x.is_floating_point() and (x.is_contiguous() or not inplace):
+        return dispatch.kernels("relu").relu_mask(x, inplace)
+    out = x.relu_() if inplace else torch.relu(x)
+    return out, pack_blocked(out)
+
+
+def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The masked ReLU's input gradient: ``grad`` with the flagged elements zeroed."""
+    if dispatch.use_kernels(grad):
+        return dispatch.kernels("relu").relu_mask_grad(grad, bits)
+    return zero_flagged_sliced(grad, bits)
 
 
 def _any_autocast_fallback() -> bool:
@@ -460,11 +494,12 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast_fall
 
 
 def autocast_inputs(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: InputCache
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: InputCache | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype | None]:
     """(weight, bias, the input's dtype) as autocast would cast them for conv/linear; the dtype
     None without autocast. The weight casts are made here, outside the Function, so that
-    autograd sees them; they are shared by the calls of one forward through ``cache``.
+    autograd sees them; they are shared by the calls of one forward through ``cache`` (None
+    while tracing: plain casts, which the compiler shares itself).
 
     Conv and linear run in the autocast dtype on CUDA (fp16/bf16) and CPU (bf16); casting alike
     keeps outputs identical to the plain layer and lets the cache hold narrow values. The input
@@ -480,6 +515,8 @@ def autocast_inputs(
     if not torch.is_autocast_enabled(device_type):
         return weight, bias, None
     dtype = torch.get_autocast_dtype(device_type)
+    if cache is None:
+        return weight.to(dtype), None if bias is None else bias.to(dtype), dtype
     return (
         cache.cast_param(weight, dtype),
         cache.cast_param(bias, dtype) if bias is not None else None,

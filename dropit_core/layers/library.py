@@ -19,6 +19,11 @@ graph and no seed ever becomes a graph constant:
 - ``dropit::unpack`` rebuilds the input in backward.
 - ``dropit::conv`` / ``dropit::linear``: the plain op forward; backward reads the pack.
 - ``dropit::relu_mask`` / ``dropit::relu_mask_grad``: the ReLU that keeps a 1-bit mask.
+- ``dropit::batch_norm`` / ``dropit::group_norm``: beside their autograd Functions, in
+  :mod:`dropit_core.layers.norm`.
+
+Each operator's backward is its autograd Function's body (``conv_grads``, ``linear_grads``,
+``relu_mask_grad``, the norms' ``*_grads``), called with the traced ``dropit::unpack``.
 
 With ``DROPIT_FUSE=1`` (``configure(fuse=True)``) a quant pack and the ReLU's mask are plain
 torch ops instead, which Inductor builds into its own kernels; only the draw (``dropit::draw``, the
@@ -42,11 +47,19 @@ import torch
 from torch import Tensor
 
 from dropit_core import settings
-from dropit_core.formats.bits import pack_blocked, zero_flagged_sliced
 from dropit_core.formats.packed import Packed, QuantMeta
 from dropit_core.formats.quant import code_bytes
 from dropit_core.formats.seeds import MASK32, TABLE_BITS, UNIFORM_BITS, mix32
-from dropit_core.layers.functions import ConvArgs, InputCache, cache_by_number
+from dropit_core.layers.functions import (
+    ConvArgs,
+    InputCache,
+    Rebuilt,
+    cache_by_number,
+    conv_grads,
+    linear_grads,
+    relu_and_mask,
+    relu_mask_grad,
+)
 
 
 def traceable(cache: InputCache) -> bool:
@@ -213,18 +226,6 @@ def fuse_enabled() -> bool:
     return settings.current().fuse
 
 
-def autocast_inputs(
-    x: Tensor, weight: Tensor, bias: Tensor | None
-) -> tuple[Tensor, Tensor | None, torch.dtype | None]:
-    """``ops.autocast_inputs`` while tracing: the casts are plain ones (the compiler shares the
-    copies that the eager cache shares)."""
-    device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return weight, bias, None
-    dtype = torch.get_autocast_dtype(device_type)
-    return weight.to(dtype), None if bias is None else bias.to(dtype), dtype
-
-
 # Convolution ---------------------------------------------------------------------------------
 
 
@@ -264,22 +265,21 @@ def _conv_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(weight, *fields)
 
 
+def _rebuilt(ctx, fields: list[Tensor]) -> Rebuilt | None:
+    """The backward's reader of the pack ``fields`` (the traced ``dropit::unpack``)."""
+    if not fields:
+        return None
+    return Rebuilt(
+        ctx.x_shape, lambda: torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+    )
+
+
 def _conv_backward(ctx, grad):
     weight, *fields = ctx.saved_tensors
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    stride, padding, dilation, transposed, output_padding, groups = ctx.args
-    out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
-    if need_w and fields:
-        x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
-    else:  # the input gradient reads only the input's shape
-        x_hat = grad.new_zeros((), dtype=ctx.x_dtype).expand(ctx.x_shape)
-    gx, gw, gb = torch.ops.aten.convolution_backward.default(
-        grad.contiguous(), x_hat, weight, [out_channels] if need_b else None,
-        stride, padding, dilation, transposed, output_padding, groups,
-        [need_x, need_w and bool(fields), need_b],
-    )  # fmt: skip
+    args = ConvArgs(*ctx.args)
+    grads = conv_grads(grad, weight, ctx.x_shape, args, ctx.needs_input_grad, _rebuilt(ctx, fields))
     # a gradient per input: the pack's list gets a list of Nones
-    return gx, gw, gb, [None] * len(fields), None, None, None, None, None, None, None
+    return *grads, [None] * len(fields), None, None, None, None, None, None, None
 
 
 conv_op.register_autograd(_conv_backward, setup_context=_conv_setup)
@@ -323,17 +323,8 @@ def _linear_setup(ctx, inputs, output) -> None:
 
 def _linear_backward(ctx, grad):
     weight, *fields = ctx.saved_tensors
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    g2 = grad.reshape(-1, grad.shape[-1])
-    gx = gw = gb = None
-    if need_w and fields:
-        x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
-        gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
-    if need_x:
-        gx = (g2 @ weight).view(ctx.x_shape)
-    if need_b:
-        gb = g2.sum(0)
-    return gx, gw, gb, [None] * len(fields), None
+    grads = linear_grads(grad, weight, ctx.x_shape, ctx.needs_input_grad, _rebuilt(ctx, fields))
+    return *grads, [None] * len(fields), None
 
 
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -354,14 +345,7 @@ def linear(
 @torch.library.custom_op("dropit::relu_mask", mutates_args=())
 def relu_mask_op(x: Tensor) -> tuple[Tensor, Tensor]:
     """(relu(x), the packed flags of ``relu(x) <= 0``), as ``MaskedReLUFunction`` keeps them."""
-    from dropit_core.backends import dispatch
-
-    if dispatch.use_kernels(x) and x.is_floating_point():
-        from dropit_core.backends.triton.relu import relu_mask as kernel
-
-        return kernel(x, False)
-    out = torch.relu(x)
-    return out, pack_blocked(out)
+    return relu_and_mask(x, False)
 
 
 @relu_mask_op.register_fake
@@ -372,13 +356,7 @@ def _(x: Tensor) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("dropit::relu_mask_grad", mutates_args=())
 def relu_mask_grad_op(grad: Tensor, bits: Tensor) -> Tensor:
     """The ReLU's input gradient from its output gradient and mask."""
-    from dropit_core.backends import dispatch
-
-    if dispatch.use_kernels(grad):
-        from dropit_core.backends.triton.relu import relu_mask_grad
-
-        return relu_mask_grad(grad, bits)
-    return zero_flagged_sliced(grad, bits)
+    return relu_mask_grad(grad, bits)
 
 
 @relu_mask_grad_op.register_fake
@@ -429,159 +407,3 @@ class _MaskedReLU(torch.autograd.Function):
         shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
         flags = ((bits[:, None] >> shifts) & 1).reshape(-1)[: grad.numel()]
         return torch.where(flags.view(grad.shape).bool(), 0.0, grad)
-
-
-# Normalisation layers (norm=True) ---------------------------------------------------------------
-
-
-@torch.library.custom_op("dropit::batch_norm", mutates_args=())
-def batch_norm_op(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    fields: list[Tensor],
-    momentum: float,
-    eps: float,
-    cache: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Training-mode batch norm as ``norm._BatchNormFunction`` runs it: (output, mean, invstd,
-    reserve, the updated running mean and variance). Functional: the statistics are updated in
-    copies, which the caller writes back (an operator with an autograd formula mutates nothing).
-    """
-    if running_mean is None:
-        out, mean, invstd = torch.ops.aten.native_batch_norm.default(
-            x, weight, bias, None, None, True, momentum, eps
-        )
-        empty = x.new_empty(0)
-        return out, mean, invstd, empty, empty.clone(), empty.clone()
-    new_mean, new_var = running_mean.clone(), running_var.clone()
-    out, mean, invstd, reserve = torch.ops.aten._batch_norm_with_update.default(
-        x, weight, bias, new_mean, new_var, momentum, eps
-    )
-    return out, mean, invstd, reserve, new_mean, new_var
-
-
-@batch_norm_op.register_fake
-def _(x, weight, bias, running_mean, running_var, fields, momentum, eps, cache):
-    channels = x.shape[1]
-    stats = x.new_empty(channels, dtype=torch.float32)
-    if running_mean is None:
-        empty = x.new_empty(0)
-        return torch.empty_like(x), stats, stats.clone(), empty, empty.clone(), empty.clone()
-    return (
-        torch.empty_like(x),
-        stats,
-        stats.clone(),
-        x.new_empty(0, dtype=torch.uint8),
-        torch.empty_like(running_mean),
-        torch.empty_like(running_var),
-    )
-
-
-def _batch_norm_setup(ctx, inputs, output) -> None:
-    x, weight, bias, running_mean, _, fields, _, eps, cache = inputs
-    ctx.eps, ctx.cache, ctx.update = eps, cache, running_mean is not None
-    ctx.x_shape, ctx.x_dtype, ctx.affine = list(x.shape), x.dtype, weight is not None
-    _, mean, invstd, reserve, _, _ = output
-    ctx.save_for_backward(weight, mean, invstd, reserve, *fields)
-
-
-def _batch_norm_backward(ctx, grad, *_):
-    weight, mean, invstd, reserve, *fields = ctx.saved_tensors
-    x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
-    need = list(ctx.needs_input_grad[:3])
-    grad = grad.contiguous()
-    if not ctx.update:
-        gx, gw, gb = torch.ops.aten.native_batch_norm_backward.default(
-            grad, x_hat, weight, None, None, mean, invstd, True, ctx.eps, need
-        )
-    else:
-        if not ctx.affine:  # the op wants a weight even without affine parameters
-            weight = torch.ones(ctx.x_shape[1], device=grad.device, dtype=torch.float32)
-            need[1] = need[2] = False
-        gx, gw, gb = torch.ops.aten.batch_norm_backward.default(
-            grad, x_hat, weight, None, None, mean, invstd, True, ctx.eps, need, reserve
-        )
-    return gx, gw, gb, None, None, [None] * len(fields), None, None, None
-
-
-batch_norm_op.register_autograd(_batch_norm_backward, setup_context=_batch_norm_setup)
-
-
-def batch_norm(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    momentum: float,
-    eps: float,
-    cache: InputCache,
-) -> Tensor:
-    """The traced form of ``norm._BatchNormFunction.apply`` (running statistics updated alike)."""
-    fields = pack(cache, x, "conv", x.dtype)
-    out, _, _, _, new_mean, new_var = torch.ops.dropit.batch_norm(
-        x, weight, bias, running_mean, running_var, fields, momentum, eps, cache.number
-    )
-    if running_mean is not None:
-        with torch.no_grad():
-            running_mean.copy_(new_mean)
-            running_var.copy_(new_var)
-    return out
-
-
-@torch.library.custom_op("dropit::group_norm", mutates_args=())
-def group_norm_op(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    fields: list[Tensor],
-    groups: int,
-    eps: float,
-    cache: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Group norm as ``norm._GroupNormFunction`` runs it: (output, mean, rstd)."""
-    n, c = x.shape[:2]
-    hw = x[0, 0].numel() if n and c else 0
-    return torch.ops.aten.native_group_norm.default(x, weight, bias, n, c, hw, groups, eps)
-
-
-@group_norm_op.register_fake
-def _(x, weight, bias, fields, groups, eps, cache):
-    n = x.shape[0]
-    stats = x.new_empty((n, groups))
-    return torch.empty_like(x), stats, stats.clone()
-
-
-def _group_norm_setup(ctx, inputs, output) -> None:
-    x, weight, _, fields, groups, _, cache = inputs
-    n, c = x.shape[:2]
-    ctx.dims = (n, c, math.prod(x.shape[2:]), groups)
-    ctx.cache, ctx.x_shape, ctx.x_dtype = cache, list(x.shape), x.dtype
-    ctx.affine = weight is not None
-    ctx.save_for_backward(weight, output[1], output[2], *fields)
-
-
-def _group_norm_backward(ctx, grad, *_):
-    weight, mean, rstd, *fields = ctx.saved_tensors
-    x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
-    need = list(ctx.needs_input_grad[:3])
-    if not ctx.affine:
-        need[1] = need[2] = False
-    gx, gw, gb = torch.ops.aten.native_group_norm_backward.default(
-        grad.contiguous(), x_hat, mean, rstd, weight, *ctx.dims, need
-    )
-    return gx, gw, gb, [None] * len(fields), None, None, None
-
-
-group_norm_op.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
-
-
-def group_norm(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int, eps: float, cache
-) -> Tensor:
-    """The traced form of ``norm._GroupNormFunction.apply``."""
-    fields = pack(cache, x, "conv", x.dtype)
-    return torch.ops.dropit.group_norm(x, weight, bias, fields, groups, eps, cache.number)[0]

@@ -95,7 +95,7 @@ def _compiling_conv(
     """The DropIT convolution while compiling: the traced operators (strategies whose pack sizes
     depend on the data: the autograd Function, behind a graph break)."""
     if traced.traceable(cache):
-        w, b, dtype = traced.autocast_inputs(x, weight, bias)
+        w, b, dtype = autocast_inputs(x, weight, bias, None)
         return traced.conv(x, w, b, args, cache, dtype)
     return _conv_behind_break(x, weight, bias, args, cache)
 
@@ -105,7 +105,7 @@ def _compiling_linear(
 ) -> torch.Tensor:
     """The DropIT linear layer while compiling (as :func:`_compiling_conv`)."""
     if traced.traceable(cache):
-        w, b, dtype = traced.autocast_inputs(x, weight, bias)
+        w, b, dtype = autocast_inputs(x, weight, bias, None)
         return traced.linear(x, w, b, cache, dtype)
     return _linear_behind_break(x, weight, bias, cache)
 

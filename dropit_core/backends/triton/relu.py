@@ -15,9 +15,7 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @triton.jit
-def relu_mask_kernel(
-    x_ptr, out_ptr, bits_ptr, n, BLOCK: tl.constexpr, KEEP_NEG_ZERO: tl.constexpr
-):
+def relu_mask_kernel(x_ptr, out_ptr, bits_ptr, n, BLOCK: tl.constexpr, KEEP_NEG_ZERO: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < n
     x = tl.load(x_ptr + idx, mask=ok, other=0.0)
