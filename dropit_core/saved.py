@@ -36,7 +36,7 @@ from torch import nn
 from dropit_core.formats.packed import PACK_TAG, Packed, refuse_double_backward
 from dropit_core.formats.seeds import mix_seed
 from dropit_core.strategies.catalog import build_strategy
-from dropit_core.strategies.quant import Quant
+from dropit_core.strategies.quant import Quant, pack_signed, unpack_signed
 
 # The attribute of a saved tensor that holds its pack: (block number, version, pack).
 _SEEN = "_dropit_saved_pack"
@@ -127,7 +127,7 @@ class CompressSaved:
             return hit[2]
         draw = mix_seed(self.rank, self.step, self.packs)
         flat, layout = _in_memory_order(t.detach())
-        saved = _Saved(*self.quant.pack_signed(flat, draw), t.shape, layout)
+        saved = _Saved(*pack_signed(self.quant, flat, draw), t.shape, layout)
         setattr(t, _SEEN, (self._number, t._version, saved))
         kept = saved.packed.nbytes() + saved.zero.nbytes + saved.negative.nbytes
         self.packs += 1
@@ -141,7 +141,7 @@ class CompressSaved:
         if isinstance(saved, torch.Tensor):
             return saved
         refuse_double_backward()
-        rebuilt = self.quant.unpack_signed(saved.packed, saved.zero, saved.negative)
+        rebuilt = unpack_signed(self.quant, saved.packed, saved.zero, saved.negative)
         return _in_layout(rebuilt, saved.shape, saved.layout)
 
 

@@ -27,6 +27,7 @@ few launches for the whole tensor instead of a dozen per slice.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,6 +111,32 @@ def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int, kernels: boo
         return scatter_pack(flags, nonzero, n_bytes)
     # one slice of whole mask bytes: the same rebuild as the values' (scatter_kept)
     return scatter_kept(flags, nonzero, n_bytes, max(8, 8 * len(flags)))
+
+
+def _fill_slots(
+    flat: torch.Tensor,
+    slots: int,
+    stores_mask: bool,
+    step: int,
+    mask_of: Callable[[torch.Tensor, int], torch.Tensor],
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(position bits, the ``slots`` value slots, count chosen, count stored) of an eager pack
+    sized from the shape: each slice's kept values (``mask_of(piece, start)``) go after the
+    device-side count of those before it, so that no host waits for the device."""
+    n, dev = flat.numel(), flat.device
+    values = torch.zeros(slots + 1, dtype=flat.dtype, device=dev)  # + compact_into's spare
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev) if stores_mask else None
+    stored = torch.zeros((), dtype=torch.int64, device=dev)
+    chosen = torch.zeros((), dtype=torch.int64, device=dev)
+    for start in range(0, n, step):
+        piece = flat[start : start + step]
+        flags, stored, count = compact_into(
+            piece, mask_of(piece, start), values, stored, stores_mask
+        )
+        chosen += count
+        if bits is not None:  # the flags of what was stored: an overflow never misleads
+            pack_bits(flags, out=bits[start // 8 : (start + piece.numel() + 7) // 8])
+    return bits, values[:slots], chosen, stored
 
 
 class Elementwise(Strategy):
@@ -221,7 +248,7 @@ class Elementwise(Strategy):
     def _pack_fixed(self, flat: torch.Tensor, key: int, kernels: bool):
         """(position bits, kept values, state, values chosen but not stored) with every size
         from the shape: each slice's values go to the device-side count of those before it."""
-        n, dev = flat.numel(), flat.device
+        n = flat.numel()
         state = self._begin(flat, True, key)
         slots = self.capacity(n)
         rule = self._kernel_rule(state) if kernels else None
@@ -231,22 +258,12 @@ class Elementwise(Strategy):
             bits, values, chosen = compact_pack(flat, rule, slots, self.stores_mask)
             dropped = None if self.exact_capacity else (chosen - slots).clamp_min(0)
             return bits, values, state, dropped
-        values = torch.zeros(slots + 1, dtype=flat.dtype, device=dev)  # + compact_into's spare
-        bits = None
-        if self.stores_mask:
-            bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev)
-        stored = torch.zeros((), dtype=torch.int64, device=dev)
-        chosen = torch.zeros((), dtype=torch.int64, device=dev)
-        step = self.slice_len()
-        for start in range(0, n, step):
-            piece = flat[start : start + step]
-            mask = self._slice_mask(piece, start, state)
-            flags, stored, count = compact_into(piece, mask, values, stored, bits is not None)
-            chosen += count
-            if bits is not None:  # the flags of what was stored: an overflow never misleads
-                pack_bits(flags, out=bits[start // 8 : (start + piece.numel() + 7) // 8])
+        bits, values, chosen, stored = _fill_slots(
+            flat, slots, self.stores_mask, self.slice_len(),
+            lambda piece, start: self._slice_mask(piece, start, state),
+        )  # fmt: skip
         dropped = None if self.exact_capacity else chosen - stored
-        return bits, values[:slots], state, dropped
+        return bits, values, state, dropped
 
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype, kept, state = packed.meta

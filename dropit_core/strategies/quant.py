@@ -134,66 +134,74 @@ class Quant(Strategy):
                 packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
                 shape=shape,
             )  # fmt: skip
-        step, group = self.slice_len(), self.group
-        loops = quant_format.whole_bytes(self.bits, group) and native.ready(packed.values.device)
-        if loops and dtype == torch.float32:
-            values = native.quant_rebuild(
-                packed.values, packed.mins, packed.scales, n, self.bits, group
-            )
-            return values.view(shape)
-        dense = torch.empty(n, dtype=dtype, device=packed.values.device)
-        for start in range(0, n, step):  # slices hold whole groups and whole code bytes
-            stop = min(start + step, n)
-            if loops:
-                # A narrower dtype: the C loops' fp32 values, rounded by the same cast as the
-                # eager path's, a slice at a time (a whole map in fp32 beside its cast was the
-                # largest tensor of a bf16 backward on the CPU: tools/gpu_probe.py --what
-                # live-step).
-                values, mins, scales = quant_format.fields(packed, start, stop, self.bits, group)
-                dense[start:stop].copy_(
-                    native.quant_rebuild(values, mins, scales, stop - start, self.bits, group)
-                )
-            else:
-                # Eager: a few passes, faster than a compiled loop here (its codes unpack slowly).
-                quant_format.rebuild_eager(packed, start, stop - start, self.bits, group, dense)
-        return dense.view(shape)
-
-    def pack_signed(self, x: torch.Tensor, key: int) -> tuple[Packed, torch.Tensor, torch.Tensor]:
-        """(:meth:`pack`'s pack of ``x``, bit for bit; the flags of its zeros; the flags of its
-        negative values), flags 1 bit each as ``packing.pack_bits`` packs them: what
-        ``dropit_core.saved.CompressSaved`` keeps. One launch on the kernel path (a group of
-        whole flag bytes), else the pack and two flag passes."""
-        if self._signed_kernels(x):
-            seed = self._seed(key)
-            codes, mins, scales, zero, negative = dispatch.kernels("quant").pack_contiguous(
-                x.contiguous(), self.bits, self.group, seed, signs=True
-            )
-            meta = QuantMeta(tuple(x.shape), x.dtype)
-            return Packed(meta, None, None, None, codes, scales, mins), zero, negative
-        flat = x.reshape(-1)
-        return self._pack_as(x, key, x.dtype), pack_bits(flat == 0), pack_bits(flat < 0)
-
-    def unpack_signed(
-        self, packed: Packed, zero: torch.Tensor, negative: torch.Tensor
-    ) -> torch.Tensor:
-        """The rebuilt tensor of :meth:`pack_signed`, with the original's zeros (+0.0) and signs:
-        every other value has at least the magnitude of the dtype's smallest normal, so a rebuilt
-        value is zero where the original was and nowhere else (one launch on the kernel path)."""
-        shape, dtype = packed.meta
-        n = math.prod(shape)
-        if self._signed_kernels(packed.values):
-            return dispatch.kernels("quant").rebuild_unchecked(
-                packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
-                signs=(zero, negative), shape=shape,
-            )  # fmt: skip
-        values = self._unpack(packed).reshape(-1)
-        magnitude = values.abs().clamp_min_(tiny(values.dtype))
-        signed = torch.where(unpack_bits(negative, n), -magnitude, magnitude)
-        return signed.masked_fill_(unpack_bits(zero, n), 0.0).view(shape)
-
-    def _signed_kernels(self, t: torch.Tensor) -> bool:
-        # The flags' bytes must not straddle two programs' groups: groups of whole flag bytes.
-        return self._kernels_take and dispatch.use_kernels(t) and self.group % 8 == 0
+        return _rebuild_on_host(packed, n, self.bits, self.group, self.slice_len())
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"bits={self.bits}", f"group={self.group}")
+
+
+def _rebuild_on_host(packed: Packed, n: int, bits: int, group: int, step: int) -> torch.Tensor:
+    """The rebuilt input of a quant pack off the kernels: the C loops where they run (fp32
+    whole, a narrower dtype a slice of ``step`` values at a time), else the eager reference."""
+    shape, dtype = packed.meta
+    loops = quant_format.whole_bytes(bits, group) and native.ready(packed.values.device)
+    if loops and dtype == torch.float32:
+        values = native.quant_rebuild(packed.values, packed.mins, packed.scales, n, bits, group)
+        return values.view(shape)
+    dense = torch.empty(n, dtype=dtype, device=packed.values.device)
+    for start in range(0, n, step):  # slices hold whole groups and whole code bytes
+        stop = min(start + step, n)
+        if loops:
+            # A narrower dtype: the C loops' fp32 values, rounded by the same cast as the
+            # eager path's, a slice at a time (a whole map in fp32 beside its cast was the
+            # largest tensor of a bf16 backward on the CPU: tools/gpu_probe.py --what
+            # live-step).
+            values, mins, scales = quant_format.fields(packed, start, stop, bits, group)
+            dense[start:stop].copy_(
+                native.quant_rebuild(values, mins, scales, stop - start, bits, group)
+            )
+        else:
+            # Eager: a few passes, faster than a compiled loop here (its codes unpack slowly).
+            quant_format.rebuild_eager(packed, start, stop - start, bits, group, dense)
+    return dense.view(shape)
+
+
+def pack_signed(
+    quant: Quant, x: torch.Tensor, key: int
+) -> tuple[Packed, torch.Tensor, torch.Tensor]:
+    """(``quant``'s pack of ``x``, bit for bit; the flags of its zeros; the flags of its
+    negative values), flags 1 bit each as ``pack_bits`` packs them: what
+    ``dropit_core.saved.CompressSaved`` keeps. One launch on the kernel path (a group of whole
+    flag bytes), else the pack and two flag passes."""
+    if _signed_kernels(quant, x):
+        codes, mins, scales, zero, negative = dispatch.kernels("quant").pack_contiguous(
+            x.contiguous(), quant.bits, quant.group, quant._seed(key), signs=True
+        )
+        meta = QuantMeta(tuple(x.shape), x.dtype)
+        return Packed(meta, None, None, None, codes, scales, mins), zero, negative
+    flat = x.reshape(-1)
+    return quant._pack_as(x, key, x.dtype), pack_bits(flat == 0), pack_bits(flat < 0)
+
+
+def unpack_signed(
+    quant: Quant, packed: Packed, zero: torch.Tensor, negative: torch.Tensor
+) -> torch.Tensor:
+    """The rebuilt tensor of :func:`pack_signed`, with the original's zeros (+0.0) and signs:
+    every other value has at least the magnitude of the dtype's smallest normal, so a rebuilt
+    value is zero where the original was and nowhere else (one launch on the kernel path)."""
+    shape, dtype = packed.meta
+    n = math.prod(shape)
+    if _signed_kernels(quant, packed.values):
+        return dispatch.kernels("quant").rebuild_unchecked(
+            packed.values, packed.mins, packed.scales, n, quant.bits, quant.group, dtype,
+            signs=(zero, negative), shape=shape,
+        )  # fmt: skip
+    values = quant._unpack(packed).reshape(-1)
+    magnitude = values.abs().clamp_min_(tiny(values.dtype))
+    signed = torch.where(unpack_bits(negative, n), -magnitude, magnitude)
+    return signed.masked_fill_(unpack_bits(zero, n), 0.0).view(shape)
+
+
+def _signed_kernels(quant: Quant, t: torch.Tensor) -> bool:
+    # The flags' bytes must not straddle two programs' groups: groups of whole flag bytes.
+    return quant._kernels_take and dispatch.use_kernels(t) and quant.group % 8 == 0

@@ -29,6 +29,7 @@ from dropit_core.formats import seeds
 from dropit_core.formats.quant import kernels_take as quant_kernels_take
 from dropit_core.formats.quant import unpack_codes
 from dropit_core.layers.functions import MaskedReLUFunction
+from dropit_core.strategies.quant import pack_signed, unpack_signed
 from tests.core.kernel_env import DEVICE, FLOATS, INTERPRETED, NEEDS_KERNELS, same_bits
 from tests.core.test_dropit_unbiased import _activation, _error_in_noise_units
 
@@ -291,14 +292,14 @@ def test_signed_pack_is_the_pack_and_pack_bits_of_the_flags_in_one_launch(
     x = _signed_values(n, dtype)
     strategy = build_strategy("quant", 0.8, bits=bits, group=group)
     mode("triton")
-    packed, zero, negative = strategy.pack_signed(x, 21)
+    packed, zero, negative = pack_signed(strategy, x, 21)
     plain = strategy.pack(x, "linear", 21)
     for field in ("values", "mins", "scales"):
         assert same_bits(getattr(packed, field), getattr(plain, field)), field
     assert packed.meta == plain.meta
     assert torch.equal(zero, pack_bits(x == 0)) and torch.equal(negative, pack_bits(x < 0))
     mode("eager")
-    eager = strategy.pack_signed(x, 21)
+    eager = pack_signed(strategy, x, 21)
     assert all(same_bits(a, b) for a, b in zip(eager[1:], (zero, negative), strict=True))
 
 
@@ -310,10 +311,10 @@ def test_signed_rebuild_is_the_eager_one_with_the_originals_zeros_and_signs(
     x = _signed_values(n, dtype)
     strategy = build_strategy("quant", 0.8, bits=bits, group=group)
     mode("eager")
-    packed, zero, negative = strategy.pack_signed(x, 8)
-    eager = strategy.unpack_signed(packed, zero, negative)
+    packed, zero, negative = pack_signed(strategy, x, 8)
+    eager = unpack_signed(strategy, packed, zero, negative)
     mode("triton")
-    kernel = strategy.unpack_signed(packed, zero, negative)
+    kernel = unpack_signed(strategy, packed, zero, negative)
     assert kernel.dtype == dtype and same_bits(kernel, eager)
     # Zero (+0.0) exactly where the original is zero, and the original's sign elsewhere.
     assert torch.equal(kernel == 0, x == 0) and torch.equal(kernel < 0, x < 0)
@@ -328,10 +329,10 @@ def test_signed_pack_and_rebuild_allocate_their_outputs_and_nothing_else(mode) -
     x = _signed_values(3000, torch.float32)
     strategy = build_strategy("quant", 0.8, bits=4)
     mode("triton")
-    signed, made = allocations(lambda: strategy.pack_signed(x, 3))
+    signed, made = allocations(lambda: pack_signed(strategy, x, 3))
     kept = signed[0].nbytes() + signed[1].nbytes + signed[2].nbytes
     assert made.alive == kept and made.allocated - kept <= 16  # no bool temporaries
-    out, made = allocations(lambda: strategy.unpack_signed(*signed))
+    out, made = allocations(lambda: unpack_signed(strategy, *signed))
     assert made.alive == out.nbytes and made.allocated - out.nbytes <= 16
 
 
@@ -343,8 +344,8 @@ def test_signed_kernels_leave_groups_of_part_bytes_to_the_eager_flags(mode) -> N
         quant_pack_signed(x, 4, 100, 1)
     strategy = build_strategy("quant", 0.8, bits=4, group=100)
     mode("triton")
-    packed, zero, negative = strategy.pack_signed(x, 3)  # codes by the kernel, flags eager
-    out = strategy.unpack_signed(packed, zero, negative)
+    packed, zero, negative = pack_signed(strategy, x, 3)  # codes by the kernel, flags eager
+    out = unpack_signed(strategy, packed, zero, negative)
     assert torch.equal(out == 0, x == 0) and torch.equal(out < 0, x < 0)
 
 
