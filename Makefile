@@ -153,7 +153,7 @@ bench-gpu: setup
 	$(eval LEASE := $(or $(LEASE),$(shell $(PY) tools/results_page.py --lease-dir)))
 	mkdir -p $(LEASE)
 	$(PY) tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \
-		--settings $(GPU_METHODS) --repeats 8 --draws 2 --max-batch $(BUDGET_MB) \
+		--settings $(GPU_METHODS) --repeats 2 --rounds 5 --draws 2 --max-batch $(BUDGET_MB) \
 		--batch-limit $(BATCH_LIMIT) --json $(LEASE)/bench_gpu.json
 	$(PY) tools/results_page.py
 

@@ -63,7 +63,7 @@ stage probe_live 90 python3 tools/gpu_probe.py --what live-step --device cuda --
 stage bench_pooler_gpu 60 python3 tools/bench.py --pooler --device cuda --images 2 8 \
   --image-size 800 --repeats 10 --json "$OUT/bench_pooler_gpu.json"
 table=(python3 tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8
-  --repeats 5 --draws 1 --quiet-machine)
+  --repeats 2 --rounds 5 --draws 1 --quiet-machine)
 first="baseline quant_4bit checkpoint_stages checkpoint_stages_quant_4bit quant_2bit"
 t0=$(date +%s)
 # shellcheck disable=SC2086  # the settings are words
@@ -112,7 +112,7 @@ stage probe_launch 90 python3 tools/gpu_probe.py --what launch
 
 # 3. From scratch (BatchNorm, issue 28's coverage) on CUDA: step columns only.
 stage bench_scratch_gpu $(($(left) - 40)) python3 tools/bench.py --gpu-table --scratch \
-  --device cuda --amp fp16 --image-size 800 --images 4 --repeats 5 --draws 1 \
+  --device cuda --amp fp16 --image-size 800 --images 4 --repeats 2 --rounds 5 --draws 1 \
   --batch-limit 0 --quiet-machine --settings baseline quant_4bit quant_4bit_all \
   saved_hooks_4bit checkpoint_stages --json "$OUT/bench_scratch_gpu.json"
 
@@ -127,7 +127,7 @@ stage probe_python $(($(left) - 90)) python3 tools/gpu_probe.py --images 2 --wha
   --settings quant_4bit --top 40
 # 6. torchvision's v2 heads (a BatchNorm after every FPN and head conv) on the COCO recipe's body.
 stage bench_v2_gpu $(($(left) - 5)) python3 tools/bench.py --gpu-table --heads v2 \
-  --device cuda --amp fp16 --image-size 800 --images 4 --repeats 5 --draws 1 \
+  --device cuda --amp fp16 --image-size 800 --images 4 --repeats 2 --rounds 5 --draws 1 \
   --batch-limit 0 --quiet-machine --settings baseline quant_4bit quant_4bit_all \
   checkpoint_stages --json "$OUT/bench_v2_gpu.json"
 echo "done in $(($(date +%s) - start)) s" >>"$summary"

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.into and not args.markdown:
         parser.error("--into goes with --markdown")
+    if args.rounds is not None and not args.gpu_table:
+        parser.error("--rounds goes with --gpu-table (the other benches time rounds of one step)")
     if args.markdown:
         return run_cli(lambda: _markdown(args.markdown, args.into, args.block, args.summary))
     if args.widths:
@@ -129,7 +131,15 @@ def _parser() -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=5,
-        help="timed steps per side (median); 0: memory and gradient fidelity only, no timing",
+        help="timed steps per side (median; with --gpu-table: per setting in each of --rounds); "
+        "0: memory and gradient fidelity only, no timing",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="with --gpu-table: time the steps in this many alternating rounds, every setting "
+        "taking --repeats steps in each; ratios are the median of the rounds' ratios, with "
+        "their lowest and highest (default: 5)",
     )
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument(
@@ -327,16 +337,20 @@ def _gpu_table(args: argparse.Namespace) -> None:
         raise UsageError("--methods-json goes with step rows, not --gpu-table")
     images = args.images or [2, 8]
     budget = 16000.0 if args.max_batch is None else args.max_batch
+    rounds = 5 if args.rounds is None else args.rounds
+    if rounds < 1:
+        raise UsageError(f"--rounds {rounds}: allowed integers >= 1")
     settings = _settings(args)
     run = {
         "images": images, "budget_mb": budget, "batch_limit": args.batch_limit,
-        "repeats": args.repeats, "profile_steps": _profile_steps(args), "amp": args.amp,
-        "image_size": args.image_size, "draws": args.draws,
+        "repeats": args.repeats, "rounds": rounds if args.repeats > 0 else None,
+        "profile_steps": _profile_steps(args),
+        "amp": args.amp, "image_size": args.image_size, "draws": args.draws,
     }  # fmt: skip
     header = gpu_header(_command_line(), args.device, args.quiet_machine, **run)
     produced = gpu_table(
         settings, images, budget, args.batch_limit, args.image_size, args.repeats, args.device,
-        args.amp, args.draws, run["profile_steps"], args.scratch, heads=args.heads,
+        args.amp, args.draws, run["profile_steps"], args.scratch, heads=args.heads, rounds=rounds,
         progress=lambda row: print("measured: " + json.dumps(row), file=sys.stderr, flush=True),
         # The step columns are written before the (long) batch search; the end rewrites the file.
         on_steps=(lambda rows: write_gpu_table(args.json, {**header, "complete": False}, rows))

@@ -4,7 +4,10 @@ Per setting, at each batch size (2 and 8 images of 800 px): the step time, the p
 (the CUDA allocator's on a GPU), the kernels launched and the host syncs per step
 (:mod:`instruments.measure.cuda_calls`), each with its ratio to the baseline of the same run
 (:func:`instruments.measure.step_bench.run_benchmark`); then the largest batch that trains
-within a memory budget (:func:`instruments.measure.max_batch.largest_batches`). The file
+within a memory budget (:func:`instruments.measure.max_batch.largest_batches`). Steps are timed
+in alternating rounds (every setting's model takes its steps, then the next round), a ratio
+being the median of the rounds' ratios with their lowest and highest; the rows that run the
+baseline's kernels say what differences the run resolves (:func:`step_resolution`). The file
 ``tools/bench.py --gpu-table --json`` writes holds these rows with the run's provenance: the
 command, the commit, the GPU's name and the torch, CUDA and triton versions. ``--markdown``
 makes its table; ``tools/results_page.py`` reads the newest lease's file into the results
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,9 @@ from rcnn_dropit.errors import UsageError
 PER_BATCH = {
     "step_s": "step_s",
     "step_ratio": "step_time_ratio",
+    "step_ratio_spread": "step_ratio_spread",
+    "step_ratio_rounds": "step_ratio_rounds",
+    "step_s_rounds": "step_s_rounds",
     "peak_mb": "peak_mb",
     "peak_ratio": "peak_ratio",
     "peak_phase": "peak_phase",
@@ -63,6 +70,9 @@ DESCRIPTION = (
     "converted_layers",
 )
 GPU_BLOCK = "bench-gpu"  # the name a GPU table's block has in a document (archive/memory_log.md)
+# Rows that run the baseline's kernels, give or take a few launches: their step ratios would be 1
+# on a noiseless machine, so how far they stray is what the run's timing cannot tell apart.
+SAME_KERNELS = ("baseline_torchvision_forward", "baseline_torchvision_fpn")
 
 
 def gpu_table(
@@ -82,10 +92,12 @@ def gpu_table(
     heads: str = "v1",
     progress: Callable[[dict[str, Any]], None] | None = None,
     on_steps: Callable[[list[dict[str, Any]]], None] | None = None,
+    rounds: int = 5,
 ) -> Iterator[dict[str, Any]]:
     """One row per setting (the baseline first): step rows at each of ``images``, then the
     largest batch within ``budget_mb`` searched up to ``batch_limit`` images (``at_limit``
     says when a setting reached it: its true figure is higher; a limit of 0 skips the search).
+    The steps are timed in ``rounds`` alternating rounds of ``repeats`` steps per setting.
     ``progress`` sees every step and batch row as it comes, and ``on_steps`` the table's rows
     once the step columns are in, before the search (a lease that ends during the search then
     still has them)."""
@@ -94,6 +106,7 @@ def gpu_table(
         rows = run_benchmark(
             settings, scratch, image_size, repeats, device, rois_per_image, backbone,
             amp=amp, images=n, draws=draws, profile_steps=profile_steps, heads=heads,
+            rounds=rounds,
         )  # fmt: skip
         for row in rows:
             if progress:
@@ -148,8 +161,77 @@ def gpu_header(command: str, device: str, quiet: bool, **run: Any) -> dict[str, 
 
 
 def write_gpu_table(path: str | Path, header: Mapping[str, Any], rows: Sequence[Mapping]) -> None:
-    """Write the header's fields and the rows (``rows``) as one JSON object."""
-    Path(path).write_text(json.dumps({**header, "rows": list(rows)}, indent=2) + "\n")
+    """Write the header's fields, what the run's timing resolves (:func:`step_resolution`, for
+    rows timed in rounds) and the rows (``rows``) as one JSON object."""
+    resolution = step_resolution({**header, "rows": list(rows)})
+    Path(path).write_text(json.dumps({**header, **resolution, "rows": list(rows)}, indent=2) + "\n")
+
+
+def _spread_distance(row: Mapping[str, Any], n: int) -> float | None:
+    """How far a same-kernel row's step at ``n`` images strays from the baseline's: its median
+    ratio's distance from 1, or half the width of its rounds' ratios when that is wider."""
+    median, spread = row.get(f"step_ratio_{n}img"), row.get(f"step_ratio_spread_{n}img")
+    if median is None or not spread:
+        return None
+    low, high = spread
+    return max(abs(median - 1.0), (high - low) / 2.0)
+
+
+def _between(ratios: Sequence[float]) -> str:
+    """ "0.98x to 1.03x", or "0.98x" when the lowest is the highest."""
+    low, high = f"{min(ratios):.2f}x", f"{max(ratios):.2f}x"
+    return low if low == high else f"{low} to {high}"
+
+
+def step_resolution(table: Mapping[str, Any]) -> dict[str, Any]:
+    """What the table's timing can tell apart, from rows timed in rounds: ``step_resolution``
+    (step ratios within that of each other are not told apart), ``step_resolution_from`` (the
+    rows it comes from) and ``step_resolution_note`` (the sentence the tables print).
+
+    From the :data:`SAME_KERNELS` rows the table has: the widest of their distances from the
+    baseline (:func:`_spread_distance`) over the batch sizes; without such rows, from the
+    baseline's own rounds: half their range over their median (how far one round strays). Empty
+    for a table without rounds (older files: their readers keep their own rule)."""
+    rows = table.get("rows") or []
+    images = table.get("images") or []
+    by_name = {r.get("setting"): r for r in rows}
+    found = {
+        (s, n): d
+        for s in SAME_KERNELS
+        if s in by_name
+        for n in images
+        if (d := _spread_distance(by_name[s], n)) is not None
+    }
+    if found:
+        names = sorted({s for s, _ in found}, key=SAME_KERNELS.index)
+        medians = [by_name[s][f"step_ratio_{n}img"] for s, n in found]
+        ends = [x for s, n in found for x in by_name[s][f"step_ratio_spread_{n}img"]]
+        distance = max(found.values())
+        basis = (
+            f"the rows that run the baseline's kernels ({', '.join(f'`{s}`' for s in names)}) "
+            f"stepped {_between(medians)} of the baseline (rounds {_between(ends)})"
+        )
+    else:
+        base = rows[0] if rows else {}
+        spans = [
+            (max(t) - min(t)) / (2.0 * statistics.median(t))
+            for n in images
+            if (t := base.get(f"step_s_rounds_{n}img"))
+        ]
+        if not spans:
+            return {}
+        names, distance = [base.get("setting")], max(spans)
+        basis = (
+            "no row that runs the baseline's kernels in this run: the baseline's own rounds "
+            f"strayed up to {distance:.2f} of its median step"
+        )
+    return {
+        "step_resolution": round(distance, 4),
+        "step_resolution_from": names,
+        "step_resolution_note": (
+            f"step ratios within {distance:.2f} of each other are not told apart; {basis}"
+        ),
+    }
 
 
 def is_gpu_table(data: Any) -> bool:
@@ -208,6 +290,33 @@ def gpu_summary(table: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _step_cell(row: Mapping[str, Any], n: int) -> str:
+    """The step's milliseconds and its ratio to the baseline; for a row timed in rounds, the
+    lowest and highest of the rounds' ratios after it ("162 ms (1.34x, 1.30-1.38)")."""
+    step, ratio = row.get(f"step_s_{n}img"), row.get(f"step_ratio_{n}img")
+    spread = row.get(f"step_ratio_spread_{n}img")
+    if step is None or ratio is None or not spread or spread[0] == spread[1]:
+        # the baseline's rounds are all 1.00x: its range says nothing
+        return _cell(None if step is None else step * 1000.0, ".0f", " ms", ratio)
+    return f"{step * 1000.0:.0f} ms ({ratio:.2f}x, {spread[0]:.2f}-{spread[1]:.2f})"
+
+
+def _step_words(table: Mapping[str, Any]) -> str:
+    """How the table's steps were timed: the sentences under it."""
+    if not table.get("rounds"):  # a table from before the rounds keeps its words
+        return (
+            f"Step: forward and backward, median of {table.get('repeats')} after a warm-up "
+            "round, synchronised."
+        )
+    return (
+        f"Step: forward and backward, synchronised, in {table['rounds']} alternating rounds "
+        f"after a warm-up round: in each, every setting takes {table.get('repeats')} steps in "
+        "turn, its round's time their median. A step's time is its median round's; its ratio "
+        "the median of the rounds' ratios to the baseline's time in the same round, in brackets "
+        "the lowest and highest of them."
+    )
+
+
 def _forward_cell(row: Mapping[str, Any], n: int) -> str:
     """The forward's peak and, in brackets, what of it the forward itself freed (its working
     set: the peak less what it left alive for the backward)."""
@@ -242,10 +351,7 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
     lines = ["| " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(heads) - 1)]
     for r in table["rows"]:
         cells = [str(r.get("setting"))]
-        for n in images:
-            step = r.get(f"step_s_{n}img")
-            ms = None if step is None else step * 1000.0
-            cells.append(_cell(ms, ".0f", " ms", r.get(f"step_ratio_{n}img")))
+        cells += [_step_cell(r, n) for n in images]
         for n in images:
             cells.append(_cell(r.get(f"peak_mb_{n}img"), ".0f", " MB", r.get(f"peak_ratio_{n}img")))
         for n in images:
@@ -266,9 +372,8 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
     )
     lines += [
         "",
-        f"Ratios to the baseline of the same run. Step: forward and backward, median of "
-        f"{table.get('repeats')} after a warm-up round, synchronised. Peak: {source} peak over "
-        f"the step, above the model's own allocation. "
+        f"Ratios to the baseline of the same run. {_step_words(table)} Peak: {source} peak "
+        "over the step, above the model's own allocation. "
         + (
             "Forward peak: the same over the forward alone, and in brackets what of it the "
             "forward freed before it ended (its working set). "
@@ -292,6 +397,9 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
         f"(CUDA {table.get('cuda')}), triton {table.get('triton')}; DropIT kernels: "
         f"{table.get('kernels')}; AMP {table.get('amp')}, {table.get('image_size')} px.",
     ]
+    note = table.get("step_resolution_note") or step_resolution(table).get("step_resolution_note")
+    if note:
+        lines += ["", f"What the timing resolves: {note}."]
     if table.get("complete") is False:
         lines.append("The run ended before its batch search finished: no largest-batch figures.")
     return "\n".join(lines)

@@ -7,8 +7,11 @@ on a GPU), and the row says whether the step's peak falls in the forward or the 
 Then the weight gradients: cosine and norm ratio of one step against the exact ones, and the
 bias over several draws for a setting that draws random numbers (grad_fidelity). Timings come
 last, in rounds of one step per model (baseline and every setting in turn), with the ratio of
-medians reported, so a noisy shared machine cancels out. ``max_batch.largest_batches`` finds the
-largest batch each setting trains within a memory budget, which is what a GPU user wants to know.
+medians reported, so a noisy shared machine cancels out; or, with ``rounds`` (the GPU table),
+in rounds of several steps per model, a ratio being the median of the rounds' ratios, with
+their spread (:func:`alternating_rounds`, :func:`round_summary`). ``max_batch.largest_batches``
+finds the largest batch each setting trains within a memory budget, which is what a GPU user
+wants to know.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +27,7 @@ from torch import nn
 
 from dropit_core import from_dropit, is_dropit
 from dropit_core.memory import measure_step
-from dropit_core.timing import timed_rounds
+from dropit_core.timing import timed, timed_rounds
 from instruments.measure.allocator import training_allocator
 from instruments.measure.cuda_calls import CudaCalls, profile_cuda_calls
 from instruments.measure.grad_fidelity import (
@@ -97,6 +100,53 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 4)
 
 
+def alternating_rounds(
+    steps: Sequence[Callable[[], Any]],
+    rounds: int,
+    per_round: int,
+    device: torch.device | None = None,
+    warmup: int = 1,
+    timer: Callable[[Callable[[], Any]], float] | None = None,
+) -> list[list[float]]:
+    """Seconds of each of ``steps`` in each of ``rounds``: in round r every step function in
+    turn makes ``per_round`` timed calls, and its figure for the round is their median; then
+    the next round. ``warmup`` untimed rounds of one call each come first. ``timer`` times one
+    call (default: wall clock, CUDA synchronised around it on ``device``).
+
+    Several calls per turn, not one: the first call after another model's step can pay for the
+    switch (the allocator's cache shaped by that model), and the median of a turn's calls keeps
+    that out. Rounds, not one block per model: a drift of the machine over minutes hits every
+    model's rounds alike, and the spread of the rounds' ratios shows what remains."""
+    if rounds < 1 or per_round < 1:
+        raise UsageError(f"rounds={rounds}, per_round={per_round}: allowed integers >= 1")
+    clock = timer or (lambda fn: timed(fn, device)[1])
+    for _ in range(warmup):
+        for step in steps:
+            step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for i, step in enumerate(steps):
+            times[i].append(statistics.median(clock(step) for _ in range(per_round)))
+    return times
+
+
+def round_summary(times: Sequence[float], base: Sequence[float]) -> dict[str, Any]:
+    """One setting's figures from its per-round seconds and the baseline's of the same rounds:
+    the median round's seconds, the median of the per-round ratios (each round's time over the
+    baseline's in that round) and their lowest and highest, and both per-round lists."""
+    if len(times) != len(base) or not times:
+        raise ValueError(f"{len(times)} rounds against the baseline's {len(base)}")
+    ratios = [t / b for t, b in zip(times, base, strict=True)]
+    return {
+        "step_s": round(statistics.median(times), 4),
+        "step_time_ratio": round(statistics.median(ratios), 4),
+        "step_ratio_spread": [round(min(ratios), 4), round(max(ratios), 4)],
+        "step_ratio_rounds": [round(r, 4) for r in ratios],
+        "step_s_rounds": [round(t, 4) for t in times],
+        "baseline_step_s": round(statistics.median(base), 4),
+    }
+
+
 def run_benchmark(
     settings: Sequence[Setting | Variant],
     scratch: bool = False,
@@ -110,6 +160,7 @@ def run_benchmark(
     heads: str = "v1",
     draws: int = 8,
     profile_steps: int = 0,
+    rounds: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Measure the baseline, then each setting; yields one result dict per row as it is done.
 
@@ -118,10 +169,15 @@ def run_benchmark(
     numbers has its weight gradient taken ``draws`` times (steps seeded 0 to draws - 1) for the
     bias (grad_fidelity.estimator_error); a deterministic one once. ``profile_steps`` > 0: after
     the timing, that many steps of each model under torch.profiler count its kernel launches
-    and host syncs per step (cuda_calls; none on the CPU).
+    and host syncs per step (cuda_calls; none on the CPU). ``rounds``: the steps are timed in
+    that many alternating rounds of ``repeats`` steps per model (:func:`alternating_rounds`),
+    each row's step figures the median over rounds with the rounds' ratios and their spread
+    (:func:`round_summary`); None: ``repeats`` rounds of one step, the ratio of medians.
     """
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise UsageError(f"draws={draws!r} is invalid: allowed integers >= 1")
+    if rounds is not None and rounds < 1:
+        raise UsageError(f"rounds={rounds!r} is invalid: allowed integers >= 1")
     base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone, heads)
     # Every setting resolved before minutes of model building: a bad override fails at once.
     resolved = [(s, setting_config(base_cfg, s)) for s in map(as_setting, settings)]
@@ -182,17 +238,29 @@ def run_benchmark(
     if repeats <= 0:
         return
     # Timing last: the allocator is switched for it (see instruments.measure.allocator), which would
-    # disturb memory figures taken after it.
+    # disturb memory figures taken after it. Every model stays alive through it (each one's memory
+    # was measured above its own start before, so holding the others costs no figure): weights
+    # only, as timed_step frees each step's gradients, which is what lets rounds alternate
+    # between models built once instead of rebuilding (and re-warming) one per turn.
+    step_fns = [lambda m=m: timed_step(m, batch) for m in models]
     with training_allocator(dev) as allocator:
-        steps = timed_rounds([lambda m=m: timed_step(m, batch) for m in models], repeats, dev)
+        if rounds is None:
+            steps = timed_rounds(step_fns, repeats, dev)
+        else:
+            steps = alternating_rounds(step_fns, rounds, repeats, dev)
         evals = timed_rounds([lambda m=m: evaluate(m, batch) for m in models], repeats, dev)
     med = statistics.median
     for i, (row, model) in enumerate(zip(rows, models, strict=True)):
+        if rounds is None:
+            row.update(
+                step_time_ratio=round(med(steps[i]) / med(steps[0]), 4),
+                step_s=round(med(steps[i]), 4),
+                baseline_step_s=round(med(steps[0]), 4),
+            )
+        else:
+            row.update(round_summary(steps[i], steps[0]), rounds=rounds, steps_per_round=repeats)
         row.update(
-            step_time_ratio=round(med(steps[i]) / med(steps[0]), 4),
             eval_time_ratio=round(med(evals[i]) / med(evals[0]), 4),
-            step_s=round(med(steps[i]), 4),
-            baseline_step_s=round(med(steps[0]), 4),
             timing_allocator=allocator,
         )
         if profile_steps > 0:  # untimed: the profiler slows the step it watches

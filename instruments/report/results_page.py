@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from instruments.measure.gpu_table import is_gpu_table
+from instruments.measure.gpu_table import SAME_KERNELS, is_gpu_table
 from instruments.measure.methods_table import SUMMARY, read_methods_json, splice
 from rcnn_dropit.errors import UsageError
 
@@ -59,9 +59,8 @@ README_ROWS = (
     "checkpoint_stages_quant_4bit",
     "accumulate_2",
 )
-# Rows that run the baseline's kernels, give or take a few launches: their step ratios show
-# what the lease's timing cannot tell apart.
-SAME_KERNELS = ("baseline_torchvision_forward", "baseline_torchvision_fpn")
+# SAME_KERNELS (from gpu_table): the rows whose step ratios show what the lease's timing cannot
+# tell apart, in a table from before it said so itself (its step_resolution field).
 
 
 @dataclass(frozen=True)
@@ -194,11 +193,10 @@ def gpu_table_lines(lease: Lease, accuracy: Mapping[str, str]) -> list[str]:
         f"([{lease.folder.name}/]({lease.folder.name}/README.md) holds what the lease printed).",
         "",
         f"Ratios to the lean baseline of the same run. Peak: the CUDA allocator's peak over a "
-        f"step (forward, backward, SGD), above the model's own allocation. Step: median of "
-        f"{t['repeats']} steps per setting, one setting after another. Largest batch: the most "
-        f"images whose step peaks within {budget} of the device, searched up to "
-        f"{t.get('batch_limit')}. Grad cosine: one draw's weight gradient against the exact one "
-        f"(mean over the approximated layers).",
+        f"step (forward, backward, SGD), above the model's own allocation. {_step_words(t)} "
+        f"Largest batch: the most images whose step peaks within {budget} of the device, "
+        f"searched up to {t.get('batch_limit')}. Grad cosine: one draw's weight gradient "
+        f"against the exact one (mean over the approximated layers).",
         "",
         f"| method | saved @{images[-1]} | peak @{images[0]} | peak @{images[-1]} "
         f"| step @{images[0]} | step @{images[-1]} | launches @{images[0]} / @{images[-1]} "
@@ -224,14 +222,28 @@ def gpu_table_lines(lease: Lease, accuracy: Mapping[str, str]) -> list[str]:
             f"| {'-' if cosine is None else f'{cosine:.3f}'} "
             f"| {_accuracy_cell(setting, accuracy)} |"
         )
-    lines += [
-        "",
-        f"What the timing can resolve: rows that run the baseline's kernels, give or take a few "
-        f"launches ({', '.join(f'`{s}`' for s in SAME_KERNELS if s in rows)}), stepped "
-        f"{_span(lease)} of the baseline in this run, so read step ratios that differ by less "
-        f"than {resolution:.2f} as not told apart. Peaks do not move between runs of one commit.",
-    ]
+    if t.get("step_resolution_note"):  # the table's own words, from its rounds
+        resolves = f"What the timing can resolve: {t['step_resolution_note']}."
+    else:  # a table from before the rounds: its same-kernel rows' ratios, read here
+        resolves = (
+            f"What the timing can resolve: rows that run the baseline's kernels, give or take a "
+            f"few launches ({', '.join(f'`{s}`' for s in SAME_KERNELS if s in rows)}), stepped "
+            f"{_span(lease)} of the baseline in this run, so read step ratios that differ by "
+            f"less than {resolution:.2f} as not told apart."
+        )
+    lines += ["", f"{resolves} Peaks do not move between runs of one commit."]
     return lines
+
+
+def _step_words(t: Mapping[str, Any]) -> str:
+    """How a GPU table's steps were timed, for the page: in rounds (its ``rounds`` field); a
+    table from before them keeps the words its page was generated with."""
+    if not t.get("rounds"):
+        return f"Step: median of {t['repeats']} steps per setting, one setting after another."
+    return (
+        f"Step: {t['rounds']} alternating rounds of {t['repeats']} steps per setting, the median "
+        "round's time; a ratio: the median of the rounds' ratios to the baseline."
+    )
 
 
 def _span(lease: Lease) -> str:
@@ -251,7 +263,12 @@ def _same_kernel_steps(lease: Lease) -> list[float]:
 
 
 def timing_resolution(lease: Lease) -> float:
-    """The largest distance from 1 of a same-kernel row's step ratio: the run's timing noise."""
+    """The step ratios the lease's timing cannot tell apart: its table's own
+    ``step_resolution`` (gpu_table.step_resolution, from rows timed in rounds) when it has one;
+    for an older table, the largest distance from 1 of a same-kernel row's step ratio."""
+    own = lease.table.get("step_resolution")
+    if own is not None:
+        return float(own)
     return max((abs(r - 1) for r in _same_kernel_steps(lease)), default=0.0)
 
 

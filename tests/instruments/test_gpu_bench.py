@@ -383,8 +383,13 @@ def test_tiny_gpu_table_on_the_cpu() -> None:
             # (the RSS of a 64 px step can stay flat: its peak ratio may be None, not its key)
             assert r[f"step_s_{n}img"] > 0 and f"peak_ratio_{n}img" in r
             assert r[f"launches_per_step_{n}img"] == 0.0 and r[f"syncs_per_step_{n}img"] == 0.0
+            # timed in the table's default 5 alternating rounds: the median ratio within them
+            low, high = r[f"step_ratio_spread_{n}img"]
+            assert len(r[f"step_ratio_rounds_{n}img"]) == len(r[f"step_s_rounds_{n}img"]) == 5
+            assert low <= r[f"step_ratio_{n}img"] <= high
         assert (r["max_batch"], r["at_limit"]) == (2, True)
     assert rows[0]["step_ratio_2img"] == 1.0 and rows[1]["strategy"] == "quant"
+    assert rows[0]["step_ratio_rounds_2img"] == [1.0] * 5
 
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
