@@ -33,7 +33,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dropit_core.formats.packed import PACK_TAG, Packed, refuse_double_backward
+from dropit_core.formats.packed import (
+    PACK_TAG,
+    Packed,
+    keep_pack,
+    pack_made,
+    refuse_double_backward,
+)
 from dropit_core.formats.seeds import mix_seed
 from dropit_core.strategies.catalog import build_strategy
 from dropit_core.strategies.quant import Quant, pack_signed, unpack_signed
@@ -120,15 +126,14 @@ class CompressSaved:
             if self.observer is not None:
                 self.observer(t, None)
             return t
-        # On the tensor itself (an address can come back for another tensor; an attribute dies
-        # with its tensor, and costs a tenth of a weak dictionary's lookup: host time)
-        hit = getattr(t, _SEEN, None)
-        if hit is not None and hit[:2] == (self._number, t._version):
-            return hit[2]
+        seen = (self._number, t._version)
+        hit = pack_made(t, _SEEN, seen)
+        if hit is not None:
+            return hit
         draw = mix_seed(self.rank, self.step, self.packs)
         flat, layout = _in_memory_order(t.detach())
         saved = _Saved(*pack_signed(self.quant, flat, draw), t.shape, layout)
-        setattr(t, _SEEN, (self._number, t._version, saved))
+        keep_pack(t, _SEEN, seen, saved)
         kept = saved.packed.nbytes() + saved.zero.nbytes + saved.negative.nbytes
         self.packs += 1
         self.packed_bytes += kept

@@ -124,3 +124,17 @@ def tag_pack(packed: Packed) -> None:
     for t in packed[4:]:  # bits, mask_bytes and index are integers
         if t is not None and t.is_floating_point():
             setattr(t, PACK_TAG, True)
+
+
+def pack_made(t: torch.Tensor, attr: str, key: tuple) -> Any:
+    """The pack made earlier of ``t`` under ``key`` (e.g. its forward and ``t._version``), or
+    None: a tensor read by several layers (or saved by several ops) is packed once. Kept on the
+    tensor itself, an attribute that dies with it (an address can come back for another tensor,
+    and a weak dictionary's lookup costs ten times the host time)."""
+    hit = getattr(t, attr, None)
+    return hit[1] if hit is not None and hit[0] == key else None
+
+
+def keep_pack(t: torch.Tensor, attr: str, key: tuple, packed: Any) -> None:
+    """Remember ``packed`` as ``t``'s pack under ``key`` (:func:`pack_made` reads it)."""
+    setattr(t, attr, (key, packed))

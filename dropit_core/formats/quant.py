@@ -33,7 +33,7 @@ import torch
 
 from dropit_core.formats import packed as base
 from dropit_core.formats.packed import tiny
-from dropit_core.formats.seeds import UNIFORM_BITS, hash_bits
+from dropit_core.formats.seeds import UNIFORM_BITS, keyed_bits
 
 MAX_KERNEL_GROUP = 8192  # values of a group one Triton program holds in its registers
 
@@ -132,7 +132,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 def pack_eager(
     flat: torch.Tensor,
-    seed: int,
+    keys: tuple[int, int],
     bits: int,
     group: int,
     cast: torch.dtype | None,
@@ -140,16 +140,16 @@ def pack_eager(
 ) -> None:
     """The reference pack of the flat ``flat`` (read as ``cast`` values where given) into the
     final buffers ``out`` (codes, mins, scales), slice by slice: per slice a few temporaries,
-    nothing of the whole size."""
+    nothing of the whole size. ``keys``: the draw's hash keys, ``seeds.hash_keys(seed)``."""
     step = slice_len(group)
     for start in range(0, flat.numel(), step):
-        _pack_slice(flat[start : start + step], start, seed, bits, group, cast, out)
+        _pack_slice(flat[start : start + step], start, keys, bits, group, cast, out)
 
 
 def _pack_slice(
     piece: torch.Tensor,
     start: int,
-    seed: int,
+    keys: tuple[int, int],
     bits: int,
     group: int,
     cast: torch.dtype | None,
@@ -162,7 +162,7 @@ def _pack_slice(
     first, last = start * bits // 8, code_bytes(start + length, bits)
     # 8-bit codes are their bytes: written in place. Narrower: a byte per code, then packed.
     code = codes[first:last] if bits == 8 else piece.new_empty(length, dtype=torch.uint8)
-    noise = hash_bits(seed, start, length, piece.device)
+    noise = keyed_bits(keys, start, length, piece.device)
     for at, width, groups in _group_rows(start, length, group):
         rows = piece[at].view(-1, width)
         quantize(rows, noise[at], bits, (code[at], mins[groups], scales[groups]), cast)

@@ -108,15 +108,24 @@ def hash_bits(seed: int, start: int, length: int, device: torch.device) -> torch
     small tables (4096 entries, and one per 4096 elements) and one broadcast XOR: a single pass
     over the output, where hashing every index would take a dozen int64 passes.
     """
+    return keyed_bits(hash_keys(seed), start, length, device)
+
+
+def keyed_bits(
+    keys: tuple[int, int], start: int, length: int, device: torch.device
+) -> torch.Tensor:
+    """:func:`hash_bits` from the seed's hash keys (k0, k1) = ``hash_keys(seed)``: what a pack
+    drawn with keys read from device memory (a CUDA graph's) computes."""
     if start + length > 1 << 44:
         raise ValueError("hash_bits draws for element indices below 2**44")
+    key_low, key_high = keys
     first_row = start >> TABLE_BITS
     rows = ((start + length - 1) >> TABLE_BITS) + 1 - first_row if length else 0
     offset = start - (first_row << TABLE_BITS)
-    high = _table(hash_key(seed, 1), first_row, rows, device)
+    high = _table(key_high, first_row, rows, device)
     if rows <= 1:  # within one row (a group's tail, say): the low entries it needs, no more
-        return _table(hash_key(seed, 0), offset, length, device) ^ high
-    low = _table(hash_key(seed, 0), 0, 1 << TABLE_BITS, device)
+        return _table(key_low, offset, length, device) ^ high
+    low = _table(key_low, 0, 1 << TABLE_BITS, device)
     return (high[:, None] ^ low[None, :]).view(-1)[offset : offset + length]
 
 

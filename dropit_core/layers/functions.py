@@ -20,7 +20,13 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from dropit_core.backends import dispatch
 from dropit_core.formats.bits import pack_blocked, zero_flagged_sliced
-from dropit_core.formats.packed import Packed, refuse_double_backward, tag_pack
+from dropit_core.formats.packed import (
+    Packed,
+    keep_pack,
+    pack_made,
+    refuse_double_backward,
+    tag_pack,
+)
 from dropit_core.formats.seeds import mix_part, mix_state
 from dropit_core.layers.hooked import SavedInputHooks
 from dropit_core.strategies.base import Strategy
@@ -83,6 +89,8 @@ class InputCache:
         self.dropped: torch.Tensor | None = None
         self.number = _number(self)  # how the torch.library operators name it (traced.py)
         self.saved_hooks = SavedInputHooks(self)  # its convs' path without a Function (hooked.py)
+        self._keys: torch.Tensor | None = None  # the step's draws on a device (draw_row)
+        self._rows = 0  # how many of its rows a forward has read
 
     def set_step(self, step: int, rank: int = 0) -> None:
         """Start the random streams of training step ``step`` (on process ``rank``).
@@ -92,6 +100,29 @@ class InputCache:
         self.step, self.rank, self.position = step, rank, 0
         self._prefix = mix_state(0, rank, self.stream, step)
         self._forward = next(_FORWARDS)
+        if self._keys is not None:  # in place: a CUDA graph reads this memory (draw_row)
+            self._keys[: self._rows].copy_(self._key_rows(self._rows))
+
+    def draw_row(self, device: torch.device) -> torch.Tensor:
+        """The next pack's draw as device data: ``(k0, k1, 0)``, the strategy's hash keys of
+        :meth:`next_key` (and the index of the pack's first element), int64 on ``device``, read
+        from the step's key table there. ``set_step`` writes each step's keys into that table in
+        place, so a compiled pack replayed as a CUDA graph (which runs no Python) draws anew
+        every step, from the keys eager would draw with."""
+        position = self.position
+        self.next_key()  # moves on as eager does (its row holds this key's hash keys)
+        table = self._keys
+        if table is None or table.device != device or position >= len(table):
+            # Sized once, before a graph records (its first forwards run eagerly): a table
+            # moved or grown later would leave a recorded graph reading the old one.
+            table = self._keys = self._key_rows(max(KEY_ROWS, 2 * position + 2)).to(device)
+        self._rows = max(self._rows, position + 1)
+        return table[position].clone()
+
+    def _key_rows(self, rows: int) -> torch.Tensor:
+        """The (k0, k1, 0) rows of this step's first ``rows`` positions, on the host."""
+        keys = [self.strategy.draw_keys(mix_part(self._prefix, p) >> 2) for p in range(rows)]
+        return torch.tensor([(*k, 0) for k in keys], dtype=torch.int64)
 
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""
@@ -135,9 +166,10 @@ class InputCache:
         """
         key = x if source is None else source
         dtype = x.dtype if dtype is None else dtype
-        hit = getattr(key, _SHARED, None)
-        if hit is not None and hit[:4] == (self._forward, key._version, layout, dtype):
-            return hit[4]
+        made = (self._forward, key._version, layout, dtype)
+        hit = pack_made(key, _SHARED, made)
+        if hit is not None:
+            return hit
         draw = self.next_key() if self.strategy.draws else 0
         if dtype == x.dtype:  # the usual call (strategies that override pack take it)
             packed = self.strategy.pack(x, layout, draw)
@@ -145,7 +177,7 @@ class InputCache:
             packed = self.strategy.pack(x, layout, draw, dtype)
         if packed.dropped is not None:  # a device-side sum: reading it is the caller's choice
             self.dropped = packed.dropped if self.dropped is None else self.dropped + packed.dropped
-        setattr(key, _SHARED, (self._forward, key._version, layout, dtype, packed))
+        keep_pack(key, _SHARED, made, packed)
         return packed
 
     def end_forward(self) -> None:
@@ -248,6 +280,20 @@ def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
 # (_conv_backward_split): the memory of a rebuilt map, for one more call (host time) per layer,
 # which smaller layers are not worth.
 SPLIT_BYTES = 8 << 20
+# Rows of a cache's key table on a device (InputCache.draw_row): the packs one forward draws,
+# with room (an R50-FPN Mask R-CNN draws about a hundred).
+KEY_ROWS = 256
+# A split weight gradient takes its images in chunks of at least one image and at most this many
+# bytes of input: a layer's calls then do not grow with the batch unless its map outgrows the
+# budget (host time on every layer of a GPU step), while a chunk's rebuilt map stays small beside
+# the backward's peak. Chosen by the step peak it costs (docs/results/chunk_bytes/).
+CHUNK_BYTES = 8 << 20
+
+
+def images_per_chunk(batch: int, image_bytes: int) -> int:
+    """How many images of ``image_bytes`` each a backward's chunk takes: as many as
+    CHUNK_BYTES holds, at least one, at most the batch."""
+    return max(1, min(batch, CHUNK_BYTES // max(image_bytes, 1)))
 
 
 class DropITConvFunction(torch.autograd.Function):
@@ -378,7 +424,7 @@ def _weight_grad_by_images(
     args: ConvArgs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight (and bias) gradient of a conv as a sum over chunks of images of at most
-    SPLIT_BYTES of input each (one image where an image is larger), the input (of
+    CHUNK_BYTES of input each (one image where an image is larger), the input (of
     ``x_shape``) of images ``[i, j)`` read as ``rebuilt.images(i, j)``: the
     rebuilt input and the CPU kernel's copies of it and of the output gradient in its own
     layout are then a chunk's, not the batch's. Each chunk's part is summed in fp32 (in the
@@ -387,7 +433,7 @@ def _weight_grad_by_images(
     computed in it)."""
     batch = x_shape[0]
     per_image = math.prod(x_shape[1:]) * grad.element_size()
-    chunk = max(1, SPLIT_BYTES // max(per_image, 1))
+    chunk = images_per_chunk(batch, per_image)
     mask = [False, True, bias_sizes is not None]
     if chunk >= batch:
         _, gw, gb = torch.ops.aten.convolution_backward.default(

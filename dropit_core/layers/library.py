@@ -94,20 +94,16 @@ def _packed(cache: InputCache, fields: list[Tensor], shape: list[int], dtype) ->
 
 
 @torch.library.custom_op("dropit::pack", mutates_args=())
-def pack_op(x: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
+def pack_op(x: Tensor, keys: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
     """The tensors of ``cache``'s pack of ``x`` read as ``dtype``: the eager pack, drawn with
-    the cache's next key."""
-    owner = cache_by_number(cache)
-    draw = owner.next_key() if owner.strategy.draws else 0
-    if dtype == x.dtype:
-        packed = owner.strategy.pack(x, layout, draw)
-    else:
-        packed = owner.strategy.pack(x, layout, draw, dtype)
+    the hash keys in ``keys`` (``dropit::draw``'s: device data, so that a replayed CUDA graph
+    draws each step's)."""
+    packed = cache_by_number(cache).strategy.pack_keyed(x, keys, dtype)
     return [t for t in packed[1:] if t is not None]
 
 
 @pack_op.register_fake
-def _(x: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
+def _(x: Tensor, keys: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
     fields = _static_fields(cache_by_number(cache), tuple(x.shape), dtype)
     return [x.new_empty(shape, dtype=kind) for _, shape, kind in fields]
 
@@ -134,18 +130,18 @@ def pack(cache: InputCache, x: Tensor, layout: str, dtype: torch.dtype) -> list[
     fused = _fused_pack(cache, x, dtype)
     if fused is not None:
         return fused
-    return torch.ops.dropit.pack(x.detach(), cache.number, layout, dtype)
+    x = x.detach()
+    keys = torch.ops.dropit.draw(x, cache.number)
+    return torch.ops.dropit.pack(x, keys, cache.number, layout, dtype)
 
 
 @torch.library.custom_op("dropit::draw", mutates_args=())
 def draw_op(x: Tensor, cache: int) -> Tensor:
     """(k0, k1, 0): the hash keys of ``cache``'s next pack and the index of its first element,
-    int64 on ``x``'s device; the eager pack's draw. ``x`` only names the pack: layers fed one
-    tensor make identical calls, which the compiler merges, so they share a draw as they share
-    the pack."""
-    owner = cache_by_number(cache)
-    keys = owner.strategy.draw_keys(owner.next_key())
-    return torch.tensor([*keys, 0], dtype=torch.int64, device=x.device)
+    int64 on ``x``'s device, copied from the cache's key table (``InputCache.draw_row``); the
+    eager pack's draw. ``x`` only names the pack: layers fed one tensor make identical calls,
+    which the compiler merges, so they share a draw as they share the pack."""
+    return cache_by_number(cache).draw_row(x.device)
 
 
 @draw_op.register_fake

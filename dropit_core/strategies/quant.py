@@ -101,20 +101,36 @@ class Quant(Strategy):
                 x.contiguous(), self.bits, self.group, seed, cast
             )[:3]
         else:
-            codes, mins, scales = self._pack_eager(x.reshape(-1), seed, cast)
+            codes, mins, scales = self._pack_eager(x.reshape(-1), hash_keys(seed), cast)
+        return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
+
+    def pack_keyed(self, x: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> Packed:
+        """The pack of ``x`` read as ``dtype`` with its draw's hash keys read from ``keys``
+        (int64 ``(k0, k1, ...)`` on ``x``'s device), bit for bit :meth:`pack`'s with those keys:
+        a CUDA graph replays this pack with the keys a new step wrote into the same memory. The
+        kernels read them there; the CPU's paths read them on the host."""
+        cast = None if dtype == x.dtype else dtype
+        if self._kernels_take and dispatch.use_kernels(x):
+            codes, mins, scales = dispatch.kernels("quant").pack_contiguous(
+                x.contiguous(), self.bits, self.group, 0, cast, keys=keys
+            )[:3]
+        else:
+            k0, k1 = keys.tolist()[:2]  # a host sync only off the kernels (CUDA without triton)
+            codes, mins, scales = self._pack_eager(x.reshape(-1), (k0, k1), cast)
         return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
 
     def _pack_eager(
-        self, flat: torch.Tensor, seed: int, cast: torch.dtype | None
+        self, flat: torch.Tensor, keys: tuple[int, int], cast: torch.dtype | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, mins, scales), written into the final buffers: by the C loops where they run
-        (the CPU, fp32 read as itself or through a bf16/fp16 cast), else by the reference."""
+        """(codes, mins, scales) drawn with the hash ``keys``, written into the final buffers: by
+        the C loops where they run (the CPU, fp32 read as itself or through a bf16/fp16 cast),
+        else by the reference."""
         n, group, bits = flat.numel(), self.group, self.bits
         out = quant_format.buffers(n, bits, group, flat.device)
         if quant_format.whole_bytes(bits, group) and native.takes(flat):
-            native.quant_pack(flat, bits, group, hash_keys(seed), self._inv_levels, *out, cast)
+            native.quant_pack(flat, bits, group, keys, self._inv_levels, *out, cast)
         else:
-            quant_format.pack_eager(flat, seed, bits, group, cast, out)
+            quant_format.pack_eager(flat, keys, bits, group, cast, out)
         return out
 
     def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:

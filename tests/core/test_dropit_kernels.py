@@ -473,3 +473,34 @@ def test_launch_arithmetic_is_tritons_in_plain_python() -> None:
             assert launch.cdiv(n, per) == triton.cdiv(n, per)
     assert launch.cdiv(0, 256) == 0 and launch.tile(100, 2048) == (128, 16)
     assert launch.tile(8192, 2048) == (8192, 1)  # a group wider than a block: one per program
+
+
+@pytest.mark.parametrize("cast", [None, torch.bfloat16])
+def test_a_pack_reading_its_keys_from_memory_is_the_seeded_pack(cast) -> None:
+    """A CUDA graph's pack reads its draw's hash keys from device memory (``keys``): the same
+    bytes as the pack seeded by those keys' seed, and other keys written into the same tensor
+    give that other seed's pack: the draw is data, not a constant of the launch."""
+    from dropit_core.backends.triton.quant import pack_contiguous
+
+    x = _x(3000, torch.float32)
+    keys = torch.tensor([*seeds.hash_keys(12345), 0], dtype=torch.int64, device=DEVICE)
+    for seed in (12345, 777):
+        keys.copy_(torch.tensor([*seeds.hash_keys(seed), 0]))
+        keyed = pack_contiguous(x, 4, 256, 0, cast, keys=keys)[:3]
+        seeded = pack_contiguous(x, 4, 256, seed, cast)[:3]
+        assert all(map(torch.equal, keyed, seeded))
+    assert not torch.equal(keyed[0], pack_contiguous(x, 4, 256, 12345, cast)[0])
+
+
+@pytest.mark.parametrize("kernels", ["triton", "eager"])
+def test_quants_keyed_pack_is_its_pack_with_those_keys(mode, kernels: str) -> None:
+    """``Quant.pack_keyed`` (what the traced pack runs) is ``Quant.pack`` of the key whose hash
+    keys it is given, on the kernels and off them (the C loops or the reference)."""
+    mode(kernels)
+    quant = build_strategy("quant", 0.8, bits=4, seed=3)
+    x = _x(2000, torch.float32)
+    for key in (5, 6):
+        keys = torch.tensor([*quant.draw_keys(key), 0], dtype=torch.int64, device=DEVICE)
+        a, b = quant.pack_keyed(x, keys, torch.float32), quant.pack(x, "linear", key)
+        fields = [(a.values, b.values), (a.scales, b.scales), (a.mins, b.mins)]
+        assert all(torch.equal(u, v) for u, v in fields) and a.meta == b.meta

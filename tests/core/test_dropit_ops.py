@@ -3,6 +3,7 @@ gradients equal to the plain backward applied to the explicitly dropped input.""
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropit_core import is_dropit, set_step, to_dropit
 from dropit_core.layers import functions as ops
@@ -491,8 +493,53 @@ CONVS = [  # (in, out, kernel, stride, padding, dilation, groups)
 
 
 def _split_at(monkeypatch, nbytes: int) -> None:
-    """Inputs of ``nbytes`` or more take the conv's autograd Function and its split backward."""
+    """Inputs of ``nbytes`` or more take the conv's autograd Function and its split backward,
+    whose weight gradient takes chunks of at most ``nbytes`` (at least an image)."""
     monkeypatch.setattr(ops, "SPLIT_BYTES", nbytes)
+    monkeypatch.setattr(ops, "CHUNK_BYTES", nbytes)
+
+
+class _CountCalls(TorchDispatchMode):
+    """Counts the aten ops a block runs, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_calls(images: int, image: tuple[int, ...]) -> collections.Counter[str]:
+    torch.manual_seed(0)
+    conv = to_dropit(nn.Sequential(nn.Conv2d(image[0], 8, 3, padding=1)), "quant", bits=4)
+    set_step(conv, 1)
+    out = conv(torch.randn(images, *image))  # the weight's gradient alone
+    with _CountCalls() as mode:
+        out.sum().backward()
+    return mode.counts
+
+
+def test_a_split_layers_backward_makes_as_many_calls_at_2_and_8_images_within_its_budget(
+    monkeypatch,
+) -> None:
+    """The weight gradient's chunks are chosen by bytes, not by image: while the batch's map
+    fits CHUNK_BYTES a DropIT conv's backward runs the same ops at 2 images as at 8 (host time
+    on every layer of a GPU step that does not grow with the batch); a map past the budget is
+    chunked, each chunk as many images as the budget holds."""
+    image = (16, 32, 32)  # 64 KiB of fp32 per image
+    per_image = 4 * 16 * 32 * 32
+    monkeypatch.setattr(ops, "SPLIT_BYTES", 1)  # every input takes the split backward
+    monkeypatch.setattr(ops, "CHUNK_BYTES", 8 * per_image)
+    at_2, at_8 = _backward_calls(2, image), _backward_calls(8, image)
+    assert at_2 == at_8
+    assert at_8["convolution_backward.default"] == 1
+    monkeypatch.setattr(ops, "CHUNK_BYTES", 3 * per_image)  # 8 images: chunks of 3, 3 and 2
+    assert _backward_calls(2, image)["convolution_backward.default"] == 1
+    assert _backward_calls(8, image)["convolution_backward.default"] == 3
+    assert [ops.images_per_chunk(8, per_image), ops.images_per_chunk(2, per_image)] == [3, 2]
+    assert ops.images_per_chunk(8, 10 * per_image) == 1  # an image past the budget: alone
 
 
 @pytest.mark.parametrize("conv_args", CONVS)

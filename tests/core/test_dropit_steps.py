@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import REGISTRY, STRATEGIES, set_step, to_dropit
+from dropit_core import REGISTRY, STRATEGIES, build_strategy, set_step, to_dropit
 
 DRAWING = [name for name in STRATEGIES if REGISTRY.get(name).draws]
 
@@ -228,7 +228,7 @@ def test_a_caches_keys_are_mix_seed_of_rank_stream_step_and_position() -> None:
     import pickle
 
     from dropit_core import build_strategy
-    from dropit_core.formats.seeds import mix_seed, mix_state
+    from dropit_core.formats.seeds import hash_keys, mix_seed, mix_state
     from dropit_core.layers.functions import InputCache
 
     assert mix_state(mix_state(0, 3, 4), 5) >> 2 == mix_seed(3, 4, 5)
@@ -240,7 +240,29 @@ def test_a_caches_keys_are_mix_seed_of_rank_stream_step_and_position() -> None:
     assert copy.next_key() == cache.next_key() == mix_seed(2, 7, 11, 3)
     quant = build_strategy("quant", 0.8, seed=99)
     x = torch.randn(1000)
-    codes, mins, scales = quant._pack_eager(x, mix_seed(99, 5), None)
+    codes, mins, scales = quant._pack_eager(x, hash_keys(mix_seed(99, 5)), None)
     packed = quant.pack(x, "linear", 5)
     assert torch.equal(packed.values, codes) and torch.equal(packed.mins, mins)
     assert torch.equal(packed.scales, scales)
+
+
+def test_a_caches_key_table_is_rewritten_in_place_each_step() -> None:
+    """The traced pack's draws as device data (``InputCache.draw_row``): each row the hash keys
+    of eager's key at that position; ``set_step`` writes the new step's into the same memory, so
+    a graph that replays reads them (it runs no Python), and two steps draw differently."""
+    from dropit_core.formats.seeds import mix_seed
+    from dropit_core.layers.functions import InputCache
+
+    quant = build_strategy("quant", 0.8, seed=4)
+    cache = InputCache(quant, stream=2)
+    cache.set_step(3, rank=1)
+    rows = [cache.draw_row(torch.device("cpu")) for _ in range(3)]
+    want = [quant.draw_keys(mix_seed(1, 2, 3, p)) for p in range(3)]
+    assert [tuple(r.tolist()) for r in rows] == [(*k, 0) for k in want]
+    table = cache._keys
+    address, before = table.data_ptr(), table[:3].clone()
+    cache.set_step(4, rank=1)
+    assert cache._keys is table and table.data_ptr() == address  # the same memory
+    want = [quant.draw_keys(mix_seed(1, 2, 4, p)) for p in range(3)]
+    assert [tuple(r) for r in table[:3].tolist()] == [(*k, 0) for k in want]
+    assert not torch.equal(table[:3], before)

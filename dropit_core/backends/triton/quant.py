@@ -35,10 +35,14 @@ assert UNIFORM_BITS <= 24  # the draws are exact in fp32
 @triton.jit(do_not_specialize=["key_low", "key_high"])
 def quant_codes_kernel(
     x_ptr, codes_ptr, mins_ptr, scales_ptr, zero_ptr, negative_ptr, n, n_groups, n_bytes,
-    key_low, key_high,
+    key_low, key_high, keys_ptr,
     GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
     INV_LEVELS: tl.constexpr, TINY_F32: tl.constexpr, ROUND: tl.constexpr, SIGNS: tl.constexpr,
+    KEYS_IN_MEMORY: tl.constexpr,
 ):  # fmt: skip
+    if KEYS_IN_MEMORY:  # a CUDA graph's pack: the step's keys, written there before the replay
+        key_low = tl.load(keys_ptr)
+        key_high = tl.load(keys_ptr + 1)
     levels: tl.constexpr = (1 << BITS) - 1
     per_byte: tl.constexpr = 8 // BITS
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -151,11 +155,13 @@ def pack_contiguous(
     cast: torch.dtype | None = None,
     signs: bool = False,
     block: int = PACK_BLOCK,
+    keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`quant_pack`'s (codes, mins, scales), and with ``signs`` the two flag buffers, of a
     contiguous float tensor of any shape read flat, without the argument checks: for a caller
     that has made them (``Quant`` takes this path on every layer of every step, where the
-    checks and the reshape were host time a GPU step waits on)."""
+    checks and the reshape were host time a GPU step waits on). ``keys``: the draw's hash keys
+    (int64 ``k0, k1`` on the device) read by the kernel from memory instead of ``seed``'s."""
     n = x.numel()
     if n > 1 << 44:
         raise ValueError("quant_pack draws for element indices below 2**44")
@@ -166,10 +172,11 @@ def pack_contiguous(
         zero, negative = codes, codes
     if n == 0:
         return codes, mins, scales, zero, negative
-    rows, constants = _pack_constants(bits, group, block, cast, signs)
+    rows, constants = _pack_constants(bits, group, block, cast, signs, keys is not None)
     groups = mins.numel()
+    key_words = (0, 0, keys) if keys is not None else (*hash_keys(seed), codes)
     quant_codes_kernel[(-(-groups // rows),)](
-        x, codes, mins, scales, zero, negative, n, groups, codes.numel(), *hash_keys(seed),
+        x, codes, mins, scales, zero, negative, n, groups, codes.numel(), *key_words,
         **constants,
     )  # fmt: skip
     return codes, mins, scales, zero, negative
@@ -177,14 +184,14 @@ def pack_contiguous(
 
 @cache
 def _pack_constants(
-    bits: int, group: int, block: int, cast: torch.dtype | None, signs: bool
+    bits: int, group: int, block: int, cast: torch.dtype | None, signs: bool, keyed: bool = False
 ) -> tuple[int, dict]:
     """(groups per program, the pack kernel's compile-time arguments) of a setting: made once."""
     width, rows = tile(group, block)
     return rows, {
         "GROUP": group, "WIDTH": width, "ROWS": rows, "BITS": bits,
         "INV_LEVELS": inv_levels(bits), "TINY_F32": TINY, "ROUND": _ROUND.get(cast, 0),
-        "SIGNS": signs, "enable_fp_fusion": False,
+        "SIGNS": signs, "KEYS_IN_MEMORY": keyed, "enable_fp_fusion": False,
     }  # fmt: skip
 
 
