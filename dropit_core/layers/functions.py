@@ -287,7 +287,7 @@ KEY_ROWS = 256
 # bytes of input: a layer's calls then do not grow with the batch unless its map outgrows the
 # budget (host time on every layer of a GPU step), while a chunk's rebuilt map stays small beside
 # the backward's peak. Chosen by the step peak it costs (docs/results/chunk_bytes/).
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 64 << 20
 
 
 def images_per_chunk(batch: int, image_bytes: int) -> int:

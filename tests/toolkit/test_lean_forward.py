@@ -369,6 +369,7 @@ def test_the_rpn_head_makes_torchvisions_step_with_its_map_gradient_by_image(mon
     """The whole detector, with every conv's backward and the RPN head's map gradient by
     image: torchvision's losses and gradients bit for bit."""
     monkeypatch.setattr(ops, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(ops, "CHUNK_BYTES", 1)
     _assert_same_step(*_models())
 
 
