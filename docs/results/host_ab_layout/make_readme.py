@@ -1,6 +1,6 @@
 """Writes README.md of this folder from the host bench files beside it.
 
-    python docs/results/host_ab_layout/make_readme.py
+python docs/results/host_ab_layout/make_readme.py
 """
 
 from __future__ import annotations
