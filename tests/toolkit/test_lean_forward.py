@@ -312,6 +312,7 @@ def test_the_rpn_heads_map_gradient_is_made_once_bit_for_bit(monkeypatch, dropit
     that the peak is the predictors') one map fewer, less the predictors' output gradients and
     a few images' scratch (the CPU kernels' own, which depends on their threads)."""
     monkeypatch.setattr(ops, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(ops, "CHUNK_BYTES", 1)  # the DropIT predictors' rebuilds by image too
     torch.manual_seed(0)
     plain = RPNHead(128, 3)  # 128 channels: the predictors' 15 output ones small beside, as at 256
     plain.conv = torch.nn.Identity()
