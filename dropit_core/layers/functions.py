@@ -101,28 +101,22 @@ class InputCache:
         self._prefix = mix_state(0, rank, self.stream, step)
         self._forward = next(_FORWARDS)
         if self._keys is not None:  # in place: a CUDA graph reads this memory (draw_row)
-            self._keys[: self._rows].copy_(self._key_rows(self._rows))
+            self._keys[: self._rows].copy_(_key_rows(self, self._rows))
 
     def draw_row(self, device: torch.device) -> torch.Tensor:
-        """The next pack's draw as device data: ``(k0, k1, 0)``, the strategy's hash keys of
-        :meth:`next_key` (and the index of the pack's first element), int64 on ``device``, read
-        from the step's key table there. ``set_step`` writes each step's keys into that table in
-        place, so a compiled pack replayed as a CUDA graph (which runs no Python) draws anew
-        every step, from the keys eager would draw with."""
+        """The next pack's draw as device data: ``(k0, k1, 0)`` (the hash keys of
+        :meth:`next_key`, the pack's first element), int64, from the step's key table on
+        ``device``, which ``set_step`` rewrites in place: a pack replayed in a CUDA graph (no
+        Python runs) draws each step's keys, eager's."""
         position = self.position
         self.next_key()  # moves on as eager does (its row holds this key's hash keys)
         table = self._keys
         if table is None or table.device != device or position >= len(table):
             # Sized once, before a graph records (its first forwards run eagerly): a table
             # moved or grown later would leave a recorded graph reading the old one.
-            table = self._keys = self._key_rows(max(KEY_ROWS, 2 * position + 2)).to(device)
+            table = self._keys = _key_rows(self, max(KEY_ROWS, 2 * position + 2)).to(device)
         self._rows = max(self._rows, position + 1)
         return table[position].clone()
-
-    def _key_rows(self, rows: int) -> torch.Tensor:
-        """The (k0, k1, 0) rows of this step's first ``rows`` positions, on the host."""
-        keys = [self.strategy.draw_keys(mix_part(self._prefix, p) >> 2) for p in range(rows)]
-        return torch.tensor([(*k, 0) for k in keys], dtype=torch.int64)
 
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""
@@ -213,6 +207,12 @@ class InputCache:
         self.__init__(state["strategy"], state["stream"])
         self.set_step(state["step"], state["rank"])
         self.position = state["position"]
+
+
+def _key_rows(cache: InputCache, rows: int) -> torch.Tensor:
+    """The (k0, k1, 0) rows of the first ``rows`` draws of ``cache``'s step, on the host."""
+    keys = [cache.strategy.draw_keys(mix_part(cache._prefix, p) >> 2) for p in range(rows)]
+    return torch.tensor([(*k, 0) for k in keys], dtype=torch.int64)
 
 
 class ConvArgs(NamedTuple):
