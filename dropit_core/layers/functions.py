@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -120,10 +120,13 @@ class InputCache:
 
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""
-        # mix_seed(rank, stream, step, position), its first three parts folded in set_step
-        key = mix_part(self._prefix, self.position) >> 2
+        key = self.key_at(self.position)
         self.position += 1
         return key
+
+    def key_at(self, position: int) -> int:
+        """mix_seed(rank, stream, step, position), the first three folded in set_step."""
+        return mix_part(self._prefix, position) >> 2
 
     def cast_param(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
@@ -211,7 +214,7 @@ class InputCache:
 
 def _key_rows(cache: InputCache, rows: int) -> torch.Tensor:
     """The (k0, k1, 0) rows of the first ``rows`` draws of ``cache``'s step, on the host."""
-    keys = [cache.strategy.draw_keys(mix_part(cache._prefix, p) >> 2) for p in range(rows)]
+    keys = [cache.strategy.draw_keys(cache.key_at(p)) for p in range(rows)]
     return torch.tensor([(*k, 0) for k in keys], dtype=torch.int64)
 
 
@@ -311,7 +314,7 @@ class DropITConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, packed = _saved_pack(ctx)
-        rebuilt = None if packed is None else Rebuilt.of(ctx.cache, packed, ctx.x_shape)
+        rebuilt = None if packed is None else Rebuilt(ctx.x_shape, ctx.cache, packed)
         grads = conv_grads(grad, weight, ctx.x_shape, ctx.args, ctx.needs_input_grad, rebuilt)
         return grads + (None,) * 3
 
@@ -377,41 +380,40 @@ def conv_input_grad(
 
 
 class Rebuilt:
-    """A layer's packed input, read back for its backward: whole, or images ``[i, j)`` at a
-    time, each chunk rebuilt alone where the strategy can (``part``), else sliced from one
-    rebuild of the whole batch (made once, on the first call that needs it). The same values
-    either way."""
+    """A layer's packed input (of ``shape``), read back for its backward by its cache: whole,
+    or images ``[i, j)`` at a time, each chunk rebuilt alone where the strategy can
+    (``InputCache.unpack_part``), else sliced from one rebuild of the whole batch (made once,
+    on the first call that needs it). The same values either way. (Slots and no closures: one
+    is made in every backward of the autograd Functions.)"""
+
+    __slots__ = ("shape", "cache", "packed", "_batch")
 
     def __init__(
-        self,
-        shape: Sequence[int],
-        whole: Callable[[], torch.Tensor],
-        part: Callable[[int, int], torch.Tensor | None] | None = None,
+        self, shape: Sequence[int], cache: InputCache | int, packed: Packed | list[torch.Tensor]
     ) -> None:
-        self.shape, self._whole, self._part = shape, whole, part
+        self.shape, self.cache, self.packed = shape, cache, packed
         self._batch: torch.Tensor | None = None
 
-    @classmethod
-    def of(cls, cache: InputCache, packed: Packed, shape: Sequence[int]) -> Rebuilt:
-        """The eager layers' reader: the cache's strategy rebuilds (``InputCache.unpack``)."""
-        return cls(
-            shape,
-            lambda: cache.unpack(packed),
-            lambda start, stop: cache.unpack_part(packed, start, stop),
-        )
+    def read_whole(self) -> torch.Tensor:
+        """One rebuild of the whole input."""
+        return self.cache.unpack(self.packed)
+
+    def read_part(self, start: int, stop: int) -> torch.Tensor | None:
+        """Flat elements ``[start, stop)`` rebuilt alone, or None where the pack cannot."""
+        return self.cache.unpack_part(self.packed, start, stop)
 
     def whole(self) -> torch.Tensor:
         """The whole rebuilt input."""
-        return self._whole() if self._batch is None else self._batch
+        return self.read_whole() if self._batch is None else self._batch
 
     def images(self, i: int, j: int) -> torch.Tensor:
         """Images ``[i, j)`` of the rebuilt input."""
         if self._batch is None:
             per_image = math.prod(self.shape[1:])
-            part = self._part and self._part(i * per_image, j * per_image)
+            part = self.read_part(i * per_image, j * per_image)
             if part is not None:
                 return part.view(j - i, *self.shape[1:])
-            self._batch = self._whole()
+            self._batch = self.read_whole()
         return self._batch[i:j]
 
 
@@ -467,7 +469,7 @@ class DropITLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, packed = _saved_pack(ctx)
-        rebuilt = None if packed is None else Rebuilt.of(ctx.cache, packed, ctx.x_shape)
+        rebuilt = None if packed is None else Rebuilt(ctx.x_shape, ctx.cache, packed)
         return linear_grads(grad, weight, ctx.x_shape, ctx.needs_input_grad, rebuilt) + (None,) * 2
 
 

@@ -261,13 +261,26 @@ def _conv_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(weight, *fields)
 
 
-def _rebuilt(ctx, fields: list[Tensor]) -> Rebuilt | None:
-    """The backward's reader of the pack ``fields`` (the traced ``dropit::unpack``)."""
-    if not fields:
+class _TracedRebuilt(Rebuilt):
+    """A traced pack's tensors read back through the opaque ``dropit::unpack`` (the backward
+    formula is traced too), whole: ``cache`` is the cache's number, ``packed`` the fields."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, shape: list[int], cache: int, fields: list[Tensor], dtype) -> None:
+        super().__init__(shape, cache, fields)
+        self.dtype = dtype
+
+    def read_whole(self) -> Tensor:
+        return torch.ops.dropit.unpack(self.packed, self.cache, self.shape, self.dtype)
+
+    def read_part(self, start: int, stop: int) -> None:
         return None
-    return Rebuilt(
-        ctx.x_shape, lambda: torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
-    )
+
+
+def _rebuilt(ctx, fields: list[Tensor]) -> Rebuilt | None:
+    """The backward's reader of the pack ``fields``."""
+    return _TracedRebuilt(ctx.x_shape, ctx.cache, fields, ctx.x_dtype) if fields else None
 
 
 def _conv_backward(ctx, grad):

@@ -91,17 +91,22 @@ class Quant(Strategy):
         # bit, and no copy of x in dtype is made for it.
         return self._pack_as(x, key, dtype)
 
-    def _pack_as(self, x: torch.Tensor, key: int, dtype: torch.dtype) -> Packed:
-        """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower)."""
-        seed = self._seed(key)
+    def _pack_as(
+        self, x: torch.Tensor, key: int, dtype: torch.dtype, keys: torch.Tensor | None = None
+    ) -> Packed:
+        """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower),
+        drawn with ``key``, or with the hash keys held in ``keys`` (:meth:`pack_keyed`)."""
+        seed = 0 if keys is not None else self._seed(key)
         cast = None if dtype == x.dtype else dtype
         if self._kernels_take and dispatch.use_kernels(x):
             # The kernel reads memory flat: no reshape (each op here is host time on a GPU).
             codes, mins, scales = dispatch.kernels("quant").pack_contiguous(
-                x.contiguous(), self.bits, self.group, seed, cast
+                x.contiguous(), self.bits, self.group, seed, cast, keys=keys
             )[:3]
         else:
-            codes, mins, scales = self._pack_eager(x.reshape(-1), hash_keys(seed), cast)
+            # keys read on the host: a sync only off the kernels (CUDA without triton)
+            hashed = hash_keys(seed) if keys is None else tuple(keys.tolist()[:2])
+            codes, mins, scales = self._pack_eager(x.reshape(-1), hashed, cast)
         return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
 
     def pack_keyed(self, x: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> Packed:
@@ -109,15 +114,7 @@ class Quant(Strategy):
         (int64 ``(k0, k1, ...)`` on ``x``'s device), bit for bit :meth:`pack`'s with those keys:
         a CUDA graph replays this pack with the keys a new step wrote into the same memory. The
         kernels read them there; the CPU's paths read them on the host."""
-        cast = None if dtype == x.dtype else dtype
-        if self._kernels_take and dispatch.use_kernels(x):
-            codes, mins, scales = dispatch.kernels("quant").pack_contiguous(
-                x.contiguous(), self.bits, self.group, 0, cast, keys=keys
-            )[:3]
-        else:
-            k0, k1 = keys.tolist()[:2]  # a host sync only off the kernels (CUDA without triton)
-            codes, mins, scales = self._pack_eager(x.reshape(-1), (k0, k1), cast)
-        return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
+        return self._pack_as(x, 0, dtype, keys)
 
     def _pack_eager(
         self, flat: torch.Tensor, keys: tuple[int, int], cast: torch.dtype | None
