@@ -90,7 +90,8 @@ class InputCache:
         self.number = _number(self)  # how the torch.library operators name it (traced.py)
         self.saved_hooks = SavedInputHooks(self)  # its convs' path without a Function (hooked.py)
         self._keys: torch.Tensor | None = None  # the step's draws on a device (draw_row)
-        self._rows = 0  # how many of its rows a forward has read
+        self._rows = 0  # how many of its rows a forward has read: set_step rewrites those
+        self._fresh = 0  # how many hold this step's keys
 
     def set_step(self, step: int, rank: int = 0) -> None:
         """Start the random streams of training step ``step`` (on process ``rank``).
@@ -101,7 +102,8 @@ class InputCache:
         self._prefix = mix_state(0, rank, self.stream, step)
         self._forward = next(_FORWARDS)
         if self._keys is not None:  # in place: a CUDA graph reads this memory (draw_row)
-            self._keys[: self._rows].copy_(_key_rows(self, self._rows))
+            self._keys[: self._rows].copy_(_key_rows(self, 0, self._rows))
+        self._fresh = self._rows
 
     def draw_row(self, device: torch.device) -> torch.Tensor:
         """The next pack's draw as device data: ``(k0, k1, 0)`` (the hash keys of
@@ -114,7 +116,12 @@ class InputCache:
         if table is None or table.device != device or position >= len(table):
             # Sized once, before a graph records (its first forwards run eagerly): a table
             # moved or grown later would leave a recorded graph reading the old one.
-            table = self._keys = _key_rows(self, max(KEY_ROWS, 2 * position + 2)).to(device)
+            rows = max(KEY_ROWS, 2 * position + 2)
+            table = self._keys = _key_rows(self, 0, rows).to(device)
+            self._fresh = rows
+        elif position >= self._fresh:  # past the rows set_step rewrote: this step's, now
+            table[self._fresh : position + 1].copy_(_key_rows(self, self._fresh, position + 1))
+            self._fresh = position + 1
         self._rows = max(self._rows, position + 1)
         return table[position].clone()
 
@@ -212,9 +219,9 @@ class InputCache:
         self.position = state["position"]
 
 
-def _key_rows(cache: InputCache, rows: int) -> torch.Tensor:
-    """The (k0, k1, 0) rows of the first ``rows`` draws of ``cache``'s step, on the host."""
-    keys = [cache.strategy.draw_keys(cache.key_at(p)) for p in range(rows)]
+def _key_rows(cache: InputCache, start: int, stop: int) -> torch.Tensor:
+    """The (k0, k1, 0) rows of draws ``[start, stop)`` of ``cache``'s step, on the host."""
+    keys = [cache.strategy.draw_keys(cache.key_at(p)) for p in range(start, stop)]
     return torch.tensor([(*k, 0) for k in keys], dtype=torch.int64)
 
 

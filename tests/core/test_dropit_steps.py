@@ -266,3 +266,7 @@ def test_a_caches_key_table_is_rewritten_in_place_each_step() -> None:
     want = [quant.draw_keys(mix_seed(1, 2, 4, p)) for p in range(3)]
     assert [tuple(r) for r in table[:3].tolist()] == [(*k, 0) for k in want]
     assert not torch.equal(table[:3], before)
+    # a forward that draws past the rows the last one read: those rows are this step's too
+    rows = [cache.draw_row(torch.device("cpu")) for _ in range(5)]
+    want = [quant.draw_keys(mix_seed(1, 2, 4, p)) for p in range(5)]
+    assert [tuple(r.tolist()) for r in rows] == [(*k, 0) for k in want]
