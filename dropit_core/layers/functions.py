@@ -89,9 +89,7 @@ class InputCache:
         self.dropped: torch.Tensor | None = None
         self.number = _number(self)  # how the torch.library operators name it (traced.py)
         self.saved_hooks = SavedInputHooks(self)  # its convs' path without a Function (hooked.py)
-        self._keys: torch.Tensor | None = None  # the step's draws on a device (draw_row)
-        self._rows = 0  # how many of its rows a forward has read: set_step rewrites those
-        self._fresh = 0  # how many hold this step's keys
+        self.keys = KeyTable(self)  # the step's draws as device data (draw_row)
 
     def set_step(self, step: int, rank: int = 0) -> None:
         """Start the random streams of training step ``step`` (on process ``rank``).
@@ -101,9 +99,7 @@ class InputCache:
         self.step, self.rank, self.position = step, rank, 0
         self._prefix = mix_state(0, rank, self.stream, step)
         self._forward = next(_FORWARDS)
-        if self._keys is not None:  # in place: a CUDA graph reads this memory (draw_row)
-            self._keys[: self._rows].copy_(_key_rows(self, 0, self._rows))
-        self._fresh = self._rows
+        self.keys.new_step()
 
     def draw_row(self, device: torch.device) -> torch.Tensor:
         """The next pack's draw as device data: ``(k0, k1, 0)`` (the hash keys of
@@ -112,18 +108,7 @@ class InputCache:
         Python runs) draws each step's keys, eager's."""
         position = self.position
         self.next_key()  # moves on as eager does (its row holds this key's hash keys)
-        table = self._keys
-        if table is None or table.device != device or position >= len(table):
-            # Sized once, before a graph records (its first forwards run eagerly): a table
-            # moved or grown later would leave a recorded graph reading the old one.
-            rows = max(KEY_ROWS, 2 * position + 2)
-            table = self._keys = _key_rows(self, 0, rows).to(device)
-            self._fresh = rows
-        elif position >= self._fresh:  # past the rows set_step rewrote: this step's, now
-            table[self._fresh : position + 1].copy_(_key_rows(self, self._fresh, position + 1))
-            self._fresh = position + 1
-        self._rows = max(self._rows, position + 1)
-        return table[position].clone()
+        return self.keys.row(position, device).clone()
 
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""
@@ -219,10 +204,42 @@ class InputCache:
         self.position = state["position"]
 
 
-def _key_rows(cache: InputCache, start: int, stop: int) -> torch.Tensor:
-    """The (k0, k1, 0) rows of draws ``[start, stop)`` of ``cache``'s step, on the host."""
-    keys = [cache.strategy.draw_keys(cache.key_at(p)) for p in range(start, stop)]
-    return torch.tensor([(*k, 0) for k in keys], dtype=torch.int64)
+class KeyTable:
+    """A cache's draws as device data: row p holds ``(k0, k1, 0)``, the strategy's hash keys of
+    the step's key at position p. ``new_step`` rewrites the rows a forward has read in place, so
+    a CUDA graph that recorded reads of this memory draws each step's keys on replay."""
+
+    def __init__(self, cache: InputCache) -> None:
+        self.cache = cache
+        self.table: torch.Tensor | None = None
+        self.read = 0  # rows a forward has read: new_step rewrites those
+        self.fresh = 0  # rows holding this step's keys
+
+    def new_step(self) -> None:
+        """The cache began a step: its rows read so far get the step's keys, in place."""
+        if self.table is not None:
+            self.table[: self.read].copy_(self._rows(0, self.read))
+        self.fresh = self.read
+
+    def row(self, position: int, device: torch.device) -> torch.Tensor:
+        """Row ``position`` of the table on ``device`` (a view)."""
+        table = self.table
+        if table is None or table.device != device or position >= len(table):
+            # Sized once, before a graph records (its first forwards run eagerly): a table
+            # moved or grown later would leave a recorded graph reading the old one.
+            rows = max(KEY_ROWS, 2 * position + 2)
+            table = self.table = self._rows(0, rows).to(device)
+            self.fresh = rows
+        elif position >= self.fresh:  # past the rows new_step rewrote: this step's, now
+            table[self.fresh : position + 1].copy_(self._rows(self.fresh, position + 1))
+            self.fresh = position + 1
+        self.read = max(self.read, position + 1)
+        return table[position]
+
+    def _rows(self, start: int, stop: int) -> torch.Tensor:
+        cache = self.cache
+        keys = [cache.strategy.draw_keys(cache.key_at(p)) for p in range(start, stop)]
+        return torch.tensor([(*k, 0) for k in keys], dtype=torch.int64)
 
 
 class ConvArgs(NamedTuple):

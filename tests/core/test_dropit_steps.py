@@ -259,10 +259,10 @@ def test_a_caches_key_table_is_rewritten_in_place_each_step() -> None:
     rows = [cache.draw_row(torch.device("cpu")) for _ in range(3)]
     want = [quant.draw_keys(mix_seed(1, 2, 3, p)) for p in range(3)]
     assert [tuple(r.tolist()) for r in rows] == [(*k, 0) for k in want]
-    table = cache._keys
+    table = cache.keys.table
     address, before = table.data_ptr(), table[:3].clone()
     cache.set_step(4, rank=1)
-    assert cache._keys is table and table.data_ptr() == address  # the same memory
+    assert cache.keys.table is table and table.data_ptr() == address  # the same memory
     want = [quant.draw_keys(mix_seed(1, 2, 4, p)) for p in range(3)]
     assert [tuple(r) for r in table[:3].tolist()] == [(*k, 0) for k in want]
     assert not torch.equal(table[:3], before)
