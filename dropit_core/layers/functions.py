@@ -308,7 +308,8 @@ def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
 # which smaller layers are not worth.
 SPLIT_BYTES = 8 << 20
 # Rows of a cache's key table on a device (InputCache.draw_row): the packs one forward draws,
-# with room (an R50-FPN Mask R-CNN draws about a hundred).
+# with room (quant converts 97 conv and linear layers of torchvision's R50-FPN Mask R-CNN; the
+# RPN head's three run once per FPN level).
 KEY_ROWS = 256
 # A split weight gradient takes its images in chunks of at least one image and at most this many
 # bytes of input: a layer's calls then do not grow with the batch unless its map outgrows the
