@@ -496,7 +496,7 @@ def _split_at(monkeypatch, nbytes: int) -> None:
     """Inputs of ``nbytes`` or more take the conv's autograd Function and its split backward,
     whose weight gradient takes chunks of at most ``nbytes`` (at least an image)."""
     monkeypatch.setattr(ops, "SPLIT_BYTES", nbytes)
-    monkeypatch.setattr(ops, "CHUNK_BYTES", nbytes)
+    monkeypatch.setitem(ops.CHUNK_BYTES, "cpu", nbytes)
 
 
 class _CountCalls(TorchDispatchMode):
@@ -531,15 +531,26 @@ def test_a_split_layers_backward_makes_as_many_calls_at_2_and_8_images_within_it
     image = (16, 32, 32)  # 64 KiB of fp32 per image
     per_image = 4 * 16 * 32 * 32
     monkeypatch.setattr(ops, "SPLIT_BYTES", 1)  # every input takes the split backward
-    monkeypatch.setattr(ops, "CHUNK_BYTES", 8 * per_image)
+    monkeypatch.setitem(ops.CHUNK_BYTES, "cpu", 8 * per_image)
     at_2, at_8 = _backward_calls(2, image), _backward_calls(8, image)
     assert at_2 == at_8
     assert at_8["convolution_backward.default"] == 1
-    monkeypatch.setattr(ops, "CHUNK_BYTES", 3 * per_image)  # 8 images: chunks of 3, 3 and 2
+    monkeypatch.setitem(ops.CHUNK_BYTES, "cpu", 3 * per_image)  # 8 images: chunks of 3, 3, 2
     assert _backward_calls(2, image)["convolution_backward.default"] == 1
     assert _backward_calls(8, image)["convolution_backward.default"] == 3
-    assert [ops.images_per_chunk(8, per_image), ops.images_per_chunk(2, per_image)] == [3, 2]
-    assert ops.images_per_chunk(8, 10 * per_image) == 1  # an image past the budget: alone
+    cpu = torch.device("cpu")
+    assert ops.images_per_chunk(8, per_image, cpu) == 3
+    assert ops.images_per_chunk(2, per_image, cpu) == 2
+    assert ops.images_per_chunk(8, 10 * per_image, cpu) == 1  # an image past the budget: alone
+
+
+def test_the_chunk_budget_is_the_devices() -> None:
+    """64 MiB on an accelerator (launches per layer), 8 MiB on the CPU (as before: the
+    committed CPU runs keep their sums); an 800 px P2 map in fp16 is 27.9 MB an image."""
+    image = 256 * 200 * 272 * 2  # bytes of one image's P2-level map (800 x 1088, fp16)
+    assert ops.images_per_chunk(8, image, torch.device("cuda")) == 2
+    assert ops.images_per_chunk(8, image, torch.device("cpu")) == 1
+    assert ops.images_per_chunk(2, 2 << 20, torch.device("cuda")) == 2  # a small map: one call
 
 
 @pytest.mark.parametrize("conv_args", CONVS)

@@ -312,7 +312,7 @@ def test_the_rpn_heads_map_gradient_is_made_once_bit_for_bit(monkeypatch, dropit
     that the peak is the predictors') one map fewer, less the predictors' output gradients and
     a few images' scratch (the CPU kernels' own, which depends on their threads)."""
     monkeypatch.setattr(ops, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(ops, "CHUNK_BYTES", 1)  # the DropIT predictors' rebuilds by image too
+    monkeypatch.setitem(ops.CHUNK_BYTES, "cpu", 1)  # the DropIT predictors' rebuilds by image too
     torch.manual_seed(0)
     plain = RPNHead(128, 3)  # 128 channels: the predictors' 15 output ones small beside, as at 256
     plain.conv = torch.nn.Identity()
@@ -370,7 +370,7 @@ def test_the_rpn_head_makes_torchvisions_step_with_its_map_gradient_by_image(mon
     """The whole detector, with every conv's backward and the RPN head's map gradient by
     image: torchvision's losses and gradients bit for bit."""
     monkeypatch.setattr(ops, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(ops, "CHUNK_BYTES", 1)
+    monkeypatch.setitem(ops.CHUNK_BYTES, "cpu", 1)
     _assert_same_step(*_models())
 
 

@@ -20,7 +20,7 @@ SETTINGS = ["quant_4bit", "checkpoint_stages_quant_4bit"]
 def main() -> None:
     restart_measuring()
     for k, mib in enumerate(int(a) for a in sys.argv[1:]):
-        functions.CHUNK_BYTES = mib << 20
+        functions.CHUNK_BYTES["cpu"] = mib << 20  # the CPU proxy of the GPU budget
         print(f"== CHUNK_BYTES {mib} MiB", flush=True)
         argv = ["--amp", "bf16", "--image-size", "800", "--images", "8", "--draws", "1"]
         argv += ["--repeats", "0", "--settings", *(["baseline"] if k == 0 else []), *SETTINGS]
