@@ -1,13 +1,17 @@
-"""Which path packs a tensor: the Triton kernels (:mod:`dropit_core.backends.triton`) or eager
-torch.
+"""Which implementation runs each DropIT op on a tensor: one table, one choice.
 
-``settings.kernels`` (:mod:`dropit_core.settings`, ``$DROPIT_KERNELS``) chooses: ``auto`` (the
-default) gives CUDA tensors the kernels when triton imports, CPU tensors the C loops or eager
-torch; ``triton`` forces the kernels (on a CPU tensor they need ``TRITON_INTERPRET=1``, which is
-how the CPU tests run them); ``eager`` forces eager torch everywhere. Every path writes the same
-packed format, so a pack made by one rebuilds with another. Decided from the tensor's device
-alone: no sync, and the environment is not read per call (every layer asks, on each pack and
-rebuild: host time a GPU step waits on, docs/gpu.md).
+Eager torch is the reference and runs every op and setting. :data:`TABLE` lists, per op, the
+faster implementations it has, fastest first: ``triton`` (:mod:`dropit_core.backends.triton`,
+one launch per call, for CUDA tensors) and ``native`` (:mod:`dropit_core.backends.native`, the
+CPU's C loops), each with what it takes of the tensor. :func:`choose` picks from the table by
+the settings (:mod:`dropit_core.settings`: ``kernels``, ``native``), the tensor's device and
+dtype, and the backends the op's own setting allows (quant's group in whole code bytes, say):
+``kernels=auto`` gives CUDA tensors the kernels when triton imports and CPU tensors the C loops;
+``kernels=triton`` forces the kernels (on a CPU tensor they need ``TRITON_INTERPRET=1``, which
+is how the CPU tests run them); ``kernels=eager`` is eager torch everywhere. Every
+implementation writes the same bytes, so a pack made by one rebuilds with another. No sync, and
+no environment read per call: every layer asks, on each pack and rebuild (host time a GPU step
+waits on, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -23,8 +28,75 @@ from dropit_core import settings
 from dropit_core.backends import native
 
 ENV = settings.ENVIRONMENT["kernels"]
+FAST = ("triton", "native")  # every faster backend: what an op's setting allows by default
 
-_warned = False
+
+def _fp32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _any(t: torch.Tensor) -> bool:
+    return True
+
+
+# op -> {backend: what it takes of the tensor}, fastest first; eager (not listed) takes all.
+TABLE: dict[str, dict[str, Callable[[torch.Tensor], bool]]] = {
+    "quant_pack": {"triton": _any, "native": _fp32},  # fp32 read as itself or through a cast
+    "quant_rebuild": {"triton": _any, "native": _any},  # the codes' device: fp32 values made
+    "quant_signed": {"triton": _any},  # pack and rebuild with sign and zero flags
+    "relu_mask": {"triton": lambda t: t.is_floating_point(), "native": _fp32},
+    "relu_grad": {"triton": _any, "native": _fp32},
+    "radix_select": {"triton": _any},  # the k-th largest magnitude's histograms
+    "compact": {"triton": _any},  # the element-wise packs' compaction and scatter
+}
+
+
+def choose(op: str, t: torch.Tensor, allowed: tuple[str, ...] = FAST) -> str:
+    """``"triton"``, ``"native"`` or ``"eager"``: what runs ``op`` on ``t``, among the backends
+    ``allowed`` by the op's setting, by :data:`TABLE` and the settings."""
+    mode = settings.current()
+    if mode.kernels == "eager":
+        return "eager"
+    ways = TABLE[op]
+    if "triton" in allowed and "triton" in ways and (mode.kernels == "triton" or t.is_cuda):
+        if _kernels_import(mode.kernels) and ways["triton"](t):
+            return "triton"
+    elif (
+        "native" in allowed
+        and "native" in ways
+        and mode.loops
+        and t.device.type == "cpu"
+        and ways["native"](t)
+        and native.library() is not None
+    ):
+        return "native"
+    return "eager"
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device and the settings give it the Triton kernels (an op that has them)."""
+    mode = settings.current().kernels
+    return mode != "eager" and (mode == "triton" or t.is_cuda) and _kernels_import(mode)
+
+
+def _kernels_import(mode: str) -> bool:
+    if _has_triton:
+        return True
+    if mode == "triton":
+        raise RuntimeError(f"{ENV}=triton, but triton is not installed")
+    _warn_once()
+    return False
+
+
+def pack_backend(device: torch.device | str) -> str:
+    """Which path packs and rebuilds a 4-bit layer's tensors on ``device``: ``"triton"``,
+    ``"native"`` or ``"eager"`` (torch ops, several launches each); what a run says once."""
+    return choose("quant_rebuild", torch.empty(0, device=torch.device(device)))
+
+
+def kernel_mode() -> str:
+    """The kernels setting in force (``settings.current().kernels``)."""
+    return settings.current().kernels
 
 
 def set_kernels(mode: str | None) -> None:
@@ -35,15 +107,8 @@ def set_kernels(mode: str | None) -> None:
         DeprecationWarning,
         stacklevel=2,
     )
-    if mode is None:
-        settings.configure(kernels=settings.Settings.from_environment().kernels)
-    else:
-        settings.configure(kernels=mode)
-
-
-def kernel_mode() -> str:
-    """The kernels setting in force (``settings.current().kernels``)."""
-    return settings.current().kernels
+    default = settings.Settings.from_environment().kernels
+    settings.configure(kernels=default if mode is None else mode)
 
 
 def triton_available() -> bool:
@@ -61,33 +126,6 @@ def _find_triton() -> bool:
 _has_triton = _find_triton()
 
 
-def use_kernels(t: torch.Tensor) -> bool:
-    """Whether ``t`` is packed and rebuilt by the Triton kernels."""
-    mode = settings.current().kernels
-    if mode == "eager":
-        return False
-    if mode == "triton":
-        if not _has_triton:
-            raise RuntimeError(f"{ENV}=triton, but triton is not installed")
-        return True
-    if not t.is_cuda:
-        return False
-    if not _has_triton:
-        _warn_once()
-        return False
-    return True
-
-
-def pack_backend(device: torch.device | str) -> str:
-    """Which path packs and rebuilds a layer's tensors on ``device``: ``"triton"`` (the
-    kernels), ``"native"`` (the CPU's C loops, for the packs they have) or ``"eager"`` (torch
-    ops, several launches each); what a run should say once."""
-    device = torch.device(device)
-    if use_kernels(torch.empty(0, device=device)):
-        return "triton"
-    return "native" if native.ready(device) else "eager"
-
-
 def kernels(name: str) -> ModuleType:
     """The kernels module ``dropit_core.backends.triton.<name>``, imported on the first call (it
     imports triton, which a CPU-only run never needs), then held: an import statement in each
@@ -99,6 +137,7 @@ def kernels(name: str) -> ModuleType:
 
 
 _MODULES: dict[str, ModuleType] = {}
+_warned = False
 
 
 def _warn_once() -> None:

@@ -67,6 +67,14 @@ def kernels_take(bits: int, group: int) -> bool:
     return whole_bytes(bits, group) and group <= MAX_KERNEL_GROUP
 
 
+def fast_backends(bits: int, group: int) -> tuple[str, ...]:
+    """The backends besides eager that take this setting (``dispatch.choose``'s ``allowed``):
+    the C loops every group of whole code bytes, the kernels also one within their limit."""
+    if kernels_take(bits, group):
+        return ("triton", "native")
+    return ("native",) if whole_bytes(bits, group) else ()
+
+
 def slice_len(group: int) -> int:
     """Elements per slice of the eager path: whole groups and whole code bytes."""
     return group * 8 * max(1, base.SLICE // (group * 8))
@@ -139,35 +147,23 @@ def pack_eager(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> None:
     """The reference pack of the flat ``flat`` (read as ``cast`` values where given) into the
-    final buffers ``out`` (codes, mins, scales), slice by slice: per slice a few temporaries,
-    nothing of the whole size. ``keys``: the draw's hash keys, ``seeds.hash_keys(seed)``."""
+    final buffers ``out`` (codes, mins, scales), slice by slice (whole groups, a last partial
+    group at the end only): per slice a few temporaries, nothing of the whole size. ``keys``:
+    the draw's hash keys, ``seeds.hash_keys(seed)``."""
+    codes, mins, scales = out
     step = slice_len(group)
     for start in range(0, flat.numel(), step):
-        _pack_slice(flat[start : start + step], start, keys, bits, group, cast, out)
-
-
-def _pack_slice(
-    piece: torch.Tensor,
-    start: int,
-    keys: tuple[int, int],
-    bits: int,
-    group: int,
-    cast: torch.dtype | None,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> None:
-    """Pack the values of one slice from element ``start`` (whole groups, a last partial group
-    at the end only) into their places in the final buffers."""
-    codes, mins, scales = out
-    length = piece.numel()
-    first, last = start * bits // 8, code_bytes(start + length, bits)
-    # 8-bit codes are their bytes: written in place. Narrower: a byte per code, then packed.
-    code = codes[first:last] if bits == 8 else piece.new_empty(length, dtype=torch.uint8)
-    noise = keyed_bits(keys, start, length, piece.device)
-    for at, width, groups in _group_rows(start, length, group):
-        rows = piece[at].view(-1, width)
-        quantize(rows, noise[at], bits, (code[at], mins[groups], scales[groups]), cast)
-    if bits != 8:
-        pack_codes(code, bits, codes[first:last])
+        piece = flat[start : start + step]
+        length = piece.numel()
+        first, last = start * bits // 8, code_bytes(start + length, bits)
+        # 8-bit codes are their bytes: written in place. Narrower: a byte per code, then packed.
+        code = codes[first:last] if bits == 8 else piece.new_empty(length, dtype=torch.uint8)
+        noise = keyed_bits(keys, start, length, piece.device)
+        for at, width, groups in _group_rows(start, length, group):
+            rows = piece[at].view(-1, width)
+            quantize(rows, noise[at], bits, (code[at], mins[groups], scales[groups]), cast)
+        if bits != 8:
+            pack_codes(code, bits, codes[first:last])
 
 
 def _group_rows(start: int, length: int, group: int) -> list[tuple[slice, int, slice]]:

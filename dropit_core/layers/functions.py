@@ -259,48 +259,45 @@ def _zeros_like_shape(ref: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return ref.new_zeros(()).expand(shape)
 
 
-def _save_pack(
-    ctx,
-    used: torch.Tensor,
-    x: torch.Tensor,
-    dtype: torch.dtype | None,
-    weight: torch.Tensor,
-    cache: InputCache,
-    layout: str,
-) -> None:
-    """Keep for backward the weight (input gradient) and, when the weight trains, the pack of
-    the input the op computed with (``x`` cast to ``dtype``, autocast's; None: ``x`` as it is):
-    its tensor fields through ``save_for_backward`` (None included), its metadata on ``ctx``.
+def _forward_and_save(ctx, x, weight, bias, cache: InputCache, dtype, args: ConvArgs | None):
+    """The conv (``args`` given) or linear op of ``x`` (cast to ``dtype``, autocast's; None:
+    as it is), keeping for backward the weight (input gradient) and, when the weight trains, the
+    pack of the input the op computed with: its tensor fields through ``save_for_backward``
+    (None included), its metadata on ``ctx``.
 
-    ``used`` is what to pack: the cast, or ``x`` itself where the strategy packs ``x`` as the
-    cast's values directly (quant). The caller drops its own reference to the cast before this
-    call in that case (:func:`_packed_from`), so the cast lives as long as the op, as plain
-    autocast's copy does. The pack is keyed by ``x``: the layers fed ``x`` share it.
+    Where the strategy packs ``x`` as the cast's values directly (quant), ``x`` is packed and
+    the cast's last reference goes before the pack, so the cast lives as long as the op, as
+    plain autocast's copy does. The pack is keyed by ``x``: the layers fed ``x`` share it.
     """
+    used = x if dtype is None else x.to(dtype)
+    if args is None:
+        out = F.linear(used, weight, bias)
+    else:
+        out = torch.convolution(used, weight, bias, *args)
     ctx.cache, ctx.x_shape = cache, x.shape
     if not weight.requires_grad:
         ctx.meta = None
         ctx.save_for_backward(weight)
-        return
-    packed = cache.pack(used, layout, x, used.dtype if dtype is None else dtype)
+        return out
+    if used is not x and cache.reads_through_cast():
+        used = x
+    packed = cache.pack(used, "linear" if args is None else "conv", x, dtype or used.dtype)
     tag_pack(packed)  # before compress_saved's hooks, if any, see its tensors
     ctx.meta = packed.meta
     ctx.save_for_backward(weight, *packed[1:])
+    return out
 
 
-def _packed_from(used: torch.Tensor, x: torch.Tensor, cache: InputCache) -> torch.Tensor:
-    """What to pack after an op that computed with ``used`` (``x`` or its autocast cast): ``x``
-    where the strategy reads through the cast (the cast's last reference then goes)."""
-    return x if used is not x and cache.reads_through_cast() else used
-
-
-def _saved_pack(ctx) -> tuple[torch.Tensor, Packed | None]:
-    """(weight, the packed input or None) from what :func:`_save_pack` kept, for a
-    backward: one that would be differentiated again is refused, and the forward is over."""
+def _saved_input(ctx) -> tuple[torch.Tensor, Rebuilt | None]:
+    """(weight, the packed input to rebuild or None) from what :func:`_forward_and_save` kept,
+    for a backward: one that would be differentiated again is refused, and the forward is
+    over."""
     refuse_double_backward()
     ctx.cache.end_forward()
     weight, *tensors = ctx.saved_tensors
-    return weight, (Packed(ctx.meta, *tensors) if ctx.meta is not None else None)
+    if ctx.meta is None:
+        return weight, None
+    return weight, Rebuilt(ctx.x_shape, ctx.cache, Packed(ctx.meta, *tensors))
 
 
 # Inputs of at least this many bytes have their conv's weight and input gradients made in turn
@@ -334,16 +331,11 @@ class DropITConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache, dtype):
         ctx.args = args
-        used = x if dtype is None else x.to(dtype)
-        out = torch.convolution(used, weight, bias, *args)
-        used = _packed_from(used, x, cache)
-        _save_pack(ctx, used, x, dtype, weight, cache, "conv")
-        return out
+        return _forward_and_save(ctx, x, weight, bias, cache, dtype, args)
 
     @staticmethod
     def backward(ctx, grad):
-        weight, packed = _saved_pack(ctx)
-        rebuilt = None if packed is None else Rebuilt(ctx.x_shape, ctx.cache, packed)
+        weight, rebuilt = _saved_input(ctx)
         grads = conv_grads(grad, weight, ctx.x_shape, ctx.args, ctx.needs_input_grad, rebuilt)
         return grads + (None,) * 3
 
@@ -489,16 +481,11 @@ class DropITLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, cache: InputCache, dtype):
-        used = x if dtype is None else x.to(dtype)
-        out = F.linear(used, weight, bias)
-        used = _packed_from(used, x, cache)
-        _save_pack(ctx, used, x, dtype, weight, cache, "linear")
-        return out
+        return _forward_and_save(ctx, x, weight, bias, cache, dtype, None)
 
     @staticmethod
     def backward(ctx, grad):
-        weight, packed = _saved_pack(ctx)
-        rebuilt = None if packed is None else Rebuilt(ctx.x_shape, ctx.cache, packed)
+        weight, rebuilt = _saved_input(ctx)
         return linear_grads(grad, weight, ctx.x_shape, ctx.needs_input_grad, rebuilt) + (None,) * 2
 
 
@@ -550,7 +537,7 @@ def relu_and_mask(x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.T
     """(relu(x), the packed flags of ``relu(x) <= 0``): the masked ReLU's forward, eager and
     traced alike. The kernel takes a float tensor, contiguous when in place (it writes the
     output in x's memory order)."""
-    if dispatch.use_kernels(x) and x.is_floating_point() and (x.is_contiguous() or not inplace):
+    if dispatch.choose("relu_mask", x) == "triton" and (x.is_contiguous() or not inplace):
         return dispatch.kernels("relu").relu_mask(x, inplace)
     out = x.relu_() if inplace else torch.relu(x)
     return out, pack_blocked(out)
@@ -558,7 +545,7 @@ def relu_and_mask(x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.T
 
 def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """The masked ReLU's input gradient: ``grad`` with the flagged elements zeroed."""
-    if dispatch.use_kernels(grad):
+    if dispatch.choose("relu_grad", grad) == "triton":
         return dispatch.kernels("relu").relu_mask_grad(grad, bits)
     return zero_flagged_sliced(grad, bits)
 

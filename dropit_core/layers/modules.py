@@ -58,7 +58,7 @@ class DropITConv2d(nn.Conv2d):
             args = ConvArgs(
                 list(self.stride), list(padding), list(self.dilation), False, [0, 0], self.groups
             )
-            return _compiling_conv(x, weight, bias, args, cache)
+            return _compiling(x, weight, bias, cache, args)
         # The module's tuples as they are: aten takes them so (a list of each per call was
         # host time, on every layer of every step).
         args = ConvArgs(self.stride, padding, self.dilation, False, _NO_OUTPUT_PADDING, self.groups)
@@ -85,43 +85,32 @@ def _eager_conv(
     return DropITConvFunction.apply(x, w, b, args, cache, dtype)
 
 
-def _compiling_conv(
+def _compiling(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    args: ConvArgs,
     cache: InputCache,
+    args: ConvArgs | None,
 ) -> torch.Tensor:
-    """The DropIT convolution while compiling: the traced operators (strategies whose pack sizes
-    depend on the data: the autograd Function, behind a graph break)."""
-    if traced.traceable(cache):
-        w, b, dtype = autocast_inputs(x, weight, bias, None)
-        return traced.conv(x, w, b, args, cache, dtype)
-    return _conv_behind_break(x, weight, bias, args, cache)
-
-
-def _compiling_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: InputCache
-) -> torch.Tensor:
-    """The DropIT linear layer while compiling (as :func:`_compiling_conv`)."""
-    if traced.traceable(cache):
-        w, b, dtype = autocast_inputs(x, weight, bias, None)
+    """The DropIT convolution (``args`` given) or linear layer while compiling: the traced
+    operators (strategies whose pack sizes depend on the data: the autograd Function, behind a
+    graph break)."""
+    if not traced.traceable(cache):
+        return _behind_break(x, weight, bias, cache, args)
+    w, b, dtype = autocast_inputs(x, weight, bias, None)
+    if args is None:
         return traced.linear(x, w, b, cache, dtype)
-    return _linear_behind_break(x, weight, bias, cache)
+    return traced.conv(x, w, b, args, cache, dtype)
 
 
-# A graph break, stated in dropit_core.layers.library (decorated copies: the eager path pays no
+# A graph break, stated in dropit_core.layers.library (a decorated copy: the eager path pays no
 # wrapper).
 @torch.compiler.disable
-def _conv_behind_break(x, weight, bias, args: ConvArgs, cache: InputCache) -> torch.Tensor:
+def _behind_break(x, weight, bias, cache: InputCache, args: ConvArgs | None) -> torch.Tensor:
     w, b, dtype = autocast_inputs(x, weight, bias, cache)
+    if args is None:
+        return DropITLinearFunction.apply(x, w, b, cache, dtype)
     return DropITConvFunction.apply(x, w, b, args, cache, dtype)
-
-
-@torch.compiler.disable
-def _linear_behind_break(x, weight, bias, cache: InputCache) -> torch.Tensor:
-    w, b, dtype = autocast_inputs(x, weight, bias, cache)
-    return DropITLinearFunction.apply(x, w, b, cache, dtype)
 
 
 def _explicit_padding(x, padding: str, kernel_size, dilation) -> tuple[torch.Tensor, tuple]:
@@ -157,7 +146,7 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
             self.groups,
         )
         if torch.compiler.is_compiling():
-            return _compiling_conv(x, self.weight, self.bias, args, self.dropit_cache)
+            return _compiling(x, self.weight, self.bias, self.dropit_cache, args)
         return _eager_conv(x, self.weight, self.bias, args, self.dropit_cache)
 
 
@@ -170,7 +159,7 @@ class DropITLinear(nn.Linear):
         if not _training_step(self, x):
             return super().forward(x)
         if torch.compiler.is_compiling():
-            return _compiling_linear(x, self.weight, self.bias, self.dropit_cache)
+            return _compiling(x, self.weight, self.bias, self.dropit_cache, None)
         w, b, dtype = autocast_inputs(x, self.weight, self.bias, self.dropit_cache)
         return DropITLinearFunction.apply(x, w, b, self.dropit_cache, dtype)
 

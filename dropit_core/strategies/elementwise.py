@@ -18,10 +18,10 @@ the format is the same, and so is the rebuild:
 
 The rebuild finds where each slice's values start from the mask, on the device.
 
-Where :func:`dropit_core.backends.dispatch.use_kernels` says so (CUDA tensors, by default), a
-strategy that states its choice as a :class:`KeepRule` packs and rebuilds with the Triton kernels of
-:mod:`dropit_core.backends.triton.compact` instead: the fixed-capacity format, byte for byte, in a
-few launches for the whole tensor instead of a dozen per slice.
+Where :func:`dropit_core.backends.dispatch.choose` gives it the kernels (CUDA tensors, by
+default), a strategy that states its choice as a :class:`KeepRule` packs and rebuilds with the
+Triton kernels of :mod:`dropit_core.backends.triton.compact` instead: the fixed-capacity format,
+byte for byte, in a few launches for the whole tensor instead of a dozen per slice.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class Elementwise(Strategy):
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         flat = x.reshape(-1)
-        kernels = dispatch.use_kernels(flat)
+        kernels = dispatch.choose("compact", flat) == "triton"
         if kernels or fixed_capacity(flat.device):
             bits, values, state, dropped = self._pack_fixed(flat, key, kernels)
             slots = values.numel()
@@ -270,7 +270,7 @@ class Elementwise(Strategy):
         n = math.prod(shape)
         values = self._rebuilt_values(decoded(self.codec, packed, dtype, kept), packed)
         step = self.slice_len()
-        kernels = dispatch.use_kernels(values)
+        kernels = dispatch.choose("compact", values) == "triton"
         if self.stores_mask:
             bits = packed.bits
             if self.positions == "sparse_bits":

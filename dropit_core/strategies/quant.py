@@ -59,7 +59,10 @@ class Quant(Strategy):
         self._levels = (1 << bits) - 1
         self._inv_levels = inv_levels(bits)
         self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
-        self._kernels_take = quant_format.kernels_take(bits, group)  # asked per pack: answered once
+        # asked per pack and rebuild: answered once
+        self._fast = quant_format.fast_backends(bits, group)
+        # the signed flags' bytes must not straddle two programs' groups: whole flag bytes
+        self._signed_fast = ("triton",) if "triton" in self._fast and group % 8 == 0 else ()
 
     def draw_keys(self, key: int) -> tuple[int, int]:
         """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
@@ -98,7 +101,8 @@ class Quant(Strategy):
         drawn with ``key``, or with the hash keys held in ``keys`` (:meth:`pack_keyed`)."""
         seed = 0 if keys is not None else self._seed(key)
         cast = None if dtype == x.dtype else dtype
-        if self._kernels_take and dispatch.use_kernels(x):
+        way = dispatch.choose("quant_pack", x, self._fast)
+        if way == "triton":
             # The kernel reads memory flat: no reshape (each op here is host time on a GPU).
             codes, mins, scales = dispatch.kernels("quant").pack_contiguous(
                 x.contiguous(), self.bits, self.group, seed, cast, keys=keys
@@ -106,7 +110,7 @@ class Quant(Strategy):
         else:
             # keys read on the host: a sync only off the kernels (CUDA without triton)
             hashed = hash_keys(seed) if keys is None else tuple(keys.tolist()[:2])
-            codes, mins, scales = self._pack_eager(x.reshape(-1), hashed, cast)
+            codes, mins, scales = self._pack_on_host(x.reshape(-1), hashed, cast, way)
         return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
 
     def pack_keyed(self, x: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> Packed:
@@ -116,15 +120,14 @@ class Quant(Strategy):
         kernels read them there; the CPU's paths read them on the host."""
         return self._pack_as(x, 0, dtype, keys)
 
-    def _pack_eager(
-        self, flat: torch.Tensor, keys: tuple[int, int], cast: torch.dtype | None
+    def _pack_on_host(
+        self, flat: torch.Tensor, keys: tuple[int, int], cast: torch.dtype | None, way: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, mins, scales) drawn with the hash ``keys``, written into the final buffers: by
-        the C loops where they run (the CPU, fp32 read as itself or through a bf16/fp16 cast),
-        else by the reference."""
+        """(codes, mins, scales) drawn with the hash ``keys``, written into the final buffers by
+        the C loops (``way`` "native") or the eager reference."""
         n, group, bits = flat.numel(), self.group, self.bits
         out = quant_format.buffers(n, bits, group, flat.device)
-        if quant_format.whole_bytes(bits, group) and native.takes(flat):
+        if way == "native":
             native.quant_pack(flat, bits, group, keys, self._inv_levels, *out, cast)
         else:
             quant_format.pack_eager(flat, keys, bits, group, cast, out)
@@ -142,22 +145,25 @@ class Quant(Strategy):
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype = packed.meta
         n = math.prod(shape)
-        if self._kernels_take and dispatch.use_kernels(packed.values):
-            return dispatch.kernels("quant").rebuild_unchecked(
+        way = dispatch.choose("quant_rebuild", packed.values, self._fast)
+        if way == "triton":
+            return dispatch.kernels("quant").quant_rebuild(
                 packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
-                shape=shape,
+                shape=shape, check=False,
             )  # fmt: skip
-        return _rebuild_on_host(packed, n, self.bits, self.group, self.slice_len())
+        return _rebuild_on_host(packed, n, self.bits, self.group, self.slice_len(), way)
 
     def _describe_params(self) -> tuple[str, ...]:
         return (f"bits={self.bits}", f"group={self.group}")
 
 
-def _rebuild_on_host(packed: Packed, n: int, bits: int, group: int, step: int) -> torch.Tensor:
-    """The rebuilt input of a quant pack off the kernels: the C loops where they run (fp32
+def _rebuild_on_host(
+    packed: Packed, n: int, bits: int, group: int, step: int, way: str
+) -> torch.Tensor:
+    """The rebuilt input of a quant pack off the kernels: the C loops (``way`` "native": fp32
     whole, a narrower dtype a slice of ``step`` values at a time), else the eager reference."""
     shape, dtype = packed.meta
-    loops = quant_format.whole_bytes(bits, group) and native.ready(packed.values.device)
+    loops = way == "native"
     if loops and dtype == torch.float32:
         values = native.quant_rebuild(packed.values, packed.mins, packed.scales, n, bits, group)
         return values.view(shape)
@@ -186,7 +192,7 @@ def pack_signed(
     negative values), flags 1 bit each as ``pack_bits`` packs them: what
     ``dropit_core.saved.CompressSaved`` keeps. One launch on the kernel path (a group of whole
     flag bytes), else the pack and two flag passes."""
-    if _signed_kernels(quant, x):
+    if dispatch.choose("quant_signed", x, quant._signed_fast) == "triton":
         codes, mins, scales, zero, negative = dispatch.kernels("quant").pack_contiguous(
             x.contiguous(), quant.bits, quant.group, quant._seed(key), signs=True
         )
@@ -204,17 +210,12 @@ def unpack_signed(
     value is zero where the original was and nowhere else (one launch on the kernel path)."""
     shape, dtype = packed.meta
     n = math.prod(shape)
-    if _signed_kernels(quant, packed.values):
-        return dispatch.kernels("quant").rebuild_unchecked(
+    if dispatch.choose("quant_signed", packed.values, quant._signed_fast) == "triton":
+        return dispatch.kernels("quant").quant_rebuild(
             packed.values, packed.mins, packed.scales, n, quant.bits, quant.group, dtype,
-            signs=(zero, negative), shape=shape,
+            signs=(zero, negative), shape=shape, check=False,
         )  # fmt: skip
     values = quant._unpack(packed).reshape(-1)
     magnitude = values.abs().clamp_min_(tiny(values.dtype))
     signed = torch.where(unpack_bits(negative, n), -magnitude, magnitude)
     return signed.masked_fill_(unpack_bits(zero, n), 0.0).view(shape)
-
-
-def _signed_kernels(quant: Quant, t: torch.Tensor) -> bool:
-    # The flags' bytes must not straddle two programs' groups: groups of whole flag bytes.
-    return quant._kernels_take and dispatch.use_kernels(t) and quant.group % 8 == 0

@@ -222,7 +222,7 @@ def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLarg
     # Counters of int32: a slice holds far fewer than 2**31 elements.
     prefix = torch.zeros(1, dtype=torch.int32, device=dev)  # the high bits found so far
     remaining = torch.full((1,), k, dtype=torch.int32, device=dev)  # rank inside the bucket
-    kernels = dispatch.use_kernels(flat)
+    kernels = dispatch.choose("radix_select", flat) == "triton"
     for level, shift in enumerate(shifts):
         if kernels:  # one launch per pass (dropit_core.backends.triton.select): the same counters
             from dropit_core.backends.triton.select import abs_bits_histogram

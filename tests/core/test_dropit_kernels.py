@@ -20,6 +20,7 @@ from dropit_core import (
     build_strategy,
     configure,
     current_settings,
+    override_settings,
     reset_settings,
     set_step,
     to_dropit,
@@ -452,6 +453,42 @@ def test_eager_kernels_mean_eager_everywhere(monkeypatch) -> None:
         monkeypatch.delenv(dispatch.ENV)
         reset_settings()
     assert current_settings().loops
+
+
+def test_one_table_chooses_each_ops_backend_by_device_dtype_setting_and_settings() -> None:
+    """dispatch.TABLE and choose: what runs each op, from (op, tensor, the op's setting, the
+    settings); every strategy and layer asks it, none decides alone."""
+    from dropit_core.formats.quant import fast_backends
+
+    assert fast_backends(4, 256) == ("triton", "native")
+    assert fast_backends(4, 16384) == ("native",)  # beyond a program's registers
+    assert fast_backends(4, 7) == ()  # codes straddle bytes: eager only
+    x, half, ints = torch.randn(64), torch.randn(64).half(), torch.arange(64)
+    gpu = torch.device("cuda")
+    cuda = SimpleNamespace(is_cuda=True, device=gpu, is_floating_point=lambda: True)
+    cuda_ints = SimpleNamespace(is_cuda=True, device=gpu, is_floating_point=lambda: False)
+    loops = "native" if native.library() is not None else "eager"
+    with override_settings(kernels="auto", native=True):
+        for op, ways in dispatch.TABLE.items():
+            want = loops if "native" in ways else "eager"
+            assert dispatch.choose(op, x) == want, op
+            assert dispatch.choose(op, x, ()) == "eager", op  # the setting allows none
+            assert dispatch.choose(op, cuda) == "triton", op
+        assert dispatch.choose("quant_pack", half) == "eager"  # the loops read fp32
+        assert dispatch.choose("quant_pack", x.view(8, 8).t()) == "eager"  # and contiguous
+        assert dispatch.choose("quant_rebuild", x, ("native",)) == loops
+        assert dispatch.choose("quant_pack", cuda, ("native",)) == "eager"
+        assert dispatch.choose("relu_mask", cuda_ints) == "eager"
+        assert dispatch.pack_backend("cpu") == loops
+    with override_settings(kernels="auto", native=False):
+        assert dispatch.choose("quant_pack", x) == "eager"
+    with override_settings(kernels="triton"):
+        assert dispatch.choose("quant_pack", x) == "triton"  # forced: CPU tensors too
+        assert dispatch.choose("quant_pack", x, ("native",)) == "eager"
+        assert dispatch.choose("relu_mask", ints) == "eager"  # the kernel takes floats
+        assert dispatch.pack_backend("cpu") == "triton"
+    with override_settings(kernels="eager"):
+        assert {dispatch.choose(op, t) for op in dispatch.TABLE for t in (x, cuda)} == {"eager"}
 
 
 def test_only_the_triton_backend_imports_triton() -> None:

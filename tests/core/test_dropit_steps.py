@@ -240,7 +240,7 @@ def test_a_caches_keys_are_mix_seed_of_rank_stream_step_and_position() -> None:
     assert copy.next_key() == cache.next_key() == mix_seed(2, 7, 11, 3)
     quant = build_strategy("quant", 0.8, seed=99)
     x = torch.randn(1000)
-    codes, mins, scales = quant._pack_eager(x, hash_keys(mix_seed(99, 5)), None)
+    codes, mins, scales = quant._pack_on_host(x, hash_keys(mix_seed(99, 5)), None, "eager")
     packed = quant.pack(x, "linear", 5)
     assert torch.equal(packed.values, codes) and torch.equal(packed.mins, mins)
     assert torch.equal(packed.scales, scales)

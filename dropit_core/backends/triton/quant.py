@@ -113,7 +113,8 @@ def quant_pack(
     value rounded in registers), so that autocast's copy of a layer input need not outlive the
     layer for its pack.
     """
-    return _launch_pack(flat, bits, group, seed, block, cast, signs=False)[:3]
+    _check_pack(flat, bits, group, cast)
+    return pack_contiguous(flat.contiguous(), bits, group, seed, cast, False, block)[:3]
 
 
 def quant_pack_signed(
@@ -125,18 +126,11 @@ def quant_pack_signed(
     tensor has exactly the zeros and signs of the original."""
     if group % 8:
         raise ValueError(f"quant_pack_signed: group {group} is not whole bytes of flags")
-    return _launch_pack(flat, bits, group, seed, block, None, signs=True)
+    _check_pack(flat, bits, group, None)
+    return pack_contiguous(flat.contiguous(), bits, group, seed, None, True, block)
 
 
-def _launch_pack(
-    flat: torch.Tensor,
-    bits: int,
-    group: int,
-    seed: int,
-    block: int,
-    cast: torch.dtype | None,
-    signs: bool,
-) -> tuple[torch.Tensor, ...]:
+def _check_pack(flat: torch.Tensor, bits: int, group: int, cast: torch.dtype | None) -> None:
     if flat.dim() != 1 or flat.dtype not in FLOATS or cast not in (None, *FLOATS):
         raise ValueError(
             "quant_pack takes a flat fp16/bf16/fp32 tensor (and a float cast), got "
@@ -144,7 +138,6 @@ def _launch_pack(
         )
     if group % (8 // bits):
         raise ValueError(f"quant_pack: group {group} is not whole bytes of {bits}-bit codes")
-    return pack_contiguous(flat.contiguous(), bits, group, seed, cast, signs, block)
 
 
 def pack_contiguous(
@@ -273,41 +266,21 @@ def quant_rebuild(
     dtype: torch.dtype,
     block: int = REBUILD_BLOCK,
     signs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shape: tuple[int, ...] | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
-    """The flat ``dtype`` tensor of n values a quant pack rebuilds to, one launch.
+    """The ``dtype`` tensor of n values (flat, or of ``shape``) a quant pack rebuilds to, one
+    launch.
 
     Bytes per element: reads ``bits / 8`` of codes and ``8 / group`` of minima and steps,
     writes the output once (2 or 4). ``signs``: the (zero, negative) flag bytes of
     :func:`quant_pack_signed`, restored in the same launch: flagged zeros are +0.0, every other
     value has at least the magnitude of ``dtype``'s smallest normal and the flagged sign
-    (reference: ``Quant.unpack_signed``' eager path).
+    (reference: ``Quant.unpack_signed``' eager path). ``check=False``: no argument checks, for a
+    pack :func:`pack_contiguous` made (``Quant``'s rebuild of every layer: host time).
     """
-    if codes.dtype != torch.uint8 or mins.dtype != torch.float32 or dtype not in FLOATS:
-        raise ValueError("quant_rebuild takes uint8 codes, fp32 minima and steps, a float dtype")
-    if codes.numel() != (n * bits + 7) // 8 or mins.numel() != -(-n // group):
-        raise ValueError(f"quant_rebuild: the pack does not hold {n} values of group {group}")
-    if signs is not None and any(
-        f.dtype != torch.uint8 or f.numel() != (n + 7) // 8 for f in signs
-    ):
-        raise ValueError(f"quant_rebuild: signs must be two uint8 tensors of {n} flags")
-    return rebuild_unchecked(codes, mins, scales, n, bits, group, dtype, block, signs)
-
-
-def rebuild_unchecked(
-    codes: torch.Tensor,
-    mins: torch.Tensor,
-    scales: torch.Tensor,
-    n: int,
-    bits: int,
-    group: int,
-    dtype: torch.dtype,
-    block: int = REBUILD_BLOCK,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
-    shape: tuple[int, ...] | None = None,
-) -> torch.Tensor:
-    """:func:`quant_rebuild` without its argument checks, for a pack that
-    :func:`pack_contiguous` made (``Quant``'s rebuild of every layer: host time); ``shape``
-    (of n values): the output's, allocated so (no view after)."""
+    if check:
+        _check_rebuild(codes, mins, n, bits, group, dtype, signs)
     sizes = (n,) if shape is None else shape
     if sizes:  # as separate ints: torch.empty parses them faster than a tuple of them (timeit)
         out = torch.empty(*sizes, dtype=dtype, device=codes.device)
@@ -323,6 +296,17 @@ def rebuild_unchecked(
         else out, n, groups, **constants,
     )  # fmt: skip
     return out
+
+
+def _check_rebuild(codes, mins, n, bits, group, dtype, signs) -> None:
+    if codes.dtype != torch.uint8 or mins.dtype != torch.float32 or dtype not in FLOATS:
+        raise ValueError("quant_rebuild takes uint8 codes, fp32 minima and steps, a float dtype")
+    if codes.numel() != (n * bits + 7) // 8 or mins.numel() != -(-n // group):
+        raise ValueError(f"quant_rebuild: the pack does not hold {n} values of group {group}")
+    if signs is not None and any(
+        f.dtype != torch.uint8 or f.numel() != (n + 7) // 8 for f in signs
+    ):
+        raise ValueError(f"quant_rebuild: signs must be two uint8 tensors of {n} flags")
 
 
 @cache
