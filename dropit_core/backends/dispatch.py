@@ -55,21 +55,19 @@ def choose(op: str, t: torch.Tensor, allowed: tuple[str, ...] = FAST) -> str:
     """``"triton"``, ``"native"`` or ``"eager"``: what runs ``op`` on ``t``, among the backends
     ``allowed`` by the op's setting, by :data:`TABLE` and the settings."""
     mode = settings.current()
-    if mode.kernels == "eager":
+    kernels = mode.kernels
+    if kernels == "eager":
         return "eager"
     ways = TABLE[op]
-    if "triton" in allowed and "triton" in ways and (mode.kernels == "triton" or t.is_cuda):
-        if _kernels_import(mode.kernels) and ways["triton"](t):
-            return "triton"
-    elif (
-        "native" in allowed
-        and "native" in ways
-        and mode.loops
-        and t.device.type == "cpu"
-        and ways["native"](t)
-        and native.library() is not None
-    ):
-        return "native"
+    if kernels == "triton" or t.is_cuda:  # the kernels or eager, never the C loops
+        take = ways.get("triton")
+        if take is not None and "triton" in allowed and _kernels_import(kernels):
+            if take is _any or take(t):
+                return "triton"
+    elif mode.native and t.device.type == "cpu":
+        take = ways.get("native")
+        if take is not None and "native" in allowed and take(t) and native.library() is not None:
+            return "native"
     return "eager"
 
 
@@ -92,11 +90,6 @@ def pack_backend(device: torch.device | str) -> str:
     """Which path packs and rebuilds a 4-bit layer's tensors on ``device``: ``"triton"``,
     ``"native"`` or ``"eager"`` (torch ops, several launches each); what a run says once."""
     return choose("quant_rebuild", torch.empty(0, device=torch.device(device)))
-
-
-def kernel_mode() -> str:
-    """The kernels setting in force (``settings.current().kernels``)."""
-    return settings.current().kernels
 
 
 def set_kernels(mode: str | None) -> None:
