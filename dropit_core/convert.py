@@ -15,9 +15,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from dropit_core.layers.functions import (
-    InputCache,
-)
+from dropit_core.layers.functions import InputCache
 from dropit_core.layers.modules import DropITConv2d, DropITConvTranspose2d, DropITLinear, DropITReLU
 from dropit_core.layers.norm import NORM_CLASSES
 from dropit_core.layers.pooling import DropITMaxPool2d
@@ -36,7 +34,6 @@ _DROPIT_CLASS: dict[type, type] = {
     nn.MaxPool2d: DropITMaxPool2d,
 }
 _PLAIN_CLASS = {v: k for k, v in _DROPIT_CLASS.items()}
-_DROPIT_NORMS = frozenset(NORM_CLASSES.values())
 _NORM_KINDS = frozenset(plain.__name__ for plain in NORM_CLASSES)  # as ConvertedLayer.kind
 # Layers that keep what their backward reads without a strategy's pack: how the record names it.
 _UNCACHED = {nn.ReLU: "relu-mask", nn.MaxPool2d: "pool-winner-byte"}
@@ -71,9 +68,8 @@ class AppliedSetting:
 
 
 class DropITRecord(list):
-    """What ``to_dropit`` converted: a list of :class:`ConvertedLayer` in model order,
-    plus ``settings`` (which strategy and gamma each rule applied, and to how many layers) and
-    ``skipped`` (layers left plain because they run inside a checkpointed module)."""
+    """What ``to_dropit`` converted: a list of :class:`ConvertedLayer` in model order, plus
+    ``settings`` (one per rule) and ``skipped`` (layers left plain inside checkpointed modules)."""
 
     def __init__(
         self,
@@ -121,30 +117,22 @@ def to_dropit(
     strict: bool = True,
     **options: Any,
 ) -> M:
-    """Convert matching conv/linear layers (and ReLUs, when ``relu``; BatchNorm2d, SyncBatchNorm
-    and GroupNorm, when ``norm``; MaxPool2d, when ``pool``) to DropIT, in place.
+    """Convert matching conv/linear layers to DropIT, in place; with ``relu`` also ReLUs (a 1-bit
+    mask, exact), with ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm (the input packed by a
+    strategy that keeps every element, the input gradient then approximate:
+    :mod:`dropit_core.layers.norm`), with ``pool`` MaxPool2d (one byte per output, exact).
 
-    ``relu``: a ReLU keeps a 1-bit mask of its output (exact). ``norm``: a trainable norm keeps
-    its input packed by the strategy, which must keep every element (``quant``); the input
-    gradient is then approximate (:mod:`dropit_core.layers.norm`). ``pool``: a max-pool keeps one
-    byte per output instead of its input and int64 indices (exact).
+    ``include``/``exclude`` are fnmatch patterns on ``named_modules()`` paths; a pattern also
+    covers the modules below the one it names. ``options`` go to the strategy (e.g.
+    ``values="int8"``), checked against ``dropit_core.REGISTRY``. ``rules``: per-group settings,
+    e.g. ``[{"include": ["backbone"], "gamma": 0.8}, {"include": ["roi_heads"], "strategy":
+    "quant", "options": {"bits": 4}}]`` (:mod:`dropit_core.rules`), each packing through its own
+    cache. Layers inside a checkpointed module (:data:`CHECKPOINTED_ATTRIBUTE`) stay plain, listed
+    as ``skipped``. A pattern that matches no module is an error, unless ``strict=False`` (e.g.
+    ``exclude=PAPER_EXCLUDE`` on a Faster R-CNN, which has no mask branch).
 
-    ``include``/``exclude`` are fnmatch patterns on module paths as ``named_modules()`` gives them;
-    a pattern also covers the modules below the one it names. ``options`` go to the strategy
-    (e.g. ``chunk=16384``, ``values="int8"``), checked against its declaration in
-    ``dropit_core.REGISTRY``. ``rules``: per-group settings, e.g. ``[{"include": ["backbone"],
-    "gamma": 0.8}, {"include": ["roi_heads"], "strategy": "quant", "options": {"bits": 4}}]``;
-    a rule's missing keys fall back to the arguments above and ``exclude`` applies to every rule
-    (see :mod:`dropit_core.rules`). Each rule packs through its own cache. Layers inside a module
-    whose class sets ``dropit_checkpointed = True`` (activation checkpointing) stay plain: the
-    record lists them as ``skipped``. A pattern that matches no module is an error, unless
-    ``strict=False`` (e.g. ``exclude=PAPER_EXCLUDE`` on a Faster R-CNN, which has no mask
-    branch).
-
-    Returns ``model`` itself, as torch's converters (``convert_sync_batchnorm``) do. What was
-    converted is :func:`dropit_record` ``(model)``:
-    a :class:`DropITRecord`, a list of :class:`ConvertedLayer` that also says which settings were
-    applied (``record.settings``, ``record.summary()``).
+    Returns ``model`` itself, as torch's converters do; :func:`dropit_record` ``(model)`` says
+    what was converted and with which settings.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"to_dropit takes an nn.Module, got {type(model).__name__}")
@@ -163,11 +151,9 @@ def to_dropit(
     chosen = assign_layers(named, checked, tuple(exclude), _DROPIT_CLASS, strict)
     # Under checkpointing a layer's forward runs twice and its saved tensors are dropped anyway:
     # leave the layers of checkpointed modules plain (the patterns were checked above).
-    regions = [p for p, m in [("", model), *named] if _checkpointed(m)]
+    regions = [p for p, m in [("", model), *named] if is_checkpointed(m)]
     skipped = [path for path, _, _ in chosen if any(_inside(path, r) for r in regions)]
-    if skipped:
-        left_plain = frozenset(skipped)
-        chosen = [item for item in chosen if item[0] not in left_plain]
+    chosen = [item for item in chosen if item[0] not in skipped]
     caches = {id(rule): InputCache(rule.strategy, stream=rule.index or 0) for rule in checked}
     layers: list[ConvertedLayer] = []
     for path, module, rule in chosen:  # convert only once everything is validated
@@ -177,7 +163,7 @@ def to_dropit(
             module.dropit_cache = caches[id(rule)]
         label = _UNCACHED.get(plain) or rule.strategy.describe()
         layers.append(ConvertedLayer(path, plain.__name__, label, rule.index or 0))
-    record = DropITRecord(layers, [_applied(rule, chosen) for rule in checked], skipped)
+    record = DropITRecord(layers, [_applied(rule, layers) for rule in checked], skipped)
     # A plain attribute (not a buffer): outside state_dict, copied by deepcopy and pickle.
     model.__dict__[_RECORD_ATTRIBUTE] = record
     return model
@@ -202,17 +188,25 @@ def dropit_record(model: nn.Module) -> DropITRecord:
     live = [layer for layer in record if type(modules.get(layer.path)) in _PLAIN_CLASS]
     if len(live) == len(record):
         return record
-    return DropITRecord(live, [_recount(s, live) for s in record.settings], record.skipped)
+    settings = [replace(s, **_counts(s.rule, live)) for s in record.settings]
+    return DropITRecord(live, settings, record.skipped)
 
 
-def _recount(setting: AppliedSetting, layers: Sequence[ConvertedLayer]) -> AppliedSetting:
-    """``setting`` with its counts taken from ``layers`` (those its rule converted)."""
-    kinds = [layer.kind for layer in layers if layer.rule == (setting.rule or 0)]
+def _counts(rule: int | None, layers: Sequence[ConvertedLayer]) -> dict[str, int]:
+    """AppliedSetting's counts of the ``layers`` rule ``rule`` converted."""
+    kinds = [layer.kind for layer in layers if layer.rule == (rule or 0)]
     relus = kinds.count(nn.ReLU.__name__)
     pools = kinds.count(nn.MaxPool2d.__name__)
     norms = sum(kind in _NORM_KINDS for kind in kinds)
-    return replace(
-        setting, layers=len(kinds) - relus - pools - norms, relus=relus, norms=norms, pools=pools
+    return dict(layers=len(kinds) - relus - pools - norms, relus=relus, norms=norms, pools=pools)
+
+
+def _applied(rule: Rule, layers: Sequence[ConvertedLayer]) -> AppliedSetting:
+    name, description = rule.strategy.name, rule.strategy.describe()
+    options = dict(rule.options)
+    counts = _counts(rule.index, layers)
+    return AppliedSetting(
+        rule.index, name, rule.gamma, options, description, rule.include, rule.exclude, **counts
     )
 
 
@@ -221,7 +215,8 @@ def _recount(setting: AppliedSetting, layers: Sequence[ConvertedLayer]) -> Appli
 CHECKPOINTED_ATTRIBUTE = "dropit_checkpointed"
 
 
-def _checkpointed(module: nn.Module) -> bool:
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module`` is a unit made by :func:`~dropit_core.recompute.checkpoint_modules`."""
     return getattr(type(module), CHECKPOINTED_ATTRIBUTE, False) is True
 
 
@@ -229,55 +224,27 @@ def _inside(path: str, region: str) -> bool:
     return region == "" or path == region or path.startswith(region + ".")
 
 
-def _applied(rule: Rule, chosen: list[tuple[str, nn.Module, Rule]]) -> AppliedSetting:
-    kinds = [type(m) for _, m, r in chosen if r is rule]
-    relus = sum(k is DropITReLU for k in kinds)
-    norms = sum(k in _DROPIT_NORMS for k in kinds)
-    pools = sum(k is DropITMaxPool2d for k in kinds)
-    return AppliedSetting(
-        rule.index,
-        rule.strategy.name,
-        rule.gamma,
-        dict(rule.options),
-        rule.strategy.describe(),
-        rule.include,
-        rule.exclude,
-        len(kinds) - relus - norms - pools,
-        relus,
-        norms,
-        pools,
-    )
-
-
 def from_dropit(model: M) -> M:
-    """Turn every DropIT layer of ``model`` back into its plain class, in place; its record
-    (:func:`dropit_record`) goes too. Given a part of the module ``to_dropit`` converted, it
-    turns that part back, and the whole's record no longer counts the part's layers."""
+    """Turn every DropIT layer of ``model`` (the whole ``to_dropit`` converted, or a part of it)
+    back into its plain class, in place, and drop its record (:func:`dropit_record`)."""
     for module in model.modules():
         module.__dict__.pop(_RECORD_ATTRIBUTE, None)  # to_dropit may have converted a submodule
         plain = _PLAIN_CLASS.get(type(module))
-        if plain is None:
-            continue
-        module.__class__ = plain
-        module.__dict__.pop("dropit_cache", None)
+        if plain is not None:
+            module.__class__ = plain
+            module.__dict__.pop("dropit_cache", None)
     return model
 
 
 def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
-    """Seed the random draws of ``model``'s DropIT layers (and of :func:`compress_saved`'s
-    block, where it is attached) for training step ``step``.
-
-    Call it before each training forward (with the iteration a resumed run also counts): every
-    pack that draws is then seeded from the strategy's ``seed``, the step, ``rank`` and the pack's
-    place in the forward, so a resumed run draws exactly what the uninterrupted one did. Under
-    DDP pass the process rank, so that ranks draw independently. Strategies that draw nothing
-    ignore it; a model without DropIT layers is left as it is.
-    """
+    """Seed the random draws of ``model``'s DropIT layers (and its :func:`compress_saved` block)
+    for training step ``step``; call it before each training forward. Every pack that draws is
+    then seeded from the strategy's ``seed``, the step, ``rank`` (under DDP the process rank) and
+    the pack's place in the forward: a resumed run draws what the uninterrupted one did."""
     for name, value in (("step", step), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"DropIT set_step {name}={value!r} is invalid: allowed integers >= 0")
-    caches = [getattr(m, "dropit_cache", None) for m in model.modules()]
-    for cache in {id(c): c for c in caches if c is not None}.values():
+    for cache in _caches(model):
         cache.set_step(step, rank)
     for module in model.modules():
         saved = saved_compression(module)
@@ -286,18 +253,18 @@ def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
 
 
 def dropped_values(model: nn.Module) -> int:
-    """How many values the DropIT layers of ``model`` chose to keep but could not store.
-
-    Element-wise packs on a GPU hold a capacity sized from the input's shape, so that no host
-    waits for the device; one that chose more (an estimate far off, see
-    :mod:`dropit_core.strategies.elementwise`) stores the first ones and counts the rest, which
-    rebuild as zeros. Counted on the device since conversion; this reads it (one host sync: call it
-    where a step syncs anyway, e.g. when logging). Always 0 on the CPU, where packs fit their count.
-    """
-    caches = [getattr(m, "dropit_cache", None) for m in model.modules()]
-    unique = {id(c): c for c in caches if c is not None}
-    counts = [c.dropped for c in unique.values() if c.dropped is not None]
+    """How many values the DropIT layers of ``model`` chose to keep but could not store (they
+    rebuild as zeros): element-wise packs on a GPU hold a capacity sized from the input's shape
+    (:mod:`dropit_core.strategies.elementwise`). Counted on the device since conversion; reading
+    it is one host sync. Always 0 on the CPU."""
+    counts = [c.dropped for c in _caches(model) if c.dropped is not None]
     return int(sum(counts)) if counts else 0
+
+
+def _caches(model: nn.Module) -> list[InputCache]:
+    """The input caches of ``model``'s DropIT layers, each once."""
+    caches = [getattr(m, "dropit_cache", None) for m in model.modules()]
+    return list({id(c): c for c in caches if c is not None}.values())
 
 
 def is_dropit(module: nn.Module) -> bool:

@@ -2,21 +2,15 @@
 
 ``measure_step`` measures one training step: what autograd keeps, the memory live after the
 forward and the peak over the whole step, each above what the process held when it began
-(:class:`StepMemory` names which figure is which).
-
-``saved_activations`` counts unique storages handed to autograd during one forward (through
-``saved_tensors_hooks``, which also sees what custom Functions keep with ``save_for_backward``;
-DropIT keeps nothing as plain ``ctx`` attributes but Python metadata). Parameters are excluded:
-they are alive whatever the method. Each storage is charged to the innermost module running when
-it was first saved, so the breakdown says which layer kind holds the memory. A model with
-:func:`~dropit_core.saved.compress_saved` attached is counted at what its block keeps (its hooks
-run instead of these): a packed tensor is charged its pack's bytes.
+(:class:`StepMemory`). ``saved_activations`` counts the unique storages handed to autograd
+during one forward (``saved_tensors_hooks`` also see what custom Functions save), parameters
+excluded, each charged to the innermost module running when it was first saved. A model with
+:func:`~dropit_core.saved.compress_saved` attached is charged what its block keeps.
 """
 
 from __future__ import annotations
 
 import gc
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,17 +60,13 @@ def _kind(module: nn.Module) -> str:
 
 
 def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any, SavedReport]:
-    """Run ``forward()`` and count what autograd keeps for its backward; returns (result, report).
-
-    The graph stays alive in the result, so the caller can still call ``backward``.
-    """
+    """Run ``forward()`` and count what autograd keeps for its backward; returns (result, report)
+    with the graph alive in the result, for the caller's ``backward``."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     names = {m: n for n, m in model.named_modules()}
     stack: list[nn.Module] = []
     seen: set[int] = set()
     report = SavedReport()
-    by_type: dict[str, int] = defaultdict(int)
-    by_module: dict[str, int] = defaultdict(int)
 
     def charge(t: torch.Tensor, kept: int | None) -> None:
         """Count ``t`` at ``kept`` bytes (a compressed copy) or, once, at its storage's."""
@@ -90,8 +80,9 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
         else:  # packed once by its block; its storage may be freed and the address reused
             nbytes = kept
         owner = stack[-1] if stack else model
-        by_type[_kind(owner)] += nbytes
-        by_module[names.get(owner, "?")] += nbytes
+        kind, name = _kind(owner), names.get(owner, "?")
+        report.by_type[kind] = report.by_type.get(kind, 0) + nbytes
+        report.by_module[name] = report.by_module.get(name, 0) + nbytes
         report.total_bytes += nbytes
         if isinstance(owner, _NORMS):
             report.norm_bytes += nbytes
@@ -126,16 +117,15 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
             h.remove()
         for block in blocks:
             block.observer = None
-    report.by_type = dict(by_type)
-    report.by_module = dict(by_module)
     return result, report
 
 
-def _proc_status_kb(key: str) -> int | None:
+def _proc_status_mb(key: str) -> float | None:
+    """Field ``key`` of /proc/self/status (Linux; in kB there), in MB."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(key + ":"):
-                return int(line.split()[1])
+                return int(line.split()[1]) / 1024.0
     except OSError:
         return None
     return None
@@ -143,14 +133,12 @@ def _proc_status_kb(key: str) -> int | None:
 
 def rss_mb() -> float | None:
     """Resident memory of this process now (Linux), in MB."""
-    kb = _proc_status_kb("VmRSS")
-    return None if kb is None else kb / 1024.0
+    return _proc_status_mb("VmRSS")
 
 
 def peak_rss_mb() -> float | None:
     """Peak resident memory since start or the last :func:`reset_peak_rss` (Linux), in MB."""
-    kb = _proc_status_kb("VmHWM")
-    return None if kb is None else kb / 1024.0
+    return _proc_status_mb("VmHWM")
 
 
 def reset_peak_rss() -> bool:
@@ -163,11 +151,8 @@ def reset_peak_rss() -> bool:
 
 
 def _cuda_device(device: torch.device | str) -> torch.device | None:
-    """The CUDA device to query, or None when ``device`` is not a CUDA device or CUDA is absent.
-
-    ``torch.cuda`` statistics raise for a CPU device, so a CPU run on a GPU node must not reach
-    them.
-    """
+    """The CUDA device to query, or None for another device or without CUDA (``torch.cuda``
+    statistics raise for a CPU device, which a CPU run on a GPU node must not reach)."""
     device = torch.device(device)
     return device if device.type == "cuda" and torch.cuda.is_available() else None
 
@@ -199,11 +184,8 @@ def allocated_mb(device: torch.device | str) -> float | None:
 
 
 class PeakMeter:
-    """Memory of one process above a starting point: RSS on the CPU, allocator counters on CUDA.
-
-    What else the process holds at :meth:`begin` (other models, earlier measurements) does not
-    count in :meth:`now` and :meth:`peak`.
-    """
+    """Memory of one process above what it held at :meth:`begin`: RSS on the CPU, allocator
+    counters on CUDA."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -238,13 +220,9 @@ class PeakMeter:
 
 @dataclass(frozen=True)
 class StepMemory:
-    """The memory of one training step (forward and backward) on one device, in MB.
-
-    ``held_at_start_mb`` is what the process held when the step began (weights, optimizer state,
-    other models; the model's gradients already freed). Every other figure is the step's own,
-    taken above that start, except ``step_peak_total_mb``, which is what the device's peak
-    counter reads (``torch.cuda.max_memory_allocated`` on CUDA, ``VmHWM`` on the CPU).
-    """
+    """The memory of one training step (forward and backward) on one device, in MB, above what
+    the process held when it began (``held_at_start_mb``: weights, optimizer state, other
+    models), except ``step_peak_total_mb``, what the device's peak counter reads."""
 
     source: str  # "cuda": the caching allocator's counters; "rss": this process's resident memory
     held_at_start_mb: float | None
@@ -291,13 +269,9 @@ class StepMemory:
 def measure_step(
     model: nn.Module, forwards: Sequence[Callable[[], torch.Tensor]], device: torch.device | str
 ) -> StepMemory:
-    """Measure the memory of one training step of ``model`` on ``device``.
-
-    Each of ``forwards`` (one per micro-batch) runs a forward and returns its scalar loss,
-    weighted as the step weighs it; its backward runs before the next forward. The gradients are
-    set to None before the step, as a training step that zeroes them begins, and after it, so
-    that the measurement leaves none behind. What autograd keeps is counted in the first forward.
-    """
+    """Measure the memory of one training step of ``model`` on ``device``: each of ``forwards``
+    (one per micro-batch) returns its scalar loss, whose backward runs before the next forward;
+    gradients are set to None before and after. What autograd keeps is counted in the first."""
     if not forwards:
         raise ValueError("measure_step needs at least one forward")
     model.zero_grad(set_to_none=True)

@@ -1,10 +1,9 @@
 """Activation checkpointing of any ``nn.Module``'s submodules, chosen by module-path patterns.
 
-A chosen module keeps its parameters, buffers, hooks and ``state_dict()``: only its class is
-swapped for a generated subclass whose forward runs under ``torch.utils.checkpoint``
-(non-reentrant). Autograd then keeps the module's inputs instead of what is computed inside it,
-and the backward recomputes the inside, bit for bit: the RNG state is replayed, and BatchNorm
-running statistics are updated by the forward only.
+A chosen module's class is swapped for a generated subclass whose forward runs under
+``torch.utils.checkpoint`` (non-reentrant; parameters, hooks and ``state_dict()`` unchanged):
+autograd keeps the module's inputs, and the backward recomputes the inside bit for bit (the RNG
+state replayed, BatchNorm running statistics updated by the forward only).
 """
 
 from __future__ import annotations
@@ -20,20 +19,16 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from dropit_core.convert import CHECKPOINTED_ATTRIBUTE, is_dropit
+from dropit_core.convert import CHECKPOINTED_ATTRIBUTE, is_checkpointed, is_dropit
 from dropit_core.rules import check_matches, matches
 
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 class _ScratchRunningStats:
-    """Context in which each training BatchNorm of a unit updates throwaway running statistics.
-
-    The recompute must run the forward's very ops: checkpoint checks that it saves the same
-    tensors, and track_running_stats=False would save fewer (no running stats for backward). So
-    the BatchNorms update copies; the forward already did the real update. Reusable, because a
-    backward with retain_graph=True and a second backward recompute the unit twice.
-    """
+    """Context in which each training BatchNorm of a unit updates throwaway running statistics:
+    the recompute must run the forward's very ops (track_running_stats=False would save fewer
+    tensors), but the forward did the update. Reusable: a unit may be recomputed twice."""
 
     def __init__(self, unit: nn.Module) -> None:
         self.unit = unit
@@ -52,10 +47,6 @@ class _ScratchRunningStats:
         for bn, name, stat in self.swapped:
             bn._buffers[name] = stat
         self.swapped.clear()
-
-
-def _contexts(unit: nn.Module) -> tuple[contextlib.nullcontext, _ScratchRunningStats]:
-    return contextlib.nullcontext(), _ScratchRunningStats(unit)
 
 
 def _new_checkpointed(plain: type[nn.Module]) -> nn.Module:
@@ -84,7 +75,7 @@ def _checkpointed_class(plain: type[nn.Module]) -> type[nn.Module]:
             *leaves,
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=functools.partial(_contexts, self),
+            context_fn=lambda: (contextlib.nullcontext(), _ScratchRunningStats(self)),
         )
 
     def __reduce_ex__(self: nn.Module, protocol: int) -> tuple:
@@ -101,11 +92,6 @@ def _checkpointed_class(plain: type[nn.Module]) -> type[nn.Module]:
     return type(f"Checkpointed{plain.__name__}", (plain,), namespace)
 
 
-def is_checkpointed(module: nn.Module) -> bool:
-    """Whether ``module`` is a unit made by :func:`checkpoint_modules`."""
-    return getattr(type(module), CHECKPOINTED_ATTRIBUTE, False) is True
-
-
 def _check_patterns(patterns: Sequence[str], paths: list[str]) -> None:
     if isinstance(patterns, str):
         raise ValueError(f"checkpoint patterns must be a list, got the string {patterns!r}")
@@ -116,13 +102,9 @@ def _check_patterns(patterns: Sequence[str], paths: list[str]) -> None:
 
 
 def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """Checkpoint, in place, each outermost module whose path matches one of ``patterns``.
-
-    Patterns are fnmatch patterns on ``named_modules()`` paths, and cover the modules below the
-    one they name, as in ``to_dropit``; a module inside a chosen one is not a unit of its own.
-    Each unit recomputes its forward in the backward, in training with grad enabled only.
-    Returns the units' paths. Apply before ``to_dropit``, which leaves layers inside units plain.
-    """
+    """Checkpoint, in place, each outermost module whose path matches one of ``patterns`` (as in
+    ``to_dropit``): each unit recomputes its training forward in the backward. Returns the units'
+    paths. Apply before ``to_dropit``, which leaves layers inside units plain."""
     named = [(path, module) for path, module in model.named_modules() if path]
     _check_patterns(patterns, [path for path, _ in named])
     already = [path or "the model" for path, m in model.named_modules() if is_checkpointed(m)]

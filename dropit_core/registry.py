@@ -1,13 +1,10 @@
 """The strategy registry: every strategy's name and typed options, declared once.
 
 A strategy class declares ``name``, ``options`` (a tuple of :class:`Option`), ``keeps`` and
-``cache_bytes`` (one line each, for the docs) and ``skips_common`` (common options that do not
-apply to it); :class:`Registry` collects the classes in the
-order users see them. Option validation (:meth:`Registry.resolve`, used by ``build_strategy``
-and so by ``to_dropit``), the strategy list of the config schema and the README's DropIT-options
-tables (:meth:`Registry.markdown`, printed by ``python -m dropit_core``) all derive from it.
-
-Everything here runs when a model is converted, never per step.
+``cache_bytes`` (one line each, for the docs) and ``skips_common``; :class:`Registry` collects the
+classes in the order users see them. Option validation (:meth:`Registry.resolve`), the config
+schema's strategy list and the README's tables (:meth:`Registry.markdown`, printed by ``python -m
+dropit_core``) all derive from it. Everything here runs when a model is converted, never per step.
 """
 
 from __future__ import annotations
@@ -24,10 +21,7 @@ DOCS_END = "<!-- end dropit-options -->"
 @dataclass(frozen=True)
 class Option:
     """One strategy option: its name, type, default, allowed values or range, and a help line.
-
-    ``default=None`` with ``default_doc`` means the strategy computes it (from gamma, say);
-    ``choices`` lists the allowed values, ``minimum`` bounds an integer from below.
-    """
+    ``default=None`` with ``default_doc``: the strategy computes it (from gamma, say)."""
 
     name: str
     type: type
@@ -90,10 +84,9 @@ class Registry:
             self.register(cls)
 
     def register(self, cls: type) -> type:
-        """Add a strategy class (a :class:`dropit_core.Strategy` subclass declaring ``name``,
-        ``options``, ``keeps`` and ``cache_bytes``, with ``_pack`` and ``_unpack``) so that
-        ``to_dropit`` and the rules take it by name; returns it, so it also works as a class
-        decorator. A name already taken, or an option declared twice, is a ValueError."""
+        """Add a :class:`dropit_core.Strategy` subclass, so that ``to_dropit`` and the rules take
+        it by name; returns it (a class decorator too). A name already taken, or an option
+        declared twice, is a ValueError."""
         common_names = {o.name for o in self.common}
         methods = ("pack", "unpack", "_pack", "_unpack")
         if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in methods):
@@ -138,8 +131,7 @@ class Registry:
 
     def options(self, name: str) -> dict[str, Option]:
         """Every option strategy ``name`` takes, by name: the common ones (less those it skips),
-        then its own (the order in which :meth:`resolve` checks values, so the first bad one is
-        reported)."""
+        then its own (the order in which :meth:`resolve` checks them)."""
         cls = self.get(name)
         common = [o for o in self.common if o.name not in cls.skips_common]
         return {o.name: o for o in (*common, *cls.options)}
@@ -155,14 +147,10 @@ class Registry:
                     f"allowed {', '.join(sorted(allowed)) or 'none'}"
                 )
             allowed[key].check_type(value)
-        resolved = {}
         for key, option in allowed.items():
             if key in given:
                 option.check_value(given[key])
-                resolved[key] = given[key]
-            else:
-                resolved[key] = option.default
-        return resolved
+        return {key: given.get(key, option.default) for key, option in allowed.items()}
 
     def markdown(self) -> str:
         """The README's DropIT-options tables: one row per strategy, then one per option."""

@@ -1,12 +1,10 @@
 """Which layers get which DropIT setting: module-path patterns, per-group rules, and their checks.
 
-A rule is a dict with any of ``include``, ``exclude``, ``strategy``, ``gamma``, ``relu``,
-``norm``, ``pool`` and ``options`` (which may hold ``relu``, ``norm`` and ``pool`` too, as a
-config's ``dropit.options`` does); a key it leaves out falls back to ``to_dropit``'s argument of
-the same name (the ``options`` dict as a whole), and ``to_dropit``'s own ``exclude`` applies to
-every rule. Without rules, ``to_dropit``'s arguments are the one rule. :func:`check_rules` validates
-rules without a model (configs call it on load); :func:`assign_layers` matches them against a
-model: a pattern that matches no module and two rules claiming one layer are errors.
+A rule is a dict with any of :data:`RULE_KEYS` (``options`` may hold ``relu``, ``norm`` and
+``pool`` too, as a config's ``dropit.options`` does); a key it leaves out falls back to
+``to_dropit``'s argument of the same name, and ``to_dropit``'s own ``exclude`` applies to every
+rule. Without rules, ``to_dropit``'s arguments are the one rule. :func:`check_rules` validates
+rules without a model (configs call it on load); :func:`assign_layers` matches them to a model.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from dropit_core.layers.norm import NORM_CLASSES
 from dropit_core.strategies.base import Strategy
 from dropit_core.strategies.catalog import build_strategy
 
@@ -54,9 +53,8 @@ def check_options(
     pool: bool = False,
     **options: Any,
 ) -> Strategy:
-    """Validate what ``to_dropit`` takes besides the model and patterns (strategy, gamma, relu,
-    norm, pool, strategy options); returns the built strategy. Needs no model, so configs call it
-    on load."""
+    """Validate what ``to_dropit`` takes besides the model and patterns; returns the built
+    strategy. Needs no model, so configs call it on load."""
     built = build_strategy(strategy, gamma, **options)
     for name, value in (("relu", relu), ("norm", norm), ("pool", pool)):
         if not isinstance(value, bool):
@@ -91,9 +89,8 @@ def check_rules(
     pool: bool = False,
     **options: Any,
 ) -> list[Rule]:
-    """Validate per-group rules without a model (the other arguments are ``to_dropit``'s, the
-    fallbacks); return them checked, strategies built. ``rules=None``: the arguments are the
-    one rule. Each error names the rule (``rules[i]``) and what is allowed."""
+    """Validate per-group rules without a model (the other arguments: ``to_dropit``'s fallbacks,
+    or with ``rules=None`` the one rule); return them checked, strategies built."""
     if rules is None:
         built = check_options(strategy, gamma, relu, norm, pool, **options)
         include = _patterns("DropIT", "include", include)
@@ -119,7 +116,7 @@ def check_rules(
         rule_options = rule.get("options", options)
         if not isinstance(rule_options, Mapping):
             raise ValueError(f"{label} options must be a dict, got {rule_options!r}")
-        settings = (rule.get("strategy", strategy), rule.get("gamma", gamma))
+        rule_strategy, rule_gamma = rule.get("strategy", strategy), rule.get("gamma", gamma)
         # relu, norm and pool may sit in options too, as in a config's dropit.options
         rule_options = dict(rule_options)
         flags = []
@@ -129,25 +126,15 @@ def check_rules(
             flags.append(rule[name] if name in rule else rule_options.pop(name, fallback))
         rule_relu, rule_norm, rule_pool = flags
         try:
-            built = check_options(*settings, rule_relu, rule_norm, rule_pool, **rule_options)
+            built = check_options(rule_strategy, rule_gamma, *flags, **rule_options)
         except ValueError as err:
             # the rule's label in place of the message's own "DropIT" prefix, not before it
             raise ValueError(f"{label}: {str(err).removeprefix('DropIT ')}") from None
         own_include = _patterns(label, "include", rule.get("include", include))
         own_exclude = _patterns(label, "exclude", rule.get("exclude", ()))
-        checked.append(
-            Rule(
-                i,
-                own_include,
-                own_exclude + tuple(p for p in exclude if p not in own_exclude),
-                built,
-                settings[1],
-                rule_relu,
-                dict(rule_options),
-                rule_norm,
-                rule_pool,
-            )
-        )
+        own_exclude += tuple(p for p in exclude if p not in own_exclude)
+        fields = (built, rule_gamma, rule_relu, rule_options, rule_norm, rule_pool)
+        checked.append(Rule(i, own_include, own_exclude, *fields))
     return checked
 
 
@@ -165,9 +152,7 @@ PAPER_EXCLUDE: tuple[str, ...] = (
 # ones whose cache is not the conv/linear input cache.
 GATED: dict[type, str] = {
     nn.ReLU: "relu",
-    nn.BatchNorm2d: "norm",
-    nn.SyncBatchNorm: "norm",
-    nn.GroupNorm: "norm",
+    **dict.fromkeys(NORM_CLASSES, "norm"),
     nn.MaxPool2d: "pool",
 }
 
@@ -194,15 +179,11 @@ def assign_layers(
     exclude: Sequence[str],
     convertible: Collection[type],
     strict: bool = True,
-    gated: Mapping[type, str] = GATED,
 ) -> list[tuple[str, nn.Module, Rule]]:
     """(path, module, rule) for every layer of ``named`` (``named_modules()`` order) whose type
-    is one of ``convertible`` (exactly: a subclass may compute something else) that a rule
-    selects. A type in ``gated`` goes only to rules whose flag it names is set (ReLUs to rules
-    with ``relu``, norms with ``norm``, max-pools with ``pool``); the rest are the conv/linear
-    layers. Raises for two rules claiming one layer, a rule that selects no conv/linear layer, and
-    (``strict``) a pattern that matches no module; with ``strict=False`` such a pattern selects
-    nothing (one list of exclusions for models that lack some of the modules it names)."""
+    is exactly one of ``convertible`` that a rule selects (a type in ``GATED`` only where the
+    rule's flag is set). Raises for two rules claiming one layer, a rule that selects no
+    conv/linear layer, and (``strict``) a pattern that matches no module."""
     paths = [p for p, _ in named]
     if strict:
         for rule in rules:
@@ -218,7 +199,7 @@ def assign_layers(
             (path, module)
             for path, module in named
             if type(module) in convertible
-            and (type(module) not in gated or getattr(rule, gated[type(module)]))
+            and (type(module) not in GATED or getattr(rule, GATED[type(module)]))
             and any(matches(path, p) for p in rule.include)
             and not any(matches(path, p) for p in rule.exclude)
         ]

@@ -1,27 +1,22 @@
 """Compress every activation autograd saves, in any model, through saved-tensor hooks.
 
-``to_dropit`` converts the layers it knows (conv, linear, ReLU). A model it cannot convert
-(functional ReLU, Conv2d subclasses as in detectron2, custom ops) or the tensors no converted
-layer owns (BatchNorm and GroupNorm inputs, pooling, attention) can still keep a compressed copy:
+What ``to_dropit`` cannot convert (functional ReLU, Conv2d subclasses as in detectron2, custom
+ops, attention) can still keep a compressed copy:
 
     with CompressSaved(bits=4) as saved:
         loss = model(x).sum()
     loss.backward()
 
 Inside the block, every floating-point tensor autograd saves with at least ``min_bytes`` is kept
-as a ``quant`` pack (the same format and kernels as the conv caches: per group of ``group``
-values a minimum and a step, ``bits``-bit stochastically rounded codes), plus one bit for "is
-zero" and one for "is negative", so that the rebuilt tensor has exactly the zeros and signs of
-the original: ReLU, max-pool and threshold backwards read only those, and stay exact. What it
-leaves alone: parameters and their autocast copies (the input gradient of a conv or linear layer
-reads its weight), integer and bool tensors (indices, masks), and small tensors. A tensor saved by
-several ops (a block input read by two convs) is packed once. The forward is untouched; backwards
-that read a saved value (a conv's weight gradient, BatchNorm's gradients, sigmoid's) see a
-rebuilt one, unbiased but not exact.
+as a ``quant`` pack (``bits``-bit stochastically rounded codes per group of ``group``), plus one
+bit for "is zero" and one for "is negative": the rebuilt tensor has the original's exact zeros and
+signs, all that ReLU, max-pool and threshold backwards read. Parameters and their autocast copies,
+integer and bool tensors and small tensors are left alone; a tensor saved by several ops is packed
+once. Backwards that read a saved value (a conv's weight gradient, BatchNorm's) see a rebuilt one,
+unbiased but not exact.
 
-Where the training loop is someone else's (detectron2's ``SimpleTrainer``, mmengine's
-``Runner``), :func:`compress_saved` attaches the same block to every training forward of a model
-through forward hooks, with no change to the loop.
+Where the training loop is someone else's (detectron2's, mmengine's), :func:`compress_saved`
+attaches the block to every training forward of a model through forward hooks.
 """
 
 from __future__ import annotations
@@ -63,12 +58,8 @@ class _Saved(NamedTuple):
 
 class CompressSaved:
     """Context manager: the tensors autograd saves inside it are kept compressed (see module).
-
-    ``packed_bytes`` and ``dense_bytes`` count what it packed and what those tensors held;
-    ``packs`` counts the packs (a tensor saved by several ops is packed once). ``step`` and
-    ``rank`` seed the rounding noise with the pack's position in the block, as ``set_step`` does
-    for layers.
-    """
+    ``packs``, ``packed_bytes`` and ``dense_bytes`` count the packs, their bytes and what those
+    tensors held. ``step`` and ``rank`` seed the rounding noise, as ``set_step`` does for layers."""
 
     def __init__(
         self,
@@ -85,12 +76,8 @@ class CompressSaved:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"compress_saved {name}={value!r}: allowed a whole number >= 0")
         self.quant: Quant = quant
-        self.min_bytes = min_bytes
-        self.step = step
-        self.rank = rank
-        self.packs = 0
-        self.packed_bytes = 0
-        self.dense_bytes = 0
+        self.min_bytes, self.step, self.rank = min_bytes, step, rank
+        self.packs = self.packed_bytes = self.dense_bytes = 0
         self._number = next(_BLOCKS)  # names this block's packs on the tensors they were made of
         self._hooks: Any = None
         # Called with (tensor, bytes kept) for each tensor first handed to the block, bytes None
@@ -151,10 +138,9 @@ class CompressSaved:
 
 
 def _in_memory_order(t: torch.Tensor) -> tuple[torch.Tensor, tuple[str, tuple[int, ...]] | None]:
-    """(t's values flat, and the layout :func:`_in_layout` restores). A compiled graph checks
-    the strides of what it saved (Inductor saves channels-last maps): a dense permutation is
-    packed in its memory order, with no copy, and rebuilt in it; other strides are packed from
-    a contiguous copy and rebuilt into their strides."""
+    """(t's values flat, and the layout :func:`_in_layout` restores: a compiled graph checks the
+    strides of what it saved). A dense permutation (channels-last) is packed in its memory
+    order, with no copy; other strides from a contiguous copy."""
     if t.is_contiguous():
         return t.reshape(-1), None
     order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
@@ -187,9 +173,8 @@ def saved_compression(module: nn.Module) -> SavedCompression | None:
 
 
 class SavedCompression:
-    """The handle :func:`compress_saved` returns: the block's settings, the step its next
-    training forward draws with, the last forward's block (``last``: its ``packs``,
-    ``packed_bytes``, ``dense_bytes``) and :meth:`remove`."""
+    """The handle :func:`compress_saved` returns: the block's ``options``, the ``step`` its next
+    training forward draws with, the last forward's block (``last``) and :meth:`remove`."""
 
     def __init__(self, model: nn.Module, bits: int, group: int, min_bytes: int, seed: int) -> None:
         CompressSaved(bits, group, min_bytes, seed)  # checks the options once, here
@@ -241,13 +226,9 @@ def compress_saved(
     min_bytes: int = 1 << 16,
     seed: int = 0,
 ) -> SavedCompression:
-    """Run every training forward of ``model`` inside a :class:`CompressSaved` block.
-
-    For loops that cannot be edited: call it once after the model is built (before the DDP wrap
-    or after, either works). Under ``model.eval()`` or ``torch.no_grad()`` nothing is packed.
-    ``set_step(model, step, rank)`` seeds the draws as it does the layers'; without it the step
-    counts the training forwards from 0. Returns the handle (also ``model.dropit_saved``).
-    """
+    """Run every training forward of ``model`` (before or after its DDP wrap) inside a
+    :class:`CompressSaved` block; returns the handle (also ``model.dropit_saved``).
+    ``set_step(model, step, rank)`` seeds the draws, else the step counts training forwards."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"compress_saved takes an nn.Module, got {type(model).__name__}")
     attached = saved_compression(model)

@@ -30,9 +30,8 @@ def timed_rounds(
     before: Sequence[Callable[[], Any] | None] | None = None,
 ) -> list[list[float]]:
     """Seconds of each of ``fns`` over ``repeats`` rounds of one call each, after ``warmup``
-    untimed rounds (caches, the allocator's heap and lazy initialisation settle in them): drifts
-    in machine load hit every function alike, which is what makes ratios of their medians fair.
-    ``before``: per function, an untimed call made before each of its calls (or None)."""
+    untimed rounds: drifts in machine load hit every function alike, so ratios of their medians
+    are fair. ``before``: per function, an untimed call made before each of its calls (or None)."""
     times: list[list[float]] = [[] for _ in fns]
     for round_ in range(warmup + repeats):
         for i, fn in enumerate(fns):

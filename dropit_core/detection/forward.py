@@ -1,40 +1,12 @@
 """A torchvision R-CNN forward that holds only what it needs: each map goes after its last use.
 
-The peak of a DropIT step is in the forward, and most of it is not what backward keeps but what
-the detector's Python still holds (docs/results/memory.md, "The forward's working set"): the
-backbone's C2-C5 through the whole FPN, the FPN's lateral, upsampled and summed maps at each
-level after their last reader, the pyramid P2-P6 through the mask head. The classes below are
-torchvision's own, with the same modules, parameters and ``state_dict`` keys; only ``forward``
-changes, and it computes the same ops in the same order, so outputs, losses and gradients are
-torchvision's bit for bit in fp32 (tests/toolkit/test_lean_forward.py), and DropIT's draws,
-keyed by the order of the packs, are the same too.
-
-- :class:`LeanBackboneWithFPN` hands the body's C2-C5 to the FPN as :class:`ConsumableMaps`: the
-  FPN drops each one as soon as its lateral conv has read it (what backward needs of it is that
-  conv's pack, or, without DropIT, the conv's own saved input).
-- :class:`LeanFeaturePyramidNetwork` adds the top-down map into the lateral in place, and where
-  the lateral is exactly twice the coarser map's size (always, for inputs padded to a multiple
-  of 32) it adds the nearest-upsampled map by broadcasting, without making it; its gradient is
-  the upsample's own backward. Its upsample runs outside autocast in the maps' dtype: CUDA
-  autocast would run it, and every sum after it, in fp32.
-- :class:`LeanGeneralizedRCNN` hands the pyramid to the heads as :class:`ConsumableMaps` whose
-  last reader, the last RoI pooler of the heads, empties it once it has pooled
-  (:class:`LeanMultiScaleRoIAlign`): the mask head runs without P2-P6 alive. The padded image
-  batch goes once the backbone has run: the heads read its shape alone.
-- :class:`LeanRPNHead` lets each level's conv map go once its predictors have read it, and in
-  the backward makes that map's gradient once, an image at a time (:class:`_ReadersInputGrad`),
-  where autograd makes one whole map per predictor and sums them.
-- :class:`LeanMultiScaleRoIAlign` under autocast pools a level a few images at a time, so the
-  fp32 copy ``roi_align`` makes of what it reads, and the fp32 gradient of it in the backward,
-  are never more than one image's finest level (torchvision's are the whole level's); the
-  same bits under CPU autocast too.
-
-A dict is consumed only inside these forwards: a user who calls ``model.backbone.fpn(maps)`` or
-``model.roi_heads(features, ...)`` with a dict of their own gets it back untouched. TorchScript
-is not supported by these forwards (``torch.jit.script`` needs torchvision's own classes).
-
-This module needs torchvision; ``dropit_core`` imports it only when a model has torchvision's
-modules (:func:`dropit_core.detection.lean.lean_detector`).
+Most of a DropIT step's forward peak is what the detector's Python still holds, not what backward
+keeps (docs/results/memory.md): C2-C5 through the whole FPN, its intermediate maps, P2-P6 through
+the mask head. The classes below are torchvision's own (same modules and ``state_dict`` keys);
+only ``forward`` changes, computing the same ops in the same order, so outputs, gradients and
+DropIT's draws are torchvision's bit for bit in fp32. Only these forwards consume a dict
+(:class:`ConsumableMaps`); TorchScript is not supported. ``dropit_core`` imports this module
+(and torchvision) only for a model with torchvision's modules (``lean_detector``).
 """
 
 from __future__ import annotations
@@ -69,10 +41,8 @@ from dropit_core.layers.functions import ConvArgs
 
 class ConsumableMaps(OrderedDict):
     """Feature maps handed over: the reader may drop each map after its last use.
-
     ``last_reader``: the module whose call is the dict's last use (it empties the dict); None:
-    the reader drops the maps it has used (the FPN's inputs).
-    """
+    the reader drops the maps it has used (the FPN's inputs)."""
 
     def __init__(self, maps: dict[str, Tensor], last_reader: nn.Module | None = None) -> None:
         super().__init__(maps)
@@ -80,12 +50,8 @@ class ConsumableMaps(OrderedDict):
 
 
 class _AddUpsampled2x(torch.autograd.Function):
-    """``lateral += nearest_upsample(top, 2x)`` in place, without the upsampled map.
-
-    Each sum is the same single add as ``lateral + F.interpolate(top, size, mode="nearest")``;
-    the top map's gradient is ``upsample_nearest2d_backward`` of the sum's, the kernel
-    torchvision's upsample's backward runs, so both are bit-equal to torchvision's.
-    """
+    """``lateral += nearest_upsample(top, 2x)`` in place, without the upsampled map: the same
+    single add per sum, and the top map's gradient by the upsample's own backward kernel."""
 
     @staticmethod
     def forward(ctx, lateral: Tensor, top: Tensor) -> Tensor:
@@ -124,13 +90,9 @@ def add_top_down(lateral: Tensor, top: Tensor) -> Tensor:
 
 
 class LeanFeaturePyramidNetwork(FeaturePyramidNetwork):
-    """torchvision's FPN with the same modules and keys; the forward releases as it goes.
-
-    In fp32 and under CPU autocast its outputs and gradients are torchvision's bit for bit;
-    under CUDA autocast each level's top-down sum is an fp16/bf16 add where torchvision's
-    upsample promotes it to fp32 (the two largest blocks at an H200 step's peak were those
-    fp32 maps: docs/gpu.md).
-    """
+    """torchvision's FPN; each input map goes once its lateral conv has read it, and the top-down
+    map is added into the lateral in place (:func:`add_top_down`): bit for bit torchvision's but
+    under CUDA autocast, where each sum stays fp16/bf16 (torchvision's upsample promotes it)."""
 
     def forward(self, x: dict[str, Tensor]) -> dict[str, Tensor]:
         names = list(x)
@@ -160,28 +122,19 @@ class LeanFeaturePyramidNetwork(FeaturePyramidNetwork):
 
 
 class LeanBackboneWithFPN(BackboneWithFPN):
-    """torchvision's ResNet + FPN backbone; the body's maps are handed to the FPN to consume."""
+    """torchvision's ResNet + FPN backbone; the body's C2-C5 are handed to the FPN to consume."""
 
     def forward(self, x: Tensor) -> dict[str, Tensor]:
         return self.fpn(ConsumableMaps(self.body(x)))
 
 
 class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
-    """torchvision's RoI pooler; when it is the last reader of handed-over maps, it empties them
-    once it has pooled.
-
-    Under autocast, ``roi_align`` pools in fp32: it casts the whole level it reads to fp32 first,
-    and at the finest level that copy (twice the fp16 map) was the largest block at the forward
-    peak of an H200 step (docs/results/gpu_h200_2026-11-28/probe_live.log); its backward makes
-    the level's gradient in fp32 beside its cast. Here each level is pooled a few images at a
-    time (:class:`_PoolByImage`), so that no copy or fp32 gradient is larger than one image's
-    finest level. Each RoI's bins read its own image alone and every value takes torchvision's
-    casts and kernels, so outputs and gradients are bit for bit torchvision's. Without autocast
-    (fp32, or a half model) nothing is copied and each level is pooled whole, through the same
-    Function: saved-tensor hooks (``compress_saved``) cannot make its RoIs lossy, and the levels
-    take one host sync, not one each. Compiling, tracing or with deterministic algorithms on a
-    GPU (where torchvision pools in Python), torchvision's own forward runs.
-    """
+    """torchvision's RoI pooler; as the last reader of handed-over maps, it empties them once it has
+    pooled. Autocast's ``roi_align`` casts the whole level it reads to fp32 (at the finest level,
+    the largest block at the forward peak) and makes its gradient in fp32: here each level is pooled
+    a few images at a time (:class:`_PoolByImage`), no fp32 copy larger than one image's finest
+    level, bit for bit torchvision's; without autocast each level whole. Compiling, tracing or
+    deterministic on a GPU (torchvision pools in Python), torchvision's forward runs."""
 
     def forward(
         self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]
@@ -205,10 +158,8 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
         fp32, each level in groups of images (else each level whole, in its dtype)."""
         rois = _convert_to_roi_format(boxes)
         images, levels_n = len(boxes), len(maps)
-        if levels_n == 1:
-            levels = torch.zeros(len(rois), dtype=torch.int64, device=rois.device)
-        else:
-            levels = self.map_levels(boxes)
+        one = levels_n == 1
+        levels = rois.new_zeros(len(rois), dtype=torch.int64) if one else self.map_levels(boxes)
         # RoIs sorted by (level, image), stable: each group's RoIs are one slice of ``order``,
         # in the order torchvision pools them. One host sync for all levels (torchvision's
         # ``torch.where`` makes one per level).
@@ -232,18 +183,11 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
 
 
 class _PoolByImage(torch.autograd.Function):
-    """torchvision's multi-level ``roi_align``, under autocast a group of images at a time.
-
-    Autocast's ``roi_align`` casts the level it reads to fp32, pools, and casts the pooled maps
-    back; here each group of images of a level is cast, pooled and written into the result in
-    turn, so one group's fp32 copy is alive at a time. The backward makes each level's gradient
-    once, in the level's dtype, and fills it group by group from that group's fp32 gradient
-    (torchvision's kernel, ``_roi_align_backward``), where torchvision's holds the level's whole
-    fp32 gradient beside its cast. Every value takes the same casts and kernels as torchvision's.
+    """torchvision's multi-level ``roi_align``, under autocast a group of images at a time: each
+    group is cast, pooled and written in turn (one group's fp32 copy alive), and the backward
+    fills each level's gradient, in its dtype, group by group (torchvision's kernels and casts).
     ``meta``: (scales, output size, sampling ratio, per level its groups (lo, hi, start, end):
-    images lo:hi, RoIs ``order[start:end]``, whether autocast casts: without it every value stays
-    in its dtype, as torchvision's ``roi_align`` runs then).
-    """
+    images lo:hi, RoIs ``order[start:end]``, whether autocast casts)."""
 
     @staticmethod
     def forward(ctx, meta, rois: Tensor, order: Tensor, *maps: Tensor) -> Tensor:
@@ -319,9 +263,8 @@ def _operands(x: Tensor, rois: Tensor, lo: int, cast: bool) -> tuple[Tensor, Ten
 
 
 def _pools_here(maps: list[Tensor]) -> bool:
-    """Whether :class:`_PoolByImage` pools these maps: not while compiling or tracing, nor
-    without torchvision's compiled ops or with deterministic algorithms on a GPU (torchvision
-    pools in Python then)."""
+    """Whether :class:`_PoolByImage` pools these maps: not while compiling or tracing, nor where
+    torchvision pools in Python (without its compiled ops, or deterministic on a GPU)."""
     if not maps or not torchvision.extension._has_ops():
         return False
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torchvision._is_tracing():
@@ -336,10 +279,9 @@ def _autocast_casts(maps: list[Tensor]) -> bool:
 
 
 class LeanRPNHead(RPNHead):
-    """torchvision's RPN head; each level's shared conv map goes once its two predictors have
-    read it (torchvision's loop keeps it until the next level's is made, so at P3 the P2 map,
-    the largest, was still alive), and in the backward the map's gradient is made once
-    (:class:`_ReadersInputGrad`), not once per predictor and then summed."""
+    """torchvision's RPN head; each level's conv map goes once its two predictors have read it
+    (torchvision's keeps it until the next level's is made), and in the backward its gradient is
+    made once (:class:`_ReadersInputGrad`), not once per predictor and then summed."""
 
     def forward(self, x: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         logits, bbox_reg = [], []
@@ -364,12 +306,9 @@ class LeanRPNHead(RPNHead):
 
 
 def _one_input_grad(t: Tensor, readers: tuple[nn.Module, ...]) -> bool:
-    """Whether the readers' input gradient is made by :class:`_ReadersInputGrad`: a training
-    step that needs it, eagerly (a compiled graph plans its own buffers), of 1x1 convs of
-    stride 1 (torchvision's predictors, DropIT's included: their input gradient an image at a
-    time is the batch's bit for bit, which a strided 3x3 conv's is not always on the CPU), on a
-    map autocast does not cast (a leaf's cast is shared by its readers, who then sum their
-    gradients before the cast's backward)."""
+    """Whether :class:`_ReadersInputGrad` makes the readers' input gradient: eagerly, for 1x1
+    stride-1 convs (whose input gradient an image at a time is the batch's bit for bit), on a
+    map autocast does not cast (a cast's readers sum their gradients before its backward)."""
     if not (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return False
     device = t.device.type
@@ -390,21 +329,14 @@ def _conv_args(conv: nn.Conv2d) -> ConvArgs:
 
 
 class _ReadersInputGrad(torch.autograd.Function):
-    """The identity on the outputs of two convs that read one map ``t`` (through a detached
-    alias); its backward makes ``t``'s gradient, the sum of the convs' input gradients, into one
-    map a chunk of images at a time.
-
-    Autograd would have each conv's node make a whole input gradient and then add the two: at
-    the RPN head's P2 level two maps of the backward's largest size alive at once, and a third
-    for a moment (the CPU's kernel writes a map-sized scratch besides its output), the step's
-    peak with DropIT (docs/results/step_peak_bf16_cpu). Here each chunk (of at most
-    ``ops.SPLIT_BYTES`` of gradient, one image at P2) gets the first reader's term, then the
-    second's added into it: the map and two chunks alive. Each term is the transposed conv of
-    the chunk's output gradient (:func:`dropit_core.layers.functions.conv_input_grad`; of a 1x1
-    conv, the same bits whatever the chunk, as the tests check), cast to ``t``'s dtype as autograd's
-    cast would: with two terms the sum is autograd's bit for bit, whichever it adds first
-    (tests/toolkit/test_lean_forward.py). The weights are kept as they are (parameters) and
-    cast to the gradient's dtype here, as autocast cast them."""
+    """The identity on the outputs of two convs that read one map ``t`` (through a detached alias);
+    its backward makes ``t``'s gradient, the sum of the convs' input gradients, into one map a chunk
+    of images at a time. Autograd would make each conv's whole input gradient and then add them: at
+    P2 two maps of the backward's largest size alive at once, the step's peak with DropIT. Here each
+    chunk (of at most ``ops.SPLIT_BYTES``) gets the first reader's term
+    (:func:`dropit_core.layers.functions.conv_input_grad`, cast to ``t``'s dtype), then the second's
+    added into it: with two terms autograd's sum bit for bit, whichever it adds first. The weights
+    are cast to the gradient's dtype here, as autocast cast them."""
 
     @staticmethod
     def forward(ctx, t: Tensor, weights: tuple[Tensor, ...], args: tuple, *outs: Tensor):
@@ -446,15 +378,11 @@ class _ReadersInputGrad(torch.autograd.Function):
 def last_pooler(roi_heads: nn.Module) -> nn.Module | None:
     """The RoI pooler that reads the pyramid last in torchvision's ``RoIHeads.forward`` (box,
     then mask, then keypoint), or None when it is not a lean pooler or also pools earlier."""
-    poolers = [
-        getattr(roi_heads, name, None)
-        for name in ("box_roi_pool", "mask_roi_pool", "keypoint_roi_pool")
-    ]
-    poolers = [p for p in poolers if p is not None]
-    if not poolers or not isinstance(poolers[-1], LeanMultiScaleRoIAlign):
-        return None
-    last = poolers[-1]
-    return last if sum(p is last for p in poolers) == 1 else None
+    names = ("box_roi_pool", "mask_roi_pool", "keypoint_roi_pool")
+    poolers = [p for p in (getattr(roi_heads, name, None) for name in names) if p is not None]
+    last = poolers[-1] if poolers else None
+    lean = isinstance(last, LeanMultiScaleRoIAlign) and sum(p is last for p in poolers) == 1
+    return last if lean else None
 
 
 class LeanGeneralizedRCNN(GeneralizedRCNN):
@@ -478,8 +406,10 @@ class LeanGeneralizedRCNN(GeneralizedRCNN):
             features = OrderedDict([("0", features)])
         features = ConsumableMaps(features, last_pooler(self.roi_heads))
         # The heads read the padded batch's shape alone (the anchors' image size): a stand-in
-        # of that shape lets the pixels go (unless the stem conv trains and keeps them).
-        batch = ImageList(_shape_only(batch.tensors), batch.image_sizes)
+        # of that shape, one element with every stride 0, lets the pixels go (unless the stem
+        # conv trains and keeps them).
+        stand_in = batch.tensors.new_empty(()).expand(batch.tensors.shape)
+        batch = ImageList(stand_in, batch.image_sizes)
         proposals, proposal_losses = self.rpn(batch, features, targets)
         detections, detector_losses = self.roi_heads(
             features, proposals, batch.image_sizes, targets
@@ -487,11 +417,6 @@ class LeanGeneralizedRCNN(GeneralizedRCNN):
         del features
         detections = self.transform.postprocess(detections, batch.image_sizes, original_sizes)
         return self.eager_outputs({**detector_losses, **proposal_losses}, detections)
-
-
-def _shape_only(t: Tensor) -> Tensor:
-    """A tensor of ``t``'s shape, dtype and device holding one element (every stride 0)."""
-    return t.new_empty(()).expand(t.shape)
 
 
 def _check_target_boxes(targets: list[dict[str, Tensor]] | None) -> None:
@@ -554,9 +479,8 @@ def lean_fpn(model: nn.Module) -> nn.Module:
 
 def lean_forward(model: nn.Module, fpn: bool = True) -> nn.Module:
     """Give every torchvision detector, ResNet-FPN backbone, FPN, RPN head and RoI pooler of
-    ``model`` its lean forward, in place (the same modules and parameters; only the class
-    changes, to a subclass); returns ``model``. ``fpn=False`` leaves the FPNs torchvision's. A
-    subclass of these of your own keeps its class."""
+    ``model`` its lean forward, in place (only the class changes, to a subclass; a subclass of
+    your own keeps its class); returns ``model``. ``fpn=False`` leaves the FPNs torchvision's."""
     for module in model.modules():
         cls = type(module)
         if cls in _LEAN and (fpn or cls is not FeaturePyramidNetwork):

@@ -1,14 +1,10 @@
 """A FrozenBatchNorm2d that keeps its input's dtype under autocast.
 
 torchvision's ``FrozenBatchNorm2d`` computes ``x * scale + bias`` with fp32 ``scale`` and
-``bias``; under autocast its fp16/bf16 input is then promoted, so every backbone activation leaves
-the norm in fp32. The ReLU after it keeps that fp32 tensor for backward and the next conv keeps
-its own low-precision copy: the activations of a pretrained R50-FPN take about twice the memory
-they need (measured on an H100 under fp16: the baseline's step peak 0.50x once the norm keeps the
-dtype). The lean form below casts ``scale`` and ``bias`` to the input's dtype first, as
-detectron2's ``FrozenBatchNorm2d`` does: in fp32 it computes exactly what torchvision's does, bit
-for bit, and its buffers and state_dict keys are the same, so torchvision weights and checkpoints
-load unchanged.
+``bias``, so under autocast every backbone activation leaves the norm in fp32: the ReLU after it
+keeps that fp32 tensor and the next conv its own low-precision copy, about twice the memory
+needed. The lean form casts ``scale`` and ``bias`` to the input's dtype first, as detectron2's
+does: bit for bit torchvision's in fp32, with the same buffers and state_dict keys.
 """
 
 from __future__ import annotations
@@ -26,10 +22,8 @@ class FrozenBatchNorm2d(nn.Module):
     def __init__(self, num_features: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
-        self.register_buffer("weight", torch.ones(num_features))
-        self.register_buffer("bias", torch.zeros(num_features))
-        self.register_buffer("running_mean", torch.zeros(num_features))
-        self.register_buffer("running_var", torch.ones(num_features))
+        for name, fill in zip(_BUFFERS, (1.0, 0.0, 0.0, 1.0), strict=True):  # torchvision's init
+            self.register_buffer(name, torch.full((num_features,), fill))
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -41,16 +35,15 @@ class FrozenBatchNorm2d(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x * scale + bias`` per channel, computed as torchvision does, in ``x``'s dtype."""
-        # The same fp32 expressions as torchvision's, so that an fp32 input gives its bits.
-        w = self.weight.reshape(1, -1, 1, 1)
-        b = self.bias.reshape(1, -1, 1, 1)
-        rv = self.running_var.reshape(1, -1, 1, 1)
-        rm = self.running_mean.reshape(1, -1, 1, 1)
+        """``x * scale + bias`` per channel in ``x``'s dtype; scale and bias are torchvision's fp32
+        expressions, so that an fp32 input gives its bits."""
+        w, b, rv, rm = (
+            t.reshape(1, -1, 1, 1)
+            for t in (self.weight, self.bias, self.running_var, self.running_mean)
+        )
         scale = w * (rv + self.eps).rsqrt()
         bias = b - rm * scale
-        # The sum goes into the product in place: the same two roundings as ``x * s + b``, one
-        # map fewer alive at once (the product is read by nothing else: mul saves its scale)
+        # In place into the product (nothing else reads it): one map fewer alive, same roundings
         return (x * scale.to(x.dtype)).add_(bias.to(x.dtype))
 
     def extra_repr(self) -> str:
@@ -72,11 +65,7 @@ def is_frozen_batchnorm(module: nn.Module) -> bool:
 
 def lean_frozen_batchnorm(model: nn.Module) -> nn.Module:
     """Replace every torchvision ``FrozenBatchNorm2d`` of ``model`` by :class:`FrozenBatchNorm2d`
-    (in place; the same buffers, shared, not copied) and return ``model``.
-
-    A model that is itself a frozen norm comes back as a new module. Layers already lean, and
-    every other module, are left as they are.
-    """
+    in place, sharing its buffers; returns ``model`` (a new module if it is itself one)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"lean_frozen_batchnorm takes an nn.Module, got {type(model).__name__}")
     if is_frozen_batchnorm(model) and not isinstance(model, FrozenBatchNorm2d):

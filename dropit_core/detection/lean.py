@@ -1,11 +1,9 @@
 """One call that makes a torchvision detector lean: the frozen norm and the forward.
 
-``lean_detector(model)`` is :func:`~dropit_core.detection.frozen_norm.lean_frozen_batchnorm`
-(torchvision's ``FrozenBatchNorm2d`` promotes to fp32 under autocast) and, when the model has
-torchvision's detection modules, :func:`dropit_core.detection.forward.lean_forward` (each large map
-released after its last use; the FPN's top-down path kept in the maps' dtype). Both are exact in
-fp32: the same outputs, losses and gradients bit for bit, the same modules and ``state_dict`` keys.
-Only torchvision's own classes change; the rest of the model, and any subclass of your own, is left.
+``lean_detector(model)`` is :func:`~dropit_core.detection.frozen_norm.lean_frozen_batchnorm` and,
+when the model has torchvision's modules, :func:`dropit_core.detection.forward.lean_forward`: both
+bit for bit torchvision's in fp32, with the same modules and ``state_dict`` keys. Only
+torchvision's own classes change.
 """
 
 from __future__ import annotations

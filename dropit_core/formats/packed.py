@@ -1,8 +1,5 @@
 """The packed cache every strategy returns: :class:`Packed`, its metadata types, and the rules
 every pack follows (read by one backward; tagged so that ``compress_saved`` leaves it alone).
-
-A pack is the tensors a strategy keeps, each in a named field (``None`` where a strategy keeps
-no such part), plus a named tuple of plain-Python metadata.
 """
 
 from __future__ import annotations
@@ -72,11 +69,9 @@ PackMeta = ElementsMeta | UnitsMeta | BlocksMeta | PoolMeta | QuantMeta
 
 
 class Packed(NamedTuple):
-    """A packed layer input: its metadata, then its tensors by role (None where not kept).
-
-    The tensor fields travel through ``ctx.save_for_backward`` in field order (``packed[1:]``,
-    ``None`` included) and come back as ``Packed(meta, *saved)``: autograd owns them, and
-    saved-tensor hooks see every byte.
+    """A packed layer input: its metadata, then its tensors by role (None where not kept). The
+    tensors travel through ``ctx.save_for_backward`` in field order (``packed[1:]``) and come
+    back as ``Packed(meta, *saved)``: autograd owns them, and saved-tensor hooks see every byte.
     """
 
     meta: PackMeta
@@ -117,10 +112,8 @@ PACK_TAG = "_dropit_pack"  # on a DropIT pack's float tensors: compress_saved le
 
 
 def tag_pack(packed: Packed) -> None:
-    """Mark the pack's float tensors, so that ``compress_saved`` does not compress them a second
-    time (values, minima and steps compressed already). Only a pack an autograd Function saves
-    needs it: ``compress_saved``'s hooks see what ``save_for_backward`` keeps, never what a
-    saved-tensor hook of ours returned (dropit_core.layers.hooked), so the hooked conv skips it."""
+    """Mark the pack's float tensors, so that ``compress_saved`` does not compress them again
+    (needed for what a Function saves, not what a saved-tensor hook of ours returns)."""
     for t in packed[4:]:  # bits, mask_bytes and index are integers
         if t is not None and t.is_floating_point():
             setattr(t, PACK_TAG, True)
@@ -128,9 +121,7 @@ def tag_pack(packed: Packed) -> None:
 
 def pack_made(t: torch.Tensor, attr: str, key: tuple) -> Any:
     """The pack made earlier of ``t`` under ``key`` (e.g. its forward and ``t._version``), or
-    None: a tensor read by several layers (or saved by several ops) is packed once. Kept on the
-    tensor itself, an attribute that dies with it (an address can come back for another tensor,
-    and a weak dictionary's lookup costs ten times the host time)."""
+    None: a tensor read by several layers is packed once. Kept on the tensor, dying with it."""
     hit = getattr(t, attr, None)
     return hit[1] if hit is not None and hit[0] == key else None
 

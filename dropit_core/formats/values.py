@@ -15,9 +15,12 @@ import torch
 
 VALUE_FORMATS = ("same", "fp16", "bf16", "int8", "int4")
 _FLOAT_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 _INT_LEVELS = {"int8": 127, "int4": 7}
+
+
+def _in_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Flat ``t`` zero-padded to whole chunks, a chunk per row."""
+    return torch.nn.functional.pad(t, (0, (-t.numel()) % chunk)).view(-1, chunk)
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,8 @@ class ValueCodec:
             return (values,)
         if self.fmt in _FLOAT_FORMATS:
             return (values.to(_FLOAT_FORMATS[self.fmt]),)
-        levels, chunk = _INT_LEVELS[self.fmt], self.chunk
-        m = values.numel()
-        pad = (-m) % chunk
-        v = torch.nn.functional.pad(values.float(), (0, pad)).view(-1, chunk)
+        m, levels = values.numel(), _INT_LEVELS[self.fmt]
+        v = _in_chunks(values.float(), self.chunk)
         scale = v.abs().amax(dim=1).clamp_min_(torch.finfo(torch.float32).tiny) / levels
         q = torch.round(v / scale[:, None])
         if keep_sign:
@@ -56,28 +57,23 @@ class ValueCodec:
             q = torch.nn.functional.pad(q, (0, m % 2))
             return (q[0::2] | (q[1::2] << 4), scale)
         # Slicing off the padding would still keep it alive in the storage: copy instead.
-        return (q[:m].clone() if pad else q, scale)
+        return (q[:m].clone() if q.numel() > m else q, scale)
 
     def decode(
         self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype, count: int | None = None
     ) -> torch.Tensor:
-        """Decode what :meth:`encode` returned back to a flat tensor of ``dtype``.
-
-        ``count``, the number of encoded values, is needed for int4 (two per byte: an odd count
-        leaves a padding code) and ignored otherwise.
-        """
+        """Decode what :meth:`encode` returned back to a flat tensor of ``dtype``. ``count``, the
+        number of encoded values, is needed for int4 (two per byte: an odd count leaves a padding
+        code)."""
         if self.fmt not in _INT_LEVELS:
             return parts[0].to(dtype)
         q, scale = parts
-        chunk = self.chunk
         if self.fmt == "int4":
             if count is None:
                 raise ValueError("decoding int4 values needs their count")
             q = (torch.stack([q & 0xF, q >> 4], dim=1).view(-1)[:count]).to(torch.int8) - 8
-        m = q.numel()
-        pad = (-m) % chunk
-        v = torch.nn.functional.pad(q, (0, pad)).view(-1, chunk).to(torch.float32)
-        return (v * scale[:, None]).view(-1)[:m].to(dtype)
+        v = _in_chunks(q, self.chunk).to(torch.float32)
+        return (v * scale[:, None]).view(-1)[: q.numel()].to(dtype)
 
     def nbytes(self, kept: int, elem_size: int) -> int:
         """Bytes that ``kept`` encoded values take (input element size ``elem_size``)."""

@@ -1,41 +1,26 @@
 """The DropIT layers as ``torch.library`` operators: what a converted layer runs under
 ``torch.compile``.
 
-Eager layers run the autograd Functions of :mod:`dropit_core.layers.functions`, and an eager conv
-mostly aten's own op with its input packed through a saved-tensor hook
-(:mod:`dropit_core.layers.hooked`). Dynamo cannot trace those: their packs are shared through Python
-state on tensors and seeded from Python integers up to 2**64, which Inductor cannot hold as
-constants. While compiling (``torch.compiler.is_compiling()``) a converted layer calls the operators
-below instead; each is opaque to Dynamo and Inductor, with a fake (shape-only) implementation and an
-autograd formula, so that ``torch.compile(model, fullgraph=True)`` traces the whole model into one
-graph and no seed ever becomes a graph constant:
+Dynamo cannot trace the eager path (the autograd Functions of :mod:`dropit_core.layers.functions`,
+the hooked conv of :mod:`dropit_core.layers.hooked`): its packs are shared through Python state on
+tensors and seeded from Python integers up to 2**64, which Inductor cannot hold as constants.
+While compiling, a converted layer calls the operators below instead, each opaque, with a fake
+(shape-only) implementation and an autograd formula (its Function's backward body reading the
+traced ``dropit::unpack``), so that ``torch.compile(model, fullgraph=True)`` traces the whole
+model into one graph and no seed becomes a graph constant:
 
-- ``dropit::pack`` packs a layer input with its cache's strategy. Its real implementation runs
-  the eager strategy code itself, drawn with the cache's next key
-  (:meth:`~dropit_core.layers.functions.InputCache.next_key`, the step's Python counter that
-  ``set_step`` resets): a compiled pack is byte-equal to the eager pack of the same step and layer,
-  as long as the compiled graph packs in program order (Inductor keeps the order of its opaque
-  calls; tests/core/test_dropit_compile.py checks the bytes).
-- ``dropit::unpack`` rebuilds the input in backward.
+- ``dropit::pack`` runs the eager strategy code, drawn with the cache's next key
+  (``dropit::draw``): byte-equal to the eager pack of the same step and layer as long as the graph
+  packs in program order (tests/core/test_dropit_compile.py); ``dropit::unpack`` rebuilds it.
 - ``dropit::conv`` / ``dropit::linear``: the plain op forward; backward reads the pack.
 - ``dropit::relu_mask`` / ``dropit::relu_mask_grad``: the ReLU that keeps a 1-bit mask.
-- ``dropit::batch_norm`` / ``dropit::group_norm``: beside their autograd Functions, in
-  :mod:`dropit_core.layers.norm`.
+- ``dropit::batch_norm`` / ``dropit::group_norm``: in :mod:`dropit_core.layers.norm`.
 
-Each operator's backward is its autograd Function's body (``conv_grads``, ``linear_grads``,
-``relu_mask_grad``, the norms' ``*_grads``), called with the traced ``dropit::unpack``.
-
-With ``DROPIT_FUSE=1`` (``configure(fuse=True)``) a quant pack and the ReLU's mask are plain
-torch ops instead, which Inductor builds into its own kernels; only the draw (``dropit::draw``, the
-cache's next key) stays an opaque call.
-
-A tensor fed to several layers of one cache is packed once, as eagerly: each layer calls
-``dropit::pack`` with the same arguments, and the compiler merges identical calls of a functional
-operator. Only strategies whose pack sizes follow from the input's shape are traced (``quant``);
-the others run their eager autograd Function through ``torch.compiler.disable``
-(``patch._conv_behind_break``: a graph break, which torch 2.14's Dynamo turns into an opaque call
-in the graph), as the CPU's element-wise packs are sized by their data. The max-pool's
-autograd Function traces as it is.
+With ``configure(fuse=True)`` (``DROPIT_FUSE=1``) a quant pack and the ReLU's mask are plain torch
+ops instead, which Inductor fuses; only the draw stays opaque. Layers fed one tensor make identical
+``dropit::pack`` calls, which the compiler merges: one pack, as eagerly. Only strategies whose pack
+sizes follow from the input's shape (``quant``) are traced; the others run their eager Function
+behind a graph break (``torch.compiler.disable``). The max-pool's Function traces as it is.
 """
 
 from __future__ import annotations
@@ -95,9 +80,8 @@ def _packed(cache: InputCache, fields: list[Tensor], shape: list[int], dtype) ->
 
 @torch.library.custom_op("dropit::pack", mutates_args=())
 def pack_op(x: Tensor, keys: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
-    """The tensors of ``cache``'s pack of ``x`` read as ``dtype``: the eager pack, drawn with
-    the hash keys in ``keys`` (``dropit::draw``'s: device data, so that a replayed CUDA graph
-    draws each step's)."""
+    """The tensors of ``cache``'s eager pack of ``x`` read as ``dtype``, drawn with the hash keys
+    ``keys`` (device data, so that a replayed CUDA graph draws each step's)."""
     packed = cache_by_number(cache).strategy.pack_keyed(x, keys, dtype)
     return [t for t in packed[1:] if t is not None]
 
@@ -122,11 +106,7 @@ def _(fields: list[Tensor], cache: int, shape: list[int], dtype: torch.dtype) ->
 
 def pack(cache: InputCache, x: Tensor, layout: str, dtype: torch.dtype) -> list[Tensor]:
     """``cache``'s pack of ``x`` read as ``dtype``: in the graph (:func:`_fused_pack`) where it
-    can be, else by the opaque ``dropit::pack``.
-
-    Layers fed one tensor call this with the same arguments, and the compiler merges the
-    identical calls (common subexpressions): one pack, one draw, as ``InputCache.pack`` shares
-    one eagerly."""
+    can be, else by the opaque ``dropit::pack`` (identical calls merge: one pack, one draw)."""
     fused = _fused_pack(cache, x, dtype)
     if fused is not None:
         return fused
@@ -138,9 +118,8 @@ def pack(cache: InputCache, x: Tensor, layout: str, dtype: torch.dtype) -> list[
 @torch.library.custom_op("dropit::draw", mutates_args=())
 def draw_op(x: Tensor, cache: int) -> Tensor:
     """(k0, k1, 0): the hash keys of ``cache``'s next pack and the index of its first element,
-    int64 on ``x``'s device, copied from the cache's key table (``InputCache.draw_row``); the
-    eager pack's draw. ``x`` only names the pack: layers fed one tensor make identical calls,
-    which the compiler merges, so they share a draw as they share the pack."""
+    int64 on ``x``'s device (``InputCache.draw_row``): the eager pack's draw. ``x`` only names
+    the pack, so that layers fed one tensor share a draw as they share the pack."""
     return cache_by_number(cache).draw_row(x.device)
 
 
@@ -150,23 +129,16 @@ def _(x: Tensor, cache: int) -> Tensor:
 
 
 def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor] | None:
-    """A 4-bit (2-, 8-bit) pack written as plain torch ops, which Inductor generates as its own
-    kernel (with ``x``'s pointwise producer, a norm or ReLU, inlined where it chooses): only
-    the draw is an opaque call, and it needs ``x`` to exist (``x`` names the shared pack), so
-    the pack reads ``x`` once after it is made, not inside the kernel that makes it. The eager
-    path's arithmetic (:func:`quant_fields`), so the bytes are eager's.
-
-    None (the opaque pack) where that does not hold or cannot be traced: another strategy, a
-    group that does not fill whole bytes of codes, an input that is not whole groups, or one
-    read through an autocast cast (fused into its consumer, Inductor would skip the cast's
-    rounding unless ``emulate_precision_casts`` is set, and the bytes would not be eager's)."""
-    from dropit_core.strategies.quant import Quant
-
+    """A quant pack written as plain torch ops (:func:`quant_fields`, the eager bytes), which
+    Inductor generates as its own kernel, reading ``x`` once it is made (the opaque draw needs
+    ``x``, which names the shared pack). None (the opaque pack) for another strategy, a group that
+    does not fill whole bytes of codes, an input that is not whole groups, or one read through an
+    autocast cast (fused into its consumer, Inductor would skip the cast's rounding unless
+    ``emulate_precision_casts``)."""
     strategy = cache.strategy
     if (
         not fuse_enabled()
-        or type(strategy) is not Quant
-        or strategy.rescale != "none"
+        or not traceable(cache)
         or strategy.group % (8 // strategy.bits)
         or dtype != x.dtype
         or x.numel() == 0
@@ -183,11 +155,9 @@ def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor
 def quant_fields(
     rows: Tensor, params: Tensor, bits: int, inv_levels: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(codes, minima, steps) of ``rows`` (one group each, whole bytes of codes) as new tensors,
-    in plain torch ops that Inductor fuses with whatever produced ``rows``: quant's format
-    (``quant_format.quantize`` and :func:`dropit_core.formats.seeds.hash_bits`, op for op, so the
-    bytes are the eager pack's). ``params``: the hash keys k0 and k1 (int64), a tensor so that new
-    values do not recompile."""
+    """(codes, minima, steps) of ``rows`` (one group each, whole bytes of codes) in plain torch
+    ops that Inductor fuses: ``formats.quant.quantize`` and ``formats.seeds.hash_bits`` op for
+    op, the eager bytes. ``params``: the hash keys k0, k1 (int64; a tensor: no recompile)."""
     levels, per_byte = (1 << bits) - 1, 8 // bits
     g = rows.float()
     lo = g.amin(1)
@@ -222,11 +192,7 @@ def fuse_enabled() -> bool:
     return settings.current().fuse
 
 
-# Convolution ---------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("dropit::conv", mutates_args=())
-def conv_op(
+def _convolution(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -239,22 +205,19 @@ def conv_op(
     groups: int,
     cache: int,
 ) -> Tensor:
-    """``torch.convolution``; its backward's weight gradient reads the pack ``fields``."""
+    """``torch.convolution`` (its own fake too); the backward's weight gradient reads the pack
+    ``fields``."""
     return torch.convolution(
         x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
     )
 
 
-@conv_op.register_fake
-def _(
-    x, weight, bias, fields, stride, padding, dilation, transposed, output_padding, groups, cache
-):
-    return torch.convolution(
-        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
-    )
+conv_op = torch.library.custom_op("dropit::conv", _convolution, mutates_args=())
+conv_op.register_fake(_convolution)
 
 
-def _conv_setup(ctx, inputs, output) -> None:
+def _layer_setup(ctx, inputs, output) -> None:
+    """Setup of ``dropit::conv`` and ``dropit::linear`` (``args``: the conv's; none)."""
     x, weight, bias, fields, *args, cache = inputs
     ctx.args, ctx.cache = args, cache
     ctx.x_shape, ctx.x_dtype = list(x.shape), x.dtype
@@ -291,7 +254,7 @@ def _conv_backward(ctx, grad):
     return *grads, [None] * len(fields), None, None, None, None, None, None, None
 
 
-conv_op.register_autograd(_conv_backward, setup_context=_conv_setup)
+conv_op.register_autograd(_conv_backward, setup_context=_layer_setup)
 
 
 def conv(
@@ -308,26 +271,15 @@ def conv(
     return torch.ops.dropit.conv(used, weight, bias, fields, *args, cache.number)
 
 
-# Linear --------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("dropit::linear", mutates_args=())
-def linear_op(
+def _linear(
     x: Tensor, weight: Tensor, bias: Tensor | None, fields: list[Tensor], cache: int
 ) -> Tensor:
-    """``F.linear``; its backward's weight gradient reads the pack ``fields``."""
+    """``F.linear`` (its own fake too); the backward's weight gradient reads the pack ``fields``."""
     return torch.nn.functional.linear(x, weight, bias)
 
 
-@linear_op.register_fake
-def _(x, weight, bias, fields, cache):
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-def _linear_setup(ctx, inputs, output) -> None:
-    x, weight, bias, fields, cache = inputs
-    ctx.cache, ctx.x_shape, ctx.x_dtype = cache, list(x.shape), x.dtype
-    ctx.save_for_backward(weight, *fields)
+linear_op = torch.library.custom_op("dropit::linear", _linear, mutates_args=())
+linear_op.register_fake(_linear)
 
 
 def _linear_backward(ctx, grad):
@@ -336,7 +288,7 @@ def _linear_backward(ctx, grad):
     return *grads, [None] * len(fields), None
 
 
-linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+linear_op.register_autograd(_linear_backward, setup_context=_layer_setup)
 
 
 def linear(
@@ -346,9 +298,6 @@ def linear(
     used = x if dtype is None else x.to(dtype)
     fields = pack(cache, x, "linear", used.dtype) if weight.requires_grad else []
     return torch.ops.dropit.linear(used, weight, bias, fields, cache.number)
-
-
-# ReLU ----------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("dropit::relu_mask", mutates_args=())
@@ -386,10 +335,9 @@ relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)
 
 
 def relu(x: Tensor, inplace: bool) -> Tensor:
-    """The traced form of ``MaskedReLUFunction.apply`` (in place: the result copied into x,
-    which the compiler turns back into one buffer): plain torch ops (:class:`_MaskedReLU`) that
-    Inductor fuses with the ops around it, or the opaque ``dropit::relu_mask`` (per
-    ``settings.fuse``)."""
+    """The traced form of ``MaskedReLUFunction.apply``: :class:`_MaskedReLU`, which Inductor
+    fuses, or the opaque ``dropit::relu_mask`` (per ``settings.fuse``). In place: copied into x,
+    which the compiler turns back into one buffer."""
     out = _MaskedReLU.apply(x) if fuse_enabled() else torch.ops.dropit.relu_mask(x)[0]
     return x.copy_(out) if inplace else out
 

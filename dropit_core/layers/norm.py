@@ -1,20 +1,11 @@
 """Normalisation layers that keep a packed copy of their input for backward.
 
-A trainable ``BatchNorm2d``, ``SyncBatchNorm`` or ``GroupNorm`` keeps its whole input for its
-backward: in a model trained from scratch that is as much as every conv input together. The
-DropIT subclasses here compute the forward with the same aten op as the plain layer (the output,
-the batch statistics and the running-statistics update are the plain layer's, bit for bit) and
-keep the input as a pack of the layer's strategy, which must keep every element (``quant``:
-stochastic rounding, unbiased). Backward rebuilds the input and runs the plain layer's backward
-on it, with the exact batch statistics of the forward:
-
-- the weight and bias gradients are linear in the input: unbiased (the bias gradient is exact);
-- the input gradient is not linear in it (it reads the input twice, through the projection onto
-  the normalised input): close, but neither exact nor unbiased. ``docs/dropit.md`` states the
-  error measured on a test model.
-
-``SyncBatchNorm`` across several processes runs torch's own synchronised function, with its saved
-input packed through a saved-tensor hook scoped to that one call.
+A trainable norm keeps its whole input for backward: from scratch, as much as every conv input
+together. The DropIT subclasses run the plain layer's aten op (output and statistics bit for bit)
+and keep the input as a pack of a strategy that keeps every element (``quant``). Backward runs the
+plain backward on the rebuilt input: the weight and bias gradients are unbiased, the input
+gradient close but neither exact nor unbiased (``docs/dropit.md``). ``SyncBatchNorm`` across
+processes runs torch's own function, its saved input packed by a saved-tensor hook.
 """
 
 from __future__ import annotations
@@ -54,28 +45,40 @@ def _saved(ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
     return rest, ctx.cache.unpack(Packed(ctx.meta, *tensors))
 
 
+def _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, eps):
+    """(output, mean, invstd, reserve) of training-mode batch norm: the op ``F.batch_norm``
+    dispatches to (cuDNN's on CUDA), which updates the running statistics in place, or without
+    them (track_running_stats=False) the native op, and no reserve (None)."""
+    if running_mean is None:
+        out, mean, invstd = torch.ops.aten.native_batch_norm.default(
+            x, weight, bias, None, None, True, momentum, eps
+        )
+        return out, mean, invstd, None
+    return torch.ops.aten._batch_norm_with_update.default(
+        x, weight, bias, running_mean, running_var, momentum, eps
+    )
+
+
+def _group_norm_forward(x, weight, bias, groups, eps):
+    """((output, mean, rstd), dims) of aten's group norm; dims: (N, C, HxW, groups)."""
+    n, c = x.shape[:2]
+    dims = (n, c, x[0, 0].numel() if n and c else 0, groups)
+    return torch.ops.aten.native_group_norm.default(x, weight, bias, *dims, eps), dims
+
+
 class _BatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm (aten's, as ``F.batch_norm`` dispatches it) with a packed input."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, cache):
-        ctx.eps, ctx.update, ctx.channels = eps, running_mean is not None, x.shape[1]
-        if ctx.update:  # the op F.batch_norm dispatches to (cuDNN's on CUDA), stats updated
-            out, mean, invstd, reserve = torch.ops.aten._batch_norm_with_update.default(
-                x, weight, bias, running_mean, running_var, momentum, eps
-            )
-        else:  # no running statistics (track_running_stats=False)
-            out, mean, invstd = torch.ops.aten.native_batch_norm.default(
-                x, weight, bias, None, None, True, momentum, eps
-            )
-            reserve = None
-        _save_pack(ctx, cache, x, weight, mean, invstd, reserve)
+        ctx.eps = eps
+        out, *stats = _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, eps)
+        _save_pack(ctx, cache, x, weight, *stats)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (weight, mean, invstd, reserve), x_hat = _saved(ctx)
-        stats = (mean, invstd, reserve if ctx.update else None)
+        (weight, *stats), x_hat = _saved(ctx)  # stats: mean, invstd, reserve (None: no update)
         grads = batch_norm_grads(grad, x_hat, weight, stats, ctx.eps, ctx.needs_input_grad)
         return *grads, None, None, None, None, None
 
@@ -88,9 +91,8 @@ def batch_norm_grads(
     eps: float,
     needs: Sequence[bool],
 ) -> Grads:
-    """(input, weight, bias gradients) of training-mode batch norm from its rebuilt input: the
-    one body of the autograd Function's backward and the traced operator's. ``stats``: (mean,
-    invstd, the reserve of the op that updated running statistics, or None without them)."""
+    """(input, weight, bias gradients) of training-mode batch norm from its rebuilt input, for
+    the Function and the traced operator. ``stats``: (mean, invstd, reserve or None)."""
     mean, invstd, reserve = stats
     need = list(needs[:3])
     grad = grad.contiguous()
@@ -111,12 +113,7 @@ class _GroupNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, cache):
-        n, c = x.shape[:2]
-        hw = x[0, 0].numel() if n and c else 0
-        out, mean, rstd = torch.ops.aten.native_group_norm.default(
-            x, weight, bias, n, c, hw, groups, eps
-        )
-        ctx.dims = (n, c, hw, groups)
+        (out, mean, rstd), ctx.dims = _group_norm_forward(x, weight, bias, groups, eps)
         _save_pack(ctx, cache, x, weight, mean, rstd)
         return out
 
@@ -137,7 +134,7 @@ def group_norm_grads(
     needs: Sequence[bool],
 ) -> Grads:
     """(input, weight, bias gradients) of group norm from its rebuilt input (``dims``: N, C,
-    HxW, groups): the one body of the autograd Function's backward and the traced operator's."""
+    HxW, groups), for the Function and the traced operator."""
     need = list(needs[:3])
     if weight is None:
         need[1] = need[2] = False
@@ -156,12 +153,18 @@ def _momentum(module: nn.modules.batchnorm._BatchNorm) -> float:
     return factor
 
 
+def _traced(cache: InputCache) -> bool:
+    """Whether to run the traced operator (compiling, a traceable strategy) rather than the
+    autograd Function: the same arguments either way."""
+    return torch.compiler.is_compiling() and traced.traceable(cache)
+
+
 def _batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    module._check_input_dim(x)
+    F._verify_batch_size(x.size())  # one value per channel: no variance, as the plain layer
     factor = _momentum(module)
     track = module.track_running_stats
-    # while compiling, the traced operator; eagerly, the autograd Function (the same arguments)
-    compiling = torch.compiler.is_compiling() and traced.traceable(module.dropit_cache)
-    run = batch_norm if compiling else _BatchNormFunction.apply
+    run = batch_norm if _traced(module.dropit_cache) else _BatchNormFunction.apply
     return run(
         x,
         module.weight,
@@ -182,8 +185,6 @@ class DropITBatchNorm2d(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _training_step(self, x):
             return super().forward(x)
-        self._check_input_dim(x)
-        F._verify_batch_size(x.size())  # one value per channel: no variance, as the plain layer
         return _batch_norm(self, x)
 
 
@@ -196,8 +197,6 @@ class DropITSyncBatchNorm(nn.SyncBatchNorm):
         if not _training_step(self, x):
             return super().forward(x)
         if not _synchronised(self):
-            self._check_input_dim(x)
-            F._verify_batch_size(x.size())
             return _batch_norm(self, x)
         # Across processes: torch's own function (its backward all-reduces), its input packed.
         with _pack_saved(self.dropit_cache, x):
@@ -241,16 +240,11 @@ class DropITGroupNorm(nn.GroupNorm):
             # CUDA autocast runs group_norm in fp32 (the plain layer's output dtype): cast outside
             # the Function, as autocast would, so that autograd sees the cast.
             x = x.float()
-        if torch.compiler.is_compiling() and traced.traceable(self.dropit_cache):
-            return group_norm(
-                x, self.weight, self.bias, self.num_groups, self.eps, self.dropit_cache
-            )
-        return _GroupNormFunction.apply(
-            x, self.weight, self.bias, self.num_groups, self.eps, self.dropit_cache
-        )
+        run = group_norm if _traced(self.dropit_cache) else _GroupNormFunction.apply
+        return run(x, self.weight, self.bias, self.num_groups, self.eps, self.dropit_cache)
 
 
-# Normalisation layers (norm=True) ---------------------------------------------------------------
+# The traced operators (torch.compile: dropit_core.layers.library) ---------------------------
 
 
 @torch.library.custom_op("dropit::batch_norm", mutates_args=())
@@ -265,44 +259,35 @@ def batch_norm_op(
     eps: float,
     cache: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Training-mode batch norm as ``norm._BatchNormFunction`` runs it: (output, mean, invstd,
-    reserve, the updated running mean and variance). Functional: the statistics are updated in
-    copies, which the caller writes back (an operator with an autograd formula mutates nothing).
-    """
-    if running_mean is None:
-        out, mean, invstd = torch.ops.aten.native_batch_norm.default(
-            x, weight, bias, None, None, True, momentum, eps
-        )
-        empty = x.new_empty(0)
-        return out, mean, invstd, empty, empty.clone(), empty.clone()
-    new_mean, new_var = running_mean.clone(), running_var.clone()
-    out, mean, invstd, reserve = torch.ops.aten._batch_norm_with_update.default(
-        x, weight, bias, new_mean, new_var, momentum, eps
+    """Training-mode batch norm as ``_BatchNormFunction`` runs it: (output, mean, invstd,
+    reserve, the updated running mean and variance; the last three empty without running
+    statistics). Functional: the statistics are updated in copies, which the caller writes back
+    (an operator with an autograd formula mutates nothing)."""
+    if running_mean is not None:
+        running_mean, running_var = running_mean.clone(), running_var.clone()
+    out, mean, invstd, reserve = _batch_norm_forward(
+        x, weight, bias, running_mean, running_var, momentum, eps
     )
-    return out, mean, invstd, reserve, new_mean, new_var
+    if reserve is None:
+        reserve, running_mean, running_var = (x.new_empty(0) for _ in range(3))
+    return out, mean, invstd, reserve, running_mean, running_var
 
 
 @batch_norm_op.register_fake
 def _(x, weight, bias, running_mean, running_var, fields, momentum, eps, cache):
-    channels = x.shape[1]
-    stats = x.new_empty(channels, dtype=torch.float32)
+    stats = x.new_empty(x.shape[1], dtype=torch.float32)
     if running_mean is None:
-        empty = x.new_empty(0)
-        return torch.empty_like(x), stats, stats.clone(), empty, empty.clone(), empty.clone()
-    return (
-        torch.empty_like(x),
-        stats,
-        stats.clone(),
-        x.new_empty(0, dtype=torch.uint8),
-        torch.empty_like(running_mean),
-        torch.empty_like(running_var),
-    )
+        rest = [x.new_empty(0) for _ in range(3)]
+    else:
+        reserve = x.new_empty(0, dtype=torch.uint8)
+        rest = [reserve, torch.empty_like(running_mean), torch.empty_like(running_var)]
+    return torch.empty_like(x), stats, stats.clone(), *rest
 
 
 def _batch_norm_setup(ctx, inputs, output) -> None:
     x, weight, bias, running_mean, _, fields, _, eps, cache = inputs
     ctx.eps, ctx.cache, ctx.update = eps, cache, running_mean is not None
-    ctx.x_shape, ctx.x_dtype, ctx.affine = list(x.shape), x.dtype, weight is not None
+    ctx.x_shape, ctx.x_dtype = list(x.shape), x.dtype
     _, mean, invstd, reserve, _, _ = output
     ctx.save_for_backward(weight, mean, invstd, reserve, *fields)
 
@@ -351,9 +336,7 @@ def group_norm_op(
     cache: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Group norm as ``norm._GroupNormFunction`` runs it: (output, mean, rstd)."""
-    n, c = x.shape[:2]
-    hw = x[0, 0].numel() if n and c else 0
-    return torch.ops.aten.native_group_norm.default(x, weight, bias, n, c, hw, groups, eps)
+    return _group_norm_forward(x, weight, bias, groups, eps)[0]
 
 
 @group_norm_op.register_fake
@@ -368,7 +351,6 @@ def _group_norm_setup(ctx, inputs, output) -> None:
     n, c = x.shape[:2]
     ctx.dims = (n, c, math.prod(x.shape[2:]), groups)
     ctx.cache, ctx.x_shape, ctx.x_dtype = cache, list(x.shape), x.dtype
-    ctx.affine = weight is not None
     ctx.save_for_backward(weight, output[1], output[2], *fields)
 
 

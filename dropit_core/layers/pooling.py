@@ -1,11 +1,10 @@
 """A max-pool that keeps one byte per output for backward instead of its input and int64 indices.
 
-``nn.MaxPool2d`` saves its whole input (its backward reads only the input's shape) and the
-argmax of each window as an int64 index into the plane: 1.5 times the input's fp32 bytes at a
-3x3, stride-2 pool (the ResNet stem's). What the backward needs is which element of each window
-won, a number below ``kernel_h * kernel_w``: one byte. :class:`DropITMaxPool2d` keeps that byte
-and rebuilds the plane indices in backward, then runs aten's own max-pool backward on them: the
-gradient is the plain layer's, bit for bit.
+``nn.MaxPool2d`` saves its whole input (of which its backward reads only the shape) and an int64
+argmax per window: 1.5 times the input's fp32 bytes at the ResNet stem's 3x3, stride-2 pool. The
+backward needs only which element of each window won: one byte. :class:`DropITMaxPool2d` keeps
+it and rebuilds the indices for aten's own max-pool backward: the plain layer's gradient, bit for
+bit.
 """
 
 from __future__ import annotations
@@ -17,9 +16,12 @@ from torch.nn.modules.utils import _pair
 from dropit_core.formats.packed import refuse_double_backward
 
 
-def _window_origin(out_size: int, stride: int, padding: int, device: torch.device):
-    """The first input row (or column) each output row (column) reads."""
-    return torch.arange(out_size, device=device) * stride - padding
+def _window_origins(out_shape, stride, padding, device: torch.device):
+    """(the first input row each output row reads, as a column; the first column of each output
+    column, as a row)."""
+    oh, ow = out_shape[-2:]
+    rows = torch.arange(oh, device=device).view(oh, 1) * stride[0] - padding[0]
+    return rows, torch.arange(ow, device=device).view(1, ow) * stride[1] - padding[1]
 
 
 class _MaxPoolFunction(torch.autograd.Function):
@@ -29,9 +31,7 @@ class _MaxPoolFunction(torch.autograd.Function):
             x, kernel, stride, padding, dilation, ceil_mode
         )
         width = x.shape[-1]
-        oh, ow = out.shape[-2:]
-        rows = _window_origin(oh, stride[0], padding[0], x.device).view(oh, 1)
-        cols = _window_origin(ow, stride[1], padding[1], x.device).view(1, ow)
+        rows, cols = _window_origins(out.shape, stride, padding, x.device)
         # the winner's place in its window: (row step, column step) from the window's origin
         kh = torch.div(index // width - rows, dilation[0], rounding_mode="floor")
         kw = torch.div(index % width - cols, dilation[1], rounding_mode="floor")
@@ -46,9 +46,7 @@ class _MaxPoolFunction(torch.autograd.Function):
         (local,) = ctx.saved_tensors
         kernel, stride, padding, dilation, ceil_mode = ctx.args
         width = ctx.x_shape[-1]
-        oh, ow = local.shape[-2:]
-        rows = _window_origin(oh, stride[0], padding[0], grad.device).view(oh, 1)
-        cols = _window_origin(ow, stride[1], padding[1], grad.device).view(1, ow)
+        rows, cols = _window_origins(local.shape, stride, padding, grad.device)
         local = local.long()
         kh, kw = local // kernel[1], local % kernel[1]
         index = (rows + kh * dilation[0]) * width + (cols + kw * dilation[1])

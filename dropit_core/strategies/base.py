@@ -1,9 +1,6 @@
-"""What every strategy shares: the options every strategy takes and the :class:`Strategy` base.
-
-The base class owns how kept values are stored (a
-:class:`~dropit_core.formats.values.ValueCodec`) and the ``rescale`` of the rebuilt input
-(declared, applied in :meth:`Strategy.pack` / :meth:`Strategy.unpack`, and described here,
-nowhere else). The packed cache itself is :mod:`dropit_core.formats.packed`.
+"""What every strategy shares: the options every strategy takes and the :class:`Strategy` base,
+which owns how kept values are stored (a :class:`~dropit_core.formats.values.ValueCodec`) and the
+``rescale`` of the rebuilt input. The packed cache itself is :mod:`dropit_core.formats.packed`.
 """
 
 from __future__ import annotations
@@ -62,25 +59,23 @@ def keep_count(gamma: float, n: int) -> int:
 class Strategy:
     """Base class: pick what to keep of a layer input and rebuild a dense tensor from it.
 
-    A subclass declares its ``name``, its ``options`` (passed to ``__init__`` as keywords, with
-    the registry's defaults filled in) and, for the docs, what it ``keeps`` and its
-    ``cache_bytes``; it implements :meth:`_pack` and :meth:`_unpack`. ``draws``: whether a pack
-    draws random numbers (from its ``key``); ``uses_gamma``: whether gamma means anything to it;
-    ``skips_common``: common options that do not apply to it; ``reads_through_cast``: whether
-    it implements :meth:`_pack_cast` (packs an autocast input from the tensor it was cast from).
-    """
+    A subclass declares its ``name``, its ``options`` (``__init__`` keywords, defaults filled
+    in), what it ``keeps`` and its ``cache_bytes`` (for the docs), and implements :meth:`_pack`
+    and :meth:`_unpack`. ``draws``: a pack draws random numbers (from its ``key``);
+    ``reads_through_cast``: it implements :meth:`_pack_cast`."""
 
     name = ""
     options: tuple[Option, ...] = ()
     keeps = ""
     cache_bytes = ""
     draws = False
-    uses_gamma = True
+    uses_gamma = True  # whether gamma means anything to it
     # Whether the rebuilt tensor estimates every element (nothing dropped): only such a strategy
     # may pack a normalisation layer's input, whose backward reads all of it.
     every_element = False
-    skips_common: tuple[str, ...] = ()
+    skips_common: tuple[str, ...] = ()  # common options that do not apply to it
     reads_through_cast = False
+    described: tuple[str, ...] = ()  # the attributes (options) describe() shows
 
     def __init__(self, gamma: float, codec: ValueCodec, rescale: str = RESCALES[0]) -> None:
         self.gamma = gamma
@@ -90,10 +85,9 @@ class Strategy:
     def pack(
         self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None
     ) -> Packed:
-        """Compress ``x`` (a ``"conv"`` or ``"linear"`` input). Random draws are seeded from
-        ``key`` (and the strategy's ``seed``): the same key gives the same pack. ``dtype``: the
-        dtype the layer computed in (autocast's): the pack is that of ``x.to(dtype)``, made
-        without the copy by a strategy that reads through the cast (quant)."""
+        """Compress ``x`` (a ``"conv"`` or ``"linear"`` input); the same ``key`` (and ``seed``)
+        draws the same pack. ``dtype``: the layer's (autocast's): the pack of ``x.to(dtype)``,
+        made without the copy by a strategy that reads through the cast (quant)."""
         if dtype is None or dtype == x.dtype:
             packed = self._pack(x, layout, key)
         elif self.reads_through_cast and self.rescale == RESCALES[0]:
@@ -107,8 +101,7 @@ class Strategy:
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         """Rebuild a dense tensor of the packed input's shape and dtype; with ``rescale="norm"``
-        scaled to the input's L2 norm (dropping small elements shrinks the weight gradient by the
-        same factor)."""
+        scaled to the input's L2 norm (which dropping small elements shrinks)."""
         x_hat = self._unpack(packed)
         if packed.norm is None:
             return x_hat
@@ -144,4 +137,4 @@ class Strategy:
 
     def _describe_params(self) -> tuple[str, ...]:
         """The strategy's own settings worth showing in :meth:`describe`."""
-        return ()
+        return tuple(f"{name}={getattr(self, name)}" for name in self.described)

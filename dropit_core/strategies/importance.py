@@ -1,9 +1,7 @@
 """``importance`` (Wangni et al. 2018): keep x_i with probability p_i = min(1, |x_i| / tau), tau
 set so that the expected kept fraction is 1 - gamma; a kept x_i rebuilds as x_i / p_i =
-sign(x_i) max(|x_i|, tau), so the rebuilt input equals the input in expectation (unbiased),
-and so does the weight gradient, which is linear in it. The cache is min-k's (position bits,
-kept values) plus tau; tau stays a device tensor (no host sync). Draws come from a generator
-seeded per pack (:mod:`dropit_core.formats.seeds`), slice by slice.
+sign(x_i) max(|x_i|, tau): unbiased, and so is the weight gradient, linear in it. The cache is
+min-k's (position bits, kept values) plus tau, a device tensor (no host sync).
 """
 
 from __future__ import annotations
@@ -55,11 +53,8 @@ class Importance(Elementwise):
     """Keep x_i with probability min(1, |x_i|/tau); rebuild it as sign(x_i) max(|x_i|, tau)."""
 
     name = "importance"
-    options = (
-        POSITIONS_OPTION,
-        SAMPLE_OPTION,
-        SEED,
-    )
+    options = (POSITIONS_OPTION, SAMPLE_OPTION, SEED)
+    described = ("sample",)
     keeps = (
         "each element with probability `min(1, abs(x)/tau)`, tau set from a 64Ki sample so that "
         "`1 - gamma` of them are kept in expectation; rebuilt as `sign(x) max(abs(x), tau)`: "
@@ -81,8 +76,7 @@ class Importance(Elementwise):
         seed: int,
     ) -> None:
         super().__init__(gamma, codec, rescale, positions=positions)
-        self.sample = sample
-        self.seed = seed
+        self.sample, self.seed = sample, seed
 
     def capacity(self, n: int) -> int:
         sample = sample_size(n, self.sample)
@@ -119,6 +113,3 @@ class Importance(Elementwise):
     def _rebuilt_values(self, values: torch.Tensor, packed: Packed) -> torch.Tensor:
         tau = packed.threshold.to(values.dtype)
         return torch.where(values.abs() < tau, torch.copysign(tau, values), values)
-
-    def _describe_params(self) -> tuple[str, ...]:
-        return (f"sample={self.sample}",)

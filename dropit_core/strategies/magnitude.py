@@ -17,10 +17,7 @@ from dropit_core.formats.seeds import hash_uniform, mix_seed
 from dropit_core.formats.values import ValueCodec
 from dropit_core.registry import Option
 from dropit_core.strategies import select as select_mod
-from dropit_core.strategies.base import (
-    SEED,
-    keep_count,
-)
+from dropit_core.strategies.base import SEED, keep_count
 from dropit_core.strategies.elementwise import (
     POSITIONS_OPTION,
     SAMPLE_OPTION,
@@ -102,10 +99,9 @@ class MinK(Elementwise):
         return KeepRule(AT_LEAST, state)
 
     def _pack_one_pass(self, flat: torch.Tensor, key: int):
-        """Select and pack in two passes (CPU): the first gathers every value above the bracket's
-        low end, a superset of the kept ones whose magnitudes also give the k-th value
-        (:func:`~dropit_core.strategies.select.select_superset`); the second only writes the mask
-        bits, and the kept values are filtered from the superset."""
+        """Select and pack in two passes (CPU): the first gathers a superset of the kept values,
+        which also gives the k-th value (:func:`~dropit_core.strategies.select.select_superset`);
+        the second writes the mask bits and filters the kept values from the superset."""
         n = flat.numel()
         k = keep_count(self.gamma, n)
         if k in (0, n) or n <= select_mod.DIRECT:
@@ -126,6 +122,7 @@ class ParallelMinK(Elementwise):
 
     name = "parallel_mink"
     options = (POSITIONS_OPTION, Option("chunk", int, 1 << 14, "elements per chunk", minimum=1))
+    described = ("chunk",)
     keeps = "the same inside each chunk of `chunk` elements (the paper's parallel min-k)"
     cache_bytes = "n/8 + kept v; GPU: n/8 + k v"
     exact_capacity = True
@@ -141,10 +138,8 @@ class ParallelMinK(Elementwise):
         return self.chunk * 8 * max(1, base.SLICE // (self.chunk * 8))
 
     def capacity(self, n: int) -> int:
-        # Whole chunks, then the last one's tail (slices hold whole chunks).
-        return n // self.chunk * keep_count(self.gamma, self.chunk) + keep_count(
-            self.gamma, n % self.chunk
-        )
+        whole, tail = divmod(n, self.chunk)  # whole chunks, then the last one's tail
+        return whole * keep_count(self.gamma, self.chunk) + keep_count(self.gamma, tail)
 
     def _begin(self, flat: torch.Tensor, static: bool, key: int) -> bool:
         # On a capacity of k per chunk, ties with a chunk's k-th value are kept in flat order.
@@ -182,18 +177,13 @@ class ParallelMinK(Elementwise):
         mask[full:] = self._rows_mask(a[full:].view(1, -1), state).view(-1)
         return mask
 
-    def _describe_params(self) -> tuple[str, ...]:
-        return (f"chunk={self.chunk}",)
-
 
 class Threshold(Elementwise):
     """Keep |x| above the gamma-quantile estimated from a fixed-size sample: O(n), no sort."""
 
     name = "threshold"
-    options = (
-        POSITIONS_OPTION,
-        SAMPLE_OPTION,
-    )
+    options = (POSITIONS_OPTION, SAMPLE_OPTION)
+    described = ("sample",)
     keeps = "magnitudes above a gamma-quantile estimated from a 64Ki sample: no sort, O(n)"
     cache_bytes = "n/8 + kept v; GPU: n/8 + cap v + 8"
 
@@ -219,9 +209,6 @@ class Threshold(Elementwise):
 
     def _kernel_rule(self, state: torch.Tensor) -> KeepRule:
         return KeepRule(AT_LEAST, state)
-
-    def _describe_params(self) -> tuple[str, ...]:
-        return (f"sample={self.sample}",)
 
 
 class RandomKeep(Elementwise):
@@ -250,8 +237,7 @@ class RandomKeep(Elementwise):
         self, gamma: float, codec: ValueCodec, rescale: str, *, seed: int, scale: bool
     ) -> None:
         super().__init__(gamma, codec, rescale)
-        self.seed = seed
-        self.scale = scale
+        self.seed, self.scale = seed, scale
         self._factor = 1.0 / (1.0 - gamma)
 
     def capacity(self, n: int) -> int:

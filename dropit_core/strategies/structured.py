@@ -15,13 +15,7 @@ from dropit_core.formats.packed import BlocksMeta, Packed, PoolMeta, UnitsMeta
 from dropit_core.formats.seeds import mix_seed
 from dropit_core.formats.values import ValueCodec
 from dropit_core.registry import Option
-from dropit_core.strategies.base import (
-    SEED,
-    Strategy,
-    decoded,
-    encoded,
-    keep_count,
-)
+from dropit_core.strategies.base import SEED, Strategy, decoded, encoded, keep_count
 
 
 def _fp32_norms(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -109,12 +103,6 @@ class ChannelRandom(_ChannelBase):
         return torch.randperm(units.shape[0], generator=gen, device=dev)[:k]
 
 
-def _as_planes(x: torch.Tensor, layout: str) -> torch.Tensor:
-    if layout == "conv":
-        return x.reshape(-1, x.shape[-2], x.shape[-1])
-    return x.reshape(1, -1, x.shape[-1])
-
-
 class BlockMinK(Strategy):
     """Keep the b x b blocks of each plane with the largest L2 norm (block-sparse rows, BSR)."""
 
@@ -129,7 +117,7 @@ class BlockMinK(Strategy):
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         b = self.block
-        planes = _as_planes(x, layout)
+        planes = x.reshape(-1, *x.shape[-2:]) if layout == "conv" else x.reshape(1, -1, x.shape[-1])
         m, h, w = planes.shape
         ph, pw = (-h) % b, (-w) % b
         if ph or pw:
@@ -158,11 +146,9 @@ class BlockMinK(Strategy):
 
 
 class Pool(Strategy):
-    """Cache an f x f average pool of each plane; backward upsamples it (Barley & Froening).
-
-    The factor defaults to round(1/sqrt(1-gamma)) so that about 1-gamma of the input is kept
-    (gamma=0.75 -> 2, 0.9 -> 3); linear inputs are pooled by f*f along the features.
-    """
+    """Cache an f x f average pool of each plane; backward upsamples it (Barley & Froening). f
+    defaults to round(1/sqrt(1-gamma)), keeping about 1-gamma of the input (gamma=0.75 -> 2, 0.9
+    -> 3); linear inputs are pooled by f*f along the features."""
 
     name = "pool"
     options = (
@@ -176,15 +162,14 @@ class Pool(Strategy):
         ),
     )
     keeps = "an average-pooled copy, upsampled in backward (Barley & Fröning)"
+    described = ("factor",)
     cache_bytes = "n/f² v"
 
     def __init__(
         self, gamma: float, codec: ValueCodec, rescale: str, *, factor: int | None
     ) -> None:
         super().__init__(gamma, codec, rescale)
-        if factor is None:
-            factor = max(1, round((1.0 - gamma) ** -0.5))
-        self.factor = factor
+        self.factor = max(1, round((1.0 - gamma) ** -0.5)) if factor is None else factor
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         f = self.factor
@@ -207,6 +192,3 @@ class Pool(Strategy):
             return up[..., : shape[-2], : shape[-1]].reshape(shape)
         up = pooled.repeat_interleave(f * f, dim=-1)
         return up[..., : shape[-1]].reshape(shape)
-
-    def _describe_params(self) -> tuple[str, ...]:
-        return (f"factor={self.factor}",)

@@ -1,18 +1,12 @@
-"""The element-wise packs' compaction and rebuild in Triton (reference: the fixed-capacity path of
-``dropit_core.strategies.elementwise.Elementwise``, which writes the same bytes with eager torch
-ops).
+"""The element-wise packs' compaction and rebuild in Triton: the bytes of the fixed-capacity path
+of ``dropit_core.strategies.elementwise.Elementwise``, in two launches and a scan whatever the size.
 
-A pack is two launches and a scan, whatever the tensor's size: a count of the kept elements of
-each block, an exclusive cumulative sum of those counts on the device (where each block's values
-start), and a write of every block's kept values at those offsets with its 1-bit mask. The
-rebuild is the same three steps read backwards. No size depends on the data, so the host never
-waits for the device: a pack stores at most its capacity (the first kept values in flat order,
-its mask flagging exactly those) and returns how many its rule chose, for the overflow count.
-
-Which elements a block keeps is a :class:`~dropit_core.strategies.keep_rule.KeepRule`: a
-magnitude at or above a threshold (threshold, mink), above a value with the ties kept in flat
-order up to a budget (mink sized to k), a uniform draw at or above gamma (random), or a
-magnitude above a draw times tau (importance). The draws are
+A pack counts each block's kept elements, takes an exclusive cumulative sum of the counts on the
+device (where each block's values start), and writes every block's kept values at those offsets
+with its 1-bit mask; the rebuild reads them back the same way. No size depends on the data, so the
+host never waits: a pack stores at most its capacity (the first kept values in flat order, its
+mask flagging exactly those) and returns how many its rule chose, for the overflow count. Which
+elements a block keeps is a :class:`~dropit_core.strategies.keep_rule.KeepRule`; the draws are
 :func:`dropit_core.formats.seeds.hash_uniform`'s, per element.
 """
 
@@ -140,14 +134,6 @@ def _check_block(block: int) -> None:
         raise ValueError(f"compact block {block} is not a power of two of at least 8")
 
 
-def _check(flat: torch.Tensor, block: int) -> None:
-    if flat.dim() != 1 or not flat.is_floating_point():
-        raise ValueError(f"compact_pack takes a flat float tensor, got {flat.shape} {flat.dtype}")
-    _check_block(block)
-    if flat.numel() > 1 << 44:
-        raise ValueError("the element-wise kernels draw for element indices below 2**44")
-
-
 def _keys(seed: int | None) -> tuple[int, int]:
     return hash_keys(seed) if seed is not None else (0, 0)
 
@@ -158,7 +144,11 @@ def compact_pack(
     """(the packed flags of the stored elements or None, a buffer of ``slots`` values, how many
     the rule chose: a 0-dim int64 tensor) for a flat float tensor; the eager fixed-capacity pack's
     bytes. Slots past the stored values hold zeros. ``block`` changes no byte."""
-    _check(flat, block)
+    if flat.dim() != 1 or not flat.is_floating_point():
+        raise ValueError(f"compact_pack takes a flat float tensor, got {flat.shape} {flat.dtype}")
+    _check_block(block)
+    if flat.numel() > 1 << 44:
+        raise ValueError("the element-wise kernels draw for element indices below 2**44")
     flat = flat.contiguous()
     n, dev = flat.numel(), flat.device
     values = torch.zeros(slots + 1, dtype=flat.dtype, device=dev)  # + a slot for an empty pack
@@ -195,10 +185,9 @@ def scatter_pack(
     draw: KeepRule | None = None,
     block: int = BLOCK,
 ) -> torch.Tensor:
-    """The dense flat tensor of n elements whose flags take ``values`` in order, zeros elsewhere
-    (``dropit_core.formats.bits.scatter_kept``'s result): the flags from ``bits``, or drawn again by
-    ``draw`` (a DRAW rule) when the pack stores none; flags past the last value rebuild as zeros.
-    """
+    """``dropit_core.formats.bits.scatter_kept``'s dense flat tensor of n elements: ``values`` in
+    the flagged places, in order, zeros elsewhere; the flags from ``bits``, or drawn again by
+    ``draw`` (a DRAW rule) when the pack stores none."""
     _check_block(block)
     if (bits is None) == (draw is None):
         raise ValueError("scatter_pack takes packed flags or a draw, one of them")

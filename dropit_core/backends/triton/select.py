@@ -1,11 +1,10 @@
 """The histogram passes of mink's radix select in Triton (reference: the slice loop of
 ``dropit_core.strategies.select.radix_kth_largest_abs``, whose counters these are, exactly).
 
-One launch per pass over the whole tensor. Each element adds one to the counter of 16 bits of
-``|x|``'s bit pattern with an atomic add, except where the eager pass would pile thousands onto
-one counter: the zeros (a ReLU's output is half zeros) are summed per program first, and the
-second pass counts only the elements of the bucket the first one chose (the eager pass throws
-the others' counters away).
+One launch per pass. Each element adds one to the counter of 16 bits of ``|x|``'s bit pattern
+with an atomic add, except where thousands would pile onto one counter: the zeros (half a ReLU's
+output) are summed per program first, and the second pass counts only the chosen bucket's
+elements.
 """
 
 from __future__ import annotations
