@@ -2,9 +2,9 @@
 
 A strategy that draws (random keeps, importance sampling, stochastic rounding) seeds each pack
 from its ``seed`` option and a key that :class:`dropit_core.layers.functions.InputCache` derives
-from the
-training step and the pack's position in that step's forward. Plain Python integers: no
-generator state to save in a checkpoint, nothing read from a device.
+from the training step and the pack's position in that step's forward. Integers (Python ints, or
+int64 CPU tensors of many at once, the same values): no generator state to save in a checkpoint,
+nothing read from a device.
 
 :func:`hash_uniform` is the counter-based draw: a pure function of (seed, element index), the
 same numbers in eager torch (int64 arithmetic here) and in Triton (uint32, in
@@ -18,12 +18,26 @@ import torch
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(z: int) -> int:
-    """One step of SplitMix64 (Steele, Lea and Flood 2014): a bijective 64-bit mixer."""
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+def _signed64(c: int) -> int:
+    """A 64-bit pattern as the int64 torch holds it."""
+    return c - (1 << 64) if c >> 63 else c
+
+
+# SplitMix64's constants as int64 patterns: a Python int masked to 64 bits after each step and
+# an int64 tensor (whose arithmetic wraps) then hold the same bits.
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MUL1 = _signed64(0xBF58476D1CE4E5B9)
+_MUL2 = _signed64(0x94D049BB133111EB)
+
+
+def _splitmix64(z: int | torch.Tensor, wrap: int = _MASK64) -> int | torch.Tensor:
+    """One step of SplitMix64 (Steele, Lea and Flood 2014), a bijective 64-bit mixer, of a
+    Python int in [0, 2**64) or, with ``wrap=-1``, element-wise of an int64 tensor of such bit
+    patterns (many keys at once). The masked shifts are logical on both."""
+    z = (z + _GOLDEN) & wrap
+    z = ((z ^ (z >> 30 & (1 << 34) - 1)) * _MUL1) & wrap
+    z = ((z ^ (z >> 27 & (1 << 37) - 1)) * _MUL2) & wrap
+    return z ^ (z >> 31 & (1 << 33) - 1)
 
 
 def mix_seed(*parts: int) -> int:
@@ -32,13 +46,22 @@ def mix_seed(*parts: int) -> int:
     Below 2**62 so that a slice offset (a few billion at most) can be added and the sum still
     fits ``torch.Generator.manual_seed``.
     """
-    return mix_state(0, *parts) >> 2
+    return seed_of(mix_state(0, *parts))
 
 
-def mix_part(state: int, part: int) -> int:
+def mix_part(state: int, part: int | torch.Tensor) -> int | torch.Tensor:
     """``mix_state(state, part)`` of one part in [0, 2**64), without the loop (each pack of each
-    layer folds in its position and its key: host time)."""
+    layer folds in its position and its key: host time); of each element of an int64 tensor of
+    parts, as an int64 tensor of the 64-bit states' patterns."""
+    if isinstance(part, torch.Tensor):
+        return _splitmix64(part ^ _signed64(state), -1)
     return _splitmix64(state ^ part)
+
+
+def seed_of(state: int | torch.Tensor) -> int | torch.Tensor:
+    """The seed in [0, 2**62) of a 64-bit state (``mix_seed``'s last step), of an int or, element
+    by element, of an int64 tensor of states."""
+    return state >> 2 & (1 << 62) - 1
 
 
 def mix_state(state: int, *parts: int) -> int:

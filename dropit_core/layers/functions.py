@@ -27,7 +27,7 @@ from dropit_core.formats.packed import (
     refuse_double_backward,
     tag_pack,
 )
-from dropit_core.formats.seeds import mix_part, mix_state
+from dropit_core.formats.seeds import mix_part, mix_state, seed_of
 from dropit_core.layers.hooked import SavedInputHooks
 from dropit_core.strategies.base import Strategy
 
@@ -84,6 +84,12 @@ class InputCache:
         self.rank = 0
         self.position = 0
         self._prefix = mix_state(0, self.rank, self.stream, self.step)
+        # The keys of positions _first on, made together (next_key reads them), and how many to
+        # make next time: the last step's draws, so one block serves a whole step.
+        self._keys: list[int] = []
+        self._first = 0
+        self._block = KEY_BLOCK
+        self._remember = getattr(strategy, "remember_draws", None)
         self._forward = next(_FORWARDS)  # names this cache's current forward on its packs
         self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.dropped: torch.Tensor | None = None
@@ -96,8 +102,10 @@ class InputCache:
 
         Packs of earlier steps are forgotten: a tensor fed again (a fixed input) packs afresh.
         """
+        self._block = max(KEY_BLOCK, self.position)
         self.step, self.rank, self.position = step, rank, 0
         self._prefix = mix_state(0, rank, self.stream, step)
+        self._keys = []
         self._forward = next(_FORWARDS)
         self.keys.new_step()
 
@@ -112,13 +120,27 @@ class InputCache:
 
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""
-        key = self.key_at(self.position)
+        at = self.position - self._first
+        if not 0 <= at < len(self._keys):
+            self._next_block()
+            at = 0
         self.position += 1
-        return key
+        return self._keys[at]
 
-    def key_at(self, position: int) -> int:
-        """mix_seed(rank, stream, step, position), the first three folded in set_step."""
-        return mix_part(self._prefix, position) >> 2
+    def _next_block(self) -> None:
+        """Make the keys of the next positions together (one pass over a tensor of them, not a
+        hash in Python per pack: host time on every layer), and let the strategy derive what it
+        draws from them (``remember_draws``) the same way."""
+        count = min(max(self._block, 2 * len(self._keys)), MAX_KEY_BLOCK)
+        keys = self.key_at(torch.arange(self.position, self.position + count))
+        self._first, self._keys = self.position, keys.tolist()
+        if self._remember is not None:
+            self._remember(keys)
+
+    def key_at(self, position: int | torch.Tensor) -> int | torch.Tensor:
+        """mix_seed(rank, stream, step, position), the first three folded in set_step; of each
+        position of an int64 tensor of them, as a tensor."""
+        return seed_of(mix_part(self._prefix, position))
 
     def cast_param(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
@@ -238,8 +260,8 @@ class KeyTable:
 
     def _rows(self, start: int, stop: int) -> torch.Tensor:
         cache = self.cache
-        keys = [cache.strategy.draw_keys(cache.key_at(p)) for p in range(start, stop)]
-        return torch.tensor([(*k, 0) for k in keys], dtype=torch.int64)
+        k0, k1 = cache.strategy.draw_keys(cache.key_at(torch.arange(start, stop)))
+        return torch.stack([k0, k1, torch.zeros_like(k0)], 1)
 
 
 class ConvArgs(NamedTuple):
@@ -308,6 +330,8 @@ SPLIT_BYTES = 8 << 20
 # with room (quant converts 97 conv and linear layers of torchvision's R50-FPN Mask R-CNN; the
 # RPN head's three run once per FPN level).
 KEY_ROWS = 256
+# Draw keys an input cache makes at a time (InputCache.next_key): at first, and at most.
+KEY_BLOCK, MAX_KEY_BLOCK = 32, 4096
 # A split weight gradient takes its images in chunks of at least one image and at most this many
 # bytes of input, by device type. On an accelerator 64 MiB: a layer's calls then do not grow with
 # the batch unless its map outgrows the budget (launches and host time on every layer of a GPU

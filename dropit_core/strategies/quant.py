@@ -21,7 +21,7 @@ from dropit_core.formats import quant as quant_format
 from dropit_core.formats.bits import pack_bits, unpack_bits
 from dropit_core.formats.packed import Packed, QuantMeta, tiny
 from dropit_core.formats.quant import inv_levels
-from dropit_core.formats.seeds import hash_keys, mix_part, mix_state
+from dropit_core.formats.seeds import hash_keys, mix_part, mix_state, seed_of
 from dropit_core.formats.values import ValueCodec
 from dropit_core.registry import Option
 from dropit_core.strategies.base import SEED, Strategy
@@ -59,19 +59,29 @@ class Quant(Strategy):
         self._levels = (1 << bits) - 1
         self._inv_levels = inv_levels(bits)
         self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
+        self._hashed: dict[int, tuple[int, int]] = {}  # draw_keys of the keys remember_draws saw
         # asked per pack and rebuild: answered once
         self._fast = quant_format.fast_backends(bits, group)
         # the signed flags' bytes must not straddle two programs' groups: whole flag bytes
         self._signed_fast = ("triton",) if "triton" in self._fast and group % 8 == 0 else ()
 
-    def draw_keys(self, key: int) -> tuple[int, int]:
+    def draw_keys(self, key: int | torch.Tensor) -> tuple[int, int] | tuple[torch.Tensor, ...]:
         """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
-        element indices itself reads (see :meth:`_pack_as`)."""
-        return hash_keys(self._seed(key))
+        element indices itself reads; of each key of an int64 tensor of keys, two tensors.
+        The pack's seed is ``mix_seed(seed, key)``, the seed folded once."""
+        return hash_keys(seed_of(mix_part(self._seed_state, key)))
 
-    def _seed(self, key: int) -> int:
-        """The seed of the pack drawn with ``key``: ``mix_seed(seed, key)``, seed folded once."""
-        return mix_part(self._seed_state, key) >> 2
+    def remember_draws(self, keys: torch.Tensor) -> None:
+        """Derive the hash keys of these draw keys (a CPU int64 tensor: the next packs' keys)
+        together, so that each of those packs looks its own up: one pass over a tensor of keys
+        instead of a few dozen integer operations in Python per pack (host time on every
+        layer). Replaces what it remembered before."""
+        k0, k1 = self.draw_keys(keys)
+        pairs = zip(k0.tolist(), k1.tolist(), strict=True)
+        self._hashed = dict(zip(keys.tolist(), pairs, strict=True))
+
+    def _keys_of(self, key: int) -> tuple[int, int]:
+        return self._hashed.get(key) or self.draw_keys(key)
 
     def slice_len(self) -> int:
         """Elements per slice: whole groups and whole code bytes."""
@@ -99,17 +109,17 @@ class Quant(Strategy):
     ) -> Packed:
         """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower),
         drawn with ``key``, or with the hash keys held in ``keys`` (:meth:`pack_keyed`)."""
-        seed = 0 if keys is not None else self._seed(key)
         cast = None if dtype == x.dtype else dtype
         way = dispatch.choose("quant_pack", x, self._fast)
         if way == "triton":
             # The kernel reads memory flat: no reshape (each op here is host time on a GPU).
             codes, mins, scales = dispatch.kernels("quant").pack_contiguous(
-                x.contiguous(), self.bits, self.group, seed, cast, keys=keys
-            )[:3]
+                x.contiguous(), self.bits, self.group, self._keys_of(key) if keys is None else keys,
+                cast,
+            )[:3]  # fmt: skip
         else:
             # keys read on the host: a sync only off the kernels (CUDA without triton)
-            hashed = hash_keys(seed) if keys is None else tuple(keys.tolist()[:2])
+            hashed = self._keys_of(key) if keys is None else tuple(keys.tolist()[:2])
             codes, mins, scales = self._pack_on_host(x.reshape(-1), hashed, cast, way)
         return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
 
@@ -194,7 +204,7 @@ def pack_signed(
     flag bytes), else the pack and two flag passes."""
     if dispatch.choose("quant_signed", x, quant._signed_fast) == "triton":
         codes, mins, scales, zero, negative = dispatch.kernels("quant").pack_contiguous(
-            x.contiguous(), quant.bits, quant.group, quant._seed(key), signs=True
+            x.contiguous(), quant.bits, quant.group, quant._keys_of(key), signs=True
         )
         meta = QuantMeta(tuple(x.shape), x.dtype)
         return Packed(meta, None, None, None, codes, scales, mins), zero, negative

@@ -523,10 +523,10 @@ def test_a_pack_reading_its_keys_from_memory_is_the_seeded_pack(cast) -> None:
     keys = torch.tensor([*seeds.hash_keys(12345), 0], dtype=torch.int64, device=DEVICE)
     for seed in (12345, 777):
         keys.copy_(torch.tensor([*seeds.hash_keys(seed), 0]))
-        keyed = pack_contiguous(x, 4, 256, 0, cast, keys=keys)[:3]
-        seeded = pack_contiguous(x, 4, 256, seed, cast)[:3]
+        keyed = pack_contiguous(x, 4, 256, keys, cast)[:3]
+        seeded = pack_contiguous(x, 4, 256, seeds.hash_keys(seed), cast)[:3]
         assert all(map(torch.equal, keyed, seeded))
-    assert not torch.equal(keyed[0], pack_contiguous(x, 4, 256, 12345, cast)[0])
+    assert not torch.equal(keyed[0], pack_contiguous(x, 4, 256, seeds.hash_keys(12345), cast)[0])
 
 
 @pytest.mark.parametrize("kernels", ["triton", "eager"])

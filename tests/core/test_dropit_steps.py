@@ -246,6 +246,36 @@ def test_a_caches_keys_are_mix_seed_of_rank_stream_step_and_position() -> None:
     assert torch.equal(packed.scales, scales)
 
 
+def test_keys_made_together_are_the_keys_made_one_by_one() -> None:
+    """A cache makes its draw keys a block at a time on a tensor (InputCache._next_block), and
+    quant derives the blocks' hash keys together (remember_draws): the same integers as the
+    per-pack Python hash, across blocks and steps, and the same pack bytes."""
+    import random
+
+    from dropit_core import build_strategy
+    from dropit_core.formats.seeds import _signed64, mix_part, mix_seed
+    from dropit_core.layers.functions import KEY_BLOCK, InputCache
+
+    rng = random.Random(0)
+    parts = [rng.getrandbits(64) for _ in range(2000)] + [0, 1 << 63, (1 << 64) - 1]
+    state = rng.getrandbits(64)
+    mixed = mix_part(state, torch.tensor([_signed64(p) for p in parts])).tolist()
+    assert [m % (1 << 64) for m in mixed] == [mix_part(state, p) for p in parts]
+    quant = build_strategy("quant", 0.8, seed=5)
+    cache = InputCache(quant, stream=3)
+    for step in (0, 1):
+        cache.set_step(step, rank=2)
+        count = 3 * KEY_BLOCK + 5  # past two block boundaries
+        keys = [cache.next_key() for _ in range(count)]
+        assert keys == [mix_seed(2, 3, step, p) for p in range(count)]
+        assert all(quant._hashed[k] == quant.draw_keys(k) for k in keys[-5:])
+    x = torch.randn(3000)
+    fresh = build_strategy("quant", 0.8, seed=5)
+    a, b = quant.pack(x, "linear", keys[-1]), fresh.pack(x, "linear", keys[-1])
+    assert not fresh._hashed and quant._hashed  # one looked its hash keys up, one hashed
+    assert all(torch.equal(u, v) for u, v in zip(a.stored(), b.stored(), strict=True))
+
+
 def test_a_caches_key_table_is_rewritten_in_place_each_step() -> None:
     """The traced pack's draws as device data (``InputCache.draw_row``): each row the hash keys
     of eager's key at that position; ``set_step`` writes the new step's into the same memory, so

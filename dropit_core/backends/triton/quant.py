@@ -114,7 +114,8 @@ def quant_pack(
     layer for its pack.
     """
     _check_pack(flat, bits, group, cast)
-    return pack_contiguous(flat.contiguous(), bits, group, seed, cast, False, block)[:3]
+    keys = hash_keys(seed)
+    return pack_contiguous(flat.contiguous(), bits, group, keys, cast, False, block)[:3]
 
 
 def quant_pack_signed(
@@ -127,7 +128,7 @@ def quant_pack_signed(
     if group % 8:
         raise ValueError(f"quant_pack_signed: group {group} is not whole bytes of flags")
     _check_pack(flat, bits, group, None)
-    return pack_contiguous(flat.contiguous(), bits, group, seed, None, True, block)
+    return pack_contiguous(flat.contiguous(), bits, group, hash_keys(seed), None, True, block)
 
 
 def _check_pack(flat: torch.Tensor, bits: int, group: int, cast: torch.dtype | None) -> None:
@@ -144,17 +145,17 @@ def pack_contiguous(
     x: torch.Tensor,
     bits: int,
     group: int,
-    seed: int,
+    keys: tuple[int, int] | torch.Tensor,
     cast: torch.dtype | None = None,
     signs: bool = False,
     block: int = PACK_BLOCK,
-    keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`quant_pack`'s (codes, mins, scales), and with ``signs`` the two flag buffers, of a
     contiguous float tensor of any shape read flat, without the argument checks: for a caller
     that has made them (``Quant`` takes this path on every layer of every step, where the
-    checks and the reshape were host time a GPU step waits on). ``keys``: the draw's hash keys
-    (int64 ``k0, k1`` on the device) read by the kernel from memory instead of ``seed``'s."""
+    checks and the reshape were host time a GPU step waits on). ``keys``: the draw's hash keys,
+    ``seeds.hash_keys(seed)``, as ints or as an int64 tensor ``(k0, k1, ...)`` on the device
+    that the kernel reads from memory (a CUDA graph's pack: the keys are data, not constants)."""
     n = x.numel()
     if n > 1 << 44:
         raise ValueError("quant_pack draws for element indices below 2**44")
@@ -165,9 +166,10 @@ def pack_contiguous(
         zero, negative = codes, codes
     if n == 0:
         return codes, mins, scales, zero, negative
-    rows, constants = _pack_constants(bits, group, block, cast, signs, keys is not None)
+    in_memory = isinstance(keys, torch.Tensor)
+    rows, constants = _pack_constants(bits, group, block, cast, signs, in_memory)
     groups = mins.numel()
-    key_words = (0, 0, keys) if keys is not None else (*hash_keys(seed), codes)
+    key_words = (0, 0, keys) if in_memory else (*keys, codes)
     quant_codes_kernel[(-(-groups // rows),)](
         x, codes, mins, scales, zero, negative, n, groups, codes.numel(), *key_words,
         **constants,
