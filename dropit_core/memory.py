@@ -52,13 +52,6 @@ class SavedReport:
 _NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
 
-def _kind(module: nn.Module) -> str:
-    cls = type(module)
-    if is_dropit(module) or is_checkpointed(module):  # the plain class the user knows
-        cls = cls.__mro__[1]
-    return cls.__name__
-
-
 def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any, SavedReport]:
     """Run ``forward()`` and count what autograd keeps for its backward; returns (result, report)
     with the graph alive in the result, for the caller's ``backward``."""
@@ -80,7 +73,10 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
         else:  # packed once by its block; its storage may be freed and the address reused
             nbytes = kept
         owner = stack[-1] if stack else model
-        kind, name = _kind(owner), names.get(owner, "?")
+        cls = type(owner)
+        if is_dropit(owner) or is_checkpointed(owner):  # the plain class the user knows
+            cls = cls.__mro__[1]
+        kind, name = cls.__name__, names.get(owner, "?")
         report.by_type[kind] = report.by_type.get(kind, 0) + nbytes
         report.by_module[name] = report.by_module.get(name, 0) + nbytes
         report.total_bytes += nbytes
@@ -95,16 +91,13 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
         charge(t, None)
         return t
 
-    def push(module, args):
-        stack.append(module)
-
     def pop(module, args, output):
         if stack and stack[-1] is module:
             stack.pop()
 
     handles = []
     for module in model.modules():
-        handles.append(module.register_forward_pre_hook(push))
+        handles.append(module.register_forward_pre_hook(lambda m, _: stack.append(m)))
         handles.append(module.register_forward_hook(pop))
     blocks = [b for b in map(saved_compression, model.modules()) if b is not None]
     for block in blocks:

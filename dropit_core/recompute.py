@@ -92,21 +92,17 @@ def _checkpointed_class(plain: type[nn.Module]) -> type[nn.Module]:
     return type(f"Checkpointed{plain.__name__}", (plain,), namespace)
 
 
-def _check_patterns(patterns: Sequence[str], paths: list[str]) -> None:
+def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Checkpoint, in place, each outermost module whose path matches one of ``patterns`` (as in
+    ``to_dropit``): each unit recomputes its training forward in the backward. Returns the units'
+    paths. Apply before ``to_dropit``, which leaves layers inside units plain."""
     if isinstance(patterns, str):
         raise ValueError(f"checkpoint patterns must be a list, got the string {patterns!r}")
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise ValueError(f"checkpoint pattern {pattern!r} is not a string")
-    check_matches("checkpoint", patterns, paths)
-
-
-def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """Checkpoint, in place, each outermost module whose path matches one of ``patterns`` (as in
-    ``to_dropit``): each unit recomputes its training forward in the backward. Returns the units'
-    paths. Apply before ``to_dropit``, which leaves layers inside units plain."""
     named = [(path, module) for path, module in model.named_modules() if path]
-    _check_patterns(patterns, [path for path, _ in named])
+    check_matches("checkpoint", patterns, [path for path, _ in named])
     already = [path or "the model" for path, m in model.named_modules() if is_checkpointed(m)]
     if already:
         raise ValueError(

@@ -41,21 +41,17 @@ class Option:
 
     def check_value(self, value: Any) -> None:
         """Raise ValueError unless ``value`` (of the right type) is allowed."""
+        allowed = None
         if self.choices is not None and value not in self.choices:
-            raise ValueError(
-                f"DropIT option {self.name}={value!r} is invalid: allowed {self.choices}"
-            )
-        if self.minimum is not None and value < self.minimum:
-            raise ValueError(
-                f"DropIT option {self.name}={value!r} is invalid: "
-                f"allowed integers >= {self.minimum}"
-            )
+            allowed = self.choices
+        elif self.minimum is not None and value < self.minimum:
+            allowed = f"integers >= {self.minimum}"
+        if allowed is not None:
+            raise ValueError(f"DropIT option {self.name}={value!r} is invalid: allowed {allowed}")
 
     def default_text(self) -> str:
         """The default as the docs show it."""
-        if self.default_doc is not None:
-            return self.default_doc
-        return f"`{_literal(self.default)}`"
+        return self.default_doc if self.default_doc is not None else f"`{_literal(self.default)}`"
 
     def allowed_text(self) -> str:
         """The allowed values or range as the docs show them."""
@@ -68,9 +64,7 @@ class Option:
 
 def _literal(value: Any) -> str:
     """A value as it is written in YAML and Python keyword arguments alike (no quotes)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 class Registry:

@@ -220,11 +220,7 @@ class SavedCompression:
 
 
 def compress_saved(
-    model: nn.Module,
-    bits: int = 4,
-    group: int = 256,
-    min_bytes: int = 1 << 16,
-    seed: int = 0,
+    model: nn.Module, bits: int = 4, group: int = 256, min_bytes: int = 1 << 16, seed: int = 0
 ) -> SavedCompression:
     """Run every training forward of ``model`` (before or after its DDP wrap) inside a
     :class:`CompressSaved` block; returns the handle (also ``model.dropit_saved``).

@@ -109,13 +109,9 @@ def reset_settings() -> Settings:
 @contextlib.contextmanager
 def override_settings(**changes: object) -> Iterator[Settings]:
     """The named fields changed inside a ``with`` block, put back after it."""
+    global _current
     previous = configure(**changes)
     try:
         yield _current
     finally:
-        _restore(previous)
-
-
-def _restore(previous: Settings) -> None:
-    global _current
-    _current = previous
+        _current = previous

@@ -1,17 +1,13 @@
 """Which implementation runs each DropIT op on a tensor: one table, one choice.
 
 Eager torch is the reference and runs every op and setting. :data:`TABLE` lists, per op, the
-faster implementations it has, fastest first: ``triton`` (:mod:`dropit_core.backends.triton`,
-one launch per call, for CUDA tensors) and ``native`` (:mod:`dropit_core.backends.native`, the
-CPU's C loops), each with what it takes of the tensor. :func:`choose` picks from the table by
-the settings (:mod:`dropit_core.settings`: ``kernels``, ``native``), the tensor's device and
-dtype, and the backends the op's own setting allows (quant's group in whole code bytes, say):
-``kernels=auto`` gives CUDA tensors the kernels when triton imports and CPU tensors the C loops;
-``kernels=triton`` forces the kernels (on a CPU tensor they need ``TRITON_INTERPRET=1``, which
-is how the CPU tests run them); ``kernels=eager`` is eager torch everywhere. Every
-implementation writes the same bytes, so a pack made by one rebuilds with another. No sync, and
-no environment read per call: every layer asks, on each pack and rebuild (host time a GPU step
-waits on, docs/gpu.md).
+faster implementations it has: ``triton`` (:mod:`dropit_core.backends.triton`, one launch per
+call) and ``native`` (:mod:`dropit_core.backends.native`, the CPU's C loops), each with what it
+takes of the tensor. :func:`choose` picks by the settings (``kernels``, ``native``:
+:mod:`dropit_core.settings` says what each value means), the tensor's device and dtype, and the
+backends the op's own setting allows (quant's group in whole code bytes, say). Every
+implementation writes the same bytes, so a pack made by one rebuilds with another. No sync and
+no environment read per call: every layer asks, on each pack and rebuild (host time).
 """
 
 from __future__ import annotations

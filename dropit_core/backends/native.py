@@ -1,21 +1,20 @@
 """DropIT's CPU packs as C loops (``native.c``), built once with the system C compiler.
 
-Eager torch makes a pass over memory, with a temporary, per operation, and an operator call per
-operation: a 4-bit pack of a map is many of each, as are the ReLU mask's pack and apply. On the
-CPU those dominate DropIT's share of a step on small models with many small maps (the demo's).
-Here each is one C call that reads a value once and writes its code once.
+Eager torch makes a pass over memory, with a temporary and an operator call, per operation: a
+4-bit pack of a map is many of each, as are the ReLU mask's pack and apply. Here each is one C
+call that reads a value once and writes its code once.
 
 The loops compute what the eager path computes, bit for bit (the same fp32 operations in the
 same order, no fused multiply-add: tests/core/test_dropit_native.py compares every byte), so a
 pack made here rebuilds eagerly or with the Triton kernels and the committed runs reproduce.
 
 Built on first use with ``$CC`` (default ``cc``) into ``$DROPIT_CACHE_DIR`` (default
-``~/.cache/dropit_core``), once per source version and machine; loaded with
-ctypes (no Python headers, no ninja). Where no compiler works, one warning is given and the eager
-path packs. ``DROPIT_NATIVE=0`` (``configure(native=False)``) turns it off; ``DROPIT_KERNELS=eager``
-(pure torch) bypasses it too. Only contiguous fp32 CPU tensors take it; others pack eagerly.
-A call over at least :data:`PARALLEL_MIN` values per thread is split into ranges of whole groups
-(or flag bytes) run on up to ``torch.get_num_threads()`` threads; the bytes do not depend on it.
+``~/.cache/dropit_core``), once per source version and machine; loaded with ctypes (no Python
+headers, no ninja). Where no compiler works, one warning is given and the eager path packs.
+``DROPIT_NATIVE=0`` (``configure(native=False)``) turns it off; ``DROPIT_KERNELS=eager`` (pure
+torch) bypasses it too. Only contiguous fp32 CPU tensors take it; others pack eagerly. A call over
+at least :data:`PARALLEL_MIN` values per thread is split into ranges of whole groups (or flag bytes)
+run on up to ``torch.get_num_threads()`` threads; the bytes do not depend on it.
 """
 
 from __future__ import annotations
@@ -147,8 +146,7 @@ def _build() -> Path:
 
 
 # Values per thread below which a call runs on the calling thread alone: a split costs tens of
-# microseconds, and large maps are where one thread leaves memory bandwidth unused (a 20M-value
-# rebuild or ReLU gradient ran slower on one thread than eager torch's two).
+# microseconds, and large maps are where one thread leaves memory bandwidth unused.
 PARALLEL_MIN = 1 << 20
 
 _pool: ThreadPoolExecutor | None = None
@@ -166,6 +164,7 @@ def _run(calls: list[Callable[[], None]]) -> None:
     global _pool, _pool_key
     if not calls:  # an empty tensor: nothing to read or write
         return
+    futures = []
     if len(calls) > 1:
         # One pool per process (a forked child has none of its parent's threads), grown when a
         # call needs more workers than it has.
@@ -175,19 +174,15 @@ def _run(calls: list[Callable[[], None]]) -> None:
             _pool_key = (os.getpid(), len(calls) - 1)
             _pool = ThreadPoolExecutor(max_workers=_pool_key[1], thread_name_prefix="dropit-native")
         futures = [_pool.submit(call) for call in calls[1:]]
-        calls[0]()
-        for future in futures:
-            future.result()
-    else:
-        calls[0]()
+    calls[0]()
+    for future in futures:
+        future.result()
 
 
 def _ranges(units: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` consecutive ranges of ``units`` (the last ones one shorter)."""
     per, extra = divmod(units, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + per + (i < extra))
+    bounds = [i * per + min(i, extra) for i in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
@@ -206,11 +201,10 @@ def quant_pack(
     scales: torch.Tensor,
     cast: torch.dtype | None = None,
 ) -> None:
-    """Pack the flat fp32 ``flat`` into the final buffers (``quant_format.buffers``) with draw
-    keys ``keys`` (``seeds.hash_keys(seed)``); element 0 is the pack's element 0. ``cast``
-    (bf16 or fp16): each value read as its rounding to that dtype, the pack of
-    ``flat.to(cast)`` bit for bit. ``group`` must hold whole bytes of codes. Large inputs: a
-    range of whole groups per thread."""
+    """Pack the flat fp32 ``flat`` into the final buffers (``quant_format.buffers``) with draw keys
+    ``keys`` (``seeds.hash_keys(seed)``); element 0 is the pack's element 0. ``cast`` (bf16 or
+    fp16): each value read as its rounding to that dtype, the pack of ``flat.to(cast)`` bit for bit.
+    ``group`` must hold whole bytes of codes. Large inputs: a range of whole groups per thread."""
     lib, n, per_byte = library(), flat.numel(), 8 // bits
     x, c, lo, st = flat.data_ptr(), codes.data_ptr(), mins.data_ptr(), scales.data_ptr()
     how = _CASTS[cast]

@@ -35,6 +35,7 @@ from torchvision.ops.poolers import (
     _setup_scales,
 )
 
+from dropit_core.formats.bits import SAME_WIDTH_INT
 from dropit_core.layers import functions as ops
 from dropit_core.layers.functions import ConvArgs
 
@@ -98,9 +99,7 @@ class LeanFeaturePyramidNetwork(FeaturePyramidNetwork):
         names = list(x)
         feats: list[Tensor | None] = list(x.values())
         if isinstance(x, ConsumableMaps):
-            x.clear()  # ``feats`` is now the maps' only holder here
-        else:
-            x = None  # the caller's dict stays as it is; only our list lets go
+            x.clear()  # ``feats`` is now the maps' only holder here (a plain dict stays as it is)
         # Extra blocks other than torchvision's max pool may read the body's maps (P6/P7 read C5)
         release = self.extra_blocks is None or type(self.extra_blocks) is LastLevelMaxPool
         last = len(feats) - 1
@@ -145,7 +144,10 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
                 self.scales, self.map_levels = _setup_scales(
                     maps, image_shapes, self.canonical_scale, self.canonical_level
                 )
-            out = self._pool_by_image(maps, boxes, cast=_autocast_casts(maps))
+            # Autocast's roi_align casts the maps to fp32 where any is narrower
+            narrow = any(m.dtype != torch.float32 for m in maps)
+            cast = narrow and torch.is_autocast_enabled(maps[0].device.type)
+            out = self._pool_by_image(maps, boxes, cast=cast)
         else:
             out = super().forward(x, boxes, image_shapes)
         del maps
@@ -198,7 +200,7 @@ class _PoolByImage(torch.autograd.Function):
         # but compress_saved leaves integers alone, where it would keep coordinates as lossy
         # 4-bit codes (and move every bilinear weight of the backward)
         ctx.rois_dtype = rois.dtype
-        ctx.save_for_backward(rois.view(_BITS[rois.element_size()]), order)
+        ctx.save_for_backward(rois.view(SAME_WIDTH_INT[rois.element_size()]), order)
         result = maps[0].new_zeros((len(rois), maps[0].shape[1], *size))
         with torch.autocast(maps[0].device.type, enabled=False):
             for fmap, scale, parts in zip(maps, scales, plan, strict=True):
@@ -226,8 +228,7 @@ class _PoolByImage(torch.autograd.Function):
             if not needed:
                 grads.append(None)
                 continue
-            grad_map = None
-            done = 0
+            grad_map, done = None, 0
             for lo, hi, start, end in parts:
                 picked = order[start:end]
                 part_grad, part_rois = _operands(grad[picked].to(dtype), rois[picked], lo, cast)
@@ -235,8 +236,7 @@ class _PoolByImage(torch.autograd.Function):
                     part_grad, part_rois, scale, *size, hi - lo, *shape[1:], sampling_ratio, False
                 )
                 if (lo, hi) == (0, shape[0]) and part.dtype == dtype:
-                    grad_map = part  # the whole level in its dtype: the kernel's own, no copy
-                    done = hi
+                    grad_map, done = part, hi  # the whole level in its dtype: the kernel's own
                     continue
                 if grad_map is None:
                     grad_map = grad.new_empty(shape, dtype=dtype)
@@ -249,9 +249,6 @@ class _PoolByImage(torch.autograd.Function):
             grad_map[done:].zero_()
             grads.append(grad_map)
         return (None, None, None, *grads)
-
-
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
 
 
 def _operands(x: Tensor, rois: Tensor, lo: int, cast: bool) -> tuple[Tensor, Tensor]:
@@ -270,12 +267,6 @@ def _pools_here(maps: list[Tensor]) -> bool:
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torchvision._is_tracing():
         return False
     return maps[0].device.type == "cpu" or not torch.are_deterministic_algorithms_enabled()
-
-
-def _autocast_casts(maps: list[Tensor]) -> bool:
-    """Whether autocast casts any of these maps to fp32 inside ``roi_align``."""
-    narrow = any(m.dtype != torch.float32 for m in maps)
-    return narrow and torch.is_autocast_enabled(maps[0].device.type)
 
 
 class LeanRPNHead(RPNHead):
@@ -316,9 +307,7 @@ def _one_input_grad(t: Tensor, readers: tuple[nn.Module, ...]) -> bool:
         return False
     return t.dim() == 4 and all(
         isinstance(m, nn.Conv2d)
-        and tuple(m.kernel_size) == (1, 1)
-        and tuple(m.stride) == (1, 1)
-        and tuple(m.padding) == (0, 0)
+        and (tuple(m.kernel_size), tuple(m.stride), tuple(m.padding)) == ((1, 1), (1, 1), (0, 0))
         and m.padding_mode == "zeros"
         for m in readers
     )

@@ -1,16 +1,13 @@
-"""Compact encodings for a dropped cache: 1-bit position masks and narrow kept values.
+"""1-bit position and ReLU masks, the compaction of kept values, and their rebuild.
 
-A kept element costs its value (4, 2, 1 or 1/2 byte) and the position mask costs 1 bit per
+A kept element costs its value (:mod:`dropit_core.formats.values`) and the position mask 1 bit per
 element of the whole tensor, so at gamma=0.8 an fp32 cache costs 0.2 * 4 + 1/8 = 0.925 bytes per
 element instead of the published (1 - gamma) * (4 + 4) = 1.6 (value + int32 index).
-
-``int8``/``int4`` scale each chunk of kept values by its largest magnitude (one fp32 scale per
-chunk) and round to the nearest of 255 / 15 levels. Kept values are the large ones, so a
-chunk's range is narrow compared with the whole tensor's: ActNN-style group quantisation.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -40,22 +37,16 @@ def pack_bits(mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return gathered.to(torch.uint8) if out is None else out.copy_(gathered)
 
 
-def _signed64(c: int) -> int:
-    """A 64-bit pattern as the int64 torch takes for it."""
-    return c - (1 << 64) if c >> 63 else c
-
-
 # Each byte's flags as eight bytes: the byte copied into all eight (a multiply, no carries), bit i
 # kept in byte i, then each byte's high bit set where it is not zero (+0x7F: no byte carries).
 _SPREAD = 0x0101010101010101
-_PICK = _signed64(0x8040201008040201)
+_PICK = 0x8040201008040201 - (1 << 64)  # the 64-bit pattern as the int64 torch takes
 _LOW7 = 0x7F7F7F7F7F7F7F7F
 
 
 def _flag_words(bits: torch.Tensor) -> torch.Tensor:
     """Each byte of ``bits`` as an int64 word whose byte i has its high bit set where flag i is:
-    six passes over words (an eighth of the flags' count each), where the broadcast shift of
-    every byte by each of eight amounts was several times slower on the CPU."""
+    six passes over words, an eighth of the flags' count each."""
     words = bits.to(torch.int64) * _SPREAD  # int64 multiply wraps: bytes of 255 stay bytes
     words &= _PICK
     words += _LOW7
@@ -70,10 +61,8 @@ def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
     return words.view(torch.bool).reshape(-1)[:n]
 
 
-# Integer dtypes of each float width: masks applied to bit patterns.
-_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
+# The integer dtype of each width: masks applied to a float's bit patterns, bits viewed as ints.
+SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Elements per slice of the ReLU mask's pack and apply: a multiple of 8 (whole bytes of flags);
 # the temporaries of a slice (a byte and a few int64 words per element) stay a few MB.
 MASK_SLICE = 1 << 20
@@ -81,8 +70,7 @@ MASK_SLICE = 1 << 20
 
 def pack_blocked(out: torch.Tensor) -> torch.Tensor:
     """``pack_bits((out <= 0).reshape(-1))``, a slice at a time: the same bytes, with the
-    comparison's and the packing's temporaries a slice's, not a whole map's (at the RPN's P2
-    conv they were the largest transients of a DropIT forward)."""
+    comparison's and the packing's temporaries a slice's, not a whole map's."""
     if dispatch.choose("relu_mask", out) == "native":
         return native.relu_mask(out)
     flat = out.reshape(-1)
@@ -113,14 +101,12 @@ def zero_flagged_sliced(values: torch.Tensor, bits: torch.Tensor) -> torch.Tenso
 
 
 def zero_flagged(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """``values.masked_fill(flags, 0)`` for the flags packed in ``bits``, without a branch.
-
-    A masked fill branches on every element, and a ReLU's mask is random enough to defeat the
-    branch predictor: on the CPU it runs several times slower than a plain pass. Here each flag
-    becomes an integer of the values' width, all ones where the value passes and zero where it is
-    flagged, and one AND on the bit patterns applies it: passing NaN and inf stay as they are,
-    flagged elements become +0.0, exactly as ``masked_fill`` makes them.
-    """
+    """``values.masked_fill(flags, 0)`` for the flags packed in ``bits``, without a branch. A masked
+    fill branches on every element, and a ReLU's mask is random enough to defeat the branch
+    predictor: on the CPU it runs several times slower than a plain pass. Here each flag becomes an
+    integer of the values' width, all ones where the value passes and zero where it is flagged, and
+    one AND on the bit patterns applies it: passing NaN and inf stay as they are, flagged elements
+    become +0.0, exactly as ``masked_fill`` makes them."""
     words = _flag_words(bits)
     words.bitwise_not_()  # high bit of each byte: the flag is clear (the value passes)
     words >>= 7
@@ -128,29 +114,24 @@ def zero_flagged(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     words *= 0xFF  # passes -> 0xFF, flagged -> 0 (no byte carries)
     # Read as int8, 0xFF is -1, and widening keeps it all ones.
     flags = words.view(torch.int8).reshape(-1)[: values.numel()]
-    keep = flags.to(_SAME_WIDTH_INT[values.element_size()])
+    keep = flags.to(SAME_WIDTH_INT[values.element_size()])
     ints = values.view(keep.dtype)
     return (ints & keep.view(values.shape)).view(values.dtype)
 
 
-_TABLES: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+@functools.cache
 def _byte_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(set bits of each byte value; for each byte value and bit j, 1 + the set bits below j
     where bit j is set, and a large negative number where it is not)."""
-    key = (device, dtype)
-    if key not in _TABLES:
-        never = torch.iinfo(dtype).min + 1
-        rows = [
-            [(b & ((1 << j) - 1)).bit_count() + 1 if b >> j & 1 else never for j in range(8)]
-            for b in range(256)
-        ]
-        _TABLES[key] = (
-            torch.tensor([b.bit_count() for b in range(256)], dtype=dtype, device=device),
-            torch.tensor(rows, dtype=dtype, device=device),
-        )
-    return _TABLES[key]
+    never = torch.iinfo(dtype).min + 1
+    rows = [
+        [(b & ((1 << j) - 1)).bit_count() + 1 if b >> j & 1 else never for j in range(8)]
+        for b in range(256)
+    ]
+    return (
+        torch.tensor([b.bit_count() for b in range(256)], dtype=dtype, device=device),
+        torch.tensor(rows, dtype=dtype, device=device),
+    )
 
 
 def _index_dtype(top: int) -> torch.dtype:
@@ -168,15 +149,12 @@ def bit_positions(
     bits: torch.Tensor, n: int, base: int | torch.Tensor = 0, total: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each of the first ``n`` flags in ``bits``: ``base`` + 1 + how many flags are set before
-    it when it is set, else 0. Indexing ``cat([0], kept)`` with it rebuilds the dense tensor.
-    Also returns ``base`` + the flags set (a 0-dim tensor): the next slice's base, which never
-    leaves the device (``base`` may be such a tensor).
-
-    Computed per byte with two 256-entry tables and a prefix sum over the bytes, not the flags:
-    a prefix sum is serial, and eight times shorter is eight times cheaper. ``total``, the
-    largest index that can occur (default: ``base + n``; give it when ``base`` is a tensor),
-    picks int32 indices where they suffice.
-    """
+    it when it is set, else 0. Indexing ``cat([0], kept)`` with it rebuilds the dense tensor. Also
+    returns ``base`` + the flags set (a 0-dim tensor): the next slice's base, which never leaves the
+    device (``base`` may be such a tensor). Computed per byte with two 256-entry tables and a prefix
+    sum over the bytes, not the flags: a prefix sum is serial, and eight times shorter is eight
+    times cheaper. ``total``, the largest index that can occur (default: ``base + n``; give it when
+    ``base`` is a tensor), picks int32 indices where they suffice."""
     dtype = _index_dtype(base + n if total is None else total)
     as_index, per_byte = _set_per_byte(bits, dtype)
     start = torch.cumsum(per_byte, 0, dtype=dtype)
@@ -187,29 +165,23 @@ def bit_positions(
     return pos.view(-1)[:n].clamp_min_(0), end
 
 
-_SELECT: dict[torch.device, torch.Tensor] = {}
-
-
+@functools.cache
 def _select_table(device: torch.device) -> torch.Tensor:
     """Entry 8 * b + r: the position in byte value b of its r-th set bit (0 past the last)."""
-    if device not in _SELECT:
-        rows = []
-        for b in range(256):
-            set_bits = [j for j in range(8) if b >> j & 1]
-            rows += set_bits + [0] * (8 - len(set_bits))
-        _SELECT[device] = torch.tensor(rows, dtype=torch.int32, device=device)
-    return _SELECT[device]
+    rows = []
+    for b in range(256):
+        set_bits = [j for j in range(8) if b >> j & 1]
+        rows += set_bits + [0] * (8 - len(set_bits))
+    return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
 def kept_indices(bits: torch.Tensor) -> torch.Tensor:
     """The positions of the set flags in ``bits``, ascending: ``nonzero`` of the unpacked flags.
-
-    ``nonzero`` over the flags themselves branches on each one and is the slowest pass of a pack
-    on the CPU. Here it runs over the non-empty bytes only (8x fewer elements), and each kept
-    flag's position comes from gathers: which non-empty byte it falls in (a prefix sum over
-    marks at each byte's first output slot), and where in that byte (a 256 x 8 table).
-    Indices are int32 when they fit, else int64 (``index_select`` takes either).
-    """
+    ``nonzero`` over the flags themselves branches on each one and is the slowest pass of a pack on
+    the CPU. Here it runs over the non-empty bytes only (8x fewer elements), and each kept flag's
+    position comes from gathers: which non-empty byte it falls in (a prefix sum over marks at each
+    byte's first output slot), and where in that byte (a 256 x 8 table). Indices are int32 when they
+    fit, else int64 (``index_select`` takes either)."""
     dtype = _index_dtype(8 * bits.numel())
     as_index, per_byte = _set_per_byte(bits, dtype)
     nonempty = torch.nonzero(per_byte).squeeze(1)
@@ -240,15 +212,13 @@ def scatter_kept(
     slice_bits: Callable[[int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The dense flat tensor of n elements whose set flags take ``kept`` in order, zeros elsewhere.
-
     ``torch.zeros(n).masked_scatter_(mask, kept)`` branches on every flag (slow on a CPU for a
     random mask) and needs the mask unpacked to bytes; here each slice of ``slice_len`` flags (a
     multiple of 8) becomes gather indices (:func:`bit_positions`) and one ``index_select`` writes
-    it, index 0 reading a zero. Where a slice starts in ``kept`` is counted on the device: no
-    host read. ``kept`` may end with unused slots (a pack's capacity). ``slice_bits(start,
-    length)``, when given, supplies each slice's packed flags instead of ``bits`` (a mask
-    rebuilt from a seed); flags past ``kept``'s last slot rebuild as zeros then.
-    """
+    it, index 0 reading a zero. Where a slice starts in ``kept`` is counted on the device: no host
+    read. ``kept`` may end with unused slots (a pack's capacity). ``slice_bits(start, length)``,
+    when given, supplies each slice's packed flags instead of ``bits`` (a mask rebuilt from a seed);
+    flags past ``kept``'s last slot rebuild as zeros then."""
     slots = kept.numel()
     # Index 0, and slots + 1 (flags past the last slot, when flags are rebuilt), read a zero.
     zero = kept.new_zeros(1)
@@ -269,11 +239,6 @@ def scatter_kept(
     return dense
 
 
-def compact(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values[mask]`` for flat tensors (the CPU's compaction: its size is read on the host)."""
-    return values[mask]
-
-
 def compact_into(
     values: torch.Tensor,
     mask: torch.Tensor,
@@ -282,12 +247,10 @@ def compact_into(
     flags: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Write ``values[mask]`` (flat) into ``out`` from slot ``base`` (a 0-dim int64 tensor) on.
-
     Nothing here depends on a data-dependent size, so on CUDA it never waits for the device.
-    ``out``'s last slot takes what does not fit (nothing there is read): values past the other
-    slots are not stored, the later ones in flat order. Returns (with ``flags``, which values
-    were stored, a bool tensor of ``values``' length; the next base; how many ``mask`` flagged).
-    """
+    ``out``'s last slot takes what does not fit (nothing there is read): values past the other slots
+    are not stored, the later ones in flat order. Returns (with ``flags``, which values were stored,
+    a bool tensor of ``values``' length; the next base; how many ``mask`` flagged)."""
     length, capacity = values.numel(), out.numel() - 1
     dev = values.device
     stored_flags = None
@@ -313,5 +276,5 @@ def compact_into(
 
 def compact_bits(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``values[unpack_bits(bits, n)]`` for a flat tensor of n values: the CPU's compaction when
-    the mask is packed anyway (about 0.7x the time of a boolean index; :func:`kept_indices`)."""
+    the mask is packed anyway (faster than a boolean index: :func:`kept_indices`)."""
     return values.index_select(0, kept_indices(bits))

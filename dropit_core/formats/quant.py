@@ -1,9 +1,8 @@
 """quant's pack format, specified once, and its eager reference: what every path writes.
 
-A pack of ``n`` values read as ``dtype`` (a layer's fp32 input, or the bf16/fp16 values an
-autocast op computed with), in groups of ``group`` consecutive values (the last may be shorter),
-is three tensors, in this order in :class:`dropit_core.formats.packed.Packed` (``values, scales,
-mins``):
+A pack of ``n`` values read as ``dtype`` (a layer's fp32 input, or the bf16/fp16 values an autocast
+op computed with), in groups of ``group`` consecutive values (the last may be shorter), is three
+tensors, in this order in :class:`dropit_core.formats.packed.Packed` (``values, scales, mins``):
 
 - ``values``: uint8[:func:`code_bytes` (n, bits)], the codes packed ``8 // bits`` per byte, the
   first in the low bits; a last partial byte is padded with zero codes. A group's codes start on
@@ -21,8 +20,7 @@ Rebuilt: ``code * step + min`` in fp32, then cast to ``dtype``. No fused multipl
 Implementations, each tested byte for byte against this module: :mod:`dropit_core.backends.native`
 (``native.c``: the CPU), :mod:`dropit_core.backends.triton.quant` (Triton: CUDA), and
 :func:`dropit_core.layers.library.quant_fields` (plain torch ops Inductor fuses under
-``DROPIT_FUSE``).
-:class:`dropit_core.strategies.quant.Quant` chooses among them.
+``DROPIT_FUSE``). :class:`dropit_core.strategies.quant.Quant` chooses among them.
 """
 
 from __future__ import annotations
@@ -96,10 +94,8 @@ def buffers(
 def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack a flat uint8 tensor of ``bits``-bit codes (2, 4 or 8; each below ``2**bits``) into
     bytes, the first code in the low bits; a last partial byte is padded with zero codes.
-    ``out``: the bytes' buffer.
-
-    Over whole words (two or four codes each), not strided bytes: three to five passes of a
-    quarter or half the codes' count, where the strided byte passes were twice as slow."""
+    ``out``: the bytes' buffer. Over whole words (two or four codes each): three to five passes
+    of a quarter or half the codes' count."""
     per_byte = 8 // bits
     if per_byte == 1:
         return codes if out is None else out.copy_(codes)
@@ -120,11 +116,9 @@ def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) 
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: the first ``n`` codes as a flat uint8 tensor.
-
-    Each byte widened to a word and OR-ed with itself shifted left by j * (8 - bits): byte j of
-    the word then holds code j in its low bits, which one mask keeps (the inverse of the pack's
-    gather; a few passes over words, where a broadcast shift per code was slower)."""
+    """Inverse of :func:`pack_codes`: the first ``n`` codes as a flat uint8 tensor. Each byte
+    widened to a word and OR-ed with itself shifted left by j * (8 - bits): byte j of the word then
+    holds code j in its low bits, which one mask keeps."""
     if bits == 8:
         return packed[:n]
     per_byte = 8 // bits
@@ -188,10 +182,9 @@ def quantize(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     cast: torch.dtype | None = None,
 ) -> None:
-    """Codes of ``rows`` (one group each) into ``out``'s codes (a byte per code), their minimum
-    and step into its mins and scales: the same fp32 operations, in the same order, as the
-    Triton kernel and the C loops. ``cast``: the values are read as that dtype's (rounded to it
-    first)."""
+    """Codes of ``rows`` (one group each) into ``out``'s codes (a byte per code), their minimum and
+    step into its mins and scales: the same fp32 operations, in the same order, as the Triton kernel
+    and the C loops. ``cast``: the values are read as that dtype's (rounded to it first)."""
     code, mins, scales = out
     g = (rows if cast is None else rows.to(cast)).float()
     # Two reductions, not aminmax: over rows of a group, torch's CPU aminmax was 9x slower.
@@ -225,9 +218,7 @@ def rebuild_eager(
 ) -> None:
     """The reference rebuild of ``length`` values from element ``start`` (on a whole group and
     byte) into ``dense``."""
-    code = unpack_codes(
-        packed.values[start * bits // 8 : code_bytes(start + length, bits)], bits, length
-    )
+    code = unpack_codes(fields(packed, start, start + length, bits, group)[0], bits, length)
     # fp32 output: rebuilt in place in its final buffer; narrower: via an fp32 slice.
     out = dense[start : start + length]
     values = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)

@@ -62,10 +62,8 @@ class InputCache:
     In a ResNet the block input feeds conv1 and the downsample conv, and FPN reads the same stage
     outputs; in the RPN head one tensor feeds two convs. Packing it once halves or thirds both the
     work and the bytes. The pack rides on the input tensor itself (an attribute, tagged with the
-    cache and its forward): it dies with the tensor, and a backward or a new step makes it stale.
-    An attribute costs a tenth of a microsecond to read or write; the weak-keyed dictionary it
-    replaced cost microseconds per layer, and a callback as each input died (host time that a
-    GPU step waits on: docs/gpu.md).
+    cache and its forward, cheap to read: host time): it dies with the tensor, and a backward or
+    a new step makes it stale.
 
     It also says where the packs are in their random streams: each pack that draws is keyed by
     (rank, ``stream``, step, its position among this step's packs). The forward order is
@@ -91,7 +89,7 @@ class InputCache:
         self._block = KEY_BLOCK
         self._remember = getattr(strategy, "remember_draws", None)
         self._forward = next(_FORWARDS)  # names this cache's current forward on its packs
-        self._param_casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.casts = ParamCasts()  # autocast's weight casts, shared by the calls of a forward
         self.dropped: torch.Tensor | None = None
         self.number = _number(self)  # how the torch.library operators name it (traced.py)
         self.saved_hooks = SavedInputHooks(self)  # its convs' path without a Function (hooked.py)
@@ -128,9 +126,8 @@ class InputCache:
         return self._keys[at]
 
     def _next_block(self) -> None:
-        """Make the keys of the next positions together (one pass over a tensor of them, not a
-        hash in Python per pack: host time on every layer), and let the strategy derive what it
-        draws from them (``remember_draws``) the same way."""
+        """Make the next positions' keys together on a tensor (not a hash in Python per pack:
+        host time), and let the strategy derive its draws from them (``remember_draws``)."""
         count = min(max(self._block, 2 * len(self._keys)), MAX_KEY_BLOCK)
         keys = self.key_at(torch.arange(self.position, self.position + count))
         self._first, self._keys = self.position, keys.tolist()
@@ -141,24 +138,6 @@ class InputCache:
         """mix_seed(rank, stream, step, position), the first three folded in set_step; of each
         position of an int64 tensor of them, as a tensor."""
         return seed_of(mix_part(self._prefix, position))
-
-    def cast_param(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
-        once per FPN level), as autocast's own weight cache does for the plain layer.
-
-        The cast is held weakly: the autograd graph keeps it alive through the forward and lets
-        it go with the graph, so no copy of the weights outlives a step.
-        """
-        if p.dtype == dtype:
-            return p
-        hit = self._param_casts.get(p)
-        if hit is not None:
-            cast = hit[1]()
-            if cast is not None and hit[0] == p._version and cast.dtype == dtype:
-                return cast
-        cast = p.to(dtype)
-        self._param_casts[p] = (p._version, weakref.ref(cast))
-        return cast
 
     def pack(
         self,
@@ -213,8 +192,7 @@ class InputCache:
         cannot rebuild them alone (``Strategy.unpack_part``)."""
         return self.strategy.unpack_part(packed, start, stop)
 
-    # Weak dictionaries neither pickle nor deep-copy; a copy starts with an empty cache, at the
-    # same place in the random streams.
+    # A copy starts with no packs and no casts, at the same place in the random streams.
     _STATE = ("strategy", "stream", "step", "rank", "position")
 
     def __getstate__(self) -> dict:
@@ -323,8 +301,7 @@ def _saved_input(ctx) -> tuple[torch.Tensor, Rebuilt | None]:
 
 
 # Inputs of at least this many bytes have their conv's weight and input gradients made in turn
-# (_conv_backward_split): the memory of a rebuilt map, for one more call (host time) per layer,
-# which smaller layers are not worth.
+# (conv_grads): one rebuilt map fewer at the peak, for one more call, which small layers skip.
 SPLIT_BYTES = 8 << 20
 # Rows of a cache's key table on a device (InputCache.draw_row): the packs one forward draws,
 # with room (quant converts 97 conv and linear layers of torchvision's R50-FPN Mask R-CNN; the
@@ -333,12 +310,9 @@ KEY_ROWS = 256
 # Draw keys an input cache makes at a time (InputCache.next_key): at first, and at most.
 KEY_BLOCK, MAX_KEY_BLOCK = 32, 4096
 # A split weight gradient takes its images in chunks of at least one image and at most this many
-# bytes of input, by device type. On an accelerator 64 MiB: a layer's calls then do not grow with
-# the batch unless its map outgrows the budget (launches and host time on every layer of a GPU
-# step), while a chunk's rebuilt map stays small beside the backward's peak (chosen by the step
-# peak it costs: docs/results/chunk_bytes/). On the CPU a call costs nothing beside its work:
-# 8 MiB there, as before, so the committed CPU runs (the study, the demo) keep their sums bit for
-# bit.
+# bytes of input, by device type: 64 MiB on an accelerator, so a layer's launches do not grow with
+# the batch while a chunk's rebuilt map stays small beside the peak (docs/results/chunk_bytes/);
+# 8 MiB on the CPU, where a call costs only its work, so the committed CPU runs keep their sums.
 CHUNK_BYTES: dict[str, int] = {"cpu": 8 << 20, "accelerator": 64 << 20}
 
 
@@ -380,8 +354,7 @@ def conv_grads(
     weight does not train); ``needs`` the first three of ``ctx.needs_input_grad``.
 
     A large input (at least SPLIT_BYTES) has its gradients made in turn: the weight's (and
-    bias's) first, summed over chunks of images (:func:`_weight_grad_by_images`, each chunk
-    rebuilt alone where the strategy can: a chunk's map alive, not the batch's), then the input
+    bias's) first, over chunks of images (:func:`_weight_grad_by_images`), then the input
     gradient, bit for bit the joint call's: one map fewer alive at the backward's peak."""
     need_x, need_w, need_b = needs[:3]
     need_w = need_w and rebuilt is not None
@@ -425,11 +398,10 @@ def conv_input_grad(
 
 
 class Rebuilt:
-    """A layer's packed input (of ``shape``), read back for its backward by its cache: whole,
-    or images ``[i, j)`` at a time, each chunk rebuilt alone where the strategy can
-    (``InputCache.unpack_part``), else sliced from one rebuild of the whole batch (made once,
-    on the first call that needs it). The same values either way. (Slots and no closures: one
-    is made in every backward of the autograd Functions.)"""
+    """A layer's packed input (of ``shape``), read back for its backward by its cache: whole, or
+    images ``[i, j)`` at a time, each chunk rebuilt alone where the strategy can, else sliced
+    from one rebuild of the whole batch (made once). The same values either way. (Slots: one is
+    made in every backward.)"""
 
     __slots__ = ("shape", "cache", "packed", "_batch")
 
@@ -470,14 +442,10 @@ def _weight_grad_by_images(
     bias_sizes: list[int] | None,
     args: ConvArgs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight (and bias) gradient of a conv as a sum over chunks of images of at most
-    CHUNK_BYTES of input each (one image where an image is larger), the input (of
-    ``x_shape``) of images ``[i, j)`` read as ``rebuilt.images(i, j)``: the
-    rebuilt input and the CPU kernel's copies of it and of the output gradient in its own
-    layout are then a chunk's, not the batch's. Each chunk's part is summed in fp32 (in the
-    order of the images): the same value as one call up to float rounding, not bit for bit where
-    the batch takes more than one chunk. The input's dtype is the output gradient's (the conv
-    computed in it)."""
+    """The weight (and bias) gradient of a conv as a sum over chunks of images (CHUNK_BYTES of
+    input each, at least one image), images ``[i, j)`` read as ``rebuilt.images(i, j)``: the
+    rebuilt input and the kernel's copies are a chunk's, not the batch's. The parts are summed
+    in fp32 in image order: one call's value up to float rounding where there are several."""
     batch = x_shape[0]
     per_image = math.prod(x_shape[1:]) * grad.element_size()
     chunk = images_per_chunk(batch, per_image, grad.device)
@@ -574,6 +542,30 @@ def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return zero_flagged_sliced(grad, bits)
 
 
+class ParamCasts:
+    """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
+    once per FPN level), as autocast's own weight cache does for the plain layer. Each cast is
+    held weakly: the autograd graph keeps it through the forward and lets it go with the graph,
+    so no copy of the weights outlives a step. (Weak dictionaries neither pickle nor copy: a
+    copied cache starts with none.)"""
+
+    def __init__(self) -> None:
+        self._casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def get(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p`` as ``dtype``: the cast made earlier of this version of ``p``, or a new one."""
+        if p.dtype == dtype:
+            return p
+        hit = self._casts.get(p)
+        if hit is not None:
+            cast = hit[1]()
+            if cast is not None and hit[0] == p._version and cast.dtype == dtype:
+                return cast
+        cast = p.to(dtype)
+        self._casts[p] = (p._version, weakref.ref(cast))
+        return cast
+
+
 def _any_autocast_fallback() -> bool:
     return True  # a torch without the one-call check: ask the device's flag every time
 
@@ -584,19 +576,13 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast_fall
 def autocast_inputs(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: InputCache | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype | None]:
-    """(weight, bias, the input's dtype) as autocast would cast them for conv/linear; the dtype
-    None without autocast. The weight casts are made here, outside the Function, so that
-    autograd sees them; they are shared by the calls of one forward through ``cache`` (None
-    while tracing: plain casts, which the compiler shares itself).
-
-    Conv and linear run in the autocast dtype on CUDA (fp16/bf16) and CPU (bf16); casting alike
-    keeps outputs identical to the plain layer and lets the cache hold narrow values. The input
-    is cast inside the Function (:func:`_forward_and_save`), so that the cast can go as soon as
-    the op has run; its gradient is cast back to ``x``'s dtype by autograd, as autocast's own
-    cast's backward does, and the layers fed ``x`` sum their gradients in that dtype.
-    """
-    # One C call answers the usual fp32 case; the device's own flag only under some autocast
-    # (reading x.device.type alone took about a microsecond, on every layer of every step).
+    """(weight, bias, the input's dtype) as autocast would cast them for conv/linear (the dtype
+    None without autocast): outputs identical to the plain layer's, narrow values in the cache.
+    The weight casts are made here, outside the Function, so that autograd sees them, shared by
+    the calls of one forward through ``cache`` (None while tracing: the compiler shares them).
+    The input is cast inside the op (:func:`_forward_and_save`), so that the cast can go as soon
+    as the op has run; autograd casts its gradient back to ``x``'s dtype, as autocast does."""
+    # One C call answers the usual fp32 case; the device's own flag only under some autocast.
     if not _any_autocast():
         return weight, bias, None
     device_type = x.device.type
@@ -606,7 +592,7 @@ def autocast_inputs(
     if cache is None:
         return weight.to(dtype), None if bias is None else bias.to(dtype), dtype
     return (
-        cache.cast_param(weight, dtype),
-        cache.cast_param(bias, dtype) if bias is not None else None,
+        cache.casts.get(weight, dtype),
+        cache.casts.get(bias, dtype) if bias is not None else None,
         dtype,
     )

@@ -1,14 +1,11 @@
 """The eager DropIT convolution (plain or transposed) without a Python autograd Function: less host
 time per layer.
 
-A conv written as a Python ``autograd.Function`` pays the Function's own machinery on every call,
-forward and backward, before it does any DropIT work (the ``bare Function`` rows of
-docs/results/memory.md: more than half of what DropIT's conv adds to the host). Here the conv is
-aten's own op, whose C++ autograd node keeps its input and weight for backward; a saved-tensor
-hook, pushed for that one call, hands the input to the layer's cache to pack and the weight back
-as it is, and in backward hands the node the rebuilt input. Same op, the same pack drawn at the
-same place in the step's stream, the same backward call (``aten.convolution_backward`` of the
-gradient, the rebuilt input and the weight): the bytes and gradients of
+A Python ``autograd.Function`` pays its own machinery on every call, forward and backward. Here
+the conv is aten's own op, whose C++ autograd node keeps its input and weight for backward; a
+saved-tensor hook, pushed for that one call, hands the input to the layer's cache to pack and the
+weight back as it is, and in backward hands the node the rebuilt input. The same op, pack draw
+and backward call: the bytes and gradients of
 :class:`~dropit_core.layers.functions.DropITConvFunction` (tests/core/test_dropit_hooked.py).
 
 A layer takes this path only where the Function would do just that (:func:`takes`):
@@ -20,8 +17,7 @@ A layer takes this path only where the Function would do just that (:func:`takes
   a memory count or any user's hooks would not see the conv's tensors while ours is pushed.
   With them the layer runs the Function, which they see as they always did.
 
-``DROPIT_HOOKED=0`` (or ``configure(hooked=False)``) makes every eager conv run its
-Function: to measure one against the other on a GPU.
+``DROPIT_HOOKED=0`` (or ``configure(hooked=False)``) makes every eager conv run its Function.
 """
 
 from __future__ import annotations
@@ -67,14 +63,12 @@ def takes(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None, limi
 
 
 class SavedInputHooks:
-    """The pack and unpack hooks of one cache's hooked convs.
-
-    While its conv runs, ``weight`` is the weight the op was given (it comes back as it is: the
-    input gradient reads it) and the other tensor the op saves, its input, is packed; ``source``
-    is the tensor that input was cast from under autocast (the key layers fed the same tensor
-    share a pack by), ``dtype`` the compute dtype. Both are cleared after the call, so no weight
-    cast or input outlives it here. A cache is one thread's, as its draw counter is.
-    """
+    """The pack and unpack hooks of one cache's hooked convs. While its conv runs, ``weight`` is
+    the weight the op was given (it comes back as it is: the input gradient reads it) and the
+    other tensor the op saves, its input, is packed; ``source`` is the tensor that input was cast
+    from under autocast (the key layers fed the same tensor share a pack by), ``dtype`` the
+    compute dtype. Both are cleared after the call, so no weight cast or input outlives it here.
+    A cache is one thread's, as its draw counter is."""
 
     __slots__ = ("cache", "weight", "source", "dtype")
 

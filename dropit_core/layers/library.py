@@ -1,13 +1,12 @@
 """The DropIT layers as ``torch.library`` operators: what a converted layer runs under
 ``torch.compile``.
 
-Dynamo cannot trace the eager path (the autograd Functions of :mod:`dropit_core.layers.functions`,
-the hooked conv of :mod:`dropit_core.layers.hooked`): its packs are shared through Python state on
-tensors and seeded from Python integers up to 2**64, which Inductor cannot hold as constants.
-While compiling, a converted layer calls the operators below instead, each opaque, with a fake
-(shape-only) implementation and an autograd formula (its Function's backward body reading the
-traced ``dropit::unpack``), so that ``torch.compile(model, fullgraph=True)`` traces the whole
-model into one graph and no seed becomes a graph constant:
+Dynamo cannot trace the eager path (the autograd Functions, the hooked conv): its packs are shared
+through Python state on tensors and seeded from Python integers up to 2**64, which Inductor cannot
+hold as constants. While compiling, a converted layer calls the operators below instead, each
+opaque, with a fake (shape-only) implementation and an autograd formula (its Function's backward
+body reading the traced ``dropit::unpack``), so that ``torch.compile(model, fullgraph=True)``
+traces the whole model into one graph and no seed becomes a graph constant:
 
 - ``dropit::pack`` runs the eager strategy code, drawn with the cache's next key
   (``dropit::draw``): byte-equal to the eager pack of the same step and layer as long as the graph
@@ -72,12 +71,6 @@ def _static_fields(
     )
 
 
-def _packed(cache: InputCache, fields: list[Tensor], shape: list[int], dtype) -> Packed:
-    """The eager ``Packed`` of a traced pack's tensors."""
-    names = [name for name, _, _ in _static_fields(cache, tuple(shape), dtype)]
-    return Packed(QuantMeta(tuple(shape), dtype), **dict(zip(names, fields, strict=True)))
-
-
 @torch.library.custom_op("dropit::pack", mutates_args=())
 def pack_op(x: Tensor, keys: Tensor, cache: int, layout: str, dtype: torch.dtype) -> list[Tensor]:
     """The tensors of ``cache``'s eager pack of ``x`` read as ``dtype``, drawn with the hash keys
@@ -96,7 +89,9 @@ def _(x: Tensor, keys: Tensor, cache: int, layout: str, dtype: torch.dtype) -> l
 def unpack_op(fields: list[Tensor], cache: int, shape: list[int], dtype: torch.dtype) -> Tensor:
     """The input rebuilt from a traced pack's tensors."""
     owner = cache_by_number(cache)
-    return owner.unpack(_packed(owner, fields, shape, dtype))
+    names = [name for name, _, _ in _static_fields(owner, tuple(shape), dtype)]
+    packed = Packed(QuantMeta(tuple(shape), dtype), **dict(zip(names, fields, strict=True)))
+    return owner.unpack(packed)
 
 
 @unpack_op.register_fake

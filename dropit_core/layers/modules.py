@@ -52,7 +52,7 @@ class DropITConv2d(nn.Conv2d):
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = (0, 0)
         elif isinstance(padding, str):
-            x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation)
+            x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation), (0, 0)
         weight, bias, cache = self.weight, self.bias, self.dropit_cache  # one module lookup each
         if torch.compiler.is_compiling():
             args = ConvArgs(
@@ -61,11 +61,8 @@ class DropITConv2d(nn.Conv2d):
             return _compiling(x, weight, bias, cache, args)
         # The module's tuples as they are: aten takes them so (a list of each per call was
         # host time, on every layer of every step).
-        args = ConvArgs(self.stride, padding, self.dilation, False, _NO_OUTPUT_PADDING, self.groups)
+        args = ConvArgs(self.stride, padding, self.dilation, False, (0, 0), self.groups)
         return _eager_conv(x, weight, bias, args, cache)
-
-
-_NO_OUTPUT_PADDING = (0, 0)
 
 
 def _eager_conv(
@@ -113,14 +110,15 @@ def _behind_break(x, weight, bias, cache: InputCache, args: ConvArgs | None) -> 
     return DropITConvFunction.apply(x, w, b, args, cache, dtype)
 
 
-def _explicit_padding(x, padding: str, kernel_size, dilation) -> tuple[torch.Tensor, tuple]:
+def _explicit_padding(x, padding: str, kernel_size, dilation) -> torch.Tensor:
+    """``x`` padded as a ``"same"`` or ``"valid"`` conv pads it."""
     if padding == "valid":
-        return x, (0, 0)
+        return x
     pads = []
     for k, d in zip(reversed(kernel_size), reversed(dilation), strict=True):
         total = d * (k - 1)
         pads += [total // 2, total - total // 2]
-    return F.pad(x, pads), (0, 0)
+    return F.pad(x, pads)
 
 
 class DropITConvTranspose2d(nn.ConvTranspose2d):
@@ -133,18 +131,10 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
             return super().forward(x, output_size)
         if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.ConvTranspose2d takes
             return self.forward(x.unsqueeze(0), output_size).squeeze(0)
-        output_padding = self._output_padding(
-            x, output_size, list(self.stride), list(self.padding), list(self.kernel_size), 2,
-            list(self.dilation),
-        )  # fmt: skip
-        args = ConvArgs(
-            list(self.stride),
-            list(self.padding),
-            list(self.dilation),
-            True,
-            list(output_padding),
-            self.groups,
-        )
+        stride, padding, dilation = list(self.stride), list(self.padding), list(self.dilation)
+        kernel = list(self.kernel_size)
+        output_padding = self._output_padding(x, output_size, stride, padding, kernel, 2, dilation)
+        args = ConvArgs(stride, padding, dilation, True, list(output_padding), self.groups)
         if torch.compiler.is_compiling():
             return _compiling(x, self.weight, self.bias, self.dropit_cache, args)
         return _eager_conv(x, self.weight, self.bias, args, self.dropit_cache)

@@ -61,8 +61,7 @@ def _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, ep
 
 def _group_norm_forward(x, weight, bias, groups, eps):
     """((output, mean, rstd), dims) of aten's group norm; dims: (N, C, HxW, groups)."""
-    n, c = x.shape[:2]
-    dims = (n, c, x[0, 0].numel() if n and c else 0, groups)
+    dims = (*x.shape[:2], math.prod(x.shape[2:]), groups)
     return torch.ops.aten.native_group_norm.default(x, weight, bias, *dims, eps), dims
 
 
@@ -163,18 +162,9 @@ def _batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> tor
     module._check_input_dim(x)
     F._verify_batch_size(x.size())  # one value per channel: no variance, as the plain layer
     factor = _momentum(module)
-    track = module.track_running_stats
+    stats = (module.running_mean, module.running_var) if module.track_running_stats else (None,) * 2
     run = batch_norm if _traced(module.dropit_cache) else _BatchNormFunction.apply
-    return run(
-        x,
-        module.weight,
-        module.bias,
-        module.running_mean if track else None,
-        module.running_var if track else None,
-        factor,
-        module.eps,
-        module.dropit_cache,
-    )
+    return run(x, module.weight, module.bias, *stats, factor, module.eps, module.dropit_cache)
 
 
 class DropITBatchNorm2d(nn.BatchNorm2d):
@@ -215,9 +205,7 @@ class _pack_saved(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, cache: InputCache, x: torch.Tensor) -> None:
         def pack(t: torch.Tensor):
-            if t.shape != x.shape or not t.is_floating_point():
-                return t
-            return cache.pack(t, "conv")
+            return cache.pack(t, "conv") if t.shape == x.shape and t.is_floating_point() else t
 
         def unpack(saved):
             if isinstance(saved, torch.Tensor):
@@ -348,8 +336,7 @@ def _(x, weight, bias, fields, groups, eps, cache):
 
 def _group_norm_setup(ctx, inputs, output) -> None:
     x, weight, _, fields, groups, _, cache = inputs
-    n, c = x.shape[:2]
-    ctx.dims = (n, c, math.prod(x.shape[2:]), groups)
+    ctx.dims = (*x.shape[:2], math.prod(x.shape[2:]), groups)
     ctx.cache, ctx.x_shape, ctx.x_dtype = cache, list(x.shape), x.dtype
     ctx.save_for_backward(weight, output[1], output[2], *fields)
 

@@ -57,11 +57,10 @@ def keep_count(gamma: float, n: int) -> int:
 
 
 class Strategy:
-    """Base class: pick what to keep of a layer input and rebuild a dense tensor from it.
-
-    A subclass declares its ``name``, its ``options`` (``__init__`` keywords, defaults filled
-    in), what it ``keeps`` and its ``cache_bytes`` (for the docs), and implements :meth:`_pack`
-    and :meth:`_unpack`. ``draws``: a pack draws random numbers (from its ``key``);
+    """Base class: pick what to keep of a layer input and rebuild a dense tensor from it. A subclass
+    declares its ``name``, its ``options`` (``__init__`` keywords, defaults filled in), what it
+    ``keeps`` and its ``cache_bytes`` (for the docs), and implements :meth:`_pack` and
+    :meth:`_unpack`. ``draws``: a pack draws random numbers (from its ``key``);
     ``reads_through_cast``: it implements :meth:`_pack_cast`."""
 
     name = ""
@@ -88,12 +87,11 @@ class Strategy:
         """Compress ``x`` (a ``"conv"`` or ``"linear"`` input); the same ``key`` (and ``seed``)
         draws the same pack. ``dtype``: the layer's (autocast's): the pack of ``x.to(dtype)``,
         made without the copy by a strategy that reads through the cast (quant)."""
-        if dtype is None or dtype == x.dtype:
-            packed = self._pack(x, layout, key)
-        elif self.reads_through_cast and self.rescale == RESCALES[0]:
+        cast = dtype is not None and dtype != x.dtype
+        if cast and self.reads_through_cast and self.rescale == RESCALES[0]:
             packed = self._pack_cast(x, layout, key, dtype)
         else:  # the norm below is the cast's
-            x = x.to(dtype)
+            x = x.to(dtype) if cast else x
             packed = self._pack(x, layout, key)
         if self.rescale == "norm":  # one more pass over x; the norm rides with the pack
             packed = packed._replace(norm=torch.linalg.vector_norm(x, dtype=torch.float32))

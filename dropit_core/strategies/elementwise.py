@@ -1,12 +1,12 @@
 """The slice-by-slice pack and rebuild shared by the strategies that keep single elements.
 
 An element-wise pack keeps a 1-bit position mask (or, for a mask drawn from a seed, nothing) plus
-the kept values; a subclass says which elements a slice keeps (:meth:`Elementwise._slice_mask`)
-and, optionally, a per-tensor state computed first (:meth:`Elementwise._begin`: a threshold, a
-seed).
+the kept values; a subclass says which elements a slice keeps (:meth:`Elementwise._slice_mask`) and,
+optionally, a per-tensor state computed first (:meth:`Elementwise._begin`: a threshold, a seed).
 
-The kept values sit in flat order in a buffer of ``meta.kept`` slots, sized one of two ways;
-the format is the same, and so is the rebuild:
+The kept values sit in flat order in a buffer of ``meta.kept`` slots, sized one of two ways; the
+format is the same, and so is the rebuild, which finds where each slice's values start from the
+mask, on the device:
 
 - to the kept count, on the CPU: each slice's count is read on the host, which costs nothing
   there, and the pack is as small as it can be;
@@ -16,25 +16,22 @@ the format is the same, and so is the rebuild:
   stores the first ones in flat order, its position mask marks exactly those (the rest rebuild
   as zeros, as dropped ones do), and it counts the others in ``Packed.dropped``.
 
-The rebuild finds where each slice's values start from the mask, on the device.
-
-Where :func:`dropit_core.backends.dispatch.choose` gives it the kernels (CUDA tensors, by
-default), a strategy that states its choice as a :class:`KeepRule` packs and rebuilds with the
-Triton kernels of :mod:`dropit_core.backends.triton.compact` instead: the fixed-capacity format,
-byte for byte, in a few launches for the whole tensor instead of a dozen per slice.
+Where :func:`dropit_core.backends.dispatch.choose` gives it the kernels (CUDA tensors, by default),
+a strategy that states its choice as a :class:`KeepRule` packs and rebuilds with the Triton kernels
+of :mod:`dropit_core.backends.triton.compact` instead: the fixed-capacity format, byte for byte, in
+a few launches for the whole tensor instead of a dozen per slice.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dropit_core.backends import dispatch
 from dropit_core.formats import packed as base
-from dropit_core.formats.bits import compact, compact_bits, compact_into, pack_bits, scatter_kept
+from dropit_core.formats.bits import compact_bits, compact_into, pack_bits, scatter_kept
 from dropit_core.formats.packed import ElementsMeta, Packed
 from dropit_core.formats.values import ValueCodec
 from dropit_core.registry import Option
@@ -71,13 +68,10 @@ def fixed_capacity(device: torch.device) -> bool:
 
 
 def expected_capacity(n: int, p: float, sample: int | None = None, draws: bool = False) -> int:
-    """Slots for a count that keeps p of n elements on average, at most n.
-
-    ``p n`` plus :data:`CAPACITY_SPREAD` standard deviations of the count, from a threshold
-    estimated as the p-quantile of ``sample`` values (its rank is off by about
-    ``sqrt(p (1-p) / sample)`` of n) and from n independent draws (``sqrt(n p (1-p))``), plus
-    :data:`CAPACITY_SLACK`.
-    """
+    """Slots for a count that keeps p of n elements on average, at most n. ``p n`` plus
+    :data:`CAPACITY_SPREAD` standard deviations of the count, from a threshold estimated as the
+    p-quantile of ``sample`` values (its rank is off by about ``sqrt(p (1-p) / sample)`` of n) and
+    from n independent draws (``sqrt(n p (1-p))``), plus :data:`CAPACITY_SLACK`."""
     variance = 0.0
     if sample:
         variance += n * n * p * (1.0 - p) / sample
@@ -87,15 +81,13 @@ def expected_capacity(n: int, p: float, sample: int | None = None, draws: bool =
 
 
 def _sparse_bits(bits: torch.Tensor, slots: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(which bytes of the mask are non-zero, 1 bit each; those bytes): at gamma 0.9 a fifth to
-    half of the mask bytes are zero, and storing a zero byte as one bit saves 7/8 of it.
-
-    ``slots``: the pack's value capacity (fixed-capacity packs; None: sized to the count). A
-    non-zero byte flags at least one stored value, so that many bytes always hold them.
-    """
+    """(which bytes of the mask are non-zero, 1 bit each; those bytes): at gamma 0.9 a fifth to half
+    of the mask bytes are zero, and storing a zero byte as one bit saves 7/8 of it. ``slots``: the
+    pack's value capacity (fixed-capacity packs; None: sized to the count). A non-zero byte flags at
+    least one stored value, so that many bytes always hold them."""
     flags = bits != 0
     if slots is None:
-        return pack_bits(flags), compact(bits, flags)
+        return pack_bits(flags), bits[flags]
     nonzero = bits.new_zeros(min(bits.numel(), slots) + 1)  # + compact_into's spare slot
     compact_into(bits, flags, nonzero, torch.zeros((), dtype=torch.int64, device=bits.device))
     return pack_bits(flags), nonzero[:-1]
@@ -113,40 +105,12 @@ def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int, kernels: boo
     return scatter_kept(flags, nonzero, n_bytes, max(8, 8 * len(flags)))
 
 
-def _fill_slots(
-    flat: torch.Tensor,
-    slots: int,
-    stores_mask: bool,
-    step: int,
-    mask_of: Callable[[torch.Tensor, int], torch.Tensor],
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(position bits, the ``slots`` value slots, count chosen, count stored) of an eager pack
-    sized from the shape: each slice's kept values (``mask_of(piece, start)``) go after the
-    device-side count of those before it, so that no host waits for the device."""
-    n, dev = flat.numel(), flat.device
-    values = torch.zeros(slots + 1, dtype=flat.dtype, device=dev)  # + compact_into's spare
-    bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev) if stores_mask else None
-    stored = torch.zeros((), dtype=torch.int64, device=dev)
-    chosen = torch.zeros((), dtype=torch.int64, device=dev)
-    for start in range(0, n, step):
-        piece = flat[start : start + step]
-        flags, stored, count = compact_into(
-            piece, mask_of(piece, start), values, stored, stores_mask
-        )
-        chosen += count
-        if bits is not None:  # the flags of what was stored: an overflow never misleads
-            pack_bits(flags, out=bits[start // 8 : (start + piece.numel() + 7) // 8])
-    return bits, values[:slots], chosen, stored
-
-
 class Elementwise(Strategy):
     """Keep single elements: a packed 1-bit position mask plus the kept values.
-
     ``positions="sparse_bits"`` stores the mask's non-zero bytes plus one bit per mask byte. A
     subclass with ``stores_mask = False`` rebuilds its mask from the pack's state instead
-    (:meth:`_rebuild_mask`). One with ``exact_capacity = True`` keeps, by definition, at most
-    its :meth:`capacity` (mink: k; ties past it are left out by design, not counted as dropped).
-    """
+    (:meth:`_rebuild_mask`). One with ``exact_capacity = True`` keeps, by definition, at most its
+    :meth:`capacity` (mink: k; ties past it are left out by design, not counted as dropped)."""
 
     stores_mask = True
     exact_capacity = False
@@ -166,9 +130,7 @@ class Elementwise(Strategy):
 
     def _begin(self, flat: torch.Tensor, static: bool, key: int) -> Any:
         """Per-tensor state computed once before the slices (e.g. a global threshold, a seed).
-
-        ``static``: the pack is sized from the shape, and nothing here may wait for the device.
-        """
+        ``static``: the pack is sized from the shape, and nothing here may wait for the device."""
         return None
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: Any) -> torch.Tensor:
@@ -209,11 +171,9 @@ class Elementwise(Strategy):
             bits, values, state = self._pack_tight(flat, key)
             dropped, slots = None, None
         fields = encoded(self.codec, values, self.signed_values)
-        if self.stores_mask:
-            if self.positions == "sparse_bits":
-                fields["bits"], fields["mask_bytes"] = _sparse_bits(bits, slots)
-            else:
-                fields["bits"] = bits
+        fields["bits"] = bits  # None where the mask is drawn again (stores_mask False)
+        if self.stores_mask and self.positions == "sparse_bits":
+            fields["bits"], fields["mask_bytes"] = _sparse_bits(bits, slots)
         meta = ElementsMeta(tuple(x.shape), x.dtype, values.numel(), self._kept_state(state))
         return Packed(meta, dropped=dropped, **fields)
 
@@ -223,10 +183,9 @@ class Elementwise(Strategy):
         if not values:  # an empty input
             values, bits = [flat], [pack_bits(flat.new_zeros(0, dtype=torch.bool))]
         vals = values[0] if len(values) == 1 else torch.cat(values)
-        packed_bits = None
-        if self.stores_mask:
-            packed_bits = bits[0] if len(bits) == 1 else torch.cat(bits)
-        return packed_bits, vals, state
+        if not self.stores_mask:
+            return None, vals, state
+        return (bits[0] if len(bits) == 1 else torch.cat(bits)), vals, state
 
     def _pack_one_pass(self, flat: torch.Tensor, key: int):
         """Per slice: (position bits, kept values), and the state (CPU: host reads are free)."""
@@ -242,13 +201,14 @@ class Elementwise(Strategy):
                 bits.append(pack_bits(mask))
                 values.append(compact_bits(piece, bits[-1]))
             else:
-                values.append(compact(piece, mask))
+                values.append(piece[mask])  # the CPU's compaction: its size read on the host
         return bits, values, state
 
     def _pack_fixed(self, flat: torch.Tensor, key: int, kernels: bool):
         """(position bits, kept values, state, values chosen but not stored) with every size
-        from the shape: each slice's values go to the device-side count of those before it."""
-        n = flat.numel()
+        from the shape: each slice's values go after the device-side count of those before it,
+        so that the host never waits for the device."""
+        n, dev = flat.numel(), flat.device
         state = self._begin(flat, True, key)
         slots = self.capacity(n)
         rule = self._kernel_rule(state) if kernels else None
@@ -258,12 +218,22 @@ class Elementwise(Strategy):
             bits, values, chosen = compact_pack(flat, rule, slots, self.stores_mask)
             dropped = None if self.exact_capacity else (chosen - slots).clamp_min(0)
             return bits, values, state, dropped
-        bits, values, chosen, stored = _fill_slots(
-            flat, slots, self.stores_mask, self.slice_len(),
-            lambda piece, start: self._slice_mask(piece, start, state),
-        )  # fmt: skip
+        values = torch.zeros(slots + 1, dtype=flat.dtype, device=dev)  # + compact_into's spare
+        bits = None
+        if self.stores_mask:
+            bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=dev)
+        stored = torch.zeros((), dtype=torch.int64, device=dev)
+        chosen = torch.zeros((), dtype=torch.int64, device=dev)
+        step = self.slice_len()
+        for start in range(0, n, step):
+            piece = flat[start : start + step]
+            mask = self._slice_mask(piece, start, state)
+            flags, stored, count = compact_into(piece, mask, values, stored, self.stores_mask)
+            chosen += count
+            if bits is not None:  # the flags of what was stored: an overflow never misleads
+                pack_bits(flags, out=bits[start // 8 : (start + piece.numel() + 7) // 8])
         dropped = None if self.exact_capacity else chosen - stored
-        return bits, values, state, dropped
+        return bits, values[:slots], state, dropped
 
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype, kept, state = packed.meta
@@ -271,20 +241,16 @@ class Elementwise(Strategy):
         values = self._rebuilt_values(decoded(self.codec, packed, dtype, kept), packed)
         step = self.slice_len()
         kernels = dispatch.choose("compact", values) == "triton"
-        if self.stores_mask:
-            bits = packed.bits
-            if self.positions == "sparse_bits":
-                bits = _dense_bits(bits, packed.mask_bytes, n, kernels)
-            if kernels:
-                from dropit_core.backends.triton.compact import scatter_pack
-
-                return scatter_pack(bits, values, n).view(shape)
-            return scatter_kept(bits, values, n, step).view(shape)
-        rule = self._kernel_rule(state) if kernels else None
-        if rule is not None:
+        bits = packed.bits  # None where the mask is drawn again (stores_mask False)
+        if self.stores_mask and self.positions == "sparse_bits":
+            bits = _dense_bits(bits, packed.mask_bytes, n, kernels)
+        rule = self._kernel_rule(state) if kernels and not self.stores_mask else None
+        if kernels and (self.stores_mask or rule is not None):
             from dropit_core.backends.triton.compact import scatter_pack
 
-            return scatter_pack(None, values, n, draw=rule).view(shape)
+            return scatter_pack(bits, values, n, draw=rule).view(shape)
+        if self.stores_mask:
+            return scatter_kept(bits, values, n, step).view(shape)
 
         def slice_bits(start: int, length: int) -> torch.Tensor:
             # One slice's mask at a time: the only full-size tensor alive here is the output.

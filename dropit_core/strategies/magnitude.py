@@ -76,10 +76,9 @@ class MinK(Elementwise):
     def _begin(self, flat: torch.Tensor, static: bool, key: int) -> torch.Tensor | _TieBudget:
         n = flat.numel()
         k = keep_count(self.gamma, n)
-        if k == 0:
-            return torch.full((), math.inf, dtype=flat.dtype, device=flat.device)
-        if k == n:
-            return torch.full((), tiny(flat.dtype), dtype=flat.dtype, device=flat.device)
+        if k in (0, n):  # keep nothing, or every non-zero element
+            value = math.inf if k == 0 else tiny(flat.dtype)
+            return torch.full((), value, dtype=flat.dtype, device=flat.device)
         # The k-th largest |x|, floored at the smallest normal number so that exact zeros are
         # dropped (they rebuild as zeros anyway); found without a dense |x| copy or a host read.
         kth = kth_largest_abs(flat, k, base.SLICE)
@@ -155,8 +154,7 @@ class ParallelMinK(Elementwise):
             return torch.zeros_like(a, dtype=torch.bool)
         if k == d:
             return a >= tiny(a.dtype)
-        top = torch.topk(a, k, dim=1, sorted=False).values
-        kth = top.amin(dim=1, keepdim=True)
+        kth = torch.topk(a, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
         thr = kth.clamp_min(tiny(a.dtype))
         if not ties_in_order:
             return a >= thr
@@ -168,14 +166,10 @@ class ParallelMinK(Elementwise):
 
     def _slice_mask(self, piece: torch.Tensor, start: int, state: bool) -> torch.Tensor:
         a = piece.abs()
-        full = (a.numel() // self.chunk) * self.chunk
-        if full == a.numel():
-            return self._rows_mask(a.view(-1, self.chunk), state).view(-1)
-        mask = torch.empty(a.numel(), dtype=torch.bool, device=a.device)
-        if full:
-            mask[:full] = self._rows_mask(a[:full].view(-1, self.chunk), state).view(-1)
-        mask[full:] = self._rows_mask(a[full:].view(1, -1), state).view(-1)
-        return mask
+        full = (a.numel() // self.chunk) * self.chunk  # whole chunks, then the tensor's tail
+        rows = [a[:full].view(-1, self.chunk), a[full:].view(1, -1)]
+        masks = [self._rows_mask(r, state).view(-1) for r in rows if r.numel()]
+        return masks[0] if len(masks) == 1 else torch.cat(masks)
 
 
 class Threshold(Elementwise):

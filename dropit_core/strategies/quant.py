@@ -6,8 +6,7 @@ the rebuilt input equals the input in expectation (unbiased).
 The format (fields, sizes, group rule, the noise's hash) is :mod:`dropit_core.formats.quant`,
 with the eager reference; the C loops (:mod:`dropit_core.backends.native`, CPU) and the Triton
 kernels (:mod:`dropit_core.backends.triton.quant`, CUDA) write the same bytes; which one runs is
-:mod:`dropit_core.backends.dispatch`'s choice. (Before 2026-11-24 quant drew from a generator
-per slice: a quant run made since draws other numbers than the same config did then.)
+:mod:`dropit_core.backends.dispatch`'s choice.
 """
 
 from __future__ import annotations

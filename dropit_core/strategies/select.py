@@ -9,10 +9,9 @@ k largest), and sorting the few inside the bracket gives the exact value; min-k 
 values from that superset instead of reading the input a third time. Should the sample mislead
 (a miss is reported, not hidden), a radix select finds the value exactly.
 
-On an accelerator (:func:`kth_largest_abs`) the radix select runs alone: two histogram passes
-over the bit patterns of ``|x|`` (one for 16-bit floats), every size fixed by the shape, so the
-host never waits for the device and nothing can miss; where the Triton kernels are in use, each
-pass is one launch (:mod:`dropit_core.backends.triton.select`).
+On an accelerator (:func:`kth_largest_abs`) the radix select (:func:`radix_kth_largest_abs`) runs
+alone: every size fixed by the shape, so the host never waits for the device and nothing can miss;
+with the Triton kernels each pass is one launch (:mod:`dropit_core.backends.triton.select`).
 
 Both return the value floored at the dtype's smallest normal number, so that keeping
 ``|x| >= value`` never keeps exact zeros (they rebuild as zeros anyway).
@@ -51,11 +50,9 @@ def prime_at_least(n: int) -> int:
 
 
 def sample_stride(n: int, sample: int) -> int:
-    """Stride of a ~``sample``-element strided view of n elements: 1 or an odd prime.
-
-    An odd prime stride shares no factor with the power-of-two widths of CNN feature maps, so
-    the sample does not lock onto columns.
-    """
+    """Stride of a ~``sample``-element strided view of n elements: 1 or an odd prime. An odd prime
+    stride shares no factor with the power-of-two widths of CNN feature maps, so the sample does not
+    lock onto columns."""
     stride = n // sample
     return 1 if stride <= 1 else prime_at_least(max(3, stride))
 
@@ -66,12 +63,9 @@ def sample_size(n: int, sample: int) -> int:
 
 
 def largest(values: torch.Tensor, ranks: Sequence[int]) -> list[torch.Tensor]:
-    """The ``r``-th largest of a 1-D tensor (0-based, counted from the top) for each ``r``.
-
-    On the CPU one quickselect (``kthvalue``, O(m)) per rank: ten times cheaper than sorting a
-    64Ki sample, which was most of a small layer's selection cost. On CUDA ``kthvalue`` runs one
-    thread block for the whole tensor, so a sort that uses the device is faster there.
-    """
+    """The ``r``-th largest of a 1-D tensor (0-based, counted from the top) for each ``r``: on
+    the CPU one quickselect (``kthvalue``, O(m)) per rank, cheaper than a sort; on CUDA a sort,
+    as ``kthvalue`` runs one thread block for the whole tensor there."""
     m = values.numel()
     if values.device.type == "cpu":
         return [torch.kthvalue(values, m - r).values for r in ranks]
@@ -90,8 +84,7 @@ class Bracket(NamedTuple):
 
 def bracket(flat: torch.Tensor, k: int) -> Bracket:
     """Bracket the k-th largest ``|flat|`` from a ~64Ki strided sample (no host sync)."""
-    n = flat.numel()
-    dev = flat.device
+    n, dev = flat.numel(), flat.device
     floor = tiny(flat.dtype)
     sample = flat[:: sample_stride(n, SAMPLE)].abs()
     m = sample.numel()
@@ -110,9 +103,7 @@ def kth_from_candidates(
     magnitudes: torch.Tensor, above: int, k: int, b: Bracket
 ) -> torch.Tensor | None:
     """The k-th largest from the bracket's candidates (host-side counts); None on a miss.
-
-    ``magnitudes`` are all the |x| inside ``[lo, hi]`` and ``above`` the count above ``hi``.
-    """
+    ``magnitudes`` are all the |x| inside ``[lo, hi]`` and ``above`` the count above ``hi``."""
     rank = k - above  # of the k-th largest among the candidates, 1-based, descending
     if 1 <= rank <= magnitudes.numel():
         t = torch.kthvalue(magnitudes, magnitudes.numel() - rank + 1).values
@@ -138,8 +129,8 @@ def _kth(raw: torch.Tensor, ties: torch.Tensor, k: int) -> KthLargest:
 
 def kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLargest:
     """The k-th largest ``|flat|`` (1 <= k <= n), exactly, with no host read: a sort of a small
-    tensor, else :func:`radix_kth_largest_abs`."""
-    if flat.numel() <= DIRECT:
+    (or float64) tensor, else :func:`radix_kth_largest_abs`."""
+    if flat.numel() <= DIRECT or flat.dtype not in _BITS:
         a = flat.abs()
         raw = largest(a, [k - 1])[0]
         return _kth(raw, k - torch.count_nonzero(a > raw), k)
@@ -159,10 +150,8 @@ def select_superset(flat: torch.Tensor, k: int, slice_len: int) -> Superset:
     slice, and find the exact k-th value among them (the CPU path: host-side counts)."""
     b = bracket(flat, k)
     values = [
-        compact_bits(flat[start : start + slice_len], pack_bits(a >= b.lo))
-        for start, a in zip(
-            range(0, flat.numel(), slice_len), abs_slices(flat, slice_len), strict=True
-        )
+        compact_bits(flat[i * slice_len : (i + 1) * slice_len], pack_bits(a >= b.lo))
+        for i, a in enumerate(abs_slices(flat, slice_len))
     ]
     above, candidates = 0, []
     for v in values:  # slice by slice: no superset-sized temporary
@@ -205,18 +194,14 @@ def _abs_bits_histogram(
 
 def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLargest:
     """The k-th largest ``|flat|`` (1 <= k <= n), exactly, by radix select, with no host read.
-
-    Non-negative floats order as their bit patterns do, so histograms of the high then the low
-    16 bits pin the value down (one pass for 16-bit floats). Temporaries are one slice and 64Ki
+    Non-negative floats order as their bit patterns do, so histograms of the high then the low 16
+    bits pin the value down (one pass for 16-bit floats). Temporaries are one slice and 64Ki
     counters; which bucket holds the k-th value is found on the device (a cumulative sum and a
-    binary search), and the second pass counts only the elements of that bucket.
-    """
+    binary search), and the second pass counts only the elements of that bucket."""
     dev = flat.device
     bits_dtype = _BITS.get(flat.dtype)
     if bits_dtype is None:  # float64: not used by detectors; a sort is exact
-        a = flat.abs()
-        raw = torch.sort(a, descending=True).values[k - 1]
-        return _kth(raw, k - torch.count_nonzero(a > raw), k)
+        return kth_largest_abs(flat, k, slice_len)
     width = torch.iinfo(bits_dtype).bits
     shifts = (16, 0) if width == 32 else (0,)
     # Counters of int32: a slice holds far fewer than 2**31 elements.

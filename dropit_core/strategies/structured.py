@@ -38,17 +38,6 @@ def _units(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).t()
 
 
-def _restore_units(
-    idx: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...], layout: str, dtype
-) -> torch.Tensor:
-    n_units = math.prod(shape[:-2]) if layout == "conv" else shape[-1]
-    dense = torch.zeros(n_units, rows.shape[1], dtype=dtype, device=rows.device)
-    dense.index_copy_(0, idx.long(), rows.to(dtype))
-    if layout == "conv":
-        return dense.view(shape)
-    return dense.t().reshape(shape)
-
-
 class _ChannelBase(Strategy):
     """Keep whole planes (conv) or feature columns (linear)."""
 
@@ -65,9 +54,11 @@ class _ChannelBase(Strategy):
 
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype, layout, width = packed.meta
-        count = packed.index.numel() * width
-        rows = decoded(self.codec, packed, dtype, count).view(-1, width)
-        return _restore_units(packed.index, rows, shape, layout, dtype)
+        rows = decoded(self.codec, packed, dtype, packed.index.numel() * width).view(-1, width)
+        n_units = math.prod(shape[:-2]) if layout == "conv" else shape[-1]
+        dense = torch.zeros(n_units, width, dtype=dtype, device=rows.device)
+        dense.index_copy_(0, packed.index.long(), rows.to(dtype))
+        return dense.view(shape) if layout == "conv" else dense.t().reshape(shape)
 
 
 class ChannelMinK(_ChannelBase):
@@ -78,8 +69,7 @@ class ChannelMinK(_ChannelBase):
     cache_bytes = "kept planes v + 4 per plane"
 
     def _choose(self, units: torch.Tensor, k: int, key: int) -> torch.Tensor:
-        norms = _fp32_norms(units, dims=(1,))
-        return torch.topk(norms, k, sorted=False).indices
+        return torch.topk(_fp32_norms(units, dims=(1,)), k, sorted=False).indices
 
 
 class ChannelRandom(_ChannelBase):
@@ -136,13 +126,11 @@ class BlockMinK(Strategy):
         shape, dtype, m, h, w, hb, wb = packed.meta
         b = self.block
         flat_idx = packed.index.long()
-        blocks = decoded(self.codec, packed, dtype, flat_idx.numel() * b * b)
-        blocks = blocks.view(-1, b, b)
+        blocks = decoded(self.codec, packed, dtype, flat_idx.numel() * b * b).view(-1, b, b)
         grid = torch.zeros(m, hb, b, wb, b, dtype=dtype, device=blocks.device)
         mi, rest = flat_idx // (hb * wb), flat_idx % (hb * wb)
         grid[mi, rest // wb, :, rest % wb, :] = blocks
-        planes = grid.view(m, hb * b, wb * b)[:, :h, :w]
-        return planes.reshape(shape)
+        return grid.view(m, hb * b, wb * b)[:, :h, :w].reshape(shape)
 
 
 class Pool(Strategy):
@@ -185,8 +173,7 @@ class Pool(Strategy):
     def _unpack(self, packed: Packed) -> torch.Tensor:
         shape, dtype, layout, pooled_shape = packed.meta
         f = self.factor
-        pooled = decoded(self.codec, packed, dtype, math.prod(pooled_shape))
-        pooled = pooled.view(pooled_shape)
+        pooled = decoded(self.codec, packed, dtype, math.prod(pooled_shape)).view(pooled_shape)
         if layout == "conv":
             up = pooled.repeat_interleave(f, dim=-2).repeat_interleave(f, dim=-1)
             return up[..., : shape[-2], : shape[-1]].reshape(shape)

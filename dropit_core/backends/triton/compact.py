@@ -134,10 +134,6 @@ def _check_block(block: int) -> None:
         raise ValueError(f"compact block {block} is not a power of two of at least 8")
 
 
-def _keys(seed: int | None) -> tuple[int, int]:
-    return hash_keys(seed) if seed is not None else (0, 0)
-
-
 def compact_pack(
     flat: torch.Tensor, rule: KeepRule, slots: int, write_bits: bool = True, block: int = BLOCK
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -159,7 +155,7 @@ def compact_pack(
     counts = torch.empty(blocks, dtype=torch.int32, device=dev)
     ties = torch.empty(blocks if rule.kind == TIES else 1, dtype=torch.int32, device=dev)
     t = rule.threshold if rule.threshold is not None else values  # a pointer the rule never reads
-    keys = _keys(rule.seed)
+    keys = hash_keys(rule.seed) if rule.seed is not None else (0, 0)
     _count_kernel[(blocks,)](
         flat, t, counts, ties, n, *keys, rule.gamma, RULE=rule.kind, BLOCK=block
     )
@@ -202,7 +198,7 @@ def scatter_pack(
         return out.zero_()
     blocks = cdiv(n, block)
     counts = torch.empty(blocks, dtype=torch.int32, device=values.device)
-    keys, gamma = (_keys(draw.seed), draw.gamma) if draw is not None else ((0, 0), 0.0)
+    keys, gamma = (hash_keys(draw.seed), draw.gamma) if draw is not None else ((0, 0), 0.0)
     src = bits if bits is not None else values  # a pointer FROM_DRAW never reads
     from_draw = draw is not None
     _flag_count_kernel[(blocks,)](src, counts, n, *keys, gamma, FROM_DRAW=from_draw, BLOCK=block)

@@ -35,9 +35,8 @@ def relu_mask_kernel(x_ptr, out_ptr, bits_ptr, n, BLOCK: tl.constexpr, KEEP_NEG_
 
 
 def relu_mask(x: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(relu(x), the packed flags of ``relu(x) <= 0``) in one launch; ``inplace`` writes the
-    output into x (contiguous). Bytes per element: reads x once, writes the output once and
-    1/8 of mask."""
+    """(relu(x), the packed flags of ``relu(x) <= 0``) in one launch; ``inplace`` writes the output
+    into x (contiguous). Bytes per element: reads x once, writes the output once and 1/8 of mask."""
     if x.dtype not in FLOATS:
         raise ValueError(f"relu_mask takes a float tensor, got {x.dtype}")
     if inplace and not x.is_contiguous():
