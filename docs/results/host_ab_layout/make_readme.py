@@ -33,20 +33,54 @@ def _host_table() -> list[str]:
 
 
 def _step800_table() -> list[str]:
-    lines = ["| setting | before: step s | after: step s | after / before |", "|---|---:|---:|---:|"]
+    lines = [
+        "| setting | before: step s | after: step s | before: over baseline "
+        "| after: over baseline |",
+        "|---|---:|---:|---:|---:|",
+    ]
     before = {r["setting"]: r for r in _load("step800_before.json")}
-    after = {r["setting"]: r for r in _load("step800_after.json")}
-    for name, row in after.items():
-        b, a = before[name]["step_s"], row["step_s"]
-        lines.append(f"| {name} | {b:.2f} | {a:.2f} | {a / b:.3f} |")
+    for row in _load("step800_after.json"):
+        b = before[row["setting"]]
+        lines.append(
+            f"| {row['setting']} | {b['step_s']:.2f} | {row['step_s']:.2f} "
+            f"| {b['step_time_ratio']:.3f}x | {row['step_time_ratio']:.3f}x |"
+        )
     return lines
 
 
 def _demo_table() -> list[str]:
-    rows = _load(HERE.parent / "bench_demo_cpu.json")
-    lines = ["| model | step s | over the baseline |", "|---|---:|---:|"]
-    lines += [f"| {r['model']} | {r['step_s']:.4f} | {r['step_ratio']:.3f}x |" for r in rows]
-    return lines + ["", f"Command: `{rows[0]['command']}` (quiet: {rows[0]['quiet']})."]
+    rounds = sorted({int(p.stem.rsplit("_", 1)[1]) for p in HERE.glob("demo_*_*.json")})
+    head = " | ".join(f"before {r} | after {r}" for r in rounds)
+    lines = [f"| model | {head} | canonical run |", "|---|" + "---:|" * (2 * len(rounds) + 1)]
+    canonical = {r["model"]: r for r in _load(HERE.parent / "bench_demo_cpu.json")}
+    runs = {(s, r): {x["model"]: x for x in _load(f"demo_{s}_{r}.json")}
+            for s in ("before", "after") for r in rounds}  # fmt: skip
+    for model in canonical:
+        cells = [
+            f"{runs[s, r][model]['step_ratio']:.3f}x" for r in rounds for s in ("before", "after")
+        ]
+        cells.append(f"{canonical[model]['step_ratio']:.3f}x")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return lines + [
+        "",
+        f"The canonical run: `{canonical['dropit']['command']}`, at {META['after']}.",
+    ]
+
+
+def _noise() -> str:
+    """The spread of a row DropIT's code does not touch, as the rounds' noise gauge."""
+    row = ("conv+relu", "bare Function")
+    ratios = [
+        f"{r['dropit_us'] / r['plain_us']:.2f}x"
+        for p in sorted(HERE.glob("host_*_*.json"))
+        for r in _load(p.name)
+        if (r["stack"], r["dropit"]) == row
+    ]
+    return (
+        f"The `{row[0]}` `{row[1]}` row runs no DropIT code, so its spread is the rounds' noise: "
+        + ", ".join(ratios)
+        + " (files in name order: after 1, after 2, before 1, before 2)."
+    )
 
 
 def main() -> None:
@@ -72,6 +106,8 @@ def main() -> None:
         "",
         *_host_table(),
         "",
+        _noise(),
+        "",
         "## The 800 px CPU recipe step",
         "",
         "```bash",
@@ -79,13 +115,18 @@ def main() -> None:
         "    --images 2 --repeats 3 --draws 1 --json <file>",
         "```",
         "",
-        "Median step of 3 (2 images of 800 px, fp32, the COCO recipe's model), once per commit:",
+        "Median step of 3 (2 images of 800 px, fp32, the COCO recipe's model), once per commit,",
+        "and each setting's step over the baseline's of the same run (the machine's speed moves",
+        "between runs; the ratio does not):",
         "",
         *_step800_table(),
         "",
-        "## The demo's step (after only; the issue's target: DropIT at most 1.15x the baseline)",
+        "## The demo's step (the issue's target: DropIT at most 1.15x the baseline)",
         "",
-        "From [../bench_demo_cpu.json](../bench_demo_cpu.json):",
+        "`python tools/bench.py --demo --repeats 20 --quiet-machine`, each commit twice,",
+        "alternating (`demo_<side>_<round>.json`), then the canonical run",
+        "([../bench_demo_cpu.json](../bench_demo_cpu.json)); each model's step over the",
+        "baseline's of the same run:",
         "",
         *_demo_table(),
         "",
