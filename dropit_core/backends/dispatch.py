@@ -67,12 +67,6 @@ def choose(op: str, t: torch.Tensor, allowed: tuple[str, ...] = FAST) -> str:
     return "eager"
 
 
-def use_kernels(t: torch.Tensor) -> bool:
-    """Whether ``t``'s device and the settings give it the Triton kernels (an op that has them)."""
-    mode = settings.current().kernels
-    return mode != "eager" and (mode == "triton" or t.is_cuda) and _kernels_import(mode)
-
-
 def _kernels_import(mode: str) -> bool:
     if _has_triton:
         return True

@@ -75,17 +75,6 @@ def set_native(enabled: bool | None) -> None:
     )
 
 
-def ready(device: torch.device) -> bool:
-    """Whether tensors on ``device`` go through the C loops: the CPU, the loops wanted
-    (``settings.loops``) and built (built here on the first call that asks)."""
-    return device.type == "cpu" and settings.current().loops and library() is not None
-
-
-def takes(t: torch.Tensor) -> bool:
-    """Whether ``t`` is packed by the C loops: a contiguous fp32 tensor where :func:`ready`."""
-    return t.dtype == torch.float32 and t.is_contiguous() and ready(t.device)
-
-
 def library() -> ctypes.CDLL | None:
     """The loaded loops, building them on first use; None where that failed (warned once)."""
     global _lib, _failed

@@ -82,12 +82,11 @@ class InputCache:
         self.rank = 0
         self.position = 0
         self._prefix = mix_state(0, self.rank, self.stream, self.step)
-        # The keys of positions _first on, made together (next_key reads them), and how many to
-        # make next time: the last step's draws, so one block serves a whole step.
-        self._keys: list[int] = []
-        self._first = 0
-        self._block = KEY_BLOCK
-        self._remember = getattr(strategy, "remember_draws", None)
+        # The keys of positions _block_first on, made together (next_key reads them), and how
+        # many to make next time: the last step's draws, so one block serves a whole step.
+        self._block: list[int] = []
+        self._block_first = 0
+        self._block_size = KEY_BLOCK
         self._forward = next(_FORWARDS)  # names this cache's current forward on its packs
         self.casts = ParamCasts()  # autocast's weight casts, shared by the calls of a forward
         self.dropped: torch.Tensor | None = None
@@ -100,10 +99,10 @@ class InputCache:
 
         Packs of earlier steps are forgotten: a tensor fed again (a fixed input) packs afresh.
         """
-        self._block = max(KEY_BLOCK, self.position)
+        self._block_size = max(KEY_BLOCK, self.position)
         self.step, self.rank, self.position = step, rank, 0
         self._prefix = mix_state(0, rank, self.stream, step)
-        self._keys = []
+        self._block = []
         self._forward = next(_FORWARDS)
         self.keys.new_step()
 
@@ -118,21 +117,20 @@ class InputCache:
 
     def next_key(self) -> int:
         """The key of the next pack that draws, and move on."""
-        at = self.position - self._first
-        if not 0 <= at < len(self._keys):
+        at = self.position - self._block_first
+        if not 0 <= at < len(self._block):
             self._next_block()
             at = 0
         self.position += 1
-        return self._keys[at]
+        return self._block[at]
 
     def _next_block(self) -> None:
         """Make the next positions' keys together on a tensor (not a hash in Python per pack:
         host time), and let the strategy derive its draws from them (``remember_draws``)."""
-        count = min(max(self._block, 2 * len(self._keys)), MAX_KEY_BLOCK)
+        count = min(max(self._block_size, 2 * len(self._block)), MAX_KEY_BLOCK)
         keys = self.key_at(torch.arange(self.position, self.position + count))
-        self._first, self._keys = self.position, keys.tolist()
-        if self._remember is not None:
-            self._remember(keys)
+        self._block_first, self._block = self.position, keys.tolist()
+        self.strategy.remember_draws(keys)
 
     def key_at(self, position: int | torch.Tensor) -> int | torch.Tensor:
         """mix_seed(rank, stream, step, position), the first three folded in set_step; of each

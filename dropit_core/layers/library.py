@@ -32,7 +32,7 @@ from torch import Tensor
 
 from dropit_core import settings
 from dropit_core.formats.packed import Packed, QuantMeta
-from dropit_core.formats.quant import code_bytes
+from dropit_core.formats.quant import code_bytes, whole_bytes
 from dropit_core.formats.seeds import MASK32, TABLE_BITS, UNIFORM_BITS, mix32
 from dropit_core.layers.functions import (
     ConvArgs,
@@ -134,7 +134,7 @@ def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor
     if (
         not fuse_enabled()
         or not traceable(cache)
-        or strategy.group % (8 // strategy.bits)
+        or not whole_bytes(strategy.bits, strategy.group)
         or dtype != x.dtype
         or x.numel() == 0
         or x.numel() % strategy.group  # a guard of the compiled graph under dynamic shapes

@@ -115,6 +115,10 @@ class Strategy:
         this strategy's pack cannot be read in parts there (the default: nowhere)."""
         return None
 
+    def remember_draws(self, keys: torch.Tensor) -> None:
+        """Told the keys of the next packs that draw (an int64 CPU tensor), made together: a
+        strategy that derives something per key can derive them together too (quant)."""
+
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         raise NotImplementedError
 

@@ -410,20 +410,26 @@ def test_relu_mask_bytes_are_pack_bits_of_the_blocked_outputs() -> None:
 # ---------------------------------------------------------------------------------- dispatch
 
 
+def _kernels_take(t) -> bool:
+    """Whether dispatch gives a tensor on ``t``'s device the Triton kernels."""
+    return dispatch.choose("quant_rebuild", t) == "triton"
+
+
 def test_dispatch_modes_env_and_warning(monkeypatch) -> None:
-    cpu, cuda = SimpleNamespace(is_cuda=False), SimpleNamespace(is_cuda=True)
+    cpu = SimpleNamespace(is_cuda=False, device=torch.device("cpu"))
+    cuda = SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
     monkeypatch.setenv(dispatch.ENV, "auto")
     reset_settings()
-    assert not dispatch.use_kernels(cpu)
-    assert dispatch.use_kernels(cuda) == dispatch.triton_available()
+    assert not _kernels_take(cpu)
+    assert _kernels_take(cuda) == dispatch.triton_available()
     # Read once: a change takes effect from reset_settings() on (which re-reads it).
     monkeypatch.setenv(dispatch.ENV, "triton")
-    assert not dispatch.use_kernels(cpu)
+    assert not _kernels_take(cpu)
     reset_settings()
-    assert dispatch.use_kernels(cpu)
+    assert _kernels_take(cpu)
     configure(kernels="eager")  # the call wins over the environment
     try:
-        assert not dispatch.use_kernels(cuda)
+        assert not _kernels_take(cuda)
     finally:
         reset_settings()
     monkeypatch.setenv(dispatch.ENV, "fast")
@@ -437,8 +443,8 @@ def test_dispatch_modes_env_and_warning(monkeypatch) -> None:
     monkeypatch.setattr(dispatch, "_has_triton", False)
     monkeypatch.setattr(dispatch, "_warned", False)
     with pytest.warns(RuntimeWarning, match="triton is not installed"):
-        assert not dispatch.use_kernels(cuda)
-    assert not dispatch.use_kernels(cuda)  # no second warning (pytest errors on none above)
+        assert not _kernels_take(cuda)
+    assert not _kernels_take(cuda)  # no second warning (pytest errors on none above)
 
 
 def test_eager_kernels_mean_eager_everywhere(monkeypatch) -> None:
@@ -447,8 +453,8 @@ def test_eager_kernels_mean_eager_everywhere(monkeypatch) -> None:
     reset_settings()
     try:
         assert not current_settings().loops
-        assert not native.ready(torch.device("cpu"))
-        assert not dispatch.use_kernels(SimpleNamespace(is_cuda=True))
+        assert dispatch.choose("quant_rebuild", torch.empty(0)) == "eager"  # no C loops
+        assert not _kernels_take(SimpleNamespace(is_cuda=True, device=torch.device("cuda")))
     finally:
         monkeypatch.delenv(dispatch.ENV)
         reset_settings()
