@@ -83,6 +83,22 @@ def _noise() -> str:
     )
 
 
+def _working_set() -> list[str]:
+    """The probe's peak lines per setting, before and after (forward_probe_<side>.txt)."""
+    lines = ["| setting | side | forward peak, MB | working set, MB |", "|---|---|---:|---:|"]
+    for side in ("before", "after"):
+        setting = None
+        for line in (HERE / f"forward_probe_{side}.txt").read_text().splitlines():
+            if line.startswith("== "):
+                setting = line[3:].split(",")[0]
+            elif line.startswith("forward peak "):
+                peak = line.split()[2]
+            elif "working set (freed before the end)" in line:
+                ws = line.rsplit(")", 1)[1].split()[0]
+                lines.append(f"| {setting} | {side} | {peak} | {ws} |")
+    return lines
+
+
 def main() -> None:
     before, after = META["before"], META["after"]
     lines = [
@@ -120,6 +136,18 @@ def main() -> None:
         "between runs; the ratio does not):",
         "",
         *_step800_table(),
+        "",
+        "## The forward's working set (memory, not time)",
+        "",
+        "```bash",
+        "python tools/gpu_probe.py --what live --device cpu --images 2 --top 12 \\",
+        "    --settings baseline quant_4bit",
+        "```",
+        "",
+        "The forward's peak and the part of it freed before the forward ended, 2 images of",
+        "800 px, fp32 (forward_probe_before.txt, forward_probe_after.txt):",
+        "",
+        *_working_set(),
         "",
         "## The demo's step (the issue's target: DropIT at most 1.15x the baseline)",
         "",
