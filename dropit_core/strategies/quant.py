@@ -55,7 +55,6 @@ class Quant(Strategy):
         self.bits = bits
         self.group = group
         self.seed = seed
-        self._levels = (1 << bits) - 1
         self._inv_levels = inv_levels(bits)
         self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
         self._hashed: dict[int, tuple[int, int]] = {}  # draw_keys of the keys remember_draws saw
@@ -109,17 +108,18 @@ class Quant(Strategy):
         """The pack of ``x`` read as ``dtype`` values (a float dtype, ``x``'s own or narrower),
         drawn with ``key``, or with the hash keys held in ``keys`` (:meth:`pack_keyed`)."""
         cast = None if dtype == x.dtype else dtype
+        draw = self._keys_of(key) if keys is None else keys
         way = dispatch.choose("quant_pack", x, self._fast)
         if way == "triton":
             # The kernel reads memory flat: no reshape (each op here is host time on a GPU).
-            codes, mins, scales = dispatch.kernels("quant").pack_contiguous(
-                x.contiguous(), self.bits, self.group, self._keys_of(key) if keys is None else keys,
-                cast,
-            )[:3]  # fmt: skip
+            kernels = dispatch.kernels("quant")
+            codes, mins, scales = kernels.pack_contiguous(
+                x.contiguous(), self.bits, self.group, draw, cast
+            )[:3]
         else:
-            # keys read on the host: a sync only off the kernels (CUDA without triton)
-            hashed = self._keys_of(key) if keys is None else tuple(keys.tolist()[:2])
-            codes, mins, scales = self._pack_on_host(x.reshape(-1), hashed, cast, way)
+            if keys is not None:  # read on the host: a sync only off the kernels (CUDA, no triton)
+                draw = tuple(keys.tolist()[:2])
+            codes, mins, scales = self._pack_on_host(x.reshape(-1), draw, cast, way)
         return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
 
     def pack_keyed(self, x: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> Packed:
