@@ -153,7 +153,8 @@ def to_dropit(
     # leave the layers of checkpointed modules plain (the patterns were checked above).
     regions = [p for p, m in [("", model), *named] if is_checkpointed(m)]
     skipped = [path for path, _, _ in chosen if any(_inside(path, r) for r in regions)]
-    chosen = [item for item in chosen if item[0] not in skipped]
+    left_plain = frozenset(skipped)
+    chosen = [item for item in chosen if item[0] not in left_plain]
     caches = {id(rule): InputCache(rule.strategy, stream=rule.index or 0) for rule in checked}
     layers: list[ConvertedLayer] = []
     for path, module, rule in chosen:  # convert only once everything is validated

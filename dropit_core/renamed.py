@@ -2,7 +2,8 @@
 
 ``import dropit_core.ops`` (or ``from dropit_core.ops import X``) still works: it gives a module
 that reads each name from its new home and warns once, naming the new module. The old modules
-that were split read from each of their parts in turn.
+that were split read from each of their parts in turn. A few internal helpers went with issue
+57 (:data:`REMOVED`); reading one raises an AttributeError that names what to call instead.
 """
 
 from __future__ import annotations
@@ -40,10 +41,19 @@ RENAMED: dict[str, tuple[str, ...]] = {
     "quant_format": ("formats.quant",),
     "seeds": ("formats.seeds",),
     "select": ("strategies.select", "formats.packed"),
-    "traced": ("layers.library",),
+    "traced": ("layers.library", "layers.norm", "layers.functions"),
     "unbiased": ("strategies.importance", "strategies.quant"),
 }
 PREFIX = "dropit_core."
+# old module name, removed helper -> what to call instead
+REMOVED = {
+    ("dispatch", "use_kernels"): "dropit_core.backends.dispatch.choose(op, tensor)",
+    ("dispatch", "kernel_mode"): "dropit_core.current_settings().kernels",
+    ("native", "takes"): "dropit_core.backends.dispatch.choose(op, tensor)",
+    ("native", "ready"): "dropit_core.backends.dispatch.choose(op, tensor)",
+    ("kernels.quant", "rebuild_unchecked"): "quant_rebuild(..., check=False)",
+    ("packing", "compact"): "values[mask]",
+}
 
 
 class _Renamed(types.ModuleType):
@@ -64,6 +74,9 @@ class _Renamed(types.ModuleType):
             module = importlib.import_module(home)
             if hasattr(module, attr):
                 return getattr(module, attr)
+        instead = REMOVED.get((self.__name__[len(PREFIX) :], attr))
+        if instead is not None:
+            raise AttributeError(f"{self.__name__}.{attr} was removed: use {instead}")
         raise AttributeError(f"{self.__name__} (now {', '.join(self.__homes)}) has no {attr!r}")
 
     def __dir__(self) -> list[str]:

@@ -60,7 +60,7 @@ def choose(op: str, t: torch.Tensor, allowed: tuple[str, ...] = FAST) -> str:
         if take is not None and "triton" in allowed and _kernels_import(kernels):
             if take is _any or take(t):
                 return "triton"
-    elif mode.native and t.device.type == "cpu":
+    elif mode.loops and t.device.type == "cpu":
         take = ways.get("native")
         if take is not None and "native" in allowed and take(t) and native.library() is not None:
             return "native"
@@ -84,14 +84,7 @@ def pack_backend(device: torch.device | str) -> str:
 
 def set_kernels(mode: str | None) -> None:
     """Deprecated: ``dropit_core.configure(kernels=mode)`` (None: ``reset_settings()``)."""
-    warnings.warn(
-        "dropit_core.backends.dispatch.set_kernels is deprecated: use "
-        "dropit_core.configure(kernels=...)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    default = settings.Settings.from_environment().kernels
-    settings.configure(kernels=default if mode is None else mode)
+    settings.deprecated_set("dropit_core.backends.dispatch.set_kernels", "kernels", mode)
 
 
 def triton_available() -> bool:

@@ -64,15 +64,7 @@ _SIGNATURES = {
 
 def set_native(enabled: bool | None) -> None:
     """Deprecated: ``dropit_core.configure(native=enabled)`` (None: as ``$DROPIT_NATIVE`` says)."""
-    warnings.warn(
-        "dropit_core.backends.native.set_native is deprecated: use "
-        "dropit_core.configure(native=...)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    settings.configure(
-        native=settings.Settings.from_environment().native if enabled is None else bool(enabled)
-    )
+    settings.deprecated_set("dropit_core.backends.native.set_native", "native", enabled)
 
 
 def library() -> ctypes.CDLL | None:
@@ -228,7 +220,7 @@ def quant_rebuild(
 
 
 def relu_mask(out: torch.Tensor) -> torch.Tensor:
-    """``packing.pack_bits((out <= 0).reshape(-1))``."""
+    """``formats.bits.pack_bits((out <= 0).reshape(-1))``."""
     lib, n = library(), out.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)
     x, b = out.data_ptr(), bits.data_ptr()
@@ -241,7 +233,7 @@ def relu_mask(out: torch.Tensor) -> torch.Tensor:
 
 
 def relu_apply(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """``packing.zero_flagged(grad, bits)``: ``grad`` with +0.0 where a flag is set."""
+    """``formats.bits.zero_flagged(grad, bits)``: ``grad`` with +0.0 where a flag is set."""
     lib, n = library(), grad.numel()
     result = torch.empty_like(grad)
     bits = bits.contiguous()  # held: a temporary's memory would go before the call reads it

@@ -12,8 +12,6 @@ from collections.abc import Callable
 
 import torch
 
-from dropit_core.backends import dispatch, native
-
 # Multiplying eight 0/1 bytes (read as one little-endian int64) by this constant gathers them into
 # the top byte, bit i coming from byte i: one multiply packs eight flags at memory speed.
 _GATHER = 0x0102040810204080
@@ -71,8 +69,6 @@ MASK_SLICE = 1 << 20
 def pack_blocked(out: torch.Tensor) -> torch.Tensor:
     """``pack_bits((out <= 0).reshape(-1))``, a slice at a time: the same bytes, with the
     comparison's and the packing's temporaries a slice's, not a whole map's."""
-    if dispatch.choose("relu_mask", out) == "native":
-        return native.relu_mask(out)
     flat = out.reshape(-1)
     n = flat.numel()
     if n <= MASK_SLICE:
@@ -87,8 +83,6 @@ def pack_blocked(out: torch.Tensor) -> torch.Tensor:
 def zero_flagged_sliced(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """:func:`zero_flagged`, a slice at a time into one result: the same values, with the
     flags' temporaries (a byte and a value's width per element) a slice's."""
-    if dispatch.choose("relu_grad", values) == "native":
-        return native.relu_apply(values, bits)
     n = values.numel()
     if n <= MASK_SLICE:
         return zero_flagged(values, bits)

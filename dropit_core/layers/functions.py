@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from dropit_core.backends import dispatch
+from dropit_core.backends import dispatch, native
 from dropit_core.formats.bits import pack_blocked, zero_flagged_sliced
 from dropit_core.formats.packed import (
     Packed,
@@ -90,7 +90,7 @@ class InputCache:
         self._forward = next(_FORWARDS)  # names this cache's current forward on its packs
         self.casts = ParamCasts()  # autocast's weight casts, shared by the calls of a forward
         self.dropped: torch.Tensor | None = None
-        self.number = _number(self)  # how the torch.library operators name it (traced.py)
+        self.number = _number(self)  # how the torch.library operators name it (library.py)
         self.saved_hooks = SavedInputHooks(self)  # its convs' path without a Function (hooked.py)
         self.keys = KeyTable(self)  # the step's draws as device data (draw_row)
 
@@ -527,17 +527,19 @@ def relu_and_mask(x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.T
     """(relu(x), the packed flags of ``relu(x) <= 0``): the masked ReLU's forward, eager and
     traced alike. The kernel takes a float tensor, contiguous when in place (it writes the
     output in x's memory order)."""
-    if dispatch.choose("relu_mask", x) == "triton" and (x.is_contiguous() or not inplace):
+    way = dispatch.choose("relu_mask", x)
+    if way == "triton" and (x.is_contiguous() or not inplace):
         return dispatch.kernels("relu").relu_mask(x, inplace)
     out = x.relu_() if inplace else torch.relu(x)
-    return out, pack_blocked(out)
+    return out, native.relu_mask(out) if way == "native" else pack_blocked(out)
 
 
 def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """The masked ReLU's input gradient: ``grad`` with the flagged elements zeroed."""
-    if dispatch.choose("relu_grad", grad) == "triton":
+    way = dispatch.choose("relu_grad", grad)
+    if way == "triton":
         return dispatch.kernels("relu").relu_mask_grad(grad, bits)
-    return zero_flagged_sliced(grad, bits)
+    return native.relu_apply(grad, bits) if way == "native" else zero_flagged_sliced(grad, bits)
 
 
 class ParamCasts:

@@ -22,7 +22,6 @@ A layer takes this path only where the Function would do just that (:func:`takes
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -39,13 +38,7 @@ _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 def set_hooked(enabled: bool | None) -> bool:
     """Deprecated: ``dropit_core.configure(hooked=enabled)``, which returns the settings it
     replaced. Returns the previous setting (None: as ``$DROPIT_HOOKED`` says)."""
-    warnings.warn(
-        "dropit_core.layers.hooked.set_hooked is deprecated: use dropit_core.configure(hooked=...)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    value = settings.Settings.from_environment().hooked if enabled is None else bool(enabled)
-    return settings.configure(hooked=value).hooked
+    return settings.deprecated_set("dropit_core.layers.hooked.set_hooked", "hooked", enabled).hooked
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None, limit: int) -> bool:

@@ -25,7 +25,6 @@ behind a graph break (``torch.compiler.disable``). The max-pool's Function trace
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
@@ -44,6 +43,7 @@ from dropit_core.layers.functions import (
     relu_and_mask,
     relu_mask_grad,
 )
+from dropit_core.strategies.quant import Quant
 
 
 def traceable(cache: InputCache) -> bool:
@@ -57,8 +57,6 @@ def _static_fields(
 ) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...] | None:
     """(field, shape, dtype) of each tensor of the pack of a ``shape`` input in ``dtype``, in
     ``Packed`` order, or None where the sizes depend on the data."""
-    from dropit_core.strategies.quant import Quant
-
     strategy = cache.strategy
     if type(strategy) is not Quant or strategy.rescale != "none":
         return None
@@ -172,13 +170,7 @@ def quant_fields(
 
 def set_fuse(enabled: bool | None) -> None:
     """Deprecated: ``dropit_core.configure(fuse=enabled)`` (None: as ``$DROPIT_FUSE`` says)."""
-    warnings.warn(
-        "dropit_core.layers.library.set_fuse is deprecated: use dropit_core.configure(fuse=...)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    value = settings.Settings.from_environment().fuse if enabled is None else bool(enabled)
-    settings.configure(fuse=value)
+    settings.deprecated_set("dropit_core.layers.library.set_fuse", "fuse", enabled)
 
 
 def fuse_enabled() -> bool:

@@ -98,9 +98,7 @@ def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int, kernels: boo
     scatter, which rebuilds bytes as it rebuilds values)."""
     n_bytes = (n + 7) // 8
     if kernels:
-        from dropit_core.backends.triton.compact import scatter_pack
-
-        return scatter_pack(flags, nonzero, n_bytes)
+        return dispatch.kernels("compact").scatter_pack(flags, nonzero, n_bytes)
     # one slice of whole mask bytes: the same rebuild as the values' (scatter_kept)
     return scatter_kept(flags, nonzero, n_bytes, max(8, 8 * len(flags)))
 
@@ -213,8 +211,7 @@ class Elementwise(Strategy):
         slots = self.capacity(n)
         rule = self._kernel_rule(state) if kernels else None
         if rule is not None:  # the Triton kernels (kernels: what dispatch chose for flat)
-            from dropit_core.backends.triton.compact import compact_pack
-
+            compact_pack = dispatch.kernels("compact").compact_pack
             bits, values, chosen = compact_pack(flat, rule, slots, self.stores_mask)
             dropped = None if self.exact_capacity else (chosen - slots).clamp_min(0)
             return bits, values, state, dropped
@@ -246,8 +243,7 @@ class Elementwise(Strategy):
             bits = _dense_bits(bits, packed.mask_bytes, n, kernels)
         rule = self._kernel_rule(state) if kernels and not self.stores_mask else None
         if kernels and (self.stores_mask or rule is not None):
-            from dropit_core.backends.triton.compact import scatter_pack
-
+            scatter_pack = dispatch.kernels("compact").scatter_pack
             return scatter_pack(bits, values, n, draw=rule).view(shape)
         if self.stores_mask:
             return scatter_kept(bits, values, n, step).view(shape)

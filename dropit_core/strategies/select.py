@@ -210,9 +210,9 @@ def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLarg
     kernels = dispatch.choose("radix_select", flat) == "triton"
     for level, shift in enumerate(shifts):
         if kernels:  # one launch per pass (dropit_core.backends.triton.select): the same counters
-            from dropit_core.backends.triton.select import abs_bits_histogram
-
-            hist = abs_bits_histogram(flat, shift, prefix if level else None)
+            hist = dispatch.kernels("select").abs_bits_histogram(
+                flat, shift, prefix if level else None
+            )
         else:
             hist = _abs_bits_histogram(flat, bits_dtype, shift, level, prefix, slice_len)
         at_least = hist.flip(0).cumsum(0, dtype=torch.int32)  # [j]: in buckets >= 65535 - j

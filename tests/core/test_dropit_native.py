@@ -21,6 +21,7 @@ from dropit_core import (
 from dropit_core.backends import dispatch, native
 from dropit_core.formats import packed as base
 from dropit_core.formats.bits import pack_blocked, zero_flagged_sliced
+from dropit_core.layers.functions import relu_and_mask, relu_mask_grad
 
 
 @pytest.fixture
@@ -83,8 +84,8 @@ def test_threads_split_a_call_into_the_same_bytes(loops, monkeypatch) -> None:
     try:
         torch.set_num_threads(3)
         assert native._parts(x.numel()) == 3
-        packed, bits = strategy.pack(x, "linear", 9), pack_blocked(out)
-        rebuilt, result = strategy.unpack(packed), zero_flagged_sliced(grad, bits)
+        packed, bits = strategy.pack(x, "linear", 9), relu_and_mask(out, False)[1]
+        rebuilt, result = strategy.unpack(packed), relu_mask_grad(grad, bits)
     finally:
         torch.set_num_threads(threads)
     eager = _eager(lambda: strategy.pack(x, "linear", 9))
@@ -122,9 +123,9 @@ def test_relu_mask_and_gradient_are_the_eager_ones(loops, n) -> None:
     grad = torch.randn(n, generator=gen)
     grad[2::5] = float("inf")
     grad[3::17] = float("nan")
-    bits = pack_blocked(out)
+    bits = relu_and_mask(out, False)[1]
     assert torch.equal(bits, _eager(lambda: pack_blocked(out)))
-    result = zero_flagged_sliced(grad, bits)
+    result = relu_mask_grad(grad, bits)
     eager = _eager(lambda: zero_flagged_sliced(grad, bits))
     assert torch.equal(result.view(torch.int32), eager.view(torch.int32))  # +0.0, NaN bits
     assert torch.equal(result == 0, (out <= 0) | (grad == 0))

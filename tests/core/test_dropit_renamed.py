@@ -51,3 +51,52 @@ def test_split_modules_read_each_name_from_its_part() -> None:
     from dropit_core.backends.triton import quant as new_kernels
 
     assert old_kernels.quant_pack is new_kernels.quant_pack
+
+
+def test_traced_reads_the_norm_operators_and_removed_helpers_name_their_replacement() -> None:
+    # dropit_core.traced held the norm operators and autocast_inputs too, now in layers.norm and
+    # layers.functions; helpers that went with issue 57 say what to call instead.
+    import importlib
+    import re
+
+    from dropit_core.layers import functions, norm
+    from dropit_core.renamed import REMOVED
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = importlib.import_module("dropit_core.traced")
+        assert traced.batch_norm is norm.batch_norm and traced.group_norm is norm.group_norm
+        assert traced.autocast_inputs is functions.autocast_inputs
+        for (old, name), instead in REMOVED.items():
+            module = importlib.import_module(f"dropit_core.{old}")
+            message = f"{name} was removed: use {re.escape(instead)}"
+            with pytest.raises(AttributeError, match=message):
+                getattr(module, name)
+
+
+@pytest.mark.parametrize(
+    "module,setter,field,value",
+    [
+        ("dropit_core.backends.dispatch", "set_kernels", "kernels", "eager"),
+        ("dropit_core.backends.native", "set_native", "native", False),
+        ("dropit_core.layers.hooked", "set_hooked", "hooked", False),
+        ("dropit_core.layers.library", "set_fuse", "fuse", True),
+    ],
+)
+def test_the_setters_before_configure_warn_and_still_set(module, setter, field, value) -> None:
+    import importlib
+
+    from dropit_core import current_settings, reset_settings
+
+    setter_fn = getattr(importlib.import_module(module), setter)
+    reset_settings()
+    default = getattr(current_settings(), field)
+    try:
+        with pytest.warns(DeprecationWarning, match=rf"{setter} is deprecated: .*{field}=\.\.\."):
+            setter_fn(value)
+        assert getattr(current_settings(), field) == value
+        with pytest.warns(DeprecationWarning):
+            setter_fn(None)  # back to what the environment says
+        assert getattr(current_settings(), field) == default
+    finally:
+        reset_settings()

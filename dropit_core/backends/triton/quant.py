@@ -86,7 +86,7 @@ def quant_codes_kernel(
 def _store_flags(
     flags_ptr, flags, row, n, GROUP: tl.constexpr, WIDTH: tl.constexpr, ROWS: tl.constexpr
 ):
-    """The [ROWS, WIDTH] tile's flags as bytes of 8, little-endian, as ``packing.pack_bits``
+    """The [ROWS, WIDTH] tile's flags as bytes of 8, little-endian, as ``formats.bits.pack_bits``
     writes them (flags past ``n`` are zero: the last byte's padding)."""
     shifts = tl.arange(0, 8)
     parts = tl.reshape(tl.where(flags, 1, 0), (ROWS, WIDTH // 8, 8)) << shifts[None, None, :]
@@ -122,9 +122,9 @@ def quant_pack_signed(
     flat: torch.Tensor, bits: int, group: int, seed: int, block: int = PACK_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quant_pack`'s (codes, mins, scales), and the flags of ``flat == 0`` and
-    ``flat < 0`` packed as ``packing.pack_bits`` packs them, in the same one launch (``group`` a
-    multiple of 8). Two more bits per element: what ``CompressSaved`` keeps so that a rebuilt
-    tensor has exactly the zeros and signs of the original."""
+    ``flat < 0`` packed as ``formats.bits.pack_bits`` packs them, in the same one launch
+    (``group`` a multiple of 8). Two more bits per element: what ``CompressSaved`` keeps so
+    that a rebuilt tensor has exactly the zeros and signs of the original."""
     if group % 8:
         raise ValueError(f"quant_pack_signed: group {group} is not whole bytes of flags")
     _check_pack(flat, bits, group, None)
@@ -191,7 +191,7 @@ def _pack_constants(
 
 
 def flag_buffer(n: int, device: torch.device) -> torch.Tensor:
-    """The bytes of n flags, 8 to a byte (``packing.pack_bits``' size)."""
+    """The bytes of n flags, 8 to a byte (``formats.bits.pack_bits``' size)."""
     return torch.empty((n + 7) // 8, dtype=torch.uint8, device=device)
 
 
@@ -253,7 +253,7 @@ def quant_rebuild_kernel(
 
 @triton.jit
 def _flag(flags_ptr, idx, ok):
-    """Element ``idx``'s flag in bytes packed by ``packing.pack_bits``."""
+    """Element ``idx``'s flag in bytes packed by ``formats.bits.pack_bits``."""
     byte = tl.load(flags_ptr + idx // 8, mask=ok, other=0).to(tl.int32)
     return ((byte >> (idx % 8).to(tl.int32)) & 1) != 0
 

@@ -1,6 +1,6 @@
 """The ReLU that keeps a 1-bit mask, forward and backward, one Triton launch each (reference:
-``dropit_core.layers.functions.MaskedReLUFunction``, whose mask is ``packing.pack_bits(out <=
-0)``)."""
+``dropit_core.layers.functions.MaskedReLUFunction``, whose mask is ``formats.bits.pack_bits(out
+<= 0)``)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def relu_mask_grad_kernel(grad_ptr, bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """The input gradient: ``grad`` with the flagged elements +0.0 (NaN and inf elsewhere pass),
-    as ``packing.zero_flagged``. Bytes per element: reads the gradient and 1/8 of mask, writes
+    as ``formats.bits.zero_flagged``. Bytes per element: reads the gradient and 1/8 of mask, writes
     the gradient once."""
     if grad.dtype not in FLOATS or bits.dtype != torch.uint8:
         raise ValueError("relu_mask_grad takes a float gradient and uint8 mask bytes")
