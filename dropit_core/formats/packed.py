@@ -94,6 +94,23 @@ class Packed(NamedTuple):
         return sum(t.nbytes for t in self.stored())
 
 
+_tuple_new = tuple.__new__
+
+
+def quant_packed(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+) -> Packed:
+    """``Packed(QuantMeta(shape, dtype), values=codes, scales=scales, mins=mins)``, made as the
+    tuples they are: a NamedTuple's own constructor is Python, and a quant pack is made on every
+    layer of every step (host time)."""
+    meta = _tuple_new(QuantMeta, (shape, dtype))
+    return _tuple_new(Packed, (meta, None, None, None, codes, scales, mins, None, None, None))
+
+
 DOUBLE_BACKWARD = (
     "DropIT does not support double backward (create_graph=True, e.g. a gradient penalty): the "
     "backward reads a compressed copy of the input, which has no graph to differentiate; use "

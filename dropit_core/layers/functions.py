@@ -529,7 +529,7 @@ def relu_and_mask(x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.T
     output in x's memory order)."""
     way = dispatch.choose("relu_mask", x)
     if way == "triton" and (x.is_contiguous() or not inplace):
-        return dispatch.kernels("relu").relu_mask(x, inplace)
+        return dispatch.kernels("relu").relu_mask(x, inplace, check=False)  # choose checked x
     out = x.relu_() if inplace else torch.relu(x)
     return out, native.relu_mask(out) if way == "native" else pack_blocked(out)
 
@@ -538,7 +538,7 @@ def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """The masked ReLU's input gradient: ``grad`` with the flagged elements zeroed."""
     way = dispatch.choose("relu_grad", grad)
     if way == "triton":
-        return dispatch.kernels("relu").relu_mask_grad(grad, bits)
+        return dispatch.kernels("relu").relu_mask_grad(grad, bits, check=False)
     return native.relu_apply(grad, bits) if way == "native" else zero_flagged_sliced(grad, bits)
 
 

@@ -18,7 +18,7 @@ import torch
 from dropit_core.backends import dispatch, native
 from dropit_core.formats import quant as quant_format
 from dropit_core.formats.bits import pack_bits, unpack_bits
-from dropit_core.formats.packed import Packed, QuantMeta, tiny
+from dropit_core.formats.packed import Packed, QuantMeta, quant_packed, tiny
 from dropit_core.formats.quant import inv_levels
 from dropit_core.formats.seeds import hash_keys, mix_part, mix_state, seed_of
 from dropit_core.formats.values import ValueCodec
@@ -120,7 +120,7 @@ class Quant(Strategy):
             if keys is not None:  # read on the host: a sync only off the kernels (CUDA, no triton)
                 draw = tuple(keys.tolist()[:2])
             codes, mins, scales = self._pack_on_host(x.reshape(-1), draw, cast, way)
-        return Packed(QuantMeta(tuple(x.shape), dtype), None, None, None, codes, scales, mins)
+        return quant_packed(tuple(x.shape), dtype, codes, scales, mins)
 
     def pack_keyed(self, x: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> Packed:
         """The pack of ``x`` read as ``dtype`` with its draw's hash keys read from ``keys``

@@ -63,6 +63,28 @@ def test_an_unbatched_map_trains_as_the_plain_layer_does(layer) -> None:
         torch.testing.assert_close(grad, _grads(plain, x)[name])
 
 
+@pytest.mark.parametrize("conv", [True, False], ids=["conv", "linear"])
+@pytest.mark.parametrize("frozen_bias", [False, True])
+def test_a_parametrized_weight_trains_as_the_plain_layer_does(conv, frozen_bias) -> None:
+    # A converted layer reads its weight from _parameters (host time); a weight parametrized
+    # after the conversion is not there, and a bias set to None is: both must still be what the
+    # layer computes with.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    layer = nn.Conv2d(3, 4, 3, padding=1) if conv else nn.Linear(5, 4)
+    if frozen_bias:
+        layer.bias = None
+    plain, drop = _pair(layer, strategy="mink", gamma=0.0)  # gamma 0 keeps all: exact
+    weight_norm(plain[0]), weight_norm(drop[0])
+    x = torch.randn((2, 3, 5, 5) if conv else (2, 5), requires_grad=True)
+    torch.testing.assert_close(drop(x), plain(x))
+    grads = _grads(drop, x)
+    assert {n for n, g in grads.items() if g is not None} == set(dict(plain.named_parameters()))
+    for name, grad in _grads(plain, x).items():
+        torch.testing.assert_close(grads[name], grad)
+
+
 def test_batch_norm_with_one_value_per_channel_is_refused_as_the_plain_layer_does() -> None:
     plain, drop = _pair(nn.BatchNorm2d(4), strategy="quant", norm=True)
     x = torch.randn(1, 4, 1, 1, requires_grad=True)

@@ -471,8 +471,9 @@ def test_one_table_chooses_each_ops_backend_by_device_dtype_setting_and_settings
     assert fast_backends(4, 7) == ()  # codes straddle bytes: eager only
     x, half, ints = torch.randn(64), torch.randn(64).half(), torch.arange(64)
     gpu = torch.device("cuda")
-    cuda = SimpleNamespace(is_cuda=True, device=gpu, is_floating_point=lambda: True)
-    cuda_ints = SimpleNamespace(is_cuda=True, device=gpu, is_floating_point=lambda: False)
+    cuda = SimpleNamespace(is_cuda=True, device=gpu, dtype=torch.float32)
+    cuda_ints = SimpleNamespace(is_cuda=True, device=gpu, dtype=torch.int64)
+    cuda_fp8 = SimpleNamespace(is_cuda=True, device=gpu, dtype=torch.float8_e4m3fn)
     loops = "native" if native.library() is not None else "eager"
     with override_settings(kernels="auto", native=True):
         for op, ways in dispatch.TABLE.items():
@@ -485,6 +486,7 @@ def test_one_table_chooses_each_ops_backend_by_device_dtype_setting_and_settings
         assert dispatch.choose("quant_rebuild", x, ("native",)) == loops
         assert dispatch.choose("quant_pack", cuda, ("native",)) == "eager"
         assert dispatch.choose("relu_mask", cuda_ints) == "eager"
+        assert dispatch.choose("relu_mask", cuda_fp8) == "eager"  # a float the kernel lacks
         assert dispatch.pack_backend("cpu") == loops
     with override_settings(kernels="auto", native=False):
         assert dispatch.choose("quant_pack", x) == "eager"

@@ -34,13 +34,18 @@ def relu_mask_kernel(x_ptr, out_ptr, bits_ptr, n, BLOCK: tl.constexpr, KEEP_NEG_
     tl.store(bits_ptr + bidx, byte.to(tl.uint8), mask=bidx < (n + 7) // 8)
 
 
-def relu_mask(x: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def relu_mask(
+    x: torch.Tensor, inplace: bool = False, check: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(relu(x), the packed flags of ``relu(x) <= 0``) in one launch; ``inplace`` writes the output
-    into x (contiguous). Bytes per element: reads x once, writes the output once and 1/8 of mask."""
-    if x.dtype not in FLOATS:
-        raise ValueError(f"relu_mask takes a float tensor, got {x.dtype}")
-    if inplace and not x.is_contiguous():
-        raise ValueError("relu_mask(inplace=True) needs a contiguous tensor")
+    into x (contiguous). Bytes per element: reads x once, writes the output once and 1/8 of mask.
+    ``check=False``: no argument checks, for a caller that made them (the masked ReLU of every
+    layer: host time)."""
+    if check:
+        if x.dtype not in FLOATS:
+            raise ValueError(f"relu_mask takes a float tensor, got {x.dtype}")
+        if inplace and not x.is_contiguous():
+            raise ValueError("relu_mask(inplace=True) needs a contiguous tensor")
     src = x.contiguous()
     out = src if inplace else torch.empty_like(src)
     n = src.numel()
@@ -69,14 +74,16 @@ def relu_mask_grad_kernel(grad_ptr, bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + idx, tl.where(blocked, 0.0, g).to(g.dtype), mask=ok)
 
 
-def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor, check: bool = True) -> torch.Tensor:
     """The input gradient: ``grad`` with the flagged elements +0.0 (NaN and inf elsewhere pass),
     as ``formats.bits.zero_flagged``. Bytes per element: reads the gradient and 1/8 of mask, writes
-    the gradient once."""
-    if grad.dtype not in FLOATS or bits.dtype != torch.uint8:
-        raise ValueError("relu_mask_grad takes a float gradient and uint8 mask bytes")
-    if bits.numel() != (grad.numel() + 7) // 8:
-        raise ValueError(f"relu_mask_grad: {bits.numel()} mask bytes for {grad.numel()} values")
+    the gradient once. ``check=False``: no argument checks, for a mask :func:`relu_mask` made of
+    the output whose gradient this is (the masked ReLU's backward)."""
+    if check:
+        if grad.dtype not in FLOATS or bits.dtype != torch.uint8:
+            raise ValueError("relu_mask_grad takes a float gradient and uint8 mask bytes")
+        if bits.numel() != (grad.numel() + 7) // 8:
+            raise ValueError(f"relu_mask_grad: {bits.numel()} mask bytes for {grad.numel()} values")
     g = grad.contiguous()
     out = torch.empty_like(g)
     n = g.numel()
