@@ -6,6 +6,7 @@ python docs/results/host_ab_layout/make_readme.py
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -29,6 +30,34 @@ def _host_table() -> list[str]:
                 row = sides[side, r].get(key)
                 cells.append("-" if row is None else f"{row['dropit_us'] / row['plain_us']:.2f}x")
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _plain_spread() -> str:
+    """How far the plain conv stack's unit moved between the processes: the host's noise."""
+    plain = [r["plain_us"] for r in _load("host_processes.json") if r["stack"] == "conv"]
+    return f"the plain conv unit took {min(plain):.1f}-{max(plain):.1f} µs from process to process"
+
+
+def _processes_table() -> list[str]:
+    """Median (range) of each side's ratios over the processes of host_processes.json."""
+    rows = _load("host_processes.json")
+    lines = [
+        "| stack | side | processes | median | range | each, in order |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for stack in dict.fromkeys(r["stack"] for r in rows):
+        for side in ("before", "after"):
+            ratios = [
+                r["dropit_us"] / r["plain_us"]
+                for r in rows
+                if (r["stack"], r["side"]) == (stack, side)
+            ]
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            lines.append(
+                f"| {stack} | {side} | {len(ratios)} | {statistics.median(ratios):.2f}x "
+                f"| {min(ratios):.2f}-{max(ratios):.2f}x | {each} |"
+            )
     return lines
 
 
@@ -106,7 +135,7 @@ def main() -> None:
         "",
         f"Before: {before} (the commit before issue 57's work). After: {after}. Each commit in a",
         "worktree with its own code on the path (`PYTHONPATH=<worktree>`), on "
-        f"{META['machine']}, {META['date']}, nothing else running.",
+        f"{META['machine']}, {META['date']}, nothing else of ours running; {_plain_spread()}.",
         "",
         "## Host time per DropIT layer",
         "",
@@ -123,6 +152,17 @@ def main() -> None:
         *_host_table(),
         "",
         _noise(),
+        "",
+        "One process's ratio moves by a tenth or more on this machine, so the two `layers` rows",
+        "were also timed in many short processes, before and after alternating (each the fastest",
+        "of 21 rounds of 50 steps; host_processes.json):",
+        "",
+        "```bash",
+        "python docs/results/host_ab_layout/processes.py <worktree of the before commit> \\",
+        "    --rounds 8",
+        "```",
+        "",
+        *_processes_table(),
         "",
         "## The 800 px CPU recipe step",
         "",
