@@ -65,11 +65,10 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
         """Count ``t`` at ``kept`` bytes (a compressed copy) or, once, at its storage's."""
         if kept is None:
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in params or ptr in seen or storage.nbytes() == 0:
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if ptr in params or ptr in seen or nbytes == 0:
                 return
             seen.add(ptr)
-            nbytes = storage.nbytes()
         else:  # packed once by its block; its storage may be freed and the address reused
             nbytes = kept
         owner = stack[-1] if stack else model
@@ -116,12 +115,10 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
 def _proc_status_mb(key: str) -> float | None:
     """Field ``key`` of /proc/self/status (Linux; in kB there), in MB."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024.0
+        lines = Path("/proc/self/status").read_text().splitlines()
     except OSError:
         return None
-    return None
+    return next((int(ln.split()[1]) / 1024.0 for ln in lines if ln.startswith(key + ":")), None)
 
 
 def rss_mb() -> float | None:
@@ -177,8 +174,7 @@ def allocated_mb(device: torch.device | str) -> float | None:
 
 
 class PeakMeter:
-    """Memory of one process above what it held at :meth:`begin`: RSS on the CPU, allocator
-    counters on CUDA."""
+    """This process's memory above what it held at :meth:`begin`: RSS, or the CUDA allocator's."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)

@@ -227,8 +227,7 @@ def compress_saved(
     ``set_step(model, step, rank)`` seeds the draws, else the step counts training forwards."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"compress_saved takes an nn.Module, got {type(model).__name__}")
-    attached = saved_compression(model)
-    if attached is not None:
+    if (attached := saved_compression(model)) is not None:
         raise ValueError(
             f"compress_saved: this {type(model).__name__} is compressed already "
             f"(options {attached.options}); call .remove() on that handle first"

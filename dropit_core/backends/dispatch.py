@@ -38,16 +38,12 @@ def _any(t: torch.Tensor) -> bool:
 _KERNEL_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
-def _kernel_float(t: torch.Tensor) -> bool:
-    return t.dtype in _KERNEL_FLOATS
-
-
 # op -> {backend: what it takes of the tensor}, fastest first; eager (not listed) takes all.
 TABLE: dict[str, dict[str, Callable[[torch.Tensor], bool]]] = {
     "quant_pack": {"triton": _any, "native": _fp32},  # fp32 read as itself or through a cast
     "quant_rebuild": {"triton": _any, "native": _any},  # the codes' device: fp32 values made
     "quant_signed": {"triton": _any},  # pack and rebuild with sign and zero flags
-    "relu_mask": {"triton": _kernel_float, "native": _fp32},
+    "relu_mask": {"triton": lambda t: t.dtype in _KERNEL_FLOATS, "native": _fp32},
     "relu_grad": {"triton": _any, "native": _fp32},
     "radix_select": {"triton": _any},  # the k-th largest magnitude's histograms
     "compact": {"triton": _any},  # the element-wise packs' compaction and scatter

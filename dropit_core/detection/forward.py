@@ -65,9 +65,7 @@ class _AddUpsampled2x(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
-        out_size, in_size = ctx.sizes
-        top = torch.ops.aten.upsample_nearest2d_backward(grad, out_size, in_size, None, None)
-        return grad, top
+        return grad, torch.ops.aten.upsample_nearest2d_backward(grad, *ctx.sizes, None, None)
 
 
 def add_top_down(lateral: Tensor, top: Tensor) -> Tensor:
@@ -85,9 +83,8 @@ def add_top_down(lateral: Tensor, top: Tensor) -> Tensor:
         return _AddUpsampled2x.apply(lateral, top)
     with torch.autocast(lateral.device.type, enabled=False):
         up = F.interpolate(top, size=(h, w), mode="nearest")
-    if up.dtype != lateral.dtype:  # what torchvision's out-of-place sum would promote to
-        return lateral + up
-    return lateral.add_(up)
+    # In place unless the sum promotes (torchvision's out-of-place sum would)
+    return lateral + up if up.dtype != lateral.dtype else lateral.add_(up)
 
 
 class LeanFeaturePyramidNetwork(FeaturePyramidNetwork):
@@ -97,20 +94,17 @@ class LeanFeaturePyramidNetwork(FeaturePyramidNetwork):
 
     def forward(self, x: dict[str, Tensor]) -> dict[str, Tensor]:
         names = list(x)
-        feats: list[Tensor | None] = list(x.values())
+        feats = list(x.values())
         if isinstance(x, ConsumableMaps):
             x.clear()  # ``feats`` is now the maps' only holder here (a plain dict stays as it is)
         # Extra blocks other than torchvision's max pool may read the body's maps (P6/P7 read C5)
         release = self.extra_blocks is None or type(self.extra_blocks) is LastLevelMaxPool
+        read = feats.pop if release else feats.__getitem__  # popped: a map goes once read
         last = len(feats) - 1
-        inner = self.get_result_from_inner_blocks(feats[last], -1)
-        if release:
-            feats[last] = None
+        inner = self.get_result_from_inner_blocks(read(last), -1)
         results = [self.get_result_from_layer_blocks(inner, -1)]
         for idx in range(last - 1, -1, -1):
-            lateral = self.get_result_from_inner_blocks(feats[idx], idx)
-            if release:
-                feats[idx] = None
+            lateral = self.get_result_from_inner_blocks(read(idx), idx)
             inner = add_top_down(lateral, inner)
             del lateral
             results.insert(0, self.get_result_from_layer_blocks(inner, idx))
@@ -131,9 +125,8 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
     """torchvision's RoI pooler; as the last reader of handed-over maps, it empties them once it has
     pooled. Autocast's ``roi_align`` casts the whole level it reads to fp32 (at the finest level,
     the largest block at the forward peak) and makes its gradient in fp32: here each level is pooled
-    a few images at a time (:class:`_PoolByImage`), no fp32 copy larger than one image's finest
-    level, bit for bit torchvision's; without autocast each level whole. Compiling, tracing or
-    deterministic on a GPU (torchvision pools in Python), torchvision's forward runs."""
+    a few images at a time (:class:`_PoolByImage`), bit for bit torchvision's; without autocast
+    each level whole. Where :func:`_pools_here` says not, torchvision's forward runs."""
 
     def forward(
         self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]
@@ -156,15 +149,13 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
         return out
 
     def _pool_by_image(self, maps: list[Tensor], boxes: list[Tensor], cast: bool) -> Tensor:
-        """torchvision's ``_multiscale_roi_align``; ``cast``: as autocast's ``roi_align``, in
-        fp32, each level in groups of images (else each level whole, in its dtype)."""
+        """torchvision's ``_multiscale_roi_align``; ``cast``: in fp32 by groups of images."""
         rois = _convert_to_roi_format(boxes)
         images, levels_n = len(boxes), len(maps)
         one = levels_n == 1
         levels = rois.new_zeros(len(rois), dtype=torch.int64) if one else self.map_levels(boxes)
-        # RoIs sorted by (level, image), stable: each group's RoIs are one slice of ``order``,
-        # in the order torchvision pools them. One host sync for all levels (torchvision's
-        # ``torch.where`` makes one per level).
+        # RoIs sorted by (level, image), stable: each group's RoIs are one slice of ``order``, in
+        # torchvision's order. One host sync for all levels (torchvision makes one per level).
         key = levels * images + rois[:, 0].to(torch.int64)
         order = torch.argsort(key, stable=True)
         counts = torch.bincount(key, minlength=levels_n * images).tolist()
@@ -186,16 +177,14 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
 
 class _PoolByImage(torch.autograd.Function):
     """torchvision's multi-level ``roi_align``, under autocast a group of images at a time: each
-    group is cast, pooled and written in turn (one group's fp32 copy alive), and the backward
-    fills each level's gradient, in its dtype, group by group (torchvision's kernels and casts).
-    ``meta``: (scales, output size, sampling ratio, per level its groups (lo, hi, start, end):
-    images lo:hi, RoIs ``order[start:end]``, whether autocast casts)."""
+    group is cast, pooled and written in turn (one group's fp32 copy alive); the backward fills each
+    level's gradient, in its dtype, group by group. ``meta``: (scales, output size, sampling ratio,
+    per level its groups (lo, hi, start, end): images lo:hi, RoIs ``order[start:end]``; cast)."""
 
     @staticmethod
     def forward(ctx, meta, rois: Tensor, order: Tensor, *maps: Tensor) -> Tensor:
         scales, size, sampling_ratio, plan, cast = meta
-        ctx.meta = meta
-        ctx.maps = [(m.shape, m.dtype) for m in maps]
+        ctx.meta, ctx.maps = meta, [(m.shape, m.dtype) for m in maps]
         # The RoIs saved as their bits in an integer view: saved-tensor hooks still count them,
         # but compress_saved leaves integers alone, where it would keep coordinates as lossy
         # 4-bit codes (and move every bilinear weight of the backward)
@@ -319,13 +308,12 @@ def _conv_args(conv: nn.Conv2d) -> ConvArgs:
 
 class _ReadersInputGrad(torch.autograd.Function):
     """The identity on the outputs of two convs that read one map ``t`` (through a detached alias);
-    its backward makes ``t``'s gradient, the sum of the convs' input gradients, into one map a chunk
-    of images at a time. Autograd would make each conv's whole input gradient and then add them: at
-    P2 two maps of the backward's largest size alive at once, the step's peak with DropIT. Here each
-    chunk (of at most ``ops.SPLIT_BYTES``) gets the first reader's term
-    (:func:`dropit_core.layers.functions.conv_input_grad`, cast to ``t``'s dtype), then the second's
-    added into it: with two terms autograd's sum bit for bit, whichever it adds first. The weights
-    are cast to the gradient's dtype here, as autocast cast them."""
+    its backward makes ``t``'s gradient into one map a chunk (at most ``ops.SPLIT_BYTES``) at a
+    time. Autograd would make each conv's whole input gradient and then add them: at P2 two maps of
+    the backward's largest size alive at once, the step's peak with DropIT. Each chunk gets the
+    first reader's term (:func:`ops.conv_input_grad`, in ``t``'s dtype), then the second's added
+    into it: with two terms autograd's sum bit for bit, whichever it adds first. The weights are
+    cast to the gradient's dtype here, as autocast cast them."""
 
     @staticmethod
     def forward(ctx, t: Tensor, weights: tuple[Tensor, ...], args: tuple, *outs: Tensor):
@@ -394,9 +382,8 @@ class LeanGeneralizedRCNN(GeneralizedRCNN):
         if isinstance(features, Tensor):
             features = OrderedDict([("0", features)])
         features = ConsumableMaps(features, last_pooler(self.roi_heads))
-        # The heads read the padded batch's shape alone (the anchors' image size): a stand-in
-        # of that shape, one element with every stride 0, lets the pixels go (unless the stem
-        # conv trains and keeps them).
+        # The heads read the padded batch's shape alone (the anchors' image size): a stand-in of
+        # that shape (one element) lets the pixels go (unless the stem conv trains and keeps them).
         stand_in = batch.tensors.new_empty(()).expand(batch.tensors.shape)
         batch = ImageList(stand_in, batch.image_sizes)
         proposals, proposal_losses = self.rpn(batch, features, targets)
@@ -458,8 +445,7 @@ _LEAN: dict[type, type] = {
 
 
 def lean_fpn(model: nn.Module) -> nn.Module:
-    """Make every torchvision ``FeaturePyramidNetwork`` of ``model`` lean, in place (only the
-    class changes); returns ``model``."""
+    """Make every torchvision ``FeaturePyramidNetwork`` of ``model`` lean, in place; returns it."""
     for module in model.modules():
         if type(module) is FeaturePyramidNetwork:
             module.__class__ = LeanFeaturePyramidNetwork

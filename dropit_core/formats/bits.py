@@ -109,8 +109,7 @@ def zero_flagged(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     # Read as int8, 0xFF is -1, and widening keeps it all ones.
     flags = words.view(torch.int8).reshape(-1)[: values.numel()]
     keep = flags.to(SAME_WIDTH_INT[values.element_size()])
-    ints = values.view(keep.dtype)
-    return (ints & keep.view(values.shape)).view(values.dtype)
+    return (values.view(keep.dtype) & keep.view(values.shape)).view(values.dtype)
 
 
 @functools.cache
@@ -173,9 +172,8 @@ def kept_indices(bits: torch.Tensor) -> torch.Tensor:
     """The positions of the set flags in ``bits``, ascending: ``nonzero`` of the unpacked flags.
     ``nonzero`` over the flags themselves branches on each one and is the slowest pass of a pack on
     the CPU. Here it runs over the non-empty bytes only (8x fewer elements), and each kept flag's
-    position comes from gathers: which non-empty byte it falls in (a prefix sum over marks at each
-    byte's first output slot), and where in that byte (a 256 x 8 table). Indices are int32 when they
-    fit, else int64 (``index_select`` takes either)."""
+    position comes from gathers: which non-empty byte it falls in, and where in that byte (a table).
+    Indices are int32 when they fit, else int64 (``index_select`` takes either)."""
     dtype = _index_dtype(8 * bits.numel())
     as_index, per_byte = _set_per_byte(bits, dtype)
     nonempty = torch.nonzero(per_byte).squeeze(1)
@@ -209,10 +207,9 @@ def scatter_kept(
     ``torch.zeros(n).masked_scatter_(mask, kept)`` branches on every flag (slow on a CPU for a
     random mask) and needs the mask unpacked to bytes; here each slice of ``slice_len`` flags (a
     multiple of 8) becomes gather indices (:func:`bit_positions`) and one ``index_select`` writes
-    it, index 0 reading a zero. Where a slice starts in ``kept`` is counted on the device: no host
-    read. ``kept`` may end with unused slots (a pack's capacity). ``slice_bits(start, length)``,
-    when given, supplies each slice's packed flags instead of ``bits`` (a mask rebuilt from a seed);
-    flags past ``kept``'s last slot rebuild as zeros then."""
+    it. Where a slice starts in ``kept`` is counted on the device: no host read. ``kept`` may end
+    with unused slots (a pack's capacity). ``slice_bits(start, length)``, when given, supplies each
+    slice's packed flags instead of ``bits`` (a mask rebuilt from a seed; past ``kept``: zeros)."""
     slots = kept.numel()
     # Index 0, and slots + 1 (flags past the last slot, when flags are rebuilt), read a zero.
     zero = kept.new_zeros(1)
@@ -245,11 +242,9 @@ def compact_into(
     ``out``'s last slot takes what does not fit (nothing there is read): values past the other slots
     are not stored, the later ones in flat order. Returns (with ``flags``, which values were stored,
     a bool tensor of ``values``' length; the next base; how many ``mask`` flagged)."""
-    length, capacity = values.numel(), out.numel() - 1
-    dev = values.device
-    stored_flags = None
-    if flags:  # + a slot that the positions past the capacity set
-        stored_flags = torch.zeros(length + 1, dtype=torch.bool, device=dev)
+    length, capacity, dev = values.numel(), out.numel() - 1, values.device
+    # + a slot that the positions past the capacity set
+    stored_flags = torch.zeros(length + 1, dtype=torch.bool, device=dev) if flags else None
     flagged = torch.count_nonzero(mask)
     size = min(length, capacity)
     if size == 0:

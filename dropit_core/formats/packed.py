@@ -94,21 +94,11 @@ class Packed(NamedTuple):
         return sum(t.nbytes for t in self.stored())
 
 
-_tuple_new = tuple.__new__
-
-
-def quant_packed(
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor,
-) -> Packed:
+def quant_packed(shape: tuple, dtype: torch.dtype, codes, scales, mins) -> Packed:
     """``Packed(QuantMeta(shape, dtype), values=codes, scales=scales, mins=mins)``, made as the
-    tuples they are: a NamedTuple's own constructor is Python, and a quant pack is made on every
-    layer of every step (host time)."""
-    meta = _tuple_new(QuantMeta, (shape, dtype))
-    return _tuple_new(Packed, (meta, None, None, None, codes, scales, mins, None, None, None))
+    tuples they are: a NamedTuple's constructor is Python, and every layer makes one (host time)."""
+    meta = tuple.__new__(QuantMeta, (shape, dtype))
+    return tuple.__new__(Packed, (meta, None, None, None, codes, scales, mins, None, None, None))
 
 
 DOUBLE_BACKWARD = (

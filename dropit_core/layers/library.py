@@ -1,5 +1,4 @@
-"""The DropIT layers as ``torch.library`` operators: what a converted layer runs under
-``torch.compile``.
+"""The DropIT layers as ``torch.library`` operators: converted layers run them in ``torch.compile``.
 
 Dynamo cannot trace the eager path (the autograd Functions, the hooked conv): its packs are shared
 through Python state on tensors and seeded from Python integers up to 2**64, which Inductor cannot
@@ -47,8 +46,7 @@ from dropit_core.strategies.quant import Quant
 
 
 def traceable(cache: InputCache) -> bool:
-    """Whether the packs of ``cache`` are traced (sizes from the shape alone) rather than made
-    behind a graph break."""
+    """Whether ``cache``'s packs are traced (sizes from the shape) or made behind a graph break."""
     return _static_fields(cache, (1,), torch.float32) is not None
 
 
@@ -122,12 +120,10 @@ def _(x: Tensor, cache: int) -> Tensor:
 
 
 def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor] | None:
-    """A quant pack written as plain torch ops (:func:`quant_fields`, the eager bytes), which
-    Inductor generates as its own kernel, reading ``x`` once it is made (the opaque draw needs
-    ``x``, which names the shared pack). None (the opaque pack) for another strategy, a group that
-    does not fill whole bytes of codes, an input that is not whole groups, or one read through an
-    autocast cast (fused into its consumer, Inductor would skip the cast's rounding unless
-    ``emulate_precision_casts``)."""
+    """A quant pack as plain torch ops (:func:`quant_fields`, the eager bytes), its own Inductor
+    kernel, reading ``x`` once it is made (the opaque draw needs ``x``, which names the shared
+    pack). None where it cannot be, e.g. for ``x`` read through an autocast cast (fused into its
+    consumer, Inductor would skip the cast's rounding unless ``emulate_precision_casts``)."""
     strategy = cache.strategy
     if (
         not fuse_enabled()
@@ -159,8 +155,7 @@ def quant_fields(
     low = mix32(((idx & ((1 << TABLE_BITS) - 1)) + params[0]) & MASK32)
     high = mix32(((idx >> TABLE_BITS) + params[1]) & MASK32)
     noise = (low >> (32 - UNIFORM_BITS)) ^ (high >> (32 - UNIFORM_BITS))
-    y = (g - lo[:, None]) / scale[:, None]
-    y = y + noise.float() * 2.0**-UNIFORM_BITS
+    y = (g - lo[:, None]) / scale[:, None] + noise.float() * 2.0**-UNIFORM_BITS
     code = y.clamp_max(levels).to(torch.uint8).view(-1, per_byte)
     packed = code[:, 0]
     for j in range(1, per_byte):
@@ -192,8 +187,7 @@ def _convolution(
     groups: int,
     cache: int,
 ) -> Tensor:
-    """``torch.convolution`` (its own fake too); the backward's weight gradient reads the pack
-    ``fields``."""
+    """``torch.convolution`` (its own fake too); the weight gradient reads the pack ``fields``."""
     return torch.convolution(
         x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
     )
@@ -206,8 +200,7 @@ conv_op.register_fake(_convolution)
 def _layer_setup(ctx, inputs, output) -> None:
     """Setup of ``dropit::conv`` and ``dropit::linear`` (``args``: the conv's; none)."""
     x, weight, bias, fields, *args, cache = inputs
-    ctx.args, ctx.cache = args, cache
-    ctx.x_shape, ctx.x_dtype = list(x.shape), x.dtype
+    ctx.args, ctx.cache, ctx.x_shape, ctx.x_dtype = args, cache, list(x.shape), x.dtype
     ctx.save_for_backward(weight, *fields)
 
 
@@ -314,8 +307,7 @@ def _relu_setup(ctx, inputs, output) -> None:
 
 
 def _relu_backward(ctx, grad, _bits_grad):
-    (bits,) = ctx.saved_tensors
-    return torch.ops.dropit.relu_mask_grad(grad, bits)
+    return torch.ops.dropit.relu_mask_grad(grad, *ctx.saved_tensors)  # the mask's bits
 
 
 relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)

@@ -38,15 +38,11 @@ def _training_step(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | No
 
 
 def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(module.weight, module.bias)`` read from its parameters where they are there: each
-    ``module.weight`` goes through ``nn.Module.__getattr__`` (0.7 µs, on every layer of every
-    step); a parametrized or reassigned weight is read as the attribute it is."""
+    """``(module.weight, module.bias)``, from its parameters where they are: ``module.weight``
+    runs ``nn.Module.__getattr__`` (0.7 µs, every layer and step); a parametrized one is not."""
     params = module._parameters
-    weight = params.get("weight")
-    if weight is None:
-        weight = module.weight
-    bias = params["bias"] if "bias" in params else module.bias
-    return weight, bias
+    weight = params["weight"] if params.get("weight") is not None else module.weight
+    return weight, params["bias"] if "bias" in params else module.bias
 
 
 class DropITConv2d(nn.Conv2d):

@@ -41,8 +41,7 @@ def _saved(ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
     refuse_double_backward()
     ctx.cache.end_forward()
     saved = ctx.saved_tensors
-    rest, tensors = list(saved[: ctx.rest]), saved[ctx.rest :]
-    return rest, ctx.cache.unpack(Packed(ctx.meta, *tensors))
+    return list(saved[: ctx.rest]), ctx.cache.unpack(Packed(ctx.meta, *saved[ctx.rest :]))
 
 
 def _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, eps):
@@ -132,8 +131,7 @@ def group_norm_grads(
     dims: tuple[int, int, int, int],
     needs: Sequence[bool],
 ) -> Grads:
-    """(input, weight, bias gradients) of group norm from its rebuilt input (``dims``: N, C,
-    HxW, groups), for the Function and the traced operator."""
+    """(input, weight, bias gradients) of group norm from its rebuilt input; dims: N, C, HxW, G."""
     need = list(needs[:3])
     if weight is None:
         need[1] = need[2] = False
@@ -153,8 +151,7 @@ def _momentum(module: nn.modules.batchnorm._BatchNorm) -> float:
 
 
 def _traced(cache: InputCache) -> bool:
-    """Whether to run the traced operator (compiling, a traceable strategy) rather than the
-    autograd Function: the same arguments either way."""
+    """Whether to run the traced operator (compiling, a traceable strategy), not the Function."""
     return torch.compiler.is_compiling() and traced.traceable(cache)
 
 
@@ -173,9 +170,7 @@ class DropITBatchNorm2d(nn.BatchNorm2d):
     dropit_cache: InputCache
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _training_step(self, x):
-            return super().forward(x)
-        return _batch_norm(self, x)
+        return _batch_norm(self, x) if _training_step(self, x) else super().forward(x)
 
 
 class DropITSyncBatchNorm(nn.SyncBatchNorm):
@@ -253,12 +248,10 @@ def batch_norm_op(
     (an operator with an autograd formula mutates nothing)."""
     if running_mean is not None:
         running_mean, running_var = running_mean.clone(), running_var.clone()
-    out, mean, invstd, reserve = _batch_norm_forward(
-        x, weight, bias, running_mean, running_var, momentum, eps
-    )
+    *outs, reserve = _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, eps)
     if reserve is None:
         reserve, running_mean, running_var = (x.new_empty(0) for _ in range(3))
-    return out, mean, invstd, reserve, running_mean, running_var
+    return *outs, reserve, running_mean, running_var
 
 
 @batch_norm_op.register_fake
@@ -276,8 +269,7 @@ def _batch_norm_setup(ctx, inputs, output) -> None:
     x, weight, bias, running_mean, _, fields, _, eps, cache = inputs
     ctx.eps, ctx.cache, ctx.update = eps, cache, running_mean is not None
     ctx.x_shape, ctx.x_dtype = list(x.shape), x.dtype
-    _, mean, invstd, reserve, _, _ = output
-    ctx.save_for_backward(weight, mean, invstd, reserve, *fields)
+    ctx.save_for_backward(weight, *output[1:4], *fields)  # mean, invstd, reserve
 
 
 def _batch_norm_backward(ctx, grad, *_):
@@ -329,8 +321,7 @@ def group_norm_op(
 
 @group_norm_op.register_fake
 def _(x, weight, bias, fields, groups, eps, cache):
-    n = x.shape[0]
-    stats = x.new_empty((n, groups))
+    stats = x.new_empty((x.shape[0], groups))
     return torch.empty_like(x), stats, stats.clone()
 
 

@@ -41,11 +41,10 @@ def relu_mask(
     into x (contiguous). Bytes per element: reads x once, writes the output once and 1/8 of mask.
     ``check=False``: no argument checks, for a caller that made them (the masked ReLU of every
     layer: host time)."""
-    if check:
-        if x.dtype not in FLOATS:
-            raise ValueError(f"relu_mask takes a float tensor, got {x.dtype}")
-        if inplace and not x.is_contiguous():
-            raise ValueError("relu_mask(inplace=True) needs a contiguous tensor")
+    if check and x.dtype not in FLOATS:
+        raise ValueError(f"relu_mask takes a float tensor, got {x.dtype}")
+    if check and inplace and not x.is_contiguous():
+        raise ValueError("relu_mask(inplace=True) needs a contiguous tensor")
     src = x.contiguous()
     out = src if inplace else torch.empty_like(src)
     n = src.numel()
@@ -79,11 +78,10 @@ def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor, check: bool = True) -
     as ``formats.bits.zero_flagged``. Bytes per element: reads the gradient and 1/8 of mask, writes
     the gradient once. ``check=False``: no argument checks, for a mask :func:`relu_mask` made of
     the output whose gradient this is (the masked ReLU's backward)."""
-    if check:
-        if grad.dtype not in FLOATS or bits.dtype != torch.uint8:
-            raise ValueError("relu_mask_grad takes a float gradient and uint8 mask bytes")
-        if bits.numel() != (grad.numel() + 7) // 8:
-            raise ValueError(f"relu_mask_grad: {bits.numel()} mask bytes for {grad.numel()} values")
+    if check and (grad.dtype not in FLOATS or bits.dtype != torch.uint8):
+        raise ValueError("relu_mask_grad takes a float gradient and uint8 mask bytes")
+    if check and bits.numel() != (grad.numel() + 7) // 8:
+        raise ValueError(f"relu_mask_grad: {bits.numel()} mask bytes for {grad.numel()} values")
     g = grad.contiguous()
     out = torch.empty_like(g)
     n = g.numel()
