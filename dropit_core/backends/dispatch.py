@@ -35,7 +35,7 @@ def _any(t: torch.Tensor) -> bool:
     return True
 
 
-_KERNEL_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+RELU_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the ReLU kernels'
 
 
 # op -> {backend: what it takes of the tensor}, fastest first; eager (not listed) takes all.
@@ -43,7 +43,7 @@ TABLE: dict[str, dict[str, Callable[[torch.Tensor], bool]]] = {
     "quant_pack": {"triton": _any, "native": _fp32},  # fp32 read as itself or through a cast
     "quant_rebuild": {"triton": _any, "native": _any},  # the codes' device: fp32 values made
     "quant_signed": {"triton": _any},  # pack and rebuild with sign and zero flags
-    "relu_mask": {"triton": lambda t: t.dtype in _KERNEL_FLOATS, "native": _fp32},
+    "relu_mask": {"triton": lambda t: t.dtype in RELU_FLOATS, "native": _fp32},
     "relu_grad": {"triton": _any, "native": _fp32},
     "radix_select": {"triton": _any},  # the k-th largest magnitude's histograms
     "compact": {"triton": _any},  # the element-wise packs' compaction and scatter
@@ -60,7 +60,7 @@ def choose(op: str, t: torch.Tensor, allowed: tuple[str, ...] = FAST) -> str:
     ways = TABLE[op]
     if kernels == "triton" or t.is_cuda:  # the kernels or eager, never the C loops
         take = ways.get("triton")
-        if take is not None and "triton" in allowed and (_has_triton or _kernels_import(kernels)):
+        if take is not None and "triton" in allowed and (_has_triton or _no_triton(kernels)):
             if take is _any or take(t):
                 return "triton"
     elif mode.loops and t.device.type == "cpu":
@@ -70,9 +70,8 @@ def choose(op: str, t: torch.Tensor, allowed: tuple[str, ...] = FAST) -> str:
     return "eager"
 
 
-def _kernels_import(mode: str) -> bool:
-    if _has_triton:
-        return True
+def _no_triton(mode: str) -> bool:
+    """False, where triton is missing: an error when the kernels are forced, else a warning."""
     if mode == "triton":
         raise RuntimeError(f"{ENV}=triton, but triton is not installed")
     _warn_once()

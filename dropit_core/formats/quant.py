@@ -218,7 +218,8 @@ def rebuild_eager(
 ) -> None:
     """The reference rebuild of ``length`` values from element ``start`` (on a whole group and
     byte) into ``dense``."""
-    code = unpack_codes(fields(packed, start, start + length, bits, group)[0], bits, length)
+    codes = packed.values[start * bits // 8 : code_bytes(start + length, bits)]  # only the codes
+    code = unpack_codes(codes, bits, length)
     # fp32 output: rebuilt in place in its final buffer; narrower: via an fp32 slice.
     out = dense[start : start + length]
     values = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)

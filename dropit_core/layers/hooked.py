@@ -80,11 +80,9 @@ class SavedInputHooks:
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, Packed):
             return saved
-        if torch.is_grad_enabled():
-            refuse_double_backward()  # raises
-        cache = self.cache
-        cache.end_forward()  # a backward has begun: this forward's packs are no more shared
-        return cache.strategy.unpack(saved)  # cache.unpack's body: a call fewer per layer
+        refuse_double_backward()
+        self.cache.end_forward()  # a backward has begun: this forward's packs are no more shared
+        return self.cache.unpack(saved)
 
 
 def conv(

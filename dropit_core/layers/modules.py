@@ -26,13 +26,13 @@ from dropit_core.layers.functions import (
 )
 
 
-def _training_step(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+def _training_step(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> bool:
     # In eval, under no_grad, or for a frozen layer fed a constant, run the plain op: zero
     # selection work.
     return (
         module.training
         and torch.is_grad_enabled()
-        and ((module.weight if weight is None else weight).requires_grad or x.requires_grad)
+        and (weight.requires_grad or x.requires_grad)
         and x.numel() > 0  # an empty batch (a head without RoIs) keeps nothing either way
     )
 
@@ -41,7 +41,8 @@ def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     """``(module.weight, module.bias)``, from its parameters where they are: ``module.weight``
     runs ``nn.Module.__getattr__`` (0.7 µs, every layer and step); a parametrized one is not."""
     params = module._parameters
-    weight = params["weight"] if params.get("weight") is not None else module.weight
+    weight = params.get("weight")
+    weight = module.weight if weight is None else weight
     return weight, params["bias"] if "bias" in params else module.bias
 
 
@@ -136,7 +137,8 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
     dropit_cache: InputCache
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
-        if not _training_step(self, x):
+        weight, bias = _weight_and_bias(self)
+        if not _training_step(self, x, weight):
             return super().forward(x, output_size)
         if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.ConvTranspose2d takes
             return self.forward(x.unsqueeze(0), output_size).squeeze(0)
@@ -145,8 +147,8 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
         output_padding = self._output_padding(x, output_size, stride, padding, kernel, 2, dilation)
         args = ConvArgs(stride, padding, dilation, True, list(output_padding), self.groups)
         if torch.compiler.is_compiling():
-            return _compiling(x, self.weight, self.bias, self.dropit_cache, args)
-        return _eager_conv(x, self.weight, self.bias, args, self.dropit_cache)
+            return _compiling(x, weight, bias, self.dropit_cache, args)
+        return _eager_conv(x, weight, bias, args, self.dropit_cache)
 
 
 class DropITLinear(nn.Linear):

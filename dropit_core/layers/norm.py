@@ -202,13 +202,7 @@ class _pack_saved(torch.autograd.graph.saved_tensors_hooks):
         def pack(t: torch.Tensor):
             return cache.pack(t, "conv") if t.shape == x.shape and t.is_floating_point() else t
 
-        def unpack(saved):
-            if isinstance(saved, torch.Tensor):
-                return saved
-            refuse_double_backward()
-            return cache.unpack(saved)
-
-        super().__init__(pack, unpack)
+        super().__init__(pack, cache.saved_hooks.unpack)  # the hooked conv's: one unpack hook
 
 
 class DropITGroupNorm(nn.GroupNorm):

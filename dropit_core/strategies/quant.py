@@ -46,6 +46,7 @@ class Quant(Strategy):
     uses_gamma = False
     every_element = True
     skips_common = ("values", "int8_chunk", "int4_chunk")  # it stores codes, not kept values
+    described = ("bits", "group")
     reads_through_cast = True  # codes are the same bytes whatever dtype they were read from
 
     def __init__(
@@ -162,9 +163,6 @@ class Quant(Strategy):
             )  # fmt: skip
         return _rebuild_on_host(packed, n, self.bits, self.group, self.slice_len(), way)
 
-    def _describe_params(self) -> tuple[str, ...]:
-        return (f"bits={self.bits}", f"group={self.group}")
-
 
 def _rebuild_on_host(
     packed: Packed, n: int, bits: int, group: int, step: int, way: str
@@ -205,8 +203,7 @@ def pack_signed(
         codes, mins, scales, zero, negative = dispatch.kernels("quant").pack_contiguous(
             x.contiguous(), quant.bits, quant.group, quant._keys_of(key), signs=True
         )
-        meta = QuantMeta(tuple(x.shape), x.dtype)
-        return Packed(meta, None, None, None, codes, scales, mins), zero, negative
+        return quant_packed(tuple(x.shape), x.dtype, codes, scales, mins), zero, negative
     flat = x.reshape(-1)
     return quant._pack_as(x, key, x.dtype), pack_bits(flat == 0), pack_bits(flat < 0)
 

@@ -8,10 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dropit_core.backends.dispatch import RELU_FLOATS
 from dropit_core.backends.triton.launch import cdiv
 
 RELU_BLOCK = 4096  # elements per program: a multiple of 8, so each program writes whole bytes
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOATS = RELU_FLOATS  # the dtypes dispatch.choose gives these kernels
 
 
 @triton.jit
