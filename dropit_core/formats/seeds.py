@@ -98,17 +98,12 @@ def mix32(x: int | torch.Tensor) -> int | torch.Tensor:
     return x
 
 
-def hash_key(seed: int, index_hi: int) -> int:
-    """The 32-bit key of a seed's draws for elements ``index_hi * 2**32`` onward."""
-    lo, hi = seed & MASK32, (seed >> 32) & MASK32
-    return mix32(mix32(hi ^ mix32((index_hi + KEY_SALT) & MASK32)) ^ lo)
-
-
 def hash_keys(seed: int) -> tuple[int, int]:
     """The two 32-bit keys of a pack seed's draws (:func:`hash_bits`' k0 and k1): what every
     path that hashes element indices itself (Triton, the C loops, the fused Inductor pack) takes.
-    ``(hash_key(seed, 0), hash_key(seed, 1))``, their salted index words mixed once at import
-    (every pack of every layer asks: host time)."""
+    ``k_j = mix32(mix32(hi ^ mix32(j + KEY_SALT)) ^ lo)`` for j = 0, 1, with ``lo`` and ``hi``
+    the seed's low and high 32 bits; the salted words ``mix32(j + KEY_SALT)`` are mixed once at
+    import (every pack of every layer asks: host time)."""
     lo, hi = seed & MASK32, (seed >> 32) & MASK32
     return mix32(mix32(hi ^ _SALTED_0) ^ lo), mix32(mix32(hi ^ _SALTED_1) ^ lo)
 
@@ -125,7 +120,7 @@ def _table(key: int, first: int, count: int, device: torch.device) -> torch.Tens
 def hash_bits(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
     """The 24-bit integers (int32) behind :func:`hash_uniform`: element i of a pack seeded
     ``seed`` draws ``(mix32(i mod 4096 + k0) ^ mix32(i >> 12 + k1)) >> 8`` (sums modulo 2**32;
-    k0, k1 = hash_key(seed, 0 and 1)), for i below 2**44.
+    k0, k1 = hash_keys(seed)), for i below 2**44.
 
     A pure function of (seed, i), which the Triton kernels compute per element. Here it is two
     small tables (4096 entries, and one per 4096 elements) and one broadcast XOR: a single pass
