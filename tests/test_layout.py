@@ -132,6 +132,146 @@ def test_no_private_name_is_used_across_modules() -> None:
     )
 
 
+# Private attributes reached on an object (``x._name``, x not self, cls or super()) that this
+# module does not define, where they stay: torch's and torchvision's own internals, each without
+# a public equivalent that does the same. (module, the reach as written) -> why it is allowed. An
+# entry that no longer occurs fails the test, so the list cannot go stale.
+_TORCH_C_HOOKS = "the saved-tensor hooks' stack as torch's own context manager drives it"
+FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
+    ("dropit_core.detection.forward", "torch.ops.torchvision._roi_align_backward"): (
+        "torchvision's RoIAlign backward kernel, called per part of a level's RoIs"
+    ),
+    ("dropit_core.detection.forward", "torchvision.extension._has_ops"): (
+        "whether torchvision's compiled ops exist (else it pools in Python): no public test"
+    ),
+    ("dropit_core.detection.forward", "torchvision._is_tracing"): (
+        "torchvision's own ONNX-tracing test, which its RoI pooler asks too"
+    ),
+    ("dropit_core.layers.functions", "key._version"): "a tensor's in-place version counter",
+    ("dropit_core.layers.functions", "p._version"): "a tensor's in-place version counter",
+    ("dropit_core.layers.functions", "torch._C"): (
+        "getattr(torch._C, '_is_any_autocast_enabled', fallback): one call, absent in old torch"
+    ),
+    ("dropit_core.layers.hooked", "torch._C._autograd._push_saved_tensors_default_hooks"): (
+        _TORCH_C_HOOKS
+    ),
+    ("dropit_core.layers.hooked", "torch._C._autograd._pop_saved_tensors_default_hooks"): (
+        _TORCH_C_HOOKS
+    ),
+    ("dropit_core.layers.hooked", "torch._C._autograd._top_saved_tensors_default_hooks"): (
+        _TORCH_C_HOOKS
+    ),
+    ("dropit_core.layers.hooked", "torch._C._autograd._saved_tensors_hooks_is_enabled"): (
+        _TORCH_C_HOOKS
+    ),
+    ("dropit_core.layers.modules", "module._parameters"): (
+        "a layer's weight and bias without nn.Module.__getattr__ (host time per layer and step)"
+    ),
+    ("dropit_core.layers.norm", "nn.modules.batchnorm._BatchNorm"): (
+        "the base class of every BatchNorm, as an annotation"
+    ),
+    ("dropit_core.layers.norm", "module._check_input_dim"): (
+        "the BatchNorm's own input check, which its forward (replaced here) runs"
+    ),
+    ("dropit_core.layers.norm", "F._verify_batch_size"): (
+        "F.batch_norm's check of one value per channel, which the plain layer runs"
+    ),
+    ("dropit_core.layers.norm", "torch.ops.aten._batch_norm_with_update"): (
+        "the aten op BatchNorm's forward runs (its reserve is what the backward reads)"
+    ),
+    ("dropit_core.memory", "nn.modules.batchnorm._NormBase"): (
+        "the base class of every batch and instance norm"
+    ),
+    ("dropit_core.recompute", "bn._buffers"): (
+        "running statistics swapped for copies in place, as registered buffers (a recompute "
+        "must not update them twice)"
+    ),
+    ("dropit_core.saved", "t._base"): "a view's base tensor (a parameter's view stays dense)",
+    ("dropit_core.saved", "t._version"): "a tensor's in-place version counter",
+    ("rcnn_dropit.cli", "os._exit"): "the standard library's documented exit without cleanup",
+    ("rcnn_dropit.models.buckets", "transform._skip_resize"): (
+        "torchvision's transform takes it as a constructor argument: copied to the subclass"
+    ),
+    ("rcnn_dropit.models.buckets", "torchvision._is_tracing"): (
+        "torchvision's own ONNX-tracing test, which its transform asks too"
+    ),
+    ("instruments.measure.gpu_probe", "torch.cuda.memory._record_memory_history"): (
+        "CUDA allocator history, documented in torch's memory snapshot guide"
+    ),
+    ("instruments.measure.gpu_probe", "torch.cuda.memory._snapshot"): (
+        "CUDA allocator snapshot, documented in torch's memory snapshot guide"
+    ),
+    ("instruments.measure.live_probe", "sys._getframe"): "the standard library's caller frame",
+    ("instruments.measure.live_probe", "torch._C._current_autograd_node"): (
+        "the autograd node running a saved-tensor hook: whose tensor it is"
+    ),
+}
+# namedtuple's API: underscored so as not to clash with field names, public all the same
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_field_defaults", "_make"}
+
+
+def _defined_here(tree: ast.AST) -> set[str]:
+    """Every name the file binds or defines: functions, classes, assigned names and arguments,
+    attributes it assigns or deletes (``self._x = ...``, ``other._x = ...``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return names
+
+
+def _own(value: ast.expr) -> bool:
+    """Whether an attribute's object is the instance or class at hand (self, cls, super())."""
+    if isinstance(value, ast.Name):
+        return value.id in ("self", "cls")
+    return isinstance(value, ast.Call) and ast.unparse(value.func) == "super"
+
+
+def _private_reaches(path: Path, aliases: dict[str, str]):
+    """(the reach as written, line) of each ``x._name`` read in the file whose ``_name`` the
+    file does not define, x not self, cls, super() nor one of our modules (the import rule's);
+    of a chain (``torch._C._autograd._push``) the whole reach only."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = _defined_here(tree)
+    reaches = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and _private(node.attr)
+        and node.attr not in here
+        and node.attr not in NAMEDTUPLE_API
+        and not _own(node.value)
+        and not (isinstance(node.value, ast.Name) and node.value.id in aliases)
+    ]
+    inner = {id(node.value) for node in reaches}
+    for node in reaches:
+        if id(node) not in inner:
+            yield ast.unparse(node), node.lineno
+
+
+def test_no_private_attribute_is_reached_across_modules() -> None:
+    # A leading underscore on an attribute says "only the module that defines it": another
+    # module that reads it (``strategy._inv_levels`` from the layers) breaks when it is renamed.
+    # An attribute the reading module defines itself (an instance of its own class) is its own.
+    known = _modules()
+    found = {}
+    for module, path in known.items():
+        for reach, line in _private_reaches(path, _module_aliases(module, path, known)):
+            found.setdefault((module, reach), f"{path.relative_to(REPO)}:{line}")
+    new = sorted(set(found) - set(FOREIGN_PRIVATE))
+    assert not new, "private attributes reached from another module:\n" + "\n".join(
+        f"{found[k]}: {k[1]}" for k in new
+    )
+    stale = set(FOREIGN_PRIVATE) - set(found)
+    assert not stale, f"no longer reached, remove from FOREIGN_PRIVATE: {stale}"
+
+
 INSTRUMENTS = (
     "bench",
     "study",

@@ -137,7 +137,7 @@ def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor
     x = x.detach()
     keys = torch.ops.dropit.draw(x, cache.number)
     rows = x.reshape(-1, strategy.group)
-    codes, mins, scales = quant_fields(rows, keys, strategy.bits, strategy._inv_levels)
+    codes, mins, scales = quant_fields(rows, keys, strategy.bits, strategy.inv_levels)
     return [codes, scales, mins]  # Packed's order (values, scales, mins)
 
 

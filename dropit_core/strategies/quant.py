@@ -64,6 +64,12 @@ class Quant(Strategy):
         # the signed flags' bytes must not straddle two programs' groups: whole flag bytes
         self._signed_fast = ("triton",) if "triton" in self._fast and group % 8 == 0 else ()
 
+    @property
+    def inv_levels(self) -> float:
+        """``1 / (2**bits - 1)`` rounded to fp32 (:func:`dropit_core.formats.quant.inv_levels`):
+        the factor of every path's step, ``(max - min) * inv_levels``."""
+        return self._inv_levels
+
     def draw_keys(self, key: int | torch.Tensor) -> tuple[int, int] | tuple[torch.Tensor, ...]:
         """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
         element indices itself reads; of each key of an int64 tensor of keys, two tensors.
