@@ -169,7 +169,6 @@ def train(
     finally:
         run_dir.stop_logging()
         cleanup()
-    main_only(run_dir.drop_replaced)
     return result
 
 
@@ -224,7 +223,11 @@ def _train(
     run_on_main(lambda: run_dir.check(resume, overwrite))  # --overwrite clears only now
     run_dir.create(config_yaml(cfg))
     write_choice(run_dir, settled.choice)
-    return run(cfg, info, parts, run_dir, start, resumed=resume is not None)
+    result = run(cfg, info, parts, run_dir, start, resumed=resume is not None)
+    # The new run stands alone: rank 0 drops the one it replaced while the group lives, and
+    # no rank leaves before it is done.
+    run_on_main(run_dir.drop_replaced)
+    return result
 
 
 def _fresh_start_allowed(run_dir: RunDir, overwrite: bool) -> None:

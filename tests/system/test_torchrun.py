@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rcnn_dropit.checkpoint.files import load_checkpoint
+from rcnn_dropit.checkpoint.files import find_last_checkpoint, load_checkpoint
 from rcnn_dropit.config import load_config
 from rcnn_dropit.engine import runner
 from rcnn_dropit.metrics_file import read_metrics
@@ -231,6 +231,41 @@ def test_every_rank_probes_a_memory_budget_and_they_train_one_choice(shapes_root
     assert output.count(f"training with {record['method']}: ") == 1  # rank 0 prints it
     dropit = load_config(run / "config.yaml").dropit
     assert dropit.enabled is (record["method"] == "quant_4bit")
+
+
+def test_overwrite_over_the_last_run_five_times_leaves_one_whole_run(twin_root, tmp_path):
+    """--overwrite over the run the previous job left, 5 jobs in a row: one process (rank 0)
+    sets the old run aside and drops it at the end while the group lives, so every rank exits 0
+    (every rank removing .replaced/ after the group was gone made rank 1 fail on files rank 0 had
+    just removed) and the folder holds the new run alone, whole."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # a finished run's files, as the first old run
+    for name in ("config.yaml", "metrics.jsonl", "eval.json", "log.txt"):
+        (run / name).write_text("{}\n")
+    for iteration in range(1, 9):
+        (run / f"checkpoints/model_{iteration:07d}.pth").write_bytes(b"old")
+    (run / "checkpoints/last_checkpoint").write_text("model_0000008.pth")
+    opts = twin_opts(twin_root, 1, "solver.max_iters=1")
+    args = ["--config", str(FASTER_CFG), "--output-dir", str(run), "--overwrite", "--opts", *opts]
+    for job in range(5):
+        run_job(torchrun(single_node(), TRAIN_PY, args))  # exit 0: every rank exited 0
+        assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == [
+            "checkpoints",
+            "checkpoints/last_checkpoint",
+            "checkpoints/model_0000001.pth",
+            "coco_results_bbox.json",
+            "config.yaml",
+            "eval.json",
+            "log.txt",
+            "metrics.jsonl",
+        ], f"job {job}"
+        records = read_metrics(run / "metrics.jsonl")
+        assert [(r["type"], r["iter"]) for r in records] == [("train", 1), ("eval", 1)]
+        assert json.loads((run / "eval.json").read_text())["iter"] == 1
+        assert load_config(run / "config.yaml").solver.max_iters == 1
+        last = find_last_checkpoint(run / "checkpoints")
+        assert last == run / "checkpoints/model_0000001.pth"
+        assert load_checkpoint(last)["iteration"] == 1
 
 
 # ---- two nodes, and one step equal to a single-process step ----------------------------------
