@@ -1,4 +1,10 @@
-"""Process-group setup and rank helpers: the one place that knows about ranks."""
+"""Process-group setup and rank helpers: the one place that knows about ranks.
+
+A job of several processes has ranks only while its process group lives, from
+:func:`init_distributed` to :func:`cleanup`: the helpers below answer from the group, and raise
+when asked outside its life (every process would otherwise answer "rank 0", and do rank 0's
+work). A single process (no launcher, or a world size of 1) is rank 0 of 1 at any time.
+"""
 
 from __future__ import annotations
 
@@ -84,11 +90,21 @@ def _first_host(nodelist: str) -> str:
     return prefix + re.split(r"[-,]", ranges)[0]
 
 
+def _launched_world_size(env: Mapping[str, str]) -> int:
+    """How many processes the launcher started: torchrun's WORLD_SIZE, else srun's
+    SLURM_NTASKS, else 1."""
+    if "WORLD_SIZE" in env:
+        return _int_var(env, "WORLD_SIZE")
+    if "SLURM_PROCID" in env:
+        return _int_var(env, "SLURM_NTASKS")
+    return 1
+
+
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read rank, world size and rendezvous address set by torchrun or SLURM."""
     env = os.environ if environ is None else environ
+    world_size = _launched_world_size(env)
     if "WORLD_SIZE" in env:
-        world_size = _int_var(env, "WORLD_SIZE")
         if world_size <= 1:
             return LaunchEnv(0, 1, _int_var(env, "LOCAL_RANK", 0), None, None, "none")
         return LaunchEnv(
@@ -100,7 +116,6 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             source="torchrun",
         )
     if "SLURM_PROCID" in env:
-        world_size = _int_var(env, "SLURM_NTASKS")
         if world_size <= 1:
             return LaunchEnv(0, 1, _int_var(env, "SLURM_LOCALID", 0), None, None, "none")
         # An explicit MASTER_ADDR wins; the launch node is the usual rendezvous host otherwise.
@@ -177,14 +192,30 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _joined() -> bool:
+    """Whether this process answers from a live process group (False: a single process).
+
+    In a job of several processes outside the group's life, before :func:`init_distributed` or
+    after :func:`cleanup`, no answer is right: raise, rather than let every process be rank 0.
+    """
+    if _active():
+        return True
+    if _launched_world_size(os.environ) > 1:
+        raise RuntimeError(
+            "rank asked outside the process group's life (before init_distributed or after "
+            "cleanup): every process of the job would answer rank 0; decide while it lives"
+        )
+    return False
+
+
 def get_rank() -> int:
     """Global rank of this process (0 when not distributed)."""
-    return dist.get_rank() if _active() else 0
+    return dist.get_rank() if _joined() else 0
 
 
 def get_world_size() -> int:
     """Number of processes in the job (1 when not distributed)."""
-    return dist.get_world_size() if _active() else 1
+    return dist.get_world_size() if _joined() else 1
 
 
 def is_main_process() -> bool:
@@ -194,7 +225,7 @@ def is_main_process() -> bool:
 
 def barrier() -> None:
     """Wait for all processes; no-op when not distributed."""
-    if _active() and dist.get_world_size() > 1:
+    if _joined() and dist.get_world_size() > 1:
         dist.barrier()
 
 
@@ -205,7 +236,7 @@ def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
     holds the statistics of its own last batch; evaluating then would not be evaluating the
     model that rank 0 checkpoints.
     """
-    if not _active() or dist.get_world_size() == 1:
+    if not _joined() or dist.get_world_size() == 1:
         return
     for buf in module.buffers():
         dist.broadcast(buf.data, src)
@@ -213,7 +244,7 @@ def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Picklable object from every rank, in rank order, on every rank."""
-    if not _active() or dist.get_world_size() == 1:
+    if not _joined() or dist.get_world_size() == 1:
         return [obj]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
@@ -222,7 +253,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     """Picklable object from every rank, in rank order, on rank dst only (None elsewhere)."""
-    if not _active() or dist.get_world_size() == 1:
+    if not _joined() or dist.get_world_size() == 1:
         return [obj]
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(obj, gathered, dst=dst)
@@ -231,7 +262,7 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank src's object, returned on every rank."""
-    if not _active() or dist.get_world_size() == 1:
+    if not _joined() or dist.get_world_size() == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -297,7 +328,7 @@ def main_only(fn: Callable[[], T]) -> T | None:
 
 def reduce_dict(values: dict[str, torch.Tensor], average: bool = True) -> dict[str, torch.Tensor]:
     """Sum (or mean) of scalar tensors over ranks, for logging; same keys on every rank."""
-    if not _active() or dist.get_world_size() == 1 or not values:
+    if not _joined() or dist.get_world_size() == 1 or not values:
         return dict(values)
     names = sorted(values)  # every rank must stack in the same order
     with torch.no_grad():

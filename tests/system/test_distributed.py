@@ -94,6 +94,30 @@ def test_single_process_and_bad_values(clean_env):
     distributed.cleanup()
 
 
+def test_a_multi_process_job_has_no_rank_outside_its_process_group(clean_env):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        clean_env.setenv(name, value)
+    asks = {
+        "get_rank": distributed.get_rank,
+        "get_world_size": distributed.get_world_size,
+        "is_main_process": distributed.is_main_process,
+        "main_only": lambda: distributed.main_only(lambda: 5),
+        "run_on_main": lambda: distributed.run_on_main(lambda: 5),
+        "barrier": distributed.barrier,
+        "broadcast_object": lambda: distributed.broadcast_object("x"),
+    }
+    for name, ask in asks.items():
+        with pytest.raises(RuntimeError, match="outside the process group's life"):
+            ask()
+            pytest.fail(f"{name} answered before init_distributed")
+    distributed.cleanup()  # nothing to leave: not an error
+    clean_env.setenv("SLURM_PROCID", "0")  # srun's variables alone say the same
+    clean_env.delenv("WORLD_SIZE")
+    clean_env.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(RuntimeError, match="outside the process group's life"):
+        distributed.get_rank()
+
+
 def test_device_choice():
     assert resolve_device("cpu", 3) == torch.device("cpu")
     with pytest.raises(ValueError, match="'tpu' is not one of auto, cpu, cuda"):
@@ -140,6 +164,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         record["duplicate_error"] = str(err)
     distributed.barrier()
     distributed.cleanup()
+    try:  # the group is gone: every rank would say rank 0
+        record["after_cleanup"] = distributed.is_main_process()
+    except RuntimeError as err:
+        record["after_cleanup"] = str(err)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
 
@@ -173,6 +201,7 @@ def test_two_process_gloo_matches_single_process(tmp_path):
         assert rec["sum"] == {"a": 5.0, "b": 1.0}
         assert rec["metrics"] == expected  # exactly, on both ranks
         assert "repeat images" in rec["duplicate_error"]
+        assert "outside the process group's life" in rec["after_cleanup"]
     for iou_type in ("bbox", "segm"):
         name = f"coco_results_{iou_type}.json"
         assert (tmp_path / "eval" / name).read_text() == (tmp_path / "single" / name).read_text()
