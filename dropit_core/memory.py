@@ -1,7 +1,9 @@
-"""Memory accounting: the bytes autograd keeps for backward, and real (RSS / CUDA) peaks.
+"""Memory accounting: the bytes autograd keeps for backward, and the peak of a call.
 
-``measure_step`` measures one training step: what autograd keeps, the memory live after the
-forward and the peak over the whole step, each above what the process held when it began
+:class:`PeakMeter` holds the one definition of "peak" that every report, table and decision
+reads (on CUDA the allocator's, on the CPU torch's allocations: tensors' bytes on both).
+``measure_step`` measures one training step with it: what autograd keeps, the memory live after
+the forward and the peak over the whole step, each above what the step held when it began
 (:class:`StepMemory`). ``saved_activations`` counts the unique storages handed to autograd
 during one forward (``saved_tensors_hooks`` also see what custom Functions save), parameters
 excluded, each charged to the innermost module running when it was first saved. A model with
@@ -10,14 +12,18 @@ excluded, each charged to the innermost module running when it was first saved. 
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable, Sequence
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from dropit_core.convert import is_dropit
 from dropit_core.recompute import is_checkpointed
@@ -112,125 +118,150 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
     return result, report
 
 
-def _proc_status_mb(key: str) -> float | None:
-    """Field ``key`` of /proc/self/status (Linux; in kB there), in MB."""
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def training_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *batch: object
+) -> list[torch.Tensor]:
+    """What a training step holds before it starts: weights, buffers, gradients, optimizer state
+    and the batch's tensors (lists and dicts of them)."""
+    held = [*model.parameters(), *model.buffers()]
+    held += [p.grad for p in model.parameters() if p.grad is not None]
+    if optimizer is not None:
+        held += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    stack = list(batch)
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            held.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return held
+
+
+_MARK = "dropit_core::peak_mark"
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Keep the profiler's start and stop lines (kineto prints two per profile, straight to
+    file descriptor 2) off the console: a CPU run measures a step at every logged iteration."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        lines = Path("/proc/self/status").read_text().splitlines()
-    except OSError:
-        return None
-    return next((int(ln.split()[1]) / 1024.0 for ln in lines if ln.startswith(key + ":")), None)
-
-
-def rss_mb() -> float | None:
-    """Resident memory of this process now (Linux), in MB."""
-    return _proc_status_mb("VmRSS")
-
-
-def peak_rss_mb() -> float | None:
-    """Peak resident memory since start or the last :func:`reset_peak_rss` (Linux), in MB."""
-    return _proc_status_mb("VmHWM")
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (``VmHWM``); False where that is not allowed."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _cuda_device(device: torch.device | str) -> torch.device | None:
-    """The CUDA device to query, or None for another device or without CUDA (``torch.cuda``
-    statistics raise for a CPU device, which a CPU run on a GPU node must not reach)."""
-    device = torch.device(device)
-    return device if device.type == "cuda" and torch.cuda.is_available() else None
-
-
-def peak_mb(device: torch.device | str, reset: bool = False) -> float | None:
-    """Peak memory in MB since the last reset: the allocator's on a CUDA device, else this
-    process's resident peak (VmHWM); ``reset=True`` starts a new window once it is read."""
-    cuda = _cuda_device(device)
-    peak = peak_rss_mb() if cuda is None else torch.cuda.max_memory_allocated(cuda) / MB
-    if reset:
-        reset_peak(device)
-    return peak
-
-
-def reset_peak(device: torch.device | str) -> None:
-    """Start a new peak window for :func:`peak_mb` (where /proc/self/clear_refs is not
-    writable, the CPU peak stays the all-time one)."""
-    cuda = _cuda_device(device)
-    if cuda is None:
-        reset_peak_rss()
-    else:
-        torch.cuda.reset_peak_memory_stats(cuda)
-
-
-def allocated_mb(device: torch.device | str) -> float | None:
-    """Memory in use now, in MB: the allocator's on a CUDA device, else this process's RSS."""
-    cuda = _cuda_device(device)
-    return rss_mb() if cuda is None else torch.cuda.memory_allocated(cuda) / MB
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 class PeakMeter:
-    """This process's memory above what it held at :meth:`begin`: RSS, or the CUDA allocator's."""
+    """The peak of one call on one device, the one meaning of "peak" in this project: the most
+    bytes the device's tensors held at once during the call, what was alive when it began
+    included. On CUDA the caching allocator's counters (``max_memory_allocated`` after a reset:
+    not its reserve, not the CUDA context). On the CPU the bytes of ``held()`` (the storages the
+    call starts with: weights, gradients, optimizer state, the batch) plus the peak of torch's CPU
+    allocations over the call, from the profiler's memory events: exact to the byte, whatever
+    malloc keeps (RSS would carry what earlier calls left in the heap, and the interpreter).
 
-    def __init__(self, device: torch.device | str) -> None:
+    The profiler does not see a free of a block allocated before it started, so a call must not
+    free what ``held()`` counted: free the gradients (``zero_grad(set_to_none=True)``) before
+    measuring a step that would. ``mark()``, called inside the measured call, notes what is alive
+    and the peak so far (e.g. at the end of a forward): :attr:`marks`.
+    """
+
+    def __init__(
+        self, device: torch.device | str, held: Callable[[], Iterable[torch.Tensor]] = tuple
+    ) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.start: float | None = None
+        self.held = held
+        self.start_bytes = 0  # alive when the call began
+        self.peak_bytes = 0  # the most alive at once during it, the start included
+        self.marks: list[tuple[int, int]] = []  # at each mark: (alive, peak so far)
 
-    def _sync(self) -> None:
+    @property
+    def source(self) -> str:
+        """What the figures count: "cuda" (the allocator's counters) or "cpu" (torch's CPU
+        allocations)."""
+        return "cuda" if self.cuda else "cpu"
+
+    def measure(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` and take its figures; returns what ``fn`` returns."""
+        self.marks = []
+        gc.collect()  # earlier garbage freed inside the call would count as the call's frees
         if self.cuda:
             torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+            result = fn()
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            return result
+        self.start_bytes = storage_bytes(t for t in self.held() if t.device.type == "cpu")
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            prof.start()
+        try:
+            result = fn()
+        finally:
+            with _quiet_stderr():
+                prof.stop()
+        alive = top = 0
+        for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+            if event.name() == "[memory]" and event.device_type() == DeviceType.CPU:
+                alive += event.nbytes()
+                top = max(top, alive)
+            elif event.name() == _MARK:
+                self.marks.append((self.start_bytes + alive, self.start_bytes + top))
+        self.peak_bytes = self.start_bytes + top
+        return result
 
-    def begin(self) -> None:
-        """Take the starting allocation and reset the peak."""
-        self._sync()
-        reset_peak(self.device)
-        self.start = allocated_mb(self.device)
-
-    def now(self) -> float | None:
-        """Memory in use now, above the start."""
-        if self.start is None:
-            return None
-        now = allocated_mb(self.device)
-        return None if now is None else now - self.start
-
-    def peak(self) -> float | None:
-        """Peak since :meth:`begin`, above the start."""
-        if self.start is None:
-            return None
-        self._sync()
-        peak = peak_mb(self.device)
-        return None if peak is None else peak - self.start
+    def mark(self) -> None:
+        """Inside the measured call: note what is alive now and the peak so far."""
+        if not self.cuda:
+            with record_function(_MARK):  # placed among the memory events by its time
+                return
+        torch.cuda.synchronize(self.device)
+        alive = torch.cuda.memory_allocated(self.device)
+        self.marks.append((alive, torch.cuda.max_memory_allocated(self.device)))
 
 
 @dataclass(frozen=True)
 class StepMemory:
-    """The memory of one training step (forward and backward) on one device, in MB, above what
-    the process held when it began (``held_at_start_mb``: weights, optimizer state, other
-    models), except ``step_peak_total_mb``, what the device's peak counter reads."""
+    """The memory of one training step (forward and backward) on one device, in MB, as
+    :class:`PeakMeter` counts it: above what the step's tensors held when it began
+    (``held_at_start_mb``: weights, buffers, optimizer state, the batch), except
+    ``step_peak_total_mb``, the peak with the start included."""
 
-    source: str  # "cuda": the caching allocator's counters; "rss": this process's resident memory
-    held_at_start_mb: float | None
-    live_after_forward_mb: float | None  # what the first forward left alive for its backward
+    source: str  # PeakMeter.source: "cuda" (the allocator's counters) or "cpu" (its allocations)
+    held_at_start_mb: float
+    live_after_forward_mb: float  # what the first forward left alive for its backward
     forward_peak_mb: float | None  # the first forward's peak; None when later forwards ran
-    step_peak_mb: float | None  # the peak over the whole step: every forward and backward
+    step_peak_mb: float  # the peak over the whole step: every forward and backward
     saved: SavedReport  # what autograd kept in the first forward
 
     @property
-    def step_peak_total_mb(self) -> float | None:
-        """The step's peak with the start included: the device's own peak over the step."""
-        if self.held_at_start_mb is None or self.step_peak_mb is None:
-            return None
+    def step_peak_total_mb(self) -> float:
+        """The step's peak with the start included: the peak as PeakMeter means it."""
         return self.held_at_start_mb + self.step_peak_mb
 
     @property
     def peak_phase(self) -> str | None:
         """The pass that reaches the step's peak: "forward" or "backward" (None: not known)."""
-        if self.step_peak_mb is None or self.forward_peak_mb is None:
+        if self.forward_peak_mb is None:
             return None
         return "forward" if self.forward_peak_mb >= self.step_peak_mb else "backward"
 
@@ -238,7 +269,7 @@ class StepMemory:
     def forward_transient_mb(self) -> float | None:
         """What the forward's peak holds beyond the live state after it: the dense working set
         and the packing temporaries, not the caches."""
-        if self.forward_peak_mb is None or self.live_after_forward_mb is None:
+        if self.forward_peak_mb is None:
             return None
         return self.forward_peak_mb - self.live_after_forward_mb
 
@@ -256,31 +287,79 @@ class StepMemory:
 
 
 def measure_step(
-    model: nn.Module, forwards: Sequence[Callable[[], torch.Tensor]], device: torch.device | str
+    model: nn.Module,
+    forwards: Sequence[Callable[[], torch.Tensor]],
+    device: torch.device | str,
+    batch: object = (),
 ) -> StepMemory:
     """Measure the memory of one training step of ``model`` on ``device``: each of ``forwards``
     (one per micro-batch) returns its scalar loss, whose backward runs before the next forward;
-    gradients are set to None before and after. What autograd keeps is counted in the first."""
+    gradients are set to None before and after. What autograd keeps is counted in the first.
+    ``batch``: the tensors the forwards read (lists and dicts of them), held at the start."""
     if not forwards:
         raise ValueError("measure_step needs at least one forward")
+    model.zero_grad(set_to_none=True)  # freed before the meter starts: see PeakMeter
+    meter = PeakMeter(device, lambda: training_tensors(model, None, batch))
+    saved: list[SavedReport] = []
+
+    def step() -> None:
+        loss, report = saved_activations(model, forwards[0])
+        saved.append(report)
+        meter.mark()
+        loss.backward()
+        del loss
+        for forward in forwards[1:]:
+            forward().backward()
+
+    meter.measure(step)
     model.zero_grad(set_to_none=True)
-    gc.collect()  # garbage of earlier steps must not sit in the start
-    meter = PeakMeter(device)
-    meter.begin()
-    loss, saved = saved_activations(model, forwards[0])
-    live, forward_peak = meter.now(), meter.peak()
-    loss.backward()
-    del loss
-    for forward in forwards[1:]:
-        forward().backward()
-    step_peak = meter.peak()
-    model.zero_grad(set_to_none=True)
+    start = meter.start_bytes
+    ((live, forward_peak),) = meter.marks
     return StepMemory(
-        source="cuda" if meter.cuda else "rss",
-        held_at_start_mb=meter.start,
-        live_after_forward_mb=live,
+        source=meter.source,
+        held_at_start_mb=start / MB,
+        live_after_forward_mb=(live - start) / MB,
         # a later micro-batch's forward may top the first one's: its peak is not the forward's
-        forward_peak_mb=forward_peak if len(forwards) == 1 else None,
-        step_peak_mb=step_peak,
-        saved=saved,
+        forward_peak_mb=(forward_peak - start) / MB if len(forwards) == 1 else None,
+        step_peak_mb=(meter.peak_bytes - start) / MB,
+        saved=saved[0],
     )
+
+
+class WindowPeak:
+    """The peak of a window of training steps (a log record's), as :class:`PeakMeter` means it.
+    On CUDA the allocator counts every step at no cost: the peak since the window began. On the
+    CPU the profiler costs a step's worth of bookkeeping, so only the steps run through
+    :meth:`step` with ``measure`` count (the trainer measures each window's last)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.peak_bytes: int | None = None
+        self.restart()
+
+    def step(
+        self, fn: Callable[[], Any], held: Callable[[], Iterable[torch.Tensor]], measure: bool
+    ) -> Any:
+        """Run one step ``fn()``, measured on the CPU when ``measure`` (``held``: PeakMeter's)."""
+        if self.cuda or not measure:
+            return fn()
+        meter = PeakMeter(self.device, held)
+        result = meter.measure(fn)
+        self.peak_bytes = max(self.peak_bytes or 0, meter.peak_bytes)
+        return result
+
+    def restart(self) -> None:
+        """Begin a new window (after a record, or after what is not training: evaluation)."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.peak_bytes = None
+
+    def take_mb(self) -> float | None:
+        """The window's peak in MB (None: no step measured), then a new window."""
+        if self.cuda:
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        peak = self.peak_bytes
+        self.restart()
+        return None if peak is None else peak / MB

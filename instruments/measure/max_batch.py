@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dropit_core.memory import PeakMeter, allocated_mb
+from dropit_core.memory import MB, PeakMeter, training_tensors
 from instruments.measure.workload import (
     Setting,
     Variant,
@@ -78,23 +78,28 @@ def _step_peak_mb(
 ) -> float | None:
     """Peak memory (MB) of one SGD-with-momentum step on n images; None when out of memory.
 
-    On CUDA it is everything allocated above ``floor`` (the allocation before the model came to
-    the device: weights, gradients, momentum, activations, workspace). On the CPU it is the RSS
-    peak above the state before the batch (the weights were already resident).
+    The peak is PeakMeter's. On CUDA it is everything allocated above ``floor`` (the allocation
+    before the model came to the device: weights, gradients, momentum, activations, workspace).
+    On the CPU it is the peak above the step's start (weights, gradients and momentum held).
     """
     optimizer = getattr(model, "_bench_optimizer", None)
     if optimizer is None:  # momentum buffers are part of what must fit
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
         model._bench_optimizer = optimizer
-    meter = PeakMeter(device)
-    gc.collect()
-    meter.begin()
-    try:
+    meter = PeakMeter(device, lambda: training_tensors(model, optimizer))
+
+    def step() -> None:
         train_step(model, make_batch(image_size, device, n), amp, accumulate)
         optimizer.step()
-        peak = meter.peak()
-        if peak is not None and meter.cuda:
-            peak += meter.start - floor
+
+    try:
+        meter.measure(step)
+        # on CUDA above the floor, on the CPU above the start (see the docstring)
+        peak = (
+            meter.peak_bytes / MB - floor
+            if meter.cuda
+            else ((meter.peak_bytes - meter.start_bytes) / MB)
+        )
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not _is_oom(err):
             raise
@@ -132,7 +137,7 @@ def _max_batch_row(
 ) -> dict[str, Any]:
     with _fresh_allocation(dev):
         # the floor counts on CUDA only (see _step_peak_mb): on the CPU the peak is above RSS
-        floor = (allocated_mb(dev) or 0.0) if dev.type == "cuda" else 0.0
+        floor = torch.cuda.memory_allocated(dev) / MB if dev.type == "cuda" else 0.0
         # the model lives only inside the search: it leaves the device before the cleanup
         best, peaks = _search(detector(cfg).train().to(dev), budget_mb, limit, floor, peak_of)
     info = describe(cfg)

@@ -22,8 +22,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 from torchvision.ops import MultiScaleRoIAlign
 
 from dropit_core.detection import LeanMultiScaleRoIAlign
@@ -68,21 +66,11 @@ def rois(images: int, per_image: int, image_size: int, device: torch.device) -> 
 
 
 def _peak_mb(fn, device: torch.device) -> tuple[Any, float]:
-    """``fn()`` and the most MB it had allocated at once above what was alive before it: the
-    CUDA allocator's counters, or on the CPU the profiler's allocation events (RSS, what
-    PeakMeter reads there, moves in pages and with the C heap)."""
-    if device.type == "cuda":
-        meter = PeakMeter(device)
-        meter.begin()
-        result = fn()
-        return result, meter.peak()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    sizes = [
-        e.nbytes() for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
-    ]
-    return result, max(itertools.accumulate(sizes, initial=0)) / 2**20
+    """``fn()`` and the most MB it had allocated at once above what was alive before it
+    (dropit_core.memory.PeakMeter, nothing held counted)."""
+    meter = PeakMeter(device)
+    result = meter.measure(fn)
+    return result, (meter.peak_bytes - meter.start_bytes) / 2**20
 
 
 def _run(pooler, maps: dict, boxes: list, shapes: list, amp: torch.dtype, device, measure: bool):

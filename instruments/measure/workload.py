@@ -277,8 +277,8 @@ def train_step(model: nn.Module, batch, amp: str = "none", accumulate: int = 1) 
 
 
 def micro_batch_parts(batch, accumulate: int) -> list[tuple[list, list]]:
-    """The bench batch (images, targets) as the trainer splits it (engine.trainer.micro_batches)."""
-    from rcnn_dropit.engine.trainer import micro_batches
+    """The bench batch (images, targets) as the trainer splits it (engine.step.micro_batches)."""
+    from rcnn_dropit.engine.step import micro_batches
 
     return micro_batches(batch[0], batch[1], accumulate)
 

@@ -12,7 +12,8 @@ from rcnn_dropit.config_schema import dropit_rules
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
-from rcnn_dropit.engine.trainer import micro_batches, move_targets
+from rcnn_dropit.engine.step import micro_batches
+from rcnn_dropit.engine.trainer import move_targets
 from rcnn_dropit.rng import rng_preserved
 
 
@@ -26,15 +27,21 @@ def _step(
         with autocast(amp, device):
             return sum(net(images, targets).values())
 
-    return memory.measure_step(net, [forward], device)
+    return memory.measure_step(net, [forward], device, (images, targets))
 
 
 def measure_memory(
-    cfg, net: nn.Module, train_loader, device: torch.device, images_per_sec: float
+    cfg,
+    net: nn.Module,
+    train_loader,
+    device: torch.device,
+    images_per_sec: float,
+    train_peak_mb: float | None = None,
 ) -> dict:
-    """The memory.json report: one step measured on the first training batch (on every rank:
-    SyncBN needs all); with gradient accumulation, on its first micro-batch, which is what one
-    forward and backward holds."""
+    """The memory.json report: one step of the trained model measured on the first training
+    batch (on every rank: SyncBN needs all); with gradient accumulation, on its first
+    micro-batch, which is what one forward and backward holds. ``train_peak_mb``: the largest
+    peak the training logged (metrics.jsonl ``peak_mem_mb``)."""
     with rng_preserved():  # the training streams go on as if nothing was measured
         images, targets = next(epoch_batches(train_loader, 0))
         images, targets = micro_batches(images, targets, cfg.solver.accumulate)[0]
@@ -48,7 +55,6 @@ def measure_memory(
             plain_mb = plain_step.saved.total_bytes / memory.MB
             del plain
     saved = step.saved.as_dict()
-    total = step.step_peak_total_mb
     report = {
         "saved_mb": saved["saved_mb"],
         "by_type": saved["by_type_mb"],
@@ -57,10 +63,10 @@ def measure_memory(
         "norm_mb": saved["norm_mb"],  # kept by normalisation layers (their inputs)
         "saved_mb_without_dropit": plain_mb,
         "saved_ratio": round(saved["saved_mb"] / plain_mb, 4) if plain_mb else None,
-        # the step's peak as the device counts it (start included), by the names readers use
-        "cuda_peak_mb": total if step.source == "cuda" else None,
-        "step_peak_rss_mb": total if step.source == "rss" else None,
-        # and each figure by what it is: the start, then the step's own above it
+        # dropit_core.memory.PeakMeter's peak, start included: the largest of training's logged
+        # windows, and the measured step's (forward and backward, no optimizer step)
+        "train_peak_mb": train_peak_mb,
+        # the measured step's figures: the start, then the step's own above it
         **step.as_dict(),
         "images_per_sec": images_per_sec,
         "batch_size": len(images),  # the measured forward's images (one micro-batch)

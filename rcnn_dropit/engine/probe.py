@@ -19,16 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import set_step
+from dropit_core import memory
+from dropit_core.memory import PeakMeter
 from rcnn_dropit.config import Config, with_overrides
 from rcnn_dropit.data import collate
 from rcnn_dropit.data.transforms import to_float
 from rcnn_dropit.distributed import get_rank
-from rcnn_dropit.engine.amp import autocast, make_scaler
+from rcnn_dropit.engine.amp import make_scaler
 from rcnn_dropit.engine.compiling import compile_model
 from rcnn_dropit.engine.optim import build_optimizer
-from rcnn_dropit.engine.step_peak import held_tensors, step_peak_bytes
-from rcnn_dropit.engine.trainer import micro_batches, move_targets
+from rcnn_dropit.engine.step import StepOptions, training_step
+from rcnn_dropit.engine.trainer import move_targets
 from rcnn_dropit.memory_methods import METHODS
 from rcnn_dropit.models import build_model
 from rcnn_dropit.rng import seed_all
@@ -122,37 +123,20 @@ def method_config(cfg: Config, method: str) -> Config:
     return with_overrides(cfg, overrides, source=f"memory method {method}")
 
 
-def _train_step(
+def probe_step(
     net: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
-    cfg: Config,
+    options: StepOptions,
     batch: ProbeBatch,
     device: torch.device,
     iteration: int,
-) -> None:
-    """What Trainer.step does to memory, without its collectives: micro-batches forward and
-    backward in turn, then clipping and the optimizer step."""
-    solver = cfg.solver
-    optimizer.zero_grad(set_to_none=True)
-    parts = micro_batches(batch.images, batch.targets, solver.accumulate)
-    for j, (images, targets) in enumerate(parts):
-        set_step(net, (iteration - 1) * solver.accumulate + j + 1, get_rank())
-        with autocast(solver.amp, device):
-            loss = sum(net(images, targets).values()) * (len(images) / len(batch.images))
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        del loss
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if scaler is not None:
-        if solver.clip_grad_norm:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        return
-    if solver.clip_grad_norm:
-        torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
-    optimizer.step()
+) -> dict[str, torch.Tensor]:
+    """The step a probe measures: the trainer's (engine.step.training_step) without what is
+    collective (the losses' all-reduce, the non-finite guard that needs it)."""
+    return training_step(
+        net, optimizer, scaler, batch.images, batch.targets, options, iteration, get_rank(), device
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -171,18 +155,22 @@ def _measure(
     net.train()
     optimizer = build_optimizer(cfg.solver, net)
     scaler = make_scaler(cfg.solver.amp, device)
+    options = StepOptions.from_solver(cfg.solver)
     iteration = 0
 
     def step() -> None:
         nonlocal iteration
         iteration += 1
-        _train_step(net, optimizer, scaler, cfg, batch, device, iteration)
+        probe_step(net, optimizer, scaler, options, batch, device, iteration)
 
     for _ in range(steps.warmup):
         step()
-    peak = step_peak_bytes(
-        step, device, lambda: held_tensors(net, optimizer, batch.images, batch.targets)
+    optimizer.zero_grad(set_to_none=True)  # PeakMeter: free what the step would free first
+    meter = PeakMeter(
+        device, lambda: memory.training_tensors(net, optimizer, batch.images, batch.targets)
     )
+    meter.measure(step)
+    peak = meter.peak_bytes
     if ddp:  # DDP's buckets: a flat copy of every trainable gradient, alive through training
         peak += sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
     times = []

@@ -360,8 +360,9 @@ def run(
         report = None
         if cfg.train.measure_memory:
             report = measure_memory(
-                cfg, parts.net, parts.train_loader, info.device, trainer.images_per_sec
-            )
+                cfg, parts.net, parts.train_loader, info.device, trainer.images_per_sec,
+                trainer.largest_peak_mb,
+            )  # fmt: skip
             run_dir.write_memory(report)
             writer.write({"type": "memory", "iter": total, **report}, tensorboard_only=True)
     finally:

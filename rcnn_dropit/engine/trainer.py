@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -14,13 +13,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from dropit_core import memory, set_step
+from dropit_core import memory
 from rcnn_dropit.checkpoint.checkpointer import Checkpointer
 from rcnn_dropit.data import images_to_device
 from rcnn_dropit.distributed import get_rank, get_world_size, reduce_dict
-from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.determinism import deterministic_refusal
+from rcnn_dropit.engine.step import StepOptions, training_step
 from rcnn_dropit.models.buckets import BucketedTransform
 from rcnn_dropit.rng import restore_rng_state, rng_preserved
 
@@ -126,13 +125,6 @@ def move_targets(targets: list[dict], device: torch.device) -> list[dict]:
     ]
 
 
-def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
-    """DDP's ``no_sync`` (gradients kept local until the next synced backward); nothing for a
-    plain model."""
-    no_sync = getattr(model, "no_sync", None)
-    return no_sync() if no_sync is not None else contextlib.nullcontext()
-
-
 def _ordered(keys) -> list[str]:
     known = [k for k in LOSS_KEYS_ORDER if k in keys]
     return known + sorted(k for k in keys if k not in LOSS_KEYS_ORDER)
@@ -167,34 +159,6 @@ def nonfinite_message(iteration: int, losses: dict[str, float]) -> str:
         "(solver.nonfinite=stop; lower solver.lr, set solver.clip_grad_norm, "
         "or set solver.nonfinite=skip to skip such steps)"
     )
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """What one training step needs to know of the solver config."""
-
-    batch_size: int  # images per rank and optimizer step
-    amp: str = "none"  # none | fp16 | bf16
-    nonfinite: str = "stop"  # stop | skip
-    clip_grad_norm: float | None = None
-    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
-
-    @classmethod
-    def from_solver(cls, solver) -> StepOptions:
-        """The options of a SolverConfig."""
-        return cls(
-            solver.batch_size, solver.amp, solver.nonfinite, solver.clip_grad_norm,
-            solver.accumulate,
-        )  # fmt: skip
-
-
-def micro_batches(images: list, targets: list, k: int) -> list[tuple[list, list]]:
-    """``images`` and ``targets`` in ``k`` consecutive parts as equal as possible (fewer when the
-    batch has fewer than ``k`` images, as an epoch's last batch may)."""
-    n = len(images)
-    parts = max(1, min(k, n))
-    bounds = [n * j // parts for j in range(parts + 1)]
-    return [(images[a:b], targets[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 class Trainer:
@@ -236,6 +200,8 @@ class Trainer:
         self.on_eval = on_eval
         self.progress = progress
         self.window = LogWindow()
+        self.peaks = memory.WindowPeak(device)
+        self.largest_peak_mb: float | None = None  # of this process's records, for memory.json
         self.skipped_steps = 0
         self.train_time = 0.0
         self.train_images = 0
@@ -250,65 +216,36 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self, images: list[torch.Tensor], targets: list[dict], iteration: int) -> dict:
-        """Forward, non-finite guard, backward, clip, optimizer and scheduler step; with
-        ``accumulate`` > 1 the batch goes through in micro-batches first (see _accumulated_step)."""
-        solver = self.options
-        if solver.accumulate > 1:
-            return self._accumulated_step(images, targets, iteration)
-        # DropIT strategies that draw are seeded from (iteration, rank, layer): a resumed run
-        # draws exactly what the uninterrupted one did
-        set_step(self.model, iteration, get_rank())
-        with autocast(solver.amp, self.device):
-            loss_dict = self.model(images, targets)
-        total = sum(loss_dict.values())
-        # One small all-reduce per step: every rank must agree on skipping/stopping or DDP hangs.
-        logged = reduce_losses(loss_dict)
-        logged = {"loss": sum(logged.values()), **logged}
-        self.optimizer.zero_grad(set_to_none=True)
-        self.last_lr = self.optimizer.param_groups[0]["lr"]  # the lr this iteration uses
-        if not self._finite_or_skip(logged, iteration):
-            return logged
-        self._backward(total)
-        self._optimizer_step()
-        return logged
-
-    def _accumulated_step(self, images: list, targets: list, iteration: int) -> dict:
-        """One optimizer step from ``accumulate`` micro-batches, each forward and backward in
-        turn, so that only one micro-batch's activations are alive at a time.
-
-        Each micro-batch's loss is weighted by its share of the batch's images: the gradients
-        add up to those of the whole batch when the losses are means over images (exact for a
-        frozen-norm model up to float summation; trainable BatchNorm sees smaller batches).
-        DDP all-reduces gradients only in the last micro-batch's backward (``no_sync`` before),
-        and the losses are all-reduced once, after the last backward, so every rank makes the
-        same number of collective calls even when an epoch's last batch is short.
-        """
-        solver = self.options
-        self.optimizer.zero_grad(set_to_none=True)
+        """engine.step.training_step with the run's bookkeeping around it: the losses averaged
+        over ranks for the non-finite guard and the log, the lr this iteration used, the
+        schedule stepped whether the optimizer stepped or not."""
         self.last_lr = self.optimizer.param_groups[0]["lr"]
-        parts = micro_batches(images, targets, solver.accumulate)
-        sums: dict[str, torch.Tensor] = {}
-        for j, (imgs, tgts) in enumerate(parts):
-            # each forward its own DropIT draws, and the same ones on resume
-            set_step(self.model, (iteration - 1) * solver.accumulate + j + 1, get_rank())
-            last = j == len(parts) - 1
-            sync = contextlib.nullcontext() if last else _no_sync(self.model)
-            share = len(imgs) / len(images)
-            with sync:
-                with autocast(solver.amp, self.device):
-                    loss_dict = self.model(imgs, tgts)
-                for key, value in loss_dict.items():
-                    weighted = value.detach().float() * share
-                    sums[key] = sums[key] + weighted if key in sums else weighted
-                self._backward(sum(loss_dict.values()) * share)
-            del loss_dict
-        logged = reduce_losses(sums)
-        logged = {"loss": sum(logged.values()), **logged}
-        if not self._finite_or_skip(logged, iteration):
-            self.optimizer.zero_grad(set_to_none=True)  # the gradients of the NaN micro-batch
-            return logged
-        self._optimizer_step()
+        logged: dict[str, float] = {}
+
+        def proceed(losses: dict[str, torch.Tensor]) -> bool:
+            # one small all-reduce per step, after the last backward: every rank must agree on
+            # skipping or stopping (or DDP hangs), and makes the same collective calls
+            reduced = reduce_losses(losses)
+            logged.update(loss=sum(reduced.values()), **reduced)
+            return self._finite_or_skip(logged, iteration)
+
+        training_step(
+            self.model, self.optimizer, self.scaler, images, targets, self.options, iteration,
+            get_rank(), self.device, proceed,
+        )  # fmt: skip
+        step_scheduler(self.scheduler)  # the lr schedule follows iterations, skipped or not
         return logged
+
+    def _step_in_window(self, images: list, targets: list, iteration: int) -> dict:
+        """One step, its peak counted in the log window's (measured on the CPU when logged)."""
+        measure = self.schedule.should_log(iteration)
+        if measure:  # PeakMeter counts the gradients as held: free them before, as step() would
+            self.optimizer.zero_grad(set_to_none=True)
+
+        def held() -> list[torch.Tensor]:
+            return memory.training_tensors(self.model, self.optimizer, images, targets)
+
+        return self.peaks.step(lambda: self.step(images, targets, iteration), held, measure)
 
     def _finite_or_skip(self, logged: dict[str, float], iteration: int) -> bool:
         """True for finite losses; else stop (FloatingPointError) or count a skipped step."""
@@ -322,31 +259,7 @@ class Trainer:
             f"warning: {nonfinite_message(iteration, logged).split(' (')[0]}; "
             f"step skipped ({self.skipped_steps} so far)"
         )
-        step_scheduler(self.scheduler)  # the lr schedule follows iterations, skipped or not
         return False
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss``, scaled when training in fp16."""
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
-
-    def _optimizer_step(self) -> None:
-        """Clip (the true gradients), step the optimizer and the schedule."""
-        solver = self.options
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if self.scaler is not None:
-            if solver.clip_grad_norm:
-                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
-                torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            if solver.clip_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, solver.clip_grad_norm)
-            self.optimizer.step()
-        step_scheduler(self.scheduler)
 
     # ---- side effects ---------------------------------------------------------------------
     def _log(self, iteration: int, bar: tqdm) -> None:
@@ -364,11 +277,14 @@ class Trainer:
             "data_time": w.data_time / w.count,
             "images_per_sec": images / w.time if w.time > 0 else 0.0,
             # of this window only: an all-time peak would show the evaluation's after the first
-            "peak_mem_mb": memory.peak_mb(self.device, reset=True),
+            # PeakMeter's peak: on CUDA over the window's steps, on the CPU its last step's
+            "peak_mem_mb": self.peaks.take_mb(),
             "skipped_steps": self.skipped_steps,
         }
         if self.buckets is not None:
             record["unbucketed_batches"] = self._count_unbucketed()
+        if record["peak_mem_mb"] is not None:
+            self.largest_peak_mb = max(self.largest_peak_mb or 0.0, record["peak_mem_mb"])
         self.writer.write(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}", refresh=False)
         self.window = LogWindow()
@@ -470,7 +386,7 @@ class Trainer:
                 t_data = time.perf_counter()
                 images = images_to_device(images, self.device)
                 targets = move_targets(targets, self.device)
-                losses = self.step(images, targets, iteration)
+                losses = self._step_in_window(images, targets, iteration)
                 t_end = time.perf_counter()
                 self.window.add(losses, t_end - t_prev, t_data - t_prev)
                 self.train_time += t_end - t_prev
@@ -482,6 +398,7 @@ class Trainer:
                     self.save(iteration)  # checkpoint first, so a crash in eval loses nothing
                 if schedule.should_eval(iteration):
                     self.run_eval(iteration)
+                    self.peaks.restart()  # evaluation's memory is not a training step's
                     self.model.train()
                 t_prev = time.perf_counter()
         except RuntimeError as err:  # the one place a train.deterministic refusal becomes a line

@@ -140,9 +140,9 @@ def build_report(
         "",
         "saved MB: activations kept for backward in one training step (memory.json "
         f"`saved_mb`). {tables.PEAK_TOTAL}: the largest of metrics.jsonl `peak_mem_mb` and "
-        "memory.json `cuda_peak_mb`, all that tensors held on rank 0's device: on a GPU "
-        "`torch.cuda.max_memory_allocated` (weights, gradients, optimizer state, activations; "
-        "not the allocator's reserve), on a CPU the process's peak resident memory. "
+        "memory.json `step_peak_total_mb`, the most bytes tensors held at once on rank 0's "
+        "device (weights, gradients, optimizer state, the batch, activations; "
+        "docs/training.md#peak-memory). "
         f"{tables.PEAK_STEP}: memory.json `step_peak_mb`, the measured step's peak above what "
         "was held when it began, as the benches measure a step's peak. images/s: median over "
         "metrics.jsonl train records, all processes. Ratios are run / baseline.",

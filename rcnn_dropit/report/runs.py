@@ -200,9 +200,9 @@ def load_run(path: str | Path) -> Run:
             notes.append(str(err))
         else:
             memory = loaded if isinstance(loaded, dict) else {}
-    cuda_peak = _number(memory.get("cuda_peak_mb"))
-    if cuda_peak is not None and cuda_peak > 0:
-        peaks.append(cuda_peak)
+    step_peak = _number(memory.get("step_peak_total_mb"))
+    if step_peak is not None and step_peak > 0:
+        peaks.append(step_peak)
     # The median ignores warm-up and evaluation stalls; memory.json's one-step figure is a fallback.
     ips = statistics.median(speeds) if speeds else _number(memory.get("images_per_sec"))
 

@@ -10,18 +10,7 @@ import torch
 from torch import nn
 
 from dropit_core import memory, timing, to_dropit
-from dropit_core.memory import (
-    MB,
-    PeakMeter,
-    allocated_mb,
-    measure_step,
-    peak_mb,
-    peak_rss_mb,
-    reset_peak,
-    reset_peak_rss,
-    rss_mb,
-    saved_activations,
-)
+from dropit_core.memory import MB, PeakMeter, measure_step, saved_activations
 from dropit_core.timing import timed, timed_rounds
 
 X_SHAPE = (2, 3, 6, 6)  # conv1 input: 216 elements
@@ -131,14 +120,34 @@ def test_int8_cache_storage_matches_the_formula() -> None:
     assert report.total_bytes == conv1 + math.ceil(N2 / 8) + conv2
 
 
-def test_process_memory_helpers() -> None:
-    now = rss_mb()
-    assert now is not None and now > 1.0
-    if reset_peak_rss():
-        peak = peak_rss_mb()
-        assert peak is not None and peak >= now * 0.5
-    # a CPU device reads the process's own counters
-    assert allocated_mb("cpu") == pytest.approx(rss_mb(), abs=50.0)
+def test_peak_meter_on_the_cpu_counts_tensor_bytes_exactly() -> None:
+    held = torch.ones(2**20)  # 4 MiB alive at the start
+
+    def call() -> torch.Tensor:
+        big = torch.ones(2 * 2**20)  # +8 MiB: 12 MiB at once
+        del big
+        small = torch.ones(2**19)  # +2 MiB after the big one is gone
+        meter.mark()
+        return small
+
+    meter = PeakMeter("cpu", lambda: [held, held[:10]])  # a view counts its storage once
+    out = meter.measure(call)
+    assert out.numel() == 2**19 and meter.source == "cpu"
+    assert meter.start_bytes == 4 * 2**20
+    assert meter.peak_bytes == 12 * 2**20  # exact: the heap malloc keeps does not count
+    assert meter.marks == [(6 * 2**20, 12 * 2**20)]  # alive at the mark, and the peak so far
+
+
+def test_training_tensors_are_the_weights_gradients_state_and_batch() -> None:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _linear_loss(model, 3).backward()
+    optimizer.step()
+    batch = [torch.zeros(3), {"boxes": torch.zeros(5), "id": 7}]
+    held = memory.training_tensors(model, optimizer, batch)
+    # weight and bias, their gradients, their momentum buffers, two batch tensors
+    assert len(held) == 2 + 2 + 2 + 2
+    assert memory.storage_bytes(held) == 3 * (8 + 2) * 4 + (3 + 5) * 4
 
 
 def _clock(monkeypatch, durations: list[float]) -> None:
@@ -177,24 +186,29 @@ def _fake_cuda(monkeypatch) -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize("device", [torch.device("cpu"), "cpu"])
-def test_memory_helpers_leave_the_allocator_alone_for_a_cpu_device_on_a_gpu_node(
+def test_the_meters_leave_the_allocator_alone_for_a_cpu_device_on_a_gpu_node(
     monkeypatch, device
 ) -> None:
     # A train.device=cpu run on a GPU node used to die here with "Expected a cuda device".
     calls = _fake_cuda(monkeypatch)
-    reset_peak(device)
-    assert peak_mb(device) is not None and allocated_mb(device) is not None  # RSS, on Linux
+    meter = PeakMeter(device)
+    meter.measure(lambda: meter.mark())
+    window = memory.WindowPeak(device)
+    window.step(lambda: torch.ones(10), tuple, measure=True)
+    assert window.take_mb() is not None
     assert calls == []
 
 
-def test_memory_helpers_query_the_cuda_device_they_are_given(monkeypatch) -> None:
+def test_the_meters_query_the_cuda_device_they_are_given(monkeypatch) -> None:
     calls = _fake_cuda(monkeypatch)
-    reset_peak(torch.device("cuda", 1))
-    assert peak_mb("cuda:1") == 3.0
-    assert allocated_mb(torch.device("cuda", 1)) == 2.0
-    assert peak_mb("cuda") == 3.0  # no index: the current CUDA device, as torch.cuda reads it
-    assert [name for name, _ in calls] == ["reset", "peak", "now", "peak"]
-    assert calls[0][1] == torch.device("cuda", 1) and calls[3][1] == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    meter = PeakMeter(torch.device("cuda", 1))
+    meter.measure(lambda: None)
+    assert meter.peak_bytes == 3 * MB and meter.start_bytes == 2 * MB
+    assert memory.WindowPeak("cuda").take_mb() == 3.0  # no index: the current CUDA device
+    assert [name for name, _ in calls] == ["reset", "now", "peak", "reset", "peak", "reset"]
+    assert {device for _, device in calls[:3]} == {torch.device("cuda", 1)}
+    assert calls[3][1] == torch.device("cuda")
 
 
 def test_timed_rounds_alternates_and_drops_the_warmup_rounds(monkeypatch) -> None:
@@ -233,46 +247,45 @@ def _fake_allocator(monkeypatch) -> dict[str, float]:
     return state
 
 
-def test_peak_meter_on_cuda_is_taken_above_its_own_start(monkeypatch) -> None:
-    # Other models still hold 3000 MB: a measurement's figures must not include them.
+def test_peak_meter_on_cuda_reads_the_allocator_from_its_own_start(monkeypatch) -> None:
+    # Other models still hold 3000 MB: they are the start; an earlier, larger peak is forgotten.
     state = _fake_allocator(monkeypatch)
-    state.update(allocated=3000.0, peak=5000.0)  # an earlier, larger peak is forgotten too
+    state.update(allocated=3000.0, peak=5000.0)
+
+    def call() -> None:
+        state.update(allocated=3400.0, peak=3700.0)  # after the forward
+        meter.mark()
+        state.update(allocated=3100.0, peak=3900.0)  # after the backward
+
     meter = PeakMeter(torch.device("cuda", 0))
-    meter.begin()
-    assert meter.cuda and meter.start == 3000.0
-    state.update(allocated=3400.0, peak=3700.0)  # after the forward
-    assert meter.now() == 400.0 and meter.peak() == 700.0
-    state.update(allocated=3100.0, peak=3900.0)  # after the backward
-    assert meter.peak() == 900.0
+    meter.measure(call)
+    assert meter.cuda and meter.source == "cuda" and meter.start_bytes == 3000 * MB
+    assert meter.marks == [(3400 * MB, 3700 * MB)] and meter.peak_bytes == 3900 * MB
 
 
-def test_peak_meter_on_the_cpu_reads_rss_on_a_gpu_node(monkeypatch) -> None:
+def test_peak_meter_on_the_cpu_ignores_the_allocator_on_a_gpu_node(monkeypatch) -> None:
     state = _fake_allocator(monkeypatch)
     state.update(allocated=3000.0, peak=5000.0)
     meter = PeakMeter("cpu")
-    meter.begin()
-    assert not meter.cuda and meter.start == pytest.approx(rss_mb(), abs=50.0)
-    assert meter.start < 3000.0  # RSS of this test process, not the fake allocator's count
+    meter.measure(lambda: torch.ones(256))
+    assert not meter.cuda and meter.start_bytes == 0 and meter.peak_bytes == 1024
 
 
-def test_peak_window_is_read_then_reset_on_the_device(monkeypatch) -> None:
+def test_a_window_peak_is_read_then_reset_on_the_device(monkeypatch) -> None:
     state = _fake_allocator(monkeypatch)
     state.update(allocated=1.0, peak=3.0)
-    device = torch.device("cuda", 1)
-    assert peak_mb(device, reset=True) == 3.0
-    assert peak_mb(device) == 1.0  # the new window starts at what is allocated
-    assert allocated_mb(device) == 1.0
+    window = memory.WindowPeak(torch.device("cuda", 1))  # a new window starts at the allocation
     state.update(peak=2.0)
-    reset_peak(device)
-    assert peak_mb(device) == 1.0
-    # a CPU device reads the process's own peak and resident memory, never the allocator's
-    monkeypatch.setattr(memory, "peak_rss_mb", lambda: 700.0)
-    monkeypatch.setattr(memory, "rss_mb", lambda: 600.0)
-    resets = []
-    monkeypatch.setattr(memory, "reset_peak_rss", lambda: resets.append("rss") or True)
-    state.update(peak=2.5)
-    assert peak_mb("cpu", reset=True) == 700.0 and allocated_mb("cpu") == 600.0
-    assert resets == ["rss"] and state["peak"] == 2.5  # the allocator's window left alone
+    assert window.take_mb() == 2.0
+    assert window.take_mb() == 1.0
+    # a CPU window counts only the steps it measured, each as PeakMeter counts it
+    cpu = memory.WindowPeak("cpu")
+    cpu.step(lambda: torch.ones(2**20), tuple, measure=False)
+    assert cpu.take_mb() is None
+    for n in (2**18, 2**20, 2**19):
+        cpu.step(lambda n=n: torch.ones(n), tuple, measure=True)
+    assert cpu.take_mb() == 4.0 and cpu.take_mb() is None
+    assert state["peak"] == 1.0  # the allocator's window left alone by the CPU's
 
 
 def _linear_loss(model: nn.Module, rows: int) -> torch.Tensor:
@@ -329,8 +342,12 @@ def test_measure_step_over_micro_batches_knows_no_forward_peak(monkeypatch) -> N
         measure_step(model, [], "cpu")
 
 
-def test_measure_step_on_the_cpu_reads_the_process_memory() -> None:
+def test_measure_step_on_the_cpu_counts_the_step_tensors() -> None:
     model = nn.Linear(4, 2)
-    step = measure_step(model, [lambda: _linear_loss(model, 3)], "cpu")
-    assert step.source == "rss" and step.held_at_start_mb == pytest.approx(rss_mb(), abs=50.0)
-    assert step.step_peak_mb is not None and step.live_after_forward_mb is not None
+    x = torch.randn(3, 4)
+    step = measure_step(model, [lambda: model(x).square().sum()], "cpu", batch=[x])
+    assert step.source == "cpu"
+    assert step.held_at_start_mb * MB == (8 + 2 + 12) * 4  # weights, bias, the batch
+    # alive for backward: the output (square's input); at the peak also both gradients
+    assert step.live_after_forward_mb * MB >= 3 * 2 * 4
+    assert step.step_peak_mb * MB >= (8 + 2) * 4 and step.peak_phase in ("forward", "backward")

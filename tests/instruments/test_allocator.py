@@ -20,8 +20,7 @@ from tests.helpers import REPO
 # after=16.0, not seen again in 45 runs of the probe alone).
 PROBE = """
 import json, torch
-from dropit_core.memory import rss_mb
-from instruments.measure.allocator import training_allocator
+from instruments.measure.allocator import rss_mb, training_allocator
 
 torch.set_num_threads(1)
 

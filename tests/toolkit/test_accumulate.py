@@ -18,7 +18,8 @@ from rcnn_dropit.checkpoint.files import load_checkpoint
 from rcnn_dropit.config import load_config
 from rcnn_dropit.distributed import DistInfo
 from rcnn_dropit.engine.runner import prepare_model, train
-from rcnn_dropit.engine.trainer import Schedule, StepOptions, Trainer, micro_batches
+from rcnn_dropit.engine.step import StepOptions, micro_batches
+from rcnn_dropit.engine.trainer import Schedule, Trainer
 from rcnn_dropit.metrics_file import NullWriter
 from rcnn_dropit.models import build_model
 from tests.helpers import MASK_CFG, MASK_DROPIT_CFG, tiny_opts, train_killed_at

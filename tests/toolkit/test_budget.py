@@ -22,12 +22,16 @@ from rcnn_dropit.data import build_train_loader
 from rcnn_dropit.distributed import DistInfo
 from rcnn_dropit.engine import budget, probe
 from rcnn_dropit.engine.budget import RankProbes, choose, fit_budget
+from rcnn_dropit.engine.optim import build_optimizer
 from rcnn_dropit.engine.probe import Probe, ProbeSteps
 from rcnn_dropit.engine.runner import train
+from rcnn_dropit.engine.step import StepOptions
+from rcnn_dropit.engine.trainer import Schedule, Trainer
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.memory_methods import METHODS, Budget, parse_budget
+from rcnn_dropit.metrics_file import NullWriter
 from rcnn_dropit.models import build_model
-from rcnn_dropit.rng import capture_rng_state
+from rcnn_dropit.rng import capture_rng_state, seed_all
 from tests.helpers import (
     FASTER_CFG,
     MASK_CFG,
@@ -309,6 +313,38 @@ def test_a_real_probe_of_a_tiny_model_measures_every_method(tiny_shapes) -> None
     between = int((quant.peak_bytes + base.peak_bytes) / 2 * 1.1)
     rows = [dataclasses.replace(r, fits=r.peak_bytes * 1.1 <= between) for r in choice.rows]
     assert choose(rows, between, 0.1, "between")[0] == "quant_4bit"
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_probe_steps_as_the_trainer_steps(tiny_shapes, accumulate: int) -> None:
+    # one step function (engine.step.training_step): same losses, gradients and weights
+    cfg, loader = cfg_and_loader(
+        tiny_shapes, f"solver.accumulate={accumulate}", "solver.clip_grad_norm=1.0"
+    )
+    batch = probe.probe_batch(cfg, loader, torch.device("cpu"))
+    options = StepOptions.from_solver(cfg.solver)
+    nets = []
+    for _ in range(2):
+        seed_all(cfg.train.seed)
+        net, _ = build_model(cfg)
+        nets.append(net.train())
+    opts = [build_optimizer(cfg.solver, net) for net in nets]
+    sched = torch.optim.lr_scheduler.LambdaLR(opts[0], lambda it: 1.0)
+    schedule = Schedule(4, 4, 1, 0, 0, 0)
+    trainer = Trainer(
+        nets[0], opts[0], sched, None, None, torch.device("cpu"), options, schedule,
+        NullWriter(), progress=False,
+    )  # fmt: skip
+    seed_all(1)  # the samplers draw: both steps from the same streams
+    logged = trainer.step(batch.images, batch.targets, 1)
+    seed_all(1)
+    losses = probe.probe_step(nets[1], opts[1], None, options, batch, torch.device("cpu"), 1)
+    assert {k: v.item() for k, v in losses.items()} == {k: logged[k] for k in losses}
+    assert len(losses) == 4  # Faster R-CNN's terms
+    for (name, a), b in zip(nets[0].named_parameters(), nets[1].parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert (a.grad is None) == (b.grad is None), name
+        assert a.grad is None or torch.equal(a.grad, b.grad), name
 
 
 # ---- runs ------------------------------------------------------------------------------------
