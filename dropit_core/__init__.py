@@ -2,7 +2,7 @@
 
 ``to_dropit(model, strategy, gamma, include, exclude, strict=True, **options)`` converts the
 ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear`` and ``nn.ReLU`` modules its patterns select,
-in place (a ReLU that feeds them keeps a 1-bit mask), and returns the model;
+in place (a ReLU keeps a 1-bit mask where no plain layer keeps its output), and returns the model;
 ``dropit_record(model)`` says what it converted and ``from_dropit(model)`` undoes it. What a
 layer keeps is its strategy (``REGISTRY`` lists them with their typed options; ``python -m
 dropit_core`` prints the tables):
@@ -36,7 +36,8 @@ how DropIT runs (:mod:`dropit_core.settings`, read from the ``DROPIT_*`` environ
 Where things are (each subpackage's docstring maps its modules):
 
 - top level, the entry points: :mod:`.convert` (``to_dropit``, ``set_step``, the record),
-  :mod:`.rules` (which layers get which setting), :mod:`.recompute` (checkpointing),
+  :mod:`.rules` (which layers get which setting), :mod:`.readers` (what reads each ReLU's
+  output, so which ReLUs a mask frees: ``relu_readers``), :mod:`.recompute` (checkpointing),
   :mod:`.saved` (``compress_saved``), :mod:`.settings` (the switches), :mod:`.registry` (the
   strategy registry's types), :mod:`.memory` (what autograd keeps, peaks), :mod:`.timing` (step
   timing), :mod:`.renamed` (the module names before this layout, kept one release).
@@ -73,6 +74,7 @@ from dropit_core.detection.frozen_norm import (
 from dropit_core.detection.lean import lean_detector
 from dropit_core.formats.packed import Packed
 from dropit_core.formats.values import VALUE_FORMATS
+from dropit_core.readers import relu_readers
 from dropit_core.recompute import checkpoint_modules, is_checkpointed, uncheckpoint_modules
 from dropit_core.registry import Option, Registry
 from dropit_core.rules import PAPER_EXCLUDE, Rule, check_options, check_rules
@@ -121,6 +123,7 @@ __all__ = [
     "override_settings",
     "pack_backend",
     "register_strategy",
+    "relu_readers",
     "reset_settings",
     "saved_compression",
     "set_step",

@@ -19,7 +19,8 @@ from dropit_core.layers.functions import InputCache
 from dropit_core.layers.modules import DropITConv2d, DropITConvTranspose2d, DropITLinear, DropITReLU
 from dropit_core.layers.norm import NORM_CLASSES
 from dropit_core.layers.pooling import DropITMaxPool2d
-from dropit_core.rules import Rule, assign_layers, check_rules
+from dropit_core.readers import masks_that_free_nothing
+from dropit_core.rules import RELU_ALL, Rule, assign_layers, check_rules
 from dropit_core.saved import saved_compression
 
 M = TypeVar("M", bound=nn.Module)
@@ -37,6 +38,8 @@ _PLAIN_CLASS = {v: k for k, v in _DROPIT_CLASS.items()}
 _NORM_KINDS = frozenset(plain.__name__ for plain in NORM_CLASSES)  # as ConvertedLayer.kind
 # Layers that keep what their backward reads without a strategy's pack: how the record names it.
 _UNCACHED = {nn.ReLU: "relu-mask", nn.MaxPool2d: "pool-winner-byte"}
+# Plain layers (and their subclasses) whose backward keeps their whole input: all but the ReLU
+_KEEP_INPUT = tuple(plain for plain in _DROPIT_CLASS if plain is not nn.ReLU)
 
 
 @dataclass(frozen=True)
@@ -110,16 +113,18 @@ def to_dropit(
     gamma: float = 0.8,
     include: Sequence[str] = ("*",),
     exclude: Sequence[str] = (),
-    relu: bool = True,
+    relu: bool | str = True,
     rules: Sequence[Mapping[str, Any]] | None = None,
     norm: bool = False,
     pool: bool = False,
     strict: bool = True,
     **options: Any,
 ) -> M:
-    """Convert matching conv/linear layers to DropIT, in place; with ``relu`` also ReLUs (a 1-bit
-    mask, exact), with ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm (the input packed by a
-    strategy that keeps every element, the input gradient then approximate:
+    """Convert matching conv/linear layers to DropIT, in place; with ``relu`` also the ReLUs whose
+    1-bit mask (exact) frees their output, as no plain layer reads it
+    (:mod:`dropit_core.readers`; ``relu="all"``: every ReLU selected), with ``norm`` BatchNorm2d,
+    SyncBatchNorm and GroupNorm (the input packed by a strategy that keeps every element, the
+    input gradient then approximate:
     :mod:`dropit_core.layers.norm`), with ``pool`` MaxPool2d (one byte per output, exact).
 
     ``include``/``exclude`` are fnmatch patterns on ``named_modules()`` paths; a pattern also
@@ -155,6 +160,7 @@ def to_dropit(
     skipped = [path for path, _, _ in chosen if any(_inside(path, r) for r in regions)]
     left_plain = frozenset(skipped)
     chosen = [item for item in chosen if item[0] not in left_plain]
+    chosen = _masks_that_free(model, chosen, regions)
     caches = {id(rule): InputCache(rule.strategy, stream=rule.index or 0) for rule in checked}
     layers: list[ConvertedLayer] = []
     for path, module, rule in chosen:  # convert only once everything is validated
@@ -171,6 +177,24 @@ def to_dropit(
 
 
 _RECORD_ATTRIBUTE = "_dropit_record"
+
+
+def _masks_that_free(
+    model: nn.Module, chosen: list[tuple[str, nn.Module, Rule]], regions: list[str]
+) -> list[tuple[str, nn.Module, Rule]]:
+    """``chosen`` without the ReLUs (but of rules with ``relu="all"``) whose every call's output a
+    plain layer keeps whole: one the conversion leaves plain that keeps its input (a conv,
+    linear, norm or max-pool, or a subclass of one), or a checkpointed module (autograd keeps
+    its input)."""
+    modules = dict(model.named_modules())
+    converted = {path for path, _, _ in chosen}
+    units = frozenset(regions)
+
+    def keeps_whole(path: str) -> bool:
+        return path in units or (isinstance(modules[path], _KEEP_INPUT) and path not in converted)
+
+    idle = frozenset(masks_that_free_nothing(model, keeps_whole, units))
+    return [item for item in chosen if item[0] not in idle or item[2].relu == RELU_ALL]
 
 
 def dropit_record(model: nn.Module) -> DropITRecord:

@@ -22,6 +22,9 @@ from dropit_core.strategies.base import Strategy
 from dropit_core.strategies.catalog import build_strategy
 
 RULE_KEYS = ("include", "exclude", "strategy", "gamma", "relu", "norm", "pool", "options")
+# relu="all": every ReLU a rule selects keeps a mask, also where a plain layer keeps its output
+# (relu=True converts only those whose mask frees it: dropit_core.readers)
+RELU_ALL = "all"
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class Rule:
     exclude: tuple[str, ...]
     strategy: Strategy
     gamma: float
-    relu: bool
+    relu: bool | str  # True, False or "all" (check_options)
     options: dict[str, Any] = field(default_factory=dict)
     norm: bool = False
     pool: bool = False
@@ -48,7 +51,7 @@ class Rule:
 def check_options(
     strategy: str,
     gamma: float,
-    relu: bool = True,
+    relu: bool | str = True,
     norm: bool = False,
     pool: bool = False,
     **options: Any,
@@ -56,7 +59,12 @@ def check_options(
     """Validate what ``to_dropit`` takes besides the model and patterns; returns the built
     strategy. Needs no model, so configs call it on load."""
     built = build_strategy(strategy, gamma, **options)
-    for name, value in (("relu", relu), ("norm", norm), ("pool", pool)):
+    if not (isinstance(relu, bool) or (isinstance(relu, str) and relu == RELU_ALL)):
+        raise ValueError(
+            f"DropIT option relu={relu!r} must be true or false, or {RELU_ALL!r} (a mask on every "
+            "ReLU selected, also where a plain layer keeps its output whole)"
+        )
+    for name, value in (("norm", norm), ("pool", pool)):
         if not isinstance(value, bool):
             raise ValueError(f"DropIT option {name}={value!r} must be true or false")
     if norm and not built.every_element:
@@ -84,7 +92,7 @@ def check_rules(
     gamma: float = 0.8,
     include: Sequence[str] = ("*",),
     exclude: Sequence[str] = (),
-    relu: bool = True,
+    relu: bool | str = True,
     norm: bool = False,
     pool: bool = False,
     **options: Any,
