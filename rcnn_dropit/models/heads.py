@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-import torch
+from collections import OrderedDict
+
 from torch import nn
 
 
-class MLPHead(nn.Module):
-    """Drop-in for torchvision's TwoMLPHead (same fc6/fc7 state_dict keys) using nn.ReLU modules."""
+class MLPHead(nn.Sequential):
+    """Drop-in for torchvision's TwoMLPHead (same fc6/fc7 state_dict keys) using nn.ReLU modules:
+    flatten, fc6, relu6, fc7, relu7. A Sequential, so that DropIT reads from the structure what
+    reads each ReLU's output (relu7's: the box predictor, dropit_core.readers)."""
 
     def __init__(self, in_channels: int, representation_size: int) -> None:
-        super().__init__()
-        self.fc6 = nn.Linear(in_channels, representation_size)
-        self.relu6 = nn.ReLU()
-        self.fc7 = nn.Linear(representation_size, representation_size)
-        self.relu7 = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Flatten RoI features and apply fc6-relu-fc7-relu."""
-        x = x.flatten(start_dim=1)
-        return self.relu7(self.fc7(self.relu6(self.fc6(x))))
+        super().__init__(
+            OrderedDict(
+                flatten=nn.Flatten(start_dim=1),
+                fc6=nn.Linear(in_channels, representation_size),
+                relu6=nn.ReLU(),
+                fc7=nn.Linear(representation_size, representation_size),
+                relu7=nn.ReLU(),
+            )
+        )

@@ -218,6 +218,15 @@ def test_paper_exclusions_fit_the_model_they_are_given():
     assert fitting_exclude(mask, custom) == tuple(custom)
 
 
+def test_with_the_paper_exclusions_the_relus_that_feed_a_plain_layer_stay_plain():
+    # a plain layer reading a ReLU's output keeps it whole: a mask there would free nothing
+    _, record = build_model(tiny_cfg(dropit={"enabled": True, "strategy": "quant"}))
+    relus = {r.path for r in record if r.kind == "ReLU"}
+    assert {"roi_heads.box_head.relu6", "roi_heads.mask_head.0.1", "rpn.head.conv.0.1"} <= relus
+    plain = {"backbone.body.relu", "roi_heads.box_head.relu7", "roi_heads.mask_predictor.relu"}
+    assert not plain & relus  # read by the max-pool, the box predictor, mask_fcn_logits
+
+
 def test_a_dropit_pattern_of_the_config_that_matches_nothing_is_a_usage_error():
     cfg = tiny_cfg(dropit={"enabled": True, "include": ["roi_heads.box_hed.*"]})
     with pytest.raises(UsageError, match="include pattern 'roi_heads.box_hed.*' matches no module"):
