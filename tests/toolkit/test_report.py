@@ -28,7 +28,7 @@ def make_run(
     bbox: dict | None = None,
     segm: dict | None = None,
     saved_mb: float = 1000.0,
-    cuda_peak_mb: float | None = 3000.0,
+    step_peak_total_mb: float | None = 3000.0,
     step_peak_mb: float | None = 1500.0,
     amp: str = "fp16",
     speeds: tuple[float, ...] = (10.0, 12.0, 11.0),
@@ -65,7 +65,7 @@ def make_run(
         lines.append(json.dumps(record))
     lines.append(json.dumps({"type": "eval", "iter": iters, "bbox": evaluation["bbox"]}))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n" + metrics_tail)
-    memory = {"saved_mb": saved_mb, "by_type": {}, "cuda_peak_mb": cuda_peak_mb}
+    memory = {"saved_mb": saved_mb, "by_type": {}, "step_peak_total_mb": step_peak_total_mb}
     memory |= {"held_at_start_mb": 900.0, "step_peak_mb": step_peak_mb}
     (run / "memory.json").write_text(json.dumps(memory | {"images_per_sec": 1.0}))
     return run
@@ -92,7 +92,7 @@ def pair(tmp_path: Path) -> tuple[Path, Path]:
         bbox=BASE_BBOX | {"AP": 0.385, "AP50": 0.586},
         segm=BASE_SEGM,
         saved_mb=300.0,
-        cuda_peak_mb=2400.0,
+        step_peak_total_mb=2400.0,
         step_peak_mb=900.0,
         speeds=(8.0, 9.0, 100.0, 9.5, 1.0),
         options={"chunk": 16384, "values": "int8"},
@@ -150,7 +150,7 @@ def test_memory_and_description_tables(pair: tuple[Path, Path]) -> None:
 def test_a_memory_json_without_the_step_peak_leaves_that_cell_empty(tmp_path: Path) -> None:
     # memory.json of a run from before step_peak_mb was written, and a run on the CPU (fp32)
     old = make_run(tmp_path, "old", step_peak_mb=None)
-    cpu = make_run(tmp_path, "cpu", dropit=True, cuda_peak_mb=None, amp="none")
+    cpu = make_run(tmp_path, "cpu", dropit=True, step_peak_total_mb=None, amp="none")
     md = build_report([old, cpu])
     assert row_of(md, "Memory", "old (baseline)")[3:7] == ["3000.0", "1.00", "-", "-"]
     assert row_of(md, "Memory", "cpu")[3:7] == ["2502.0", "0.83", "1500.0", "-"]
