@@ -367,7 +367,7 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
         cells += [_cell(r.get(f"launches_per_step_{n}img"), ".0f") for n in images]
         cells += [_cell(r.get(f"syncs_per_step_{n}img"), ".1f") for n in images]
         lines.append("| " + " | ".join(cells) + " |")
-    source = {"cuda": "the CUDA allocator's", "rss": "RSS"}.get(
+    source = {"cuda": "the CUDA allocator's", "cpu": "torch's CPU allocations", "rss": "RSS"}.get(
         table["rows"][0].get("memory_source") if table["rows"] else None, "-"
     )
     lines += [

@@ -2,8 +2,9 @@
 
 Each setting (config overrides, as the accuracy study's plan writes them; a variant such as
 ``mink:0.8`` is one) is compared with the baseline in one process. Memory comes first, measured
-above each model's own starting allocation (RSS on the CPU, the CUDA caching allocator's counters
-on a GPU), and the row says whether the step's peak falls in the forward or the backward pass.
+above each model's own starting allocation (dropit_core.memory.PeakMeter: torch's CPU
+allocations, or the CUDA caching allocator's counters), and the row says whether the step's
+peak falls in the forward or the backward pass.
 Then the weight gradients: cosine and norm ratio of one step against the exact ones, and the
 bias over several draws for a setting that draws random numbers (grad_fidelity). Timings come
 last, in rounds of one step per model (baseline and every setting in turn), with the ratio of
@@ -318,7 +319,7 @@ def is_step_rows(data: Any) -> bool:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (memory ratios are RSS on the CPU, allocator on CUDA)."""
+    """The rows as a Markdown table (memory: PeakMeter's, tensors' bytes)."""
     if rows and "max_batch" in rows[0]:
         cols = [
             ("variant", "setting"),
