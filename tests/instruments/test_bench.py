@@ -224,9 +224,11 @@ def test_tiny_benchmark_under_bf16_autocast() -> None:
     base, row = rows
     assert row["amp"] == "bf16" and row["images"] == 1
     # At 64 px bf16 copies of the weights (kept by baseline and DropIT alike) outweigh the
-    # activations; the ReLU outputs still shrink to bit masks.
+    # activations; the ReLU outputs that only DropIT layers read still shrink to bit masks. The
+    # mask predictor's ReLU (about half their bytes here) stays plain: the excluded
+    # mask_fcn_logits keeps its output whole anyway, charged to the ReLU that saves it first.
     assert row["saved_ratio"] < 1.0
-    assert row["by_type_mb"]["ReLU"] < 0.2 * base["by_type_mb"]["ReLU"]
+    assert row["by_type_mb"]["ReLU"] < 0.6 * base["by_type_mb"]["ReLU"]
     assert 0.3 < row["grad_cosine"] <= 1.0
 
 
