@@ -21,6 +21,7 @@ from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.determinism import deterministic_refusal
 from rcnn_dropit.engine.step import StepOptions, training_step
 from rcnn_dropit.models.buckets import BucketedTransform
+from rcnn_dropit.models.sampling import roi_sample_counter
 from rcnn_dropit.rng import restore_rng_state, rng_preserved
 
 log = logging.getLogger(__name__)
@@ -283,11 +284,25 @@ class Trainer:
         }
         if self.buckets is not None:
             record["unbucketed_batches"] = self._count_unbucketed()
+        record.update(self._roi_samples())
         if record["peak_mem_mb"] is not None:
             self.largest_peak_mb = max(self.largest_peak_mb or 0.0, record["peak_mem_mb"])
         self.writer.write(record)
         bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}", refresh=False)
         self.window = LogWindow()
+
+    def _roi_samples(self) -> dict[str, float]:
+        """The box sampler's positive and negative RoIs per image over the window, all ranks
+        (detectron2's num_fg_samples / num_bg_samples; a collective when distributed)."""
+        counter = roi_sample_counter(self.model)
+        if counter is None:
+            return {}
+        counts = dict(zip(("fg", "bg", "images"), counter.take(), strict=True))
+        counts = {k: torch.tensor(float(v), device=self.device) for k, v in counts.items()}
+        total = {k: v.item() for k, v in reduce_dict(counts, average=False).items()}
+        if not total["images"]:
+            return {}
+        return {f"num_{k}_samples": total[k] / total["images"] for k in ("fg", "bg")}
 
     def _count_unbucketed(self) -> int:
         """All ranks' batches that no size bucket held so far (a collective when distributed:

@@ -26,6 +26,7 @@ from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models.backbone import HEAD_NORMS, build_backbone
 from rcnn_dropit.models.buckets import use_size_buckets
 from rcnn_dropit.models.heads import MLPHead
+from rcnn_dropit.models.sampling import count_roi_samples
 from rcnn_dropit.models.weights import load_state_dict_file, load_strict
 
 _ROI_SIZE = 7  # output size of torchvision's default box MultiScaleRoIAlign
@@ -74,6 +75,7 @@ def build_model(cfg: Config, sync_bn: bool = False) -> tuple[nn.Module, DropITRe
         ),
         box_score_thresh=cfg.test.score_thresh,
     )
+    count_roi_samples(model)  # num_fg_samples / num_bg_samples in metrics.jsonl
     if m.forward == "lean":  # the backbone's FPN is made lean (or not) by model.fpn
         lean_forward(model, fpn=False)
     if m.size_buckets:

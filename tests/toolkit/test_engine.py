@@ -150,6 +150,8 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, tiny_shapes) -> None:
         assert math.isfinite(r["loss"]) and r["loss"] > 0
         assert r["loss"] == pytest.approx(sum(r[k] for k in (*LOSS_KEYS, "loss_mask")))
         assert r["images_per_sec"] > 0 and r["peak_mem_mb"] > 0 and r["epoch"] == 1
+        # the box sampler's picks per image: the ground truth at least, at most 32 (tiny_opts)
+        assert r["num_fg_samples"] >= 1 and r["num_fg_samples"] + r["num_bg_samples"] <= 32
     assert records[0]["lr"] == pytest.approx(0.03 * 0.001)  # demo lr, warmup start
     evals = [r for r in read_metrics(run / "metrics.jsonl") if r["type"] == "eval"]
     assert [e["iter"] for e in evals] == [2]

@@ -20,6 +20,7 @@ from rcnn_dropit.config import config_from_dict, load_config
 from rcnn_dropit.config_schema import PAPER_EXCLUDE
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models import MLPHead, build_backbone, build_model, fitting_exclude, paper_exclude
+from rcnn_dropit.models.sampling import count_roi_samples, roi_sample_counter
 from rcnn_dropit.rng import seed_all
 from tests.helpers import REPO
 
@@ -553,3 +554,18 @@ def test_a_seed_gives_the_initial_weights_of_the_committed_runs(name: str) -> No
         digest.update(key.encode())
         digest.update(value.detach().float().numpy().tobytes())
     assert digest.hexdigest()[:12] == INITIAL_WEIGHTS_SHA1[name]
+
+
+def test_the_roi_sample_counter_counts_what_the_sampler_picks_per_image() -> None:
+    model, _ = build_model(tiny_cfg())
+    counter = roi_sample_counter(model)
+    assert counter is count_roi_samples(model)  # installed once, by build_model
+    assert counter.take() == (0, 0, 0)
+    # matched labels of two images: 3 positives and 5 negatives, then 1 and 0 (and -1: ignored)
+    labels = [torch.tensor([1, 2, 3, 0, 0, 0, 0, 0]), torch.tensor([4, -1])]
+    torch.manual_seed(0)
+    pos, neg = counter(labels)
+    assert [int(p.sum()) for p in pos] == [3, 1] and [int(n.sum()) for n in neg] == [5, 0]
+    counter(labels[:1])
+    assert counter.take() == (3 + 1 + 3, 5 + 0 + 5, 3) and counter.take() == (0, 0, 0)
+    assert roi_sample_counter(torch.nn.Module()) is None
