@@ -128,6 +128,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--image-size", type=int, default=512)
     parser.add_argument(
+        "--workload",
+        default="trained",
+        help="the batch and the RoIs its heads see (instruments/measure/workload.py): trained "
+        "(a trained detector's positives, about 90 per image at 800 px), cap (the sampler's "
+        "128 per image), untrained (random weights: the ground truth's 3); default: "
+        "%(default)s",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=5,
@@ -272,8 +280,9 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> list:
     """The settings the arguments name: --settings of the plan first, then --variants (the
     default variants when neither is given); a missing CUDA device is refused here."""
-    from instruments.measure.workload import parse_variant, plan_settings
+    from instruments.measure.workload import parse_variant, plan_settings, workload_named
 
+    workload_named(args.workload)  # a bad name fails before minutes of model building
     if args.device.startswith("cuda") and not _cuda():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
     settings = plan_settings(args.plan, args.settings) if args.settings else []
@@ -290,7 +299,7 @@ def _max_batch(args: argparse.Namespace) -> None:
         raise UsageError("--methods-json: the methods table comes from step rows, not --max-batch")
     produced = largest_batches(
         _settings(args), args.max_batch, args.batch_limit, args.scratch, args.image_size,
-        args.device, amp=args.amp, heads=args.heads,
+        args.device, amp=args.amp, heads=args.heads, workload=args.workload,
     )  # fmt: skip
     _emit(produced, args.json, markdown_table)
 
@@ -310,7 +319,7 @@ def _steps(args: argparse.Namespace) -> None:
         run_benchmark(
             settings, args.scratch, args.image_size, args.repeats, args.device,
             amp=args.amp, images=n, draws=args.draws, profile_steps=_profile_steps(args),
-            heads=args.heads,
+            heads=args.heads, workload=args.workload,
         )
         for n in images
     )  # fmt: skip
@@ -346,11 +355,13 @@ def _gpu_table(args: argparse.Namespace) -> None:
         "repeats": args.repeats, "rounds": rounds if args.repeats > 0 else None,
         "profile_steps": _profile_steps(args),
         "amp": args.amp, "image_size": args.image_size, "draws": args.draws,
+        "workload": args.workload,
     }  # fmt: skip
     header = gpu_header(_command_line(), args.device, args.quiet_machine, **run)
     produced = gpu_table(
         settings, images, budget, args.batch_limit, args.image_size, args.repeats, args.device,
         args.amp, args.draws, run["profile_steps"], args.scratch, heads=args.heads, rounds=rounds,
+        workload=args.workload,
         progress=lambda row: print("measured: " + json.dumps(row), file=sys.stderr, flush=True),
         # The step columns are written before the (long) batch search; the end rewrites the file.
         on_steps=(lambda rows: write_gpu_table(args.json, {**header, "complete": False}, rows))

@@ -28,7 +28,7 @@ import torch
 from instruments.measure.max_batch import largest_batches
 from instruments.measure.methods_table import provenance
 from instruments.measure.step_bench import run_benchmark
-from instruments.measure.workload import Setting, Variant
+from instruments.measure.workload import DEFAULT_WORKLOAD, Setting, Variant
 from rcnn_dropit.errors import UsageError
 
 # A table row's key per batch size (suffixed ``_{n}img``), and the step row's key it is from.
@@ -39,6 +39,7 @@ PER_BATCH = {
     "step_ratio_rounds": "step_ratio_rounds",
     "step_s_rounds": "step_s_rounds",
     "peak_mb": "peak_mb",
+    "positive_rois_per_image": "positive_rois_per_image",
     "peak_ratio": "peak_ratio",
     "peak_phase": "peak_phase",
     "forward_peak_mb": "peak_forward_mb",
@@ -93,6 +94,7 @@ def gpu_table(
     progress: Callable[[dict[str, Any]], None] | None = None,
     on_steps: Callable[[list[dict[str, Any]]], None] | None = None,
     rounds: int = 5,
+    workload: str = DEFAULT_WORKLOAD,
 ) -> Iterator[dict[str, Any]]:
     """One row per setting (the baseline first): step rows at each of ``images``, then the
     largest batch within ``budget_mb`` searched up to ``batch_limit`` images (``at_limit``
@@ -106,7 +108,7 @@ def gpu_table(
         rows = run_benchmark(
             settings, scratch, image_size, repeats, device, rois_per_image, backbone,
             amp=amp, images=n, draws=draws, profile_steps=profile_steps, heads=heads,
-            rounds=rounds,
+            rounds=rounds, workload=workload,
         )  # fmt: skip
         for row in rows:
             if progress:
@@ -120,7 +122,7 @@ def gpu_table(
         return
     batches = largest_batches(
         settings, budget_mb, batch_limit, scratch, image_size, device, rois_per_image, backbone,
-        amp=amp, heads=heads,
+        amp=amp, heads=heads, workload=workload,
     )  # fmt: skip
     for row in batches:
         if progress:

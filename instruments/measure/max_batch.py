@@ -17,6 +17,7 @@ from torch import nn
 
 from dropit_core.memory import MB, PeakMeter, training_tensors
 from instruments.measure.workload import (
+    DEFAULT_WORKLOAD,
     Setting,
     Variant,
     as_setting,
@@ -75,6 +76,7 @@ def _step_peak_mb(
     n: int,
     floor: float,
     accumulate: int = 1,
+    workload: str = DEFAULT_WORKLOAD,
 ) -> float | None:
     """Peak memory (MB) of one SGD-with-momentum step on n images; None when out of memory.
 
@@ -89,7 +91,7 @@ def _step_peak_mb(
     meter = PeakMeter(device, lambda: training_tensors(model, optimizer))
 
     def step() -> None:
-        train_step(model, make_batch(image_size, device, n), amp, accumulate)
+        train_step(model, make_batch(image_size, device, n, workload), amp, accumulate)
         optimizer.step()
 
     try:
@@ -166,10 +168,12 @@ def largest_batches(
     amp: str = "none",
     heads: str = "v1",
     peak_of: Callable[[nn.Module, int, float], float | None] | None = None,
+    workload: str = DEFAULT_WORKLOAD,
 ) -> Iterator[dict[str, Any]]:
     """For the baseline and each setting alone on the device: the largest batch (up to
-    ``limit`` images) whose training step (forward, backward, SGD momentum update) fits
-    ``budget_mb``. ``peak_of(model, n, floor)`` replaces the measurement (tests)."""
+    ``limit`` images of ``workload``) whose training step (forward, backward, SGD momentum
+    update) fits ``budget_mb``. ``peak_of(model, n, floor)`` replaces the measurement
+    (tests)."""
     base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone, heads)
     resolved = [(s, setting_config(base_cfg, s)) for s in map(as_setting, settings)]
     reference, resolved = split_reference(resolved, base_cfg)
@@ -178,11 +182,11 @@ def largest_batches(
 
     def measured(accumulate: int) -> Callable[[nn.Module, int, float], float | None]:
         def peak(model: nn.Module, n: int, floor: float) -> float | None:
-            return _step_peak_mb(model, image_size, dev, amp, n, floor, accumulate)
+            return _step_peak_mb(model, image_size, dev, amp, n, floor, accumulate, workload)
 
         return peak
 
-    setting = {"device": dev.type, "amp": amp, "image_size": image_size}
+    setting = {"device": dev.type, "amp": amp, "image_size": image_size, "workload": workload}
     # Each model is built on the CPU and moved to the device alone: each has it to itself.
     for s, cfg in [(reference, base_cfg), *resolved]:
         measure = peak_of or measured(cfg.solver.accumulate)

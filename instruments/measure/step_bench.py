@@ -40,6 +40,7 @@ from instruments.measure.grad_fidelity import (
 )
 from instruments.measure.rows import rows_with
 from instruments.measure.workload import (
+    DEFAULT_WORKLOAD,
     Setting,
     Variant,
     as_setting,
@@ -58,6 +59,7 @@ from instruments.measure.workload import (
 from rcnn_dropit.config import Config
 from rcnn_dropit.engine.amp import check_amp
 from rcnn_dropit.errors import UsageError
+from rcnn_dropit.models.sampling import roi_sample_counter
 
 WARMUP = 2  # training steps of a model before its memory is measured
 
@@ -80,8 +82,14 @@ def _memory(
         return loss if weight is None else loss * weight
 
     forwards = [functools.partial(forward, p, w) for p, w in zip(parts, weights, strict=True)]
-    step = measure_step(model, forwards, device)
+    counter = roi_sample_counter(model)
+    if counter is not None:
+        counter.take()  # the warm-up's
+    step = measure_step(model, forwards, device, batch)
+    positives, _negatives, images = counter.take() if counter is not None else (0, 0, 0)
     out = step.saved.as_dict()
+    # what the measured step's RoI heads had: the workload's positives, as the sampler kept them
+    out["positive_rois_per_image"] = positives / images if images else None
     # The rows' own names, which committed results files and their readers use: live_mb is
     # the memory live after the first forward, peak_mb the peak over the whole step, both
     # above the model's start (not the device's total, which memory.json's cuda_peak_mb is).
@@ -162,6 +170,7 @@ def run_benchmark(
     draws: int = 8,
     profile_steps: int = 0,
     rounds: int | None = None,
+    workload: str = DEFAULT_WORKLOAD,
 ) -> Iterator[dict[str, Any]]:
     """Measure the baseline, then each setting; yields one result dict per row as it is done.
 
@@ -174,6 +183,8 @@ def run_benchmark(
     that many alternating rounds of ``repeats`` steps per model (:func:`alternating_rounds`),
     each row's step figures the median over rounds with the rounds' ratios and their spread
     (:func:`round_summary`); None: ``repeats`` rounds of one step, the ratio of medians.
+    ``workload`` (workload.WORKLOADS) makes the batch and the RoIs its heads see; each row
+    records the positive RoIs per image its measured step had.
     """
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise UsageError(f"draws={draws!r} is invalid: allowed integers >= 1")
@@ -185,7 +196,7 @@ def run_benchmark(
     reference, resolved = split_reference(resolved, base_cfg)
     dev = torch.device(device)
     check_amp(amp)  # fail on a bad amp value early too
-    batch = make_batch(image_size, dev, images)
+    batch = make_batch(image_size, dev, images, workload)
     base = detector(base_cfg).to(dev).train()
 
     accumulate: dict[int, int] = {}  # id(model) -> its setting's micro-batches per step
@@ -208,7 +219,10 @@ def run_benchmark(
     for _ in range(WARMUP - 1):
         step(base, batch)
     base_mem = _memory(base, batch, dev, amp, base_cfg.solver.accumulate)
-    common = {"amp": amp, "device": dev.type, "images": images, "image_size": image_size}
+    common = {
+        "amp": amp, "device": dev.type, "images": images, "image_size": image_size,
+        "workload": workload,
+    }  # fmt: skip
     base_row = _row(reference, base_cfg, common, base_mem, base_mem)
     rows, models = [base_row], [base]
     if repeats <= 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,6 +218,7 @@ def detector(cfg: Config) -> nn.Module:
     says (in place: it compiles in the first, untimed, step)."""
     torch.manual_seed(0)
     model, _ = build_model(cfg)
+    model.rpn.register_forward_hook(trained_rpn)  # acts on a workload's batch that asks for it
     compile_model(model, cfg.train.compile, cfg.train.compile_backend, cfg.train.compile_mode)
     return model
 
@@ -232,23 +234,126 @@ def build_detector(
     return detector(recipe_config(scratch, image_size, rois_per_image, backbone, heads))
 
 
-def make_batch(image_size: int, device: torch.device, n_images: int = 2):
-    """Images with a few boxes and box-shaped masks, deterministic."""
+@dataclass(frozen=True)
+class Workload:
+    """What a bench step's RoI heads see: ``objects`` ground-truth objects per image and,
+    around each, ``proposals_per_object`` boxes a trained RPN would propose (jittered copies,
+    joined to the proposals as torchvision joins the ground truth). An untrained RPN proposes
+    nothing near the objects: its heads' only positives are the ground-truth boxes."""
+
+    name: str
+    objects: int
+    proposals_per_object: int
+    about: str
+
+
+# COCO train2017 holds 7.3 objects per image (860k instances in 118k images); a trained R50-FPN
+# sampler's positives per image: docs/results/memory.md's workload section cites the figures.
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload(
+            "trained",
+            7,
+            12,
+            "a trained detector's RoIs: 7 COCO-like objects per image (16 px to 0.6 of the "
+            "image, aspect 1:2 to 2:1), 12 trained-RPN proposals around each",
+        ),
+        Workload(
+            "cap",
+            7,
+            24,
+            "the sampler's cap: 7 objects per image with 24 proposals around each, more "
+            "positives than the sampler keeps (box_batch_size_per_image x 0.25 = 128)",
+        ),
+        Workload(
+            "untrained",
+            3,
+            0,
+            "an untrained detector (random weights, the RPN's proposals nowhere near): 3 fixed "
+            "boxes per image, whose ground truth is the heads' only positives",
+        ),
+    )
+}
+DEFAULT_WORKLOAD = "trained"
+
+
+def workload_named(name: str) -> Workload:
+    """The workload called ``name``; a UsageError naming the choices otherwise."""
+    if name not in WORKLOADS:
+        raise UsageError(f"workload '{name}' is not one of {', '.join(WORKLOADS)}")
+    return WORKLOADS[name]
+
+
+# The untrained workload's objects, relative to the image side (the first benches' batch).
+UNTRAINED_BOXES = torch.tensor(
+    [[0.1, 0.12, 0.4, 0.43], [0.5, 0.2, 0.8, 0.75], [0.06, 0.6, 0.35, 0.94]]
+)
+
+# A trained RPN's proposal around an object: centre and size jittered by this fraction (one
+# standard deviation); most keep an IoU above 0.5 with their object, the sampler's positives.
+JITTER = 0.08
+
+
+def make_batch(
+    image_size: int, device: torch.device, n_images: int = 2, workload: str = DEFAULT_WORKLOAD
+):
+    """Images with ``workload``'s objects (boxes, box-shaped masks, labels), deterministic; each
+    target carries ``rpn_jitter`` for :func:`trained_rpn` when the workload proposes around
+    its objects."""
+    w = workload_named(workload)
     gen = torch.Generator().manual_seed(0)
     images, targets = [], []
     s = image_size
-    boxes = torch.tensor([[0.1, 0.12, 0.4, 0.43], [0.5, 0.2, 0.8, 0.75], [0.06, 0.6, 0.35, 0.94]])
     for _ in range(n_images):
         images.append(torch.rand(3, s, s, generator=gen).to(device))
-        b = (boxes * s).round()
+        if w.proposals_per_object == 0:  # the first benches' three boxes, as they were
+            rel = torch.tensor(
+                [[0.1, 0.12, 0.4, 0.43], [0.5, 0.2, 0.8, 0.75], [0.06, 0.6, 0.35, 0.94]]
+            )
+            b = (rel * s).round()
+            labels = torch.tensor([1, 2, 3])
+        else:
+            side = torch.empty(w.objects).uniform_(math.log(16), math.log(0.6 * s), generator=gen)
+            aspect = torch.empty(w.objects).uniform_(-0.7, 0.7, generator=gen).exp()
+            bw = (side.exp() * aspect).clamp(max=s - 2)
+            bh = (side.exp() / aspect).clamp(max=s - 2)
+            x0 = torch.rand(w.objects, generator=gen) * (s - 1 - bw)
+            y0 = torch.rand(w.objects, generator=gen) * (s - 1 - bh)
+            b = torch.stack([x0, y0, x0 + bw, y0 + bh], 1).round()
+            labels = torch.randint(1, RECIPE_CLASSES, (w.objects,), generator=gen)
         masks = torch.zeros(len(b), s, s, dtype=torch.uint8)
         for j, (x0, y0, x1, y1) in enumerate(b.int().tolist()):
             masks[j, y0:y1, x0:x1] = 1
-        targets.append(
-            {"boxes": b.to(device), "labels": torch.tensor([1, 2, 3], device=device),
-             "masks": masks.to(device)}
-        )  # fmt: skip
+        target = {"boxes": b.to(device), "labels": labels.to(device), "masks": masks.to(device)}
+        if w.proposals_per_object:
+            shape = (len(b), w.proposals_per_object, 4)
+            target["rpn_jitter"] = (torch.randn(shape, generator=gen) * JITTER).to(device)
+        targets.append(target)
     return images, targets
+
+
+def trained_rpn(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
+    """A forward hook on a torchvision RPN: in training, joins to each image's proposals the
+    boxes its target's ``rpn_jitter`` makes around its objects (centre moved and size scaled by
+    the jitter, in the boxes' own resized coordinates), as a trained RPN proposes them."""
+    if not module.training or len(args) < 3 or not args[2]:
+        return None
+    images, _features, targets = args[:3]
+    if "rpn_jitter" not in targets[0]:
+        return None
+    proposals, losses = output
+    joined = []
+    for boxes, target, (h, w) in zip(proposals, targets, images.image_sizes, strict=True):
+        gt, jitter = target["boxes"], target["rpn_jitter"].to(target["boxes"].dtype)
+        size = (gt[:, 2:] - gt[:, :2])[:, None]
+        centre = (gt[:, :2] + gt[:, 2:])[:, None] / 2 + jitter[..., :2] * size
+        half = size * jitter[..., 2:].exp() / 2
+        around = torch.cat([centre - half, centre + half], -1).reshape(-1, 4)
+        limit = around.new_tensor([w, h, w, h])
+        around = torch.minimum(around.clamp(min=0), limit)
+        joined.append(torch.cat([boxes, around.to(boxes.dtype)]))
+    return joined, losses
 
 
 def step_loss(model: nn.Module, batch, amp: str = "none") -> torch.Tensor:

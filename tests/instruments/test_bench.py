@@ -18,11 +18,13 @@ from instruments.measure.workload import (
     Variant,
     build_detector,
     detector,
+    make_batch,
     parse_variant,
     recipe_config,
     setting_config,
 )
 from rcnn_dropit.config import load_config
+from rcnn_dropit.errors import UsageError
 from tests.helpers import REPO
 
 
@@ -133,7 +135,7 @@ def test_a_rows_memory_columns_are_the_step_measurement_under_the_rows_names(mon
     step = StepMemory("cuda", 3000.0, 400.0, 700.0, 900.0, SavedReport(total_bytes=2 * 1024**2))
     calls = []
 
-    def measured(model, forwards, device):
+    def measured(model, forwards, device, batch):
         calls.append((len(forwards), device))
         return step
 
@@ -145,6 +147,7 @@ def test_a_rows_memory_columns_are_the_step_measurement_under_the_rows_names(mon
         "converted_mb": 0.0,
         "unconverted_mb": 0.0,
         "norm_mb": 0.0,
+        "positive_rois_per_image": None,  # a model without a box sampler
         "memory_source": "cuda",
         "live_mb": 400.0,
         "peak_mb": 900.0,
@@ -416,3 +419,29 @@ def test_memory_only_rows_make_a_table_of_megabytes() -> None:
         "| baseline | 221.6 | 221.7 | 251.8 | 479.2 | backward | 1.000 | 1.000 | rss |"
     )
     assert not is_step_rows([{"variant": "baseline", "saved_mb": 1.0}])  # nothing measured
+
+
+def test_the_untrained_workload_is_the_first_benches_batch() -> None:
+    images, targets = make_batch(64, torch.device("cpu"), 2, "untrained")
+    gen = torch.Generator().manual_seed(0)
+    for image, target in zip(images, targets, strict=True):
+        assert torch.equal(image, torch.rand(3, 64, 64, generator=gen))
+        assert target["labels"].tolist() == [1, 2, 3] and "rpn_jitter" not in target
+    assert targets[0]["boxes"][0].tolist() == [6.0, 8.0, 26.0, 28.0]
+
+
+@pytest.mark.usefixtures("narrow_bench")
+def test_a_workloads_positive_rois_are_counted_in_the_measured_step() -> None:
+    # 512 RoIs per image, as the recipe: the sampler keeps at most 128 positives (0.25)
+    model = build_detector(False, 64, 512, "resnet18").train()
+    positives = {}
+    for name in ("untrained", "trained", "cap"):
+        batch = make_batch(64, torch.device("cpu"), 2, name)
+        positives[name] = step_bench._memory(model, batch, torch.device("cpu"))[
+            "positive_rois_per_image"
+        ]
+    # at 64 px an untrained RPN's proposals hit the three large boxes too, but a trained
+    # one's around 7 objects give many more, and the cap workload fills the sampler
+    assert 3 <= positives["untrained"] < 40 < positives["trained"] < 128 == positives["cap"]
+    with pytest.raises(UsageError, match="workload 'trainde' is not one of trained, cap"):
+        make_batch(64, torch.device("cpu"), 2, "trainde")
