@@ -11,9 +11,15 @@ says, for each of its children, which of its children (or ``OUTPUT``: whoever re
 own output) read that child's output, once per call of the child (torchvision's ResNet blocks
 call one ReLU module two or three times), and which read the module's input (``INPUT``). An
 ``nn.Sequential`` (and every subclass that keeps its forward) runs its children in order, each
-reading the one before. Other modules' forwards are code: the flows of torchvision's detection
-modules are written in :data:`FLOWS`, by the name of the class whose ``forward`` runs. A module
-with no flow there says nothing, and what its children's outputs feed is unknown.
+reading the one before. Other modules' forwards are code: the flows of torchvision's ResNets and
+detection modules (and of the lean forwards of :mod:`dropit_core.detection`) are written in
+:data:`FLOWS`, by the name of the class whose ``forward`` runs. A module with no flow there says
+nothing, and what its children's outputs feed is unknown.
+
+:func:`masks_that_free_nothing` names the ReLUs to leave plain: those whose every call's output
+has a reader that keeps it whole. One call whose readers keep compressed copies is enough to
+convert a ReLU, and so is one whose readers are unknown: a needless mask costs 1 bit an element,
+a needlessly whole output 32 (fp32).
 """
 
 from __future__ import annotations
