@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dropit_core import REGISTRY, STRATEGIES, build_strategy, dropped_values, to_dropit
-from dropit_core.memory import allocated_mb
 from rcnn_dropit.metrics_file import read_metrics
 from tests.helpers import MASK_DROPIT_CFG, TRAIN_PY, job_env, single_node, tiny_opts, torchrun
 
@@ -221,10 +220,10 @@ def test_autocast_forward_is_bit_identical_and_gradients_finite(amp: torch.dtype
 def _live_after_forward_mb(model: nn.Module, x: torch.Tensor) -> float:
     """CUDA memory the forward leaves for the backward (the graph's saved tensors)."""
     torch.cuda.synchronize()
-    before = allocated_mb(CUDA)
+    before = torch.cuda.memory_allocated(CUDA)
     out = model(x)
     torch.cuda.synchronize()
-    live = allocated_mb(CUDA) - before
+    live = (torch.cuda.memory_allocated(CUDA) - before) / 2**20
     out.sum().backward()
     return live
 
