@@ -14,6 +14,8 @@ import datetime
 import json
 import os
 import platform
+import shlex
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,10 +53,14 @@ METHOD_KEYS: dict[str, str] = {
     "images": "images",
     "image_size": "image_size",
     "memory_source": "memory_source",
+    "workload": "workload",
+    "positive_rois_per_image": "positive_rois_per_image",
 }
 PROVENANCE_KEYS = ("command", "commit", "machine", "threads", "quiet", "date")
 # Keys added after records were first committed: a record made before lacks them (read as None).
-LATER_KEYS = ("norm_mb", "forward_peak_mb", "working_set_mb")
+LATER_KEYS = (
+    "norm_mb", "forward_peak_mb", "working_set_mb", "workload", "positive_rois_per_image"
+)  # fmt: skip
 BLOCK = "methods-bench"  # the default block's name; others hold tables of other runs (bf16)
 
 
@@ -77,6 +83,7 @@ _COLUMNS: tuple[tuple[str, str, int | None], ...] = (
     ("live_ratio", "live", 3),
     ("peak_ratio", "peak", 3),
     ("peak_phase", "peak in", None),
+    ("positive_rois_per_image", "positive RoIs / image", 1),
     ("forward_peak_mb", "forward peak MB", 0),
     ("working_set_mb", "of it freed in the forward MB", 0),
     ("step_ratio", "step time", 2),
@@ -110,6 +117,14 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def command_line() -> str:
+    """This process's command as typed from the checkout (``python tools/NAME.py ...``)."""
+    script = sys.argv[0]
+    if os.path.isabs(script) and Path(script).is_relative_to(Path.cwd()):
+        script = os.path.relpath(script)
+    return shlex.join(["python", script, *sys.argv[1:]])
 
 
 def provenance(command: str, quiet: bool, device: str = "cpu") -> dict[str, Any]:
@@ -206,7 +221,8 @@ def methods_markdown(records: Sequence[Mapping[str, Any]]) -> str:
                 f"; {base['images']} images of {base['image_size']} px on {base['device']}"
                 f" (amp {base['amp']}), baseline saved {_cell(base['saved_mb'], 1)} MB, live "
                 f"{_cell(base['live_mb'], 0)} MB, peak {_cell(base['peak_mb'], 0)} MB "
-                f"({base['memory_source']}), step {_cell(base['step_s'], 2)} s"
+                f"({base['memory_source']}), step {_cell(base['step_s'], 2)} s; "
+                f"{_workload(base)}"
             )
         lines.append(
             f"Measured {run['date']} by `{run['command']}` at commit `{run['commit']}`; "
@@ -214,6 +230,15 @@ def methods_markdown(records: Sequence[Mapping[str, Any]]) -> str:
             f"{'quiet' if run['quiet'] else 'NOT quiet (other jobs ran beside it)'}{setup}."
         )
     return "\n".join(lines)
+
+
+def _workload(base: Mapping[str, Any]) -> str:
+    """The workload a run measured, in words (records from before workloads had names were an
+    untrained detector's: random weights, 3 positive RoIs per image)."""
+    name = base.get("workload")
+    if name is None:
+        return "workload untrained (random weights; recorded before the workloads had names)"
+    return f"workload {name}, {_cell(base.get('positive_rois_per_image'), 1)} positive RoIs/image"
 
 
 # What each method is, in a few words, for the README's one line per method (settings the

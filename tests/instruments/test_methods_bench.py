@@ -363,7 +363,8 @@ def test_methods_markdown_rows_and_the_run_behind_them() -> None:
     assert lines[5] == (
         "Measured 2026-11-24 by `python tools/bench.py --settings x` at commit `0123abcd`; "
         "a CPU; torch threads: 2; machine quiet; 2 images of 512 px on cpu (amp none), "
-        "baseline saved 436.6 MB, live 437 MB, peak 577 MB (rss), step 3.77 s."
+        "baseline saved 436.6 MB, live 437 MB, peak 577 MB (rss), step 3.77 s; workload "
+        "untrained (random weights; recorded before the workloads had names)."
     )
 
 
