@@ -216,6 +216,11 @@ class TrainConfig:
     # A method fits when its measured peak times (1 + margin) is within the budget: what the
     # allocator's fragmentation and the CUDA context take beyond the tensors' own bytes
     memory_margin: float = _f(0.1, ge=0.0, lt=1.0)
+    # The positive RoIs per image the probe's RoI heads see: the run's first batch comes from an
+    # untrained RPN (only its ground truth is positive), a trained one fills the sampler, so the
+    # probe proposes around each object until this many are positive (as a trained RPN does).
+    # None: the sampler's cap, a quarter of model.box_batch_size_per_image; 0: the first batch's.
+    memory_probe_positives: int | None = _f(None, ge=0)
 
 
 @dataclass

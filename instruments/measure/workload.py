@@ -31,6 +31,7 @@ from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.compiling import compile_model
 from rcnn_dropit.errors import UsageError
 from rcnn_dropit.models import build_model
+from rcnn_dropit.models.sampling import join_proposals_around, propose_around
 
 RECIPE_CLASSES = 81  # configs/maskrcnn_baseline.yaml: COCO's 80 and the background
 # The model keys a setting may change: the others would make a different model, not another
@@ -218,7 +219,7 @@ def detector(cfg: Config) -> nn.Module:
     says (in place: it compiles in the first, untimed, step)."""
     torch.manual_seed(0)
     model, _ = build_model(cfg)
-    model.rpn.register_forward_hook(trained_rpn)  # acts on a workload's batch that asks for it
+    model.rpn.register_forward_hook(join_proposals_around)  # for a workload that proposes
     compile_model(model, cfg.train.compile, cfg.train.compile_backend, cfg.train.compile_mode)
     return model
 
@@ -290,17 +291,13 @@ UNTRAINED_BOXES = torch.tensor(
     [[0.1, 0.12, 0.4, 0.43], [0.5, 0.2, 0.8, 0.75], [0.06, 0.6, 0.35, 0.94]]
 )
 
-# A trained RPN's proposal around an object: centre and size jittered by this fraction (one
-# standard deviation); most keep an IoU above 0.5 with their object, the sampler's positives.
-JITTER = 0.08
-
 
 def make_batch(
     image_size: int, device: torch.device, n_images: int = 2, workload: str = DEFAULT_WORKLOAD
 ):
     """Images with ``workload``'s objects (boxes, box-shaped masks, labels), deterministic; each
-    target carries ``rpn_jitter`` for :func:`trained_rpn` when the workload proposes around
-    its objects."""
+    target carries ``rpn_jitter`` (rcnn_dropit.models.sampling) when the workload proposes
+    around its objects."""
     w = workload_named(workload)
     gen = torch.Generator().manual_seed(0)
     images, targets = [], []
@@ -326,34 +323,10 @@ def make_batch(
         for j, (x0, y0, x1, y1) in enumerate(b.int().tolist()):
             masks[j, y0:y1, x0:x1] = 1
         target = {"boxes": b.to(device), "labels": labels.to(device), "masks": masks.to(device)}
-        if w.proposals_per_object:
-            shape = (len(b), w.proposals_per_object, 4)
-            target["rpn_jitter"] = (torch.randn(shape, generator=gen) * JITTER).to(device)
         targets.append(target)
+    if w.proposals_per_object:
+        targets = propose_around(targets, w.proposals_per_object, gen)
     return images, targets
-
-
-def trained_rpn(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
-    """A forward hook on a torchvision RPN: in training, joins to each image's proposals the
-    boxes its target's ``rpn_jitter`` makes around its objects (centre moved and size scaled by
-    the jitter, in the boxes' own resized coordinates), as a trained RPN proposes them."""
-    if not module.training or len(args) < 3 or not args[2]:
-        return None
-    images, _features, targets = args[:3]
-    if "rpn_jitter" not in targets[0]:
-        return None
-    proposals, losses = output
-    joined = []
-    for boxes, target, (h, w) in zip(proposals, targets, images.image_sizes, strict=True):
-        gt, jitter = target["boxes"], target["rpn_jitter"].to(target["boxes"].dtype)
-        size = (gt[:, 2:] - gt[:, :2])[:, None]
-        centre = (gt[:, :2] + gt[:, 2:])[:, None] / 2 + jitter[..., :2] * size
-        half = size * jitter[..., 2:].exp() / 2
-        around = torch.cat([centre - half, centre + half], -1).reshape(-1, 4)
-        limit = around.new_tensor([w, h, w, h])
-        around = torch.minimum(around.clamp(min=0), limit)
-        joined.append(torch.cat([boxes, around.to(boxes.dtype)]))
-    return joined, losses
 
 
 def step_loss(model: nn.Module, batch, amp: str = "none") -> torch.Tensor:

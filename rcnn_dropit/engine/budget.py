@@ -68,6 +68,7 @@ class Row:
     exact: bool
     fits: bool
     note: str = ""
+    positives: float | None = None  # positive RoIs per image in the measured step (fewest)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Choice:
                     "exact": r.exact,
                     "fits": r.fits,
                     "note": r.note,
+                    "positive_rois_per_image": r.positives,
                 }
                 for r in self.rows
             ],
@@ -145,7 +147,10 @@ def combine(reports: list[RankProbes], margin: float, cfg: Config) -> tuple[int,
         peak = max(p.peak_bytes for p in probes)
         step = max(p.step_s for p in probes)
         spread = max(p.spread for p in probes)
-        rows.append(Row(first.method, peak, step, spread, exact, peak * (1 + margin) <= budget))
+        fits = peak * (1 + margin) <= budget
+        counted = [p.positives for p in probes if p.positives is not None]
+        positives = min(counted) if counted else None
+        rows.append(Row(first.method, peak, step, spread, exact, fits, positives=positives))
     return budget, rows
 
 
@@ -189,7 +194,8 @@ def format_table(choice: Choice) -> str:
         f"memory budget {format_bytes(choice.budget_bytes)} per process "
         f"(train.memory_budget={choice.budget}); a method fits when its peak + "
         f"{choice.margin:.0%} does; measured on {choice.device} with "
-        f"{len(choice.image_sizes)} image(s) of {shown} px per process in {choice.probe_s:.1f} s:",
+        f"{len(choice.image_sizes)} image(s) of {shown} px per process{_positives(choice)} in "
+        f"{choice.probe_s:.1f} s:",
         f"  {'method':<30} {'exact':<5} {'peak':>11} {'step':>9}  fits",
     ]
     for r in choice.rows:
@@ -201,6 +207,29 @@ def format_table(choice: Choice) -> str:
         lines.append(f"  {r.method:<30} {exact:<5} {peak:>11} {step:>9}  {fits}{mark}")
     lines.append(f"training with {choice.method}: {choice.reason}")
     return "\n".join(lines)
+
+
+def out_of_memory_message(choice: Choice, device: torch.device) -> str:
+    """What to say when a run whose method a budget chose runs out of memory: the budget, the
+    probed peak and the peak the failing step reached."""
+    row = next(r for r in choice.rows if r.method == choice.method)
+    probed = format_bytes(row.peak_bytes) if row.peak_bytes is not None else "-"
+    reached = ""
+    if device.type == "cuda":
+        reached = f"; this step had reached {format_bytes(torch.cuda.max_memory_allocated(device))}"
+    return (
+        f"out of memory while training with {choice.method}, which train.memory_budget="
+        f"{choice.budget} chose from a probed peak of {probed} (+{choice.margin:.0%} margin, "
+        f"{_positives(choice).lstrip(', ') or 'positives not counted'}){reached}: the run's "
+        "steps outgrew the probe's; raise train.memory_margin or train.memory_probe_positives, "
+        "or lower the budget"
+    )
+
+
+def _positives(choice: Choice) -> str:
+    """The positive RoIs per image the probe's heads had, in words (a trained detector's)."""
+    counted = [r.positives for r in choice.rows if r.positives is not None]
+    return f", {min(counted):.0f} positive RoIs each" if counted else ""
 
 
 def _probe_here(

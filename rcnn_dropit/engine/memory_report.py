@@ -14,6 +14,7 @@ from rcnn_dropit.engine.amp import autocast
 from rcnn_dropit.engine.data_position import epoch_batches
 from rcnn_dropit.engine.step import micro_batches
 from rcnn_dropit.engine.trainer import move_targets
+from rcnn_dropit.models.sampling import roi_sample_counter
 from rcnn_dropit.rng import rng_preserved
 
 
@@ -47,7 +48,11 @@ def measure_memory(
         images, targets = micro_batches(images, targets, cfg.solver.accumulate)[0]
         images = images_to_device(images, device)
         targets = move_targets(targets, device)
+        counter = roi_sample_counter(net)
+        if counter is not None:
+            counter.take()  # training's
         step = _step(net, images, targets, cfg.solver.amp, device)
+        positives, _negatives, counted = counter.take() if counter is not None else (0, 0, 0)
         plain_mb = None
         if cfg.dropit.enabled:  # the same model and batch without DropIT: what it saves
             plain = from_dropit(copy.deepcopy(net))
@@ -57,6 +62,8 @@ def measure_memory(
     saved = step.saved.as_dict()
     report = {
         "saved_mb": saved["saved_mb"],
+        # what the trained model's RoI heads had in the measured step (its RPN has learned)
+        "positive_rois_per_image": positives / counted if counted else None,
         "by_type": saved["by_type_mb"],
         "converted_mb": saved["converted_mb"],
         "unconverted_mb": saved["unconverted_mb"],
@@ -116,7 +123,9 @@ def dropit_summary(cfg, report: dict | None) -> str:
     setting = dropit_setting(cfg.dropit)
     if report is None:
         return f"{setting} (train.measure_memory is off: nothing measured)"
-    saved = f"activations kept for backward in one step: {report['saved_mb']:.1f} MB"
+    positives = report.get("positive_rois_per_image")
+    heads = f" (the trained model's, {positives:.0f} positive RoIs per image)" if positives else ""
+    saved = f"activations kept for backward in one step{heads}: {report['saved_mb']:.1f} MB"
     ratio = report.get("saved_ratio")
     if ratio is None:
         return f"{setting}; {saved}"

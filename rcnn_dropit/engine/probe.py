@@ -32,6 +32,13 @@ from rcnn_dropit.engine.step import StepOptions, training_step
 from rcnn_dropit.engine.trainer import move_targets
 from rcnn_dropit.memory_methods import METHODS
 from rcnn_dropit.models import build_model
+from rcnn_dropit.models.sampling import (
+    join_proposals_around,
+    per_object_for,
+    propose_around,
+    roi_sample_counter,
+    sampler_cap,
+)
 from rcnn_dropit.rng import seed_all
 
 OUT_OF_MEMORY = "out of memory"
@@ -58,6 +65,7 @@ class Probe:
     step_s: float | None = None  # median of the timed steps
     spread: float = 0.0  # (slowest - fastest) / median of the timed steps: the timing's noise
     note: str = ""  # why there is no peak: "out of memory", a batch too small to split
+    positives: float | None = None  # positive RoIs per image the measured step's heads had
 
     @property
     def measured(self) -> bool:
@@ -110,10 +118,22 @@ def largest_batch(
     return out_images, out_targets
 
 
+def probe_positives(cfg: Config) -> int:
+    """The positive RoIs per image the probe's heads are to see (train.memory_probe_positives,
+    by default the sampler's cap)."""
+    wanted = cfg.train.memory_probe_positives
+    return sampler_cap(cfg.model.box_batch_size_per_image) if wanted is None else wanted
+
+
 def probe_batch(cfg: Config, train_loader, device: torch.device) -> ProbeBatch:
-    """The run's first batch at the largest image size, on ``device``."""
+    """The run's first batch at the largest image size, on ``device``, with proposals around its
+    objects for :func:`probe_positives` positive RoIs per image (seeded: every method and rank
+    sees the same)."""
     images, targets = first_batch(train_loader)
     images, targets = largest_batch(images, targets, cfg.model.min_size, cfg.model.max_size)
+    per_object = per_object_for(targets, probe_positives(cfg))
+    if per_object:
+        targets = propose_around(targets, per_object, torch.Generator().manual_seed(0))
     return ProbeBatch([img.to(device) for img in images], move_targets(targets, device))
 
 
@@ -146,10 +166,12 @@ def _sync(device: torch.device) -> None:
 
 def _measure(
     cfg: Config, batch: ProbeBatch, device: torch.device, steps: ProbeSteps, ddp: bool
-) -> tuple[int, list[float]]:
-    """Build, warm up, measure the peak of one step, time the others: (peak bytes, times)."""
+) -> tuple[int, list[float], float | None]:
+    """Build, warm up, measure the peak of one step, time the others: (peak bytes, times,
+    positive RoIs per image in the measured step)."""
     seed_all(cfg.train.seed)  # the weights the run starts from
     net, _record = build_model(cfg)
+    net.rpn.register_forward_hook(join_proposals_around)  # the batch's proposals, if it has any
     net.to(device)
     compile_model(net, cfg.train.compile, cfg.train.compile_backend, cfg.train.compile_mode)
     net.train()
@@ -169,7 +191,10 @@ def _measure(
     meter = PeakMeter(
         device, lambda: memory.training_tensors(net, optimizer, batch.images, batch.targets)
     )
+    counter = roi_sample_counter(net)
+    counter.take()  # the warm-up's
     meter.measure(step)
+    positives, _negatives, images = counter.take()
     peak = meter.peak_bytes
     if ddp:  # DDP's buckets: a flat copy of every trainable gradient, alive through training
         peak += sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
@@ -180,7 +205,7 @@ def _measure(
         step()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return peak, times
+    return peak, times, positives / images if images else None
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -208,7 +233,7 @@ def probe_method(
     DDP's buckets to the peak)."""
     failed = False
     try:
-        peak, times = _measure(method_config(cfg, method), batch, device, steps, ddp)
+        peak, times, positives = _measure(method_config(cfg, method), batch, device, steps, ddp)
     except RuntimeError as err:  # torch.OutOfMemoryError is one, and the CPU allocator's
         if not is_out_of_memory(err):
             raise
@@ -218,4 +243,4 @@ def probe_method(
         return Probe(method, note=OUT_OF_MEMORY)
     median = statistics.median(times) if times else None
     spread = (max(times) - min(times)) / median if median else 0.0
-    return Probe(method, peak, median, spread)
+    return Probe(method, peak, median, spread, positives=positives)

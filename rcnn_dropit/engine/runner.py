@@ -31,7 +31,7 @@ from rcnn_dropit.distributed import (
     run_on_main,
 )
 from rcnn_dropit.engine.amp import make_scaler
-from rcnn_dropit.engine.budget import settle_method, write_choice
+from rcnn_dropit.engine.budget import out_of_memory_message, settle_method, write_choice
 from rcnn_dropit.engine.compiling import compile_model
 from rcnn_dropit.engine.determinism import deterministic_algorithms, set_cublas_workspace
 from rcnn_dropit.engine.evaluator_loop import evaluate, iou_types_for
@@ -223,7 +223,12 @@ def _train(
     run_on_main(lambda: run_dir.check(resume, overwrite))  # --overwrite clears only now
     run_dir.create(config_yaml(cfg))
     write_choice(run_dir, settled.choice)
-    result = run(cfg, info, parts, run_dir, start, resumed=resume is not None)
+    try:
+        result = run(cfg, info, parts, run_dir, start, resumed=resume is not None)
+    except torch.OutOfMemoryError as err:  # a budget's choice that did not hold: say why
+        if settled.choice is None:
+            raise
+        raise UsageError(out_of_memory_message(settled.choice, info.device)) from err
     # The new run stands alone: rank 0 drops the one it replaced while the group lives, and
     # no rank leaves before it is done.
     run_on_main(run_dir.drop_replaced)

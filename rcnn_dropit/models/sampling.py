@@ -2,13 +2,27 @@
 sets the RoI heads' memory (the mask head keeps ~1.7 MB per positive RoI in fp32 at 800 px), and
 that detectron2 logs as ``roi_head/num_fg_samples`` and ``num_bg_samples``. An untrained
 detector's heads see only the ground-truth boxes as positives; a trained one's sampler fills up
-to ``box_positive_fraction`` of ``box_batch_size_per_image`` with them.
+to a quarter of ``box_batch_size_per_image`` with them.
+
+A step measured before training (the memory budget's probe, the benches) can give its heads a
+trained detector's positives: :func:`propose_around` puts jitter in the targets, and
+:func:`join_proposals_around`, a forward hook on the RPN, joins the boxes it makes around each
+object to the RPN's proposals, as a trained RPN proposes them (and where torchvision joins the
+ground truth).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
+
+# torchvision's RoIHeads sampler: at most this share of a batch's RoIs is positive
+POSITIVE_FRACTION = 0.25
+# A trained RPN's proposal around an object: centre and size jittered by this fraction (one
+# standard deviation); most keep an IoU above 0.5 with their object, the sampler's positives.
+JITTER = 0.08
 
 
 class RoISampleCounter:
@@ -52,3 +66,50 @@ def roi_sample_counter(model: nn.Module) -> RoISampleCounter | None:
     roi_heads = getattr(model, "roi_heads", None)
     sampler = getattr(roi_heads, "fg_bg_sampler", None)
     return sampler if isinstance(sampler, RoISampleCounter) else None
+
+
+def sampler_cap(rois_per_image: int) -> int:
+    """The most positives torchvision's box sampler keeps of an image's ``rois_per_image``."""
+    return int(rois_per_image * POSITIVE_FRACTION)
+
+
+def propose_around(
+    targets: list[dict], per_object: int, generator: torch.Generator | None = None
+) -> list[dict]:
+    """``targets`` (copies) with ``rpn_jitter``: ``per_object`` proposals around each object for
+    :func:`join_proposals_around` (none for an image without objects)."""
+    out = []
+    for target in targets:
+        boxes = target["boxes"]
+        shape = (len(boxes), per_object, 4)
+        jitter = torch.randn(shape, generator=generator) * JITTER
+        out.append({**target, "rpn_jitter": jitter.to(boxes.device)})
+    return out
+
+
+def per_object_for(targets: list[dict], positives: int) -> int:
+    """Proposals around each object that give every image of ``targets`` at least about
+    ``positives`` positive RoIs (a quarter more than needed: a few jittered boxes fall below the
+    sampler's IoU of 0.5)."""
+    fewest = min((len(t["boxes"]) for t in targets), default=0)
+    return math.ceil(1.25 * positives / fewest) if fewest else 0
+
+
+def join_proposals_around(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
+    """A forward hook on a torchvision RPN: in training, joins to each image's proposals the
+    boxes its target's ``rpn_jitter`` makes around its objects (centre moved and size scaled by
+    the jitter, in the boxes' own resized coordinates), as a trained RPN proposes them."""
+    if not module.training or len(args) < 3 or not args[2] or "rpn_jitter" not in args[2][0]:
+        return None
+    images, _features, targets = args[:3]
+    proposals, losses = output
+    joined = []
+    for boxes, target, (h, w) in zip(proposals, targets, images.image_sizes, strict=True):
+        gt, jitter = target["boxes"], target["rpn_jitter"].to(target["boxes"].dtype)
+        size = (gt[:, 2:] - gt[:, :2])[:, None]
+        centre = (gt[:, :2] + gt[:, 2:])[:, None] / 2 + jitter[..., :2] * size
+        half = size * jitter[..., 2:].exp() / 2
+        around = torch.cat([centre - half, centre + half], -1).reshape(-1, 4)
+        around = torch.minimum(around.clamp(min=0), around.new_tensor([w, h, w, h]))
+        joined.append(torch.cat([boxes, around.to(boxes.dtype)]))
+    return joined, losses

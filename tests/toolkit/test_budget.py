@@ -392,6 +392,29 @@ def test_a_run_whose_budget_picks_the_baseline_trains_as_one_without_a_budget(
 
 
 @pytest.mark.slow
+def test_a_budget_probed_at_the_samplers_cap_holds_when_the_positives_grow(
+    tmp_path, tiny_shapes
+) -> None:
+    # 128 RoIs per image: up to 32 positives. The first batch's untrained RPN gives a few; as
+    # the RPN learns, training's steps see more, and their peaks grow with them.
+    rois = ["model.box_batch_size_per_image=128", "solver.max_iters=10"]
+    opts = tiny_opts(tiny_shapes, *rois, "train.memory_budget=64GB")
+    run = train(MASK_CFG, [*opts, "train.memory_candidates=[baseline]"], output_dir=tmp_path / "r")
+    records = train_records(run.output_dir)
+    fg = [r["num_fg_samples"] for r in records]
+    assert max(fg) > 2 * fg[0]  # the positives grew past the first batch's
+    (probed,) = json.loads((run.output_dir / "budget.json").read_text())["methods"]
+    assert probed["positive_rois_per_image"] == 32  # the sampler's cap, as the probe proposed
+    largest = max(r["peak_mem_mb"] for r in records)
+    assert largest <= probed["peak_mb"]  # the same meter: training stayed under the probe
+    # probed at the first batch's positives instead, the peak falls below training's
+    cfg = load_config(MASK_CFG, [*tiny_opts(tiny_shapes, *rois), "train.memory_probe_positives=0"])
+    loader = build_train_loader(cfg, False, cfg.train.seed)
+    first = probe.probe_method(cfg, "baseline", probe.probe_batch(cfg, loader, CPU), CPU, QUICK)
+    assert first.positives < 32 and first.peak_bytes / 2**20 < largest
+
+
+@pytest.mark.slow
 def test_a_resumed_run_trains_on_with_its_choice_without_probing(
     tmp_path, tiny_shapes, monkeypatch
 ) -> None:

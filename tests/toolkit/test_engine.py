@@ -189,9 +189,12 @@ def test_train_maskrcnn_dropit_two_iterations(tmp_path, tiny_shapes) -> None:
     assert "INFO final evaluation (4 images)" in log
     code = next(line for line in log.splitlines() if "INFO code: rcnn_dropit" in line)
     assert f" from '{source_roots()[0]}' (" in code and f"torch {torch.__version__}" in code
+    positives = memory["positive_rois_per_image"]  # the trained model's heads, counted
+    assert 1 <= positives <= 8  # tiny_opts: 32 RoIs per image, at most a quarter positive
     summary = (
-        f"DropIT mink(gamma=0.8); activations kept for backward in one step: "
-        f"{memory['saved_mb']:.1f} MB, {memory['saved_mb_without_dropit']:.1f} MB without DropIT "
+        f"DropIT mink(gamma=0.8); activations kept for backward in one step (the trained "
+        f"model's, {positives:.0f} positive RoIs per image): {memory['saved_mb']:.1f} MB, "
+        f"{memory['saved_mb_without_dropit']:.1f} MB without DropIT "
         f"({memory['saved_ratio']:.2f}x)"
     )
     assert summary in log
