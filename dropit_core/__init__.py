@@ -40,7 +40,7 @@ Where things are (each subpackage's docstring maps its modules):
   output, so which ReLUs a mask frees: ``relu_readers``), :mod:`.recompute` (checkpointing),
   :mod:`.saved` (``compress_saved``), :mod:`.settings` (the switches), :mod:`.registry` (the
   strategy registry's types), :mod:`.memory` (what autograd keeps, peaks), :mod:`.timing` (step
-  timing), :mod:`.renamed` (the module names before this layout, kept one release).
+  timing).
 - :mod:`.strategies`: what a layer keeps, one module per family, and ``REGISTRY``.
 - :mod:`.formats`: each pack format specified once (quant's in :mod:`.formats.quant`), the seeds'
   hash, the bit masks and the kept values' encodings.
@@ -52,7 +52,6 @@ Where things are (each subpackage's docstring maps its modules):
   imports torchvision).
 """
 
-from dropit_core import renamed
 from dropit_core.backends.dispatch import pack_backend
 from dropit_core.convert import (
     CHECKPOINTED_ATTRIBUTE,
@@ -84,7 +83,6 @@ from dropit_core.settings import current as current_settings
 from dropit_core.strategies.base import Strategy
 from dropit_core.strategies.catalog import REGISTRY, STRATEGIES, build_strategy
 
-renamed.install()
 register_strategy = REGISTRY.register  # a strategy of your own, by name or class to to_dropit
 
 __all__ = [

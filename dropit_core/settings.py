@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -116,17 +115,3 @@ def override_settings(**changes: object) -> Iterator[Settings]:
         yield _current
     finally:
         _current = previous
-
-
-def deprecated_set(old: str, field: str, value: object) -> Settings:
-    """What the setters before :func:`configure` (``set_kernels``, ``set_native``, ``set_hooked``,
-    ``set_fuse``; kept one release) do: warn, naming ``configure``, then set ``field`` to
-    ``value`` (None: as the environment says). Returns the settings it replaced."""
-    warnings.warn(
-        f"{old} is deprecated: use dropit_core.configure({field}=...)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    if value is None:
-        value = getattr(Settings.from_environment(), field)
-    return configure(**{field: value if field == "kernels" else bool(value)})

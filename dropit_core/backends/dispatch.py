@@ -84,11 +84,6 @@ def pack_backend(device: torch.device | str) -> str:
     return choose("quant_rebuild", torch.empty(0, device=torch.device(device)))
 
 
-def set_kernels(mode: str | None) -> None:
-    """Deprecated: ``dropit_core.configure(kernels=mode)`` (None: ``reset_settings()``)."""
-    settings.deprecated_set("dropit_core.backends.dispatch.set_kernels", "kernels", mode)
-
-
 def triton_available() -> bool:
     """Whether triton can be imported (looked up, not imported: cheap to ask per layer)."""
     return _has_triton

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from dropit_core import settings
 from dropit_core.formats import seeds
 
 SOURCE = Path(__file__).with_name("native.c")
@@ -60,11 +59,6 @@ _SIGNATURES = {
     "dropit_relu_mask": (_ptr, _i64, _ptr),
     "dropit_relu_apply": (_ptr, _ptr, _i64, _ptr),
 }
-
-
-def set_native(enabled: bool | None) -> None:
-    """Deprecated: ``dropit_core.configure(native=enabled)`` (None: as ``$DROPIT_NATIVE`` says)."""
-    settings.deprecated_set("dropit_core.backends.native.set_native", "native", enabled)
 
 
 def library() -> ctypes.CDLL | None:

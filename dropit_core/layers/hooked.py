@@ -35,12 +35,6 @@ _top = torch._C._autograd._top_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
 
-def set_hooked(enabled: bool | None) -> bool:
-    """Deprecated: ``dropit_core.configure(hooked=enabled)``, which returns the settings it
-    replaced. Returns the previous setting (None: as ``$DROPIT_HOOKED`` says)."""
-    return settings.deprecated_set("dropit_core.layers.hooked.set_hooked", "hooked", enabled).hooked
-
-
 def takes(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None, limit: int) -> bool:
     """Whether a conv of ``x`` (computed in ``dtype``, None: its own) runs through the hooks:
     a trained weight, an input of fewer than ``limit`` bytes in the compute dtype, no other

@@ -163,11 +163,6 @@ def quant_fields(
     return packed.view(-1), lo, scale
 
 
-def set_fuse(enabled: bool | None) -> None:
-    """Deprecated: ``dropit_core.configure(fuse=enabled)`` (None: as ``$DROPIT_FUSE`` says)."""
-    settings.deprecated_set("dropit_core.layers.library.set_fuse", "fuse", enabled)
-
-
 def fuse_enabled() -> bool:
     """Whether a traced pack or ReLU mask is written as plain torch ops (``settings.fuse``:
     default off, on the CPU a compile several times longer and no faster step; docs/dropit.md)."""

@@ -16,7 +16,8 @@ from unittest import mock
 
 import torch
 
-from dropit_core import lean_detection, set_step, to_dropit
+from dropit_core import set_step, to_dropit
+from dropit_core.detection import forward
 from dropit_core.detection.forward import LeanRPNHead
 from tests.core.allocations import allocations
 
@@ -50,7 +51,7 @@ def main() -> None:
             head.zero_grad(set_to_none=True)
 
         def with_old(step=step) -> None:
-            with mock.patch.object(lean_detection, "_one_input_grad", lambda *a: False):
+            with mock.patch.object(forward, "_one_input_grad", lambda *a: False):
                 step()
 
         runs = {"once": step, "summed": with_old}

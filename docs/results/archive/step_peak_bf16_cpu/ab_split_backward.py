@@ -11,17 +11,18 @@ import time
 import torch
 from torch import nn
 
-from dropit_core import ops, set_step, to_dropit
+from dropit_core import set_step, to_dropit
+from dropit_core.layers.functions import InputCache
 
 torch.set_num_threads(2)
 torch.manual_seed(0)
 conv = to_dropit(nn.Sequential(nn.Conv2d(256, 256, 3, padding=1)), "quant", bits=4)
 x = torch.randn(2, 256, 200, 200)
-by_image = ops.InputCache.unpack_part
+by_image = InputCache.unpack_part
 
 
 def backward_seconds(by_part: bool) -> float:
-    ops.InputCache.unpack_part = by_image if by_part else (lambda *a: None)
+    InputCache.unpack_part = by_image if by_part else (lambda *a: None)
     conv.zero_grad(set_to_none=True)
     xi = x.clone().requires_grad_()
     set_step(conv, 1)
