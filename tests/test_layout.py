@@ -278,6 +278,7 @@ INSTRUMENTS = (
     "grad_figure",
     "grad_groups",
     "gpu_probe",
+    "gpu_checks",
     "results_page",
 )  # tools/ that run instruments
 

@@ -68,6 +68,7 @@ def _probe(args: argparse.Namespace) -> None:
     if args.what in ("live", "live-step"):
         _live(args)
         return
+    settings = plan_settings(args.plan, args.settings)  # a bad name fails on any machine
     if not torch.cuda.is_available():
         raise UsageError("gpu_probe needs a CUDA device; none is available here")
     if args.what == "launch":
@@ -76,7 +77,7 @@ def _probe(args: argparse.Namespace) -> None:
             print(f"  {row['host_us']:8.2f}  {row['call']}")
         return
     base = recipe_config(args.scratch, 800)
-    for setting in plan_settings(args.plan, args.settings):
+    for setting in settings:
         model = detector(setting_config(base, setting)).cuda().train()
         for n in args.images:
             batch = make_batch(800, torch.device("cuda"), n)
