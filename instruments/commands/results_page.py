@@ -1,13 +1,19 @@
 """``tools/results_page.py``: write docs/results/README.md and the blocks other pages quote from
-it, or (``--check``) say which of them are not what the committed data gives."""
+it, or (``--check``) say which of them are not what the committed data gives; with ``--lease
+OUT``, first bring a GPU lease's output (tools/gpu_session.sh's $OUT) into its folder,
+docs/results/gpu_<gpu>_<date>/."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from instruments.report import gpu_pass
 from instruments.report.results_page import COMMAND, REPO, lease_folder, render, stale, write
+from rcnn_dropit.cli import run_cli
+from rcnn_dropit.errors import UsageError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -21,7 +27,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="print the folder a GPU table of this machine's GPU, today, goes into; write nothing",
     )
+    parser.add_argument(
+        "--lease",
+        type=Path,
+        metavar="OUT",
+        help="first copy a lease's output (summary.txt, lease.tar, loose logs) into "
+        "docs/results/gpu_<gpu>_<date>/ (named from summary.txt), with its README",
+    )
+    parser.add_argument(
+        "--into",
+        type=Path,
+        metavar="FOLDER",
+        help="with --lease: this folder instead (a lease whose GPU has no model number)",
+    )
     args = parser.parse_args(argv)
+    if args.into and not args.lease:
+        parser.error("--into goes with --lease")
+    if args.lease:
+        status = run_cli(lambda: _import(args.lease, args.into))
+        if status:
+            return status
     if args.lease_dir:
         import datetime
 
@@ -41,3 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in write(rendered):
         print(f"wrote {path.relative_to(REPO)}")
     return 0
+
+
+def _import(source: Path, into: Path | None) -> None:
+    """Copy a lease's output into its folder and say where."""
+    gpu, date = gpu_pass.lease_identity(source)
+    if into is None:
+        if gpu is None:
+            raise UsageError(f"--lease: {source}/summary.txt names no GPU; give --into FOLDER")
+        into = lease_folder(gpu, date)
+    for path in gpu_pass.import_lease(source, into):
+        print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")

@@ -2,7 +2,9 @@
 quote from it.
 
 One table per device, each from the newest committed data: on a GPU, the newest lease folder
-(``docs/results/gpu_<gpu>_<date>/bench_gpu.json``, with the largest batches its log printed
+with the first stages of tools/gpu_session.sh (the eager and graphed rows, the budget's probe,
+the deterministic pair: instruments/report/gpu_pass.py) and the newest with the every-method
+table (``docs/results/gpu_<gpu>_<date>/bench_gpu.json``, with the largest batches its log printed
 when the JSON was written before the search ended); on the CPU, the methods bench
 (``methods_bench.json``) and the 8-image bf16 proxy. Beside each method, the accuracy study's
 paired AP intervals (the goal's regime of ``configs/study/plan.yaml``). Nothing here is typed:
@@ -21,6 +23,8 @@ from typing import Any
 
 from instruments.measure.gpu_table import SAME_KERNELS, is_gpu_table
 from instruments.measure.methods_table import SUMMARY, read_methods_json, splice
+from instruments.report import gpu_pass
+from instruments.report.gpu_pass import GpuPass
 from rcnn_dropit.errors import UsageError
 
 TOOL = "tools/results_page.py"
@@ -88,6 +92,12 @@ def newest_lease(results: Path = RESULTS) -> Path | None:
         if p.is_dir() and LEASE_NAME.match(p.name) and (p / "bench_gpu.json").is_file()
     ]
     return max(leases, key=lambda p: LEASE_NAME.match(p.name).group(2), default=None)
+
+
+def newest_pass(results: Path = RESULTS) -> Path | None:
+    """The lease folder with the first stages' graphed tables and the latest date."""
+    found = [p for p in results.iterdir() if LEASE_NAME.match(p.name) and gpu_pass.has_pass(p)]
+    return max(found, key=lambda p: LEASE_NAME.match(p.name).group(2), default=None)
 
 
 def lease_folder(gpu_name: str, date: str) -> Path:
@@ -403,11 +413,15 @@ def weigh(points: Mapping[str, Point], resolution: float) -> str:
 
 
 def verdict_lines(
-    lease: Lease | None, cpu: Mapping[str, Mapping[str, Any]], batches: bool = True
+    lease: Lease | None,
+    cpu: Mapping[str, Mapping[str, Any]],
+    batches: bool = True,
+    graphed: GpuPass | None = None,
 ) -> list[str]:
-    """Where the reader chooses: at each measured batch size of each device, the exact
-    alternatives against :data:`PICK`, and the largest batches in the GPU's budget."""
-    lines = []
+    """Where the reader chooses: the graphed settings against eager (``graphed``: the newest
+    lease's first stages), at each measured batch size of each device the exact alternatives
+    against :data:`PICK`, and the largest batches in the GPU's budget."""
+    lines = gpu_pass.verdict_lines(graphed)
     if lease is not None:
         res = timing_resolution(lease)
         for n in lease.table["images"]:
@@ -432,7 +446,7 @@ def verdict_lines(
     return lines
 
 
-def page(lease: Lease | None, accuracy: Mapping[str, str]) -> str:
+def page(lease: Lease | None, accuracy: Mapping[str, str], graphed: GpuPass | None = None) -> str:
     """The whole results page."""
     cpu, proxy = cpu_records()
     lines = [
@@ -450,11 +464,17 @@ def page(lease: Lease | None, accuracy: Mapping[str, str]) -> str:
         "",
         "## Where to choose",
         "",
-        *verdict_lines(lease, cpu),
+        *verdict_lines(lease, cpu, graphed=graphed),
         "",
         "How to choose, with the accuracy study's rule: [../choosing.md](../choosing.md).",
         "",
         "## On a GPU",
+        "",
+        "### Eager and graphed, the memory budget's probe, deterministic runs",
+        "",
+        *gpu_pass.pass_lines(graphed),
+        "",
+        "### Every method",
         "",
     ]
     if lease is None:
@@ -486,7 +506,9 @@ def page(lease: Lease | None, accuracy: Mapping[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_block(lease: Lease | None, accuracy: Mapping[str, str]) -> str:
+def readme_block(
+    lease: Lease | None, accuracy: Mapping[str, str], graphed: GpuPass | None = None
+) -> str:
     """README.md's short table: the GPU's and the CPU's key ratios and the study's intervals
     for :data:`README_ROWS`, then where the reader should look twice."""
     cpu, _ = cpu_records()
@@ -524,48 +546,43 @@ def readme_block(lease: Lease | None, accuracy: Mapping[str, str]) -> str:
         "; ".join(where) + ". Every row, its settings and commands: "
         "[docs/results/README.md](docs/results/README.md).",
         "",
-        *verdict_lines(lease, cpu, batches=False),
+        *verdict_lines(lease, cpu, batches=False, graphed=graphed),
     ]
     return "\n".join(lines)
 
 
-def gpu_status_block(lease: Lease | None) -> str:
-    """docs/gpu.md's status: the newest lease, what it ran, and each stage's outcome as its
-    session summary printed it."""
-    if lease is None:
+def gpu_status_block(lease: Lease | None, graphed: GpuPass | None = None) -> str:
+    """docs/gpu.md's status: the newest lease (of the every-method table's and the first
+    stages'), what it ran, and each stage's outcome as its session summary printed it."""
+    if lease is None and graphed is None:
         return "Nothing has run on a GPU yet."
-    t = lease.table
-    summary = lease.folder / "session_summary.txt"
-    stages = []
-    if summary.is_file():
-        for line in summary.read_text().splitlines():
-            ran = re.match(r"^(\w+): rc=(\d+) in (\d+) s \(limit (\d+) s\)", line)
-            skipped = re.match(r"^(\w+): skipped, (-?\d+) s left", line)
-            if ran:
-                name, rc, took, limit = ran.groups()
-                how = {"0": "completed", "124": "stopped at its time limit"}.get(
-                    rc, f"failed (rc={rc})"
-                )
-                stages.append(f"`{name}` {how} ({took} s of {limit})")
-            elif skipped:
-                stages.append(f"`{skipped.group(1)}` skipped ({skipped.group(2)} s left)")
+    folders = [x.folder for x in (lease, graphed) if x is not None]
+    newest = max(folders, key=lambda f: LEASE_NAME.match(f.name).group(2))
+    t = lease.table if lease is not None and newest == lease.folder else graphed.head
+    summary = newest / gpu_pass.SESSION_SUMMARY
+    stages = gpu_pass.stages(summary.read_text()) if summary.is_file() else []
     lines = [
         f"**The newest lease: {t['date']}, {t['gpu']}, torch {t['torch']}, triton {t['triton']}**, "
-        f"at commit `{t['commit']}`. What it printed: [results/{lease.folder.name}/]"
-        f"(results/{lease.folder.name}/README.md); its table, with the CPU's beside it: "
+        f"at commit `{t['commit']}`. What it printed: [results/{newest.name}/]"
+        f"(results/{newest.name}/README.md); its table, with the CPU's beside it: "
         "[results/README.md](results/README.md#on-a-gpu).",
     ]
     if stages:
         lines += [
             "",
-            "Its stages, as `session_summary.txt` records them: " + "; ".join(stages) + ".",
+            "Its stages, as `session_summary.txt` records them: "
+            + "; ".join(map(gpu_pass.stage_words, stages))
+            + ".",
         ]
-    done = "complete" if t.get("complete", True) else "not complete (the JSON says so)"
-    lines += [
-        "",
-        f"The GPU table's largest-batch search: {done}; it reached "
-        f"{len(lease.batches)} of {len(lease.rows)} settings.",
-    ]
+    if lease is not None:
+        t = lease.table
+        done = "complete" if t.get("complete", True) else "not complete (the JSON says so)"
+        where = "" if lease.folder == newest else f" (from results/{lease.folder.name}/)"
+        lines += [
+            "",
+            f"The GPU table's largest-batch search{where}: {done}; it reached "
+            f"{len(lease.batches)} of {len(lease.rows)} settings.",
+        ]
     return "\n".join(lines)
 
 
@@ -590,24 +607,29 @@ def eager_block(folder: Path = EAGER_LEASE) -> str:
 
 
 # Each generated block outside the page: (document, block) -> its text
-def blocks(lease: Lease | None, accuracy: Mapping[str, str]) -> dict[tuple[str, str], str]:
+def blocks(
+    lease: Lease | None, accuracy: Mapping[str, str], graphed: GpuPass | None = None
+) -> dict[tuple[str, str], str]:
     """Every block this module writes into another page, by (document, block name)."""
     cpu, _ = cpu_records()
     return {
-        ("README.md", "results-summary"): readme_block(lease, accuracy),
-        ("docs/choosing.md", "where-to-choose"): "\n".join(verdict_lines(lease, cpu)),
-        ("docs/gpu.md", "gpu-status"): gpu_status_block(lease),
+        ("README.md", "results-summary"): readme_block(lease, accuracy, graphed),
+        ("docs/choosing.md", "where-to-choose"): "\n".join(
+            verdict_lines(lease, cpu, graphed=graphed)
+        ),
+        ("docs/gpu.md", "gpu-status"): gpu_status_block(lease, graphed),
         ("docs/training.md", "eager-gpu"): eager_block(),
     }
 
 
 def render() -> dict[Path, str]:
     """Every file this module writes, with its full text as it should be now."""
-    folder = newest_lease()
+    folder, first = newest_lease(), newest_pass()
     lease = read_lease(folder) if folder else None
+    graphed = gpu_pass.read_pass(first) if first else None
     accuracy = study_accuracy()
-    out = {PAGE: page(lease, accuracy)}
-    for (doc, block), text in blocks(lease, accuracy).items():
+    out = {PAGE: page(lease, accuracy, graphed)}
+    for (doc, block), text in blocks(lease, accuracy, graphed).items():
         path = REPO / doc
         current = out.get(path, path.read_text())
         out[path] = splice(current, text, str(path), block=block, tool=TOOL)
