@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu bench bench-methods bench-forward bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host bench-fusion bench-demo lint format study
+.PHONY: setup demo test test-fast test-gpu gpu-session bench bench-methods bench-forward bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host bench-fusion bench-demo lint format study
 
 setup: $(STAMP)
 
@@ -36,6 +36,15 @@ test-fast: setup
 # On a machine with a CUDA GPU: the CUDA paths (ops against CPU, AMP, CUDA memory, NCCL, training).
 test-gpu: setup
 	$(PY) -m pytest -m gpu -rs
+
+# On a machine with a GPU: the pass every GPU lease runs (tools/gpu_session.sh; docs/gpu.md#on-
+# your-own-gpu): the open GPU questions first (graphed rows, the budget's probe, the deterministic
+# pair), then the test tier and the earlier tables, within GPU_SECONDS, into gpu_out/; then its
+# files into docs/results/gpu_<gpu>_<date>/ and the results page from them.
+GPU_SECONDS ?= 1800
+gpu-session: setup
+	OUT=gpu_out PYTHON=$(abspath $(PY)) bash tools/gpu_session.sh $(GPU_SECONDS)
+	$(PY) tools/results_page.py --lease gpu_out
 
 bench: setup
 	$(PY) tools/bench.py

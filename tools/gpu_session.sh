@@ -1,36 +1,112 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one pass that fits a short lease of a GPU machine (docs/gpu.md).
 #
-# Run from the checkout's root on a machine whose python3 already has torch, torchvision and
-# triton for its GPU: `bash tools/gpu_session.sh [SECONDS]` (default 540). In order of what
-# matters most now: the live tensors at a step's peak (tools/gpu_probe.py --what live-step),
-# issue 39's rows of the GPU table with their largest batch (make bench-gpu, smaller: 5 timed
-# steps, 1 draw, batches searched up to 128 images), issue 40's compiled rows, then the GPU
-# test tier and the kernels compiled for the GPU (side by side, both only check values), the
-# table's other rows (no batch search), the host-time and fusion rows, the from-scratch rows on
-# CUDA, the per-pass op costs and the other probes (the peak's blocks, a quant step's Python).
-# Each stage gets what is left of the deadline, so a lease that ends early still leaves every
-# finished stage's log; the GPU table writes its step columns before its batch search. If the
-# table fails within a minute (a kernel that does not compile), it runs again with
-# DROPIT_KERNELS=eager, into bench_gpu_eager.json. A copy whose .git is not the tree's own (a
-# lease's) names the tree's commit with RCNN_DROPIT_COMMIT=<hash> for the JSON files and the
-# log.txt of a training. Into $OUT (default gpu_out): summary.txt, the JSON files and logs.tgz
-# (every stage's log), fewer than the 8 files a lease hands back. docs/gpu.md shows the call that ran it on an H200.
+#   bash tools/gpu_session.sh [SECONDS] [--from STAGE] [--until STAGE]   # on a GPU (570 s)
+#   bash tools/gpu_session.sh --rehearse                 # every stage on the CPU, tiny (CI)
+#
+# Run from the checkout's root with a python3 (or $PYTHON) that has torch, torchvision, triton
+# and pycocotools for the GPU. The open GPU questions first, each stage with its own time limit
+# (or what is left of the deadline, if less):
+#   capture         210 s  the graphed settings (baseline and 4-bit DropIT, the backbone
+#                          compiled with Inductor's reduce-overhead mode: a CUDA graph per size
+#                          bucket) at 2 and 8 images, both orientations: the first steps one by
+#                          one (compile, CUDA graph recording), then steady ones; from the
+#                          machine's empty compile cache, which it fills for the next two
+#   graphed_2img    120 s  the GPU table at 2 images of 800 px, AMP fp16: baseline and quant_4bit
+#                          eager and graphed, in alternating rounds with their spread and peaks
+#   graphed_8img    150 s  the same at 8 images, with accumulate_2, checkpoint_stages and
+#                          quant_2bit in the same rounds (the 8-image Pareto)
+#   budget_probe     90 s  train.memory_budget's probe at 2 and 8 images on the table's batch:
+#                          its choice at 16 GB, its wall time, its peaks beside the table's
+#   deterministic_pair 150 s  train.deterministic: two short runs of one seed, losses compared,
+#                          and one without the key for its step cost
+# then the GPU test tier and the kernels compiled for the GPU (side by side), and the rest as
+# before: the live tensors at a step's peak, the RoI poolers, issue 39's table with its largest
+# batch (with DROPIT_KERNELS=eager if it fails within a minute), the compiled rows, the table's
+# other rows, every conv on its autograd Function (DROPIT_HOOKED=0), the fused packs, a launch's
+# host cost, the from-scratch rows, per-pass op costs, the peak's blocks, a quant step's Python,
+# the v2 heads. --from STAGE starts there (a second call on a warm machine, when the first ran
+# out of time; a device call may not run longer than 10 minutes), --until STAGE stops before it.
+#
+# Into $OUT (default gpu_out), at most four files at any time, as a lease hands back few:
+# summary.txt (versions, then one line per stage: outcome, seconds, limit, command), lease.tar
+# (each finished stage's log and JSON, added as the stage ends: a lease that ends mid-way keeps
+# them) and the running stage's log. The JSON files are also kept in $WORK (default: a new temp
+# folder), where later stages read them. `python tools/results_page.py --lease $OUT` puts them
+# into docs/results/gpu_<gpu>_<date>/ and writes the pages. A copy whose .git is not the tree's
+# own names the tree's commit with RCNN_DROPIT_COMMIT=<hash>.
+#
+# --rehearse runs every stage's own command below on the CPU at tiny sizes (tests/instruments/
+# test_gpu_session.py, in make test): only the variables of the first if differ (64 px, 1 and 2
+# images, one round of one step, two training steps, limits x10; every bench model ResNet-18 and
+# narrow through tests/instruments/rehearse_stage.py; torch.compile off; the later tables
+# memory-only; pytest collects instead of running), so a flag, a setting's name, a file or a
+# writer that would fail on the GPU fails there first. The stages that only run on CUDA
+# (probe_launch, probe_memory, probe_python) must end with their CUDA refusal there.
 set -u
-budget=${1:-540}
+rehearse=0
+from=""
+until=""
+budget=""
+while [ $# -gt 0 ]; do
+  case $1 in
+  --rehearse) rehearse=1 ;;
+  --from) from=$2 && shift ;;
+  --until) until=$2 && shift ;;
+  *) budget=$1 ;;
+  esac
+  shift
+done
+budget=${budget:-$([ "$rehearse" = 1 ] && echo 3600 || echo 570)}
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+if [ -z "${WORK:-}" ]; then
+  WORK=$(mktemp -d)
+  trap 'rm -rf "$WORK"' EXIT  # its files are in lease.tar by then
+fi
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT" "$WORK"
+rm -f "$OUT/lease.tar"  # this call's stages only, as its summary.txt
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ "$rehearse" = 1 ]; then
+  DEVICE=cpu AMP=bf16 SIZE=64 FEW=1 MANY=2 SIZES=1 MID=1 REPEATS=1 ROUNDS=1 TIMES=1 STEADY=1
+  ITERS=2 BATCH_LIMIT=2 WORKERS=0 COLLECT=--collect-only REST_REPEATS=0 SLACK=10
+  RUN="$PYTHON tests/instruments/rehearse_stage.py"
+  PAIR_SIZE="data.shapes.num_train=8 data.shapes.num_val=2 data.shapes.image_size=64"
+  PAIR_SIZE="$PAIR_SIZE model.min_size=64 model.max_size=64 solver.batch_size=2"
+  PAIR_SIZE="$PAIR_SIZE solver.warmup_iters=1 data.num_workers=0"
+  export OMP_NUM_THREADS=1 TORCH_COMPILE_DISABLE=1
+else
+  DEVICE=cuda AMP=fp16 SIZE=800 FEW=2 MANY=8 SIZES="2 8" MID=4 REPEATS=2 ROUNDS=5 TIMES=10
+  STEADY=5 ITERS=30 BATCH_LIMIT=128 WORKERS=6 COLLECT="" REST_REPEATS=2 SLACK=1
+  RUN=$PYTHON
+  PAIR_SIZE="data.num_workers=2"
+fi
 start=$(date +%s)
 summary="$OUT/summary.txt"
+started=$([ -z "$from" ] && echo 1 || echo 0)
+stopped=0
 
 left() { echo $((budget - ($(date +%s) - start))); }
+# cap SECONDS: a stage's own limit (times SLACK: a shared CPU's rehearsal is no GPU), or what is
+# left of the deadline (less 10 s) when smaller
+cap() {
+  local own=$(($1 * SLACK)) rest=$(($(left) - 10))
+  echo $((own < rest ? own : rest))
+}
 
 # stage NAME SECONDS CMD...: run CMD under a time limit (SIGINT first: pytest and the bench then
 # print what they have), its output into NAME.log, one line of outcome into the summary.
 stage() {
   local name=$1 limit=$2 t0
   shift 2
+  [ "$name" = "$from" ] && started=1
+  [ "$name" = "$until" ] && stopped=1
+  if [ "$started" = 0 ] || [ "$stopped" = 1 ]; then
+    local why="--until $until"
+    [ "$started" = 0 ] && why="before --from $from"
+    echo "$name: not run ($why)" >>"$summary"
+    return 1
+  fi
   t0=$(date +%s)
   if [ "$limit" -lt 20 ]; then
     echo "$name: skipped, $limit s left" >>"$summary"
@@ -42,94 +118,143 @@ stage() {
   return $rc
 }
 
+# keep NAME...: each stage's log and JSON into lease.tar (the log out of $OUT, the JSON kept in
+# $WORK for the stages that read it)
+keep() {
+  local name
+  for name in "$@"; do
+    if [ -f "$OUT/$name.log" ]; then
+      tar rf "$OUT/lease.tar" -C "$OUT" "$name.log" && rm "$OUT/$name.log"
+    fi
+    if [ -f "$WORK/$name.json" ]; then tar rf "$OUT/lease.tar" -C "$WORK" "$name.json"; fi
+  done
+}
+
 {
-  echo "gpu_session.sh at ${RCNN_DROPIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}, $(date -u +%FT%TZ)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import torch, triton, torchvision; print("torch", torch.__version__, "cuda", torch.version.cuda, "torchvision", torchvision.__version__, "triton", triton.__version__)'
-  python3 -c 'import importlib.metadata as m; print("pycocotools", m.version("pycocotools"))' 2>&1 | tail -1
+  what=$([ "$rehearse" = 1 ] && echo " (CPU rehearsal)")
+  commit=${RCNN_DROPIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+  echo "gpu_session.sh at $commit, $(date -u +%FT%TZ)$what"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null ||
+    echo "no GPU (nvidia-smi: none)"
+  $PYTHON -c 'import torch, torchvision as tv; print("torch", torch.__version__, "cuda",
+    torch.version.cuda, "torchvision", tv.__version__)'
+  $PYTHON -c 'import importlib.metadata as m; print(*(f"{p} {m.version(p)}"
+    for p in ("triton", "pycocotools")))' 2>&1 | tail -1
 } >"$summary" 2>&1
 
-# 0. The floor (issue 39), first: the tensors alive at a training step's peak by the line (or,
-# in the backward, the autograd node) that made them, in the forward or the backward, where the
-# CPU's bf16 proxy put every setting's peak after the lean pooler; the RoI poolers alone
-# (torchvision's against the lean one's), then issue 39's rows with their largest batch (the
-# search is most of the time).
-# (If the probe cannot follow CUDA's backward, which runs on autograd's device thread, it says so
-# and stops: then the forward alone, as on the last lease.)
-stage probe_live 90 python3 tools/gpu_probe.py --what live-step --device cuda --images 8 --top 25 \
+# 1. The graphed rows (issue 58): capture per bucket, then the table at 2 and at 8 images.
+TORCH_LOGS=perf_hints stage capture "$(cap 210)" $RUN tools/gpu_checks.py capture \
+  --device $DEVICE --amp $AMP --image-size $SIZE --images $SIZES --repeats $STEADY \
+  --settings baseline_graphed quant_4bit_graphed --quiet-machine --json "$WORK/capture.json"
+keep capture
+table=($RUN tools/bench.py --gpu-table --device $DEVICE --amp $AMP --image-size $SIZE
+  --rounds $ROUNDS --draws 1 --quiet-machine)
+stage graphed_2img "$(cap 120)" "${table[@]}" --repeats $REPEATS --batch-limit 0 --images $FEW \
+  --settings baseline baseline_graphed quant_4bit quant_4bit_graphed \
+  --json "$WORK/graphed_2img.json"
+keep graphed_2img
+stage graphed_8img "$(cap 150)" "${table[@]}" --repeats $REPEATS --batch-limit 0 \
+  --images $MANY --settings baseline baseline_graphed quant_4bit quant_4bit_graphed accumulate_2 \
+  checkpoint_stages quant_2bit --json "$WORK/graphed_8img.json"
+keep graphed_8img
+
+# 2. The memory budget's probe (issue 59) against those rows' peaks, then the deterministic pair.
+stage budget_probe "$(cap 90)" $RUN tools/gpu_checks.py budget --device $DEVICE --amp $AMP \
+  --image-size $SIZE --images $SIZES --budget 16GB --quiet-machine \
+  --against "$WORK/graphed_2img.json" "$WORK/graphed_8img.json" --json "$WORK/budget_probe.json"
+keep budget_probe
+# shellcheck disable=SC2086  # the sizes are words
+stage deterministic_pair "$(cap 150)" $RUN tools/gpu_checks.py pair --device $DEVICE --amp $AMP \
+  --config configs/demo/maskrcnn_shapes_quant4.yaml --iters $ITERS --workdir "$WORK/pair" \
+  --json "$WORK/deterministic_pair.json" --opts "data.root=$WORK/shapes" $PAIR_SIZE
+keep deterministic_pair
+
+# 3. Values: the GPU tier and the kernels compiled for this GPU, side by side.
+tier=$(($(left) * 40 / 100))
+# shellcheck disable=SC2086  # COLLECT is empty or one flag
+stage tests_gpu "$tier" $PYTHON -m pytest -m gpu -rs -p no:cacheprovider $COLLECT tests &
+# shellcheck disable=SC2086
+stage tests_kernels "$tier" $PYTHON -m pytest -rs -p no:cacheprovider -n $WORKERS $COLLECT \
+  tests/core/test_dropit_kernels.py tests/core/test_dropit_compact.py &
+wait
+grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"$summary" \
+  2>/dev/null
+keep tests_gpu tests_kernels
+
+# 4. The rest, as on the earlier leases. The floor (issue 39): the tensors alive at a training
+# step's peak by the line (or, in the backward, the autograd node) that made them (the forward
+# alone when the probe cannot follow CUDA's backward), then the RoI poolers alone.
+stage probe_live "$(cap 90)" $RUN tools/gpu_probe.py --what live-step --device $DEVICE \
+  --image-size $SIZE --images $MANY --top 25 \
   --settings baseline quant_4bit checkpoint_stages_quant_4bit ||
-  stage probe_live_forward 60 python3 tools/gpu_probe.py --what live --device cuda --images 8 \
-    --top 25 --settings baseline quant_4bit checkpoint_stages_quant_4bit
-stage bench_pooler_gpu 60 python3 tools/bench.py --pooler --device cuda --images 2 8 \
-  --image-size 800 --repeats 10 --json "$OUT/bench_pooler_gpu.json"
-table=(python3 tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8
-  --repeats 2 --rounds 5 --draws 1 --quiet-machine)
+  stage probe_live_forward "$(cap 60)" $RUN tools/gpu_probe.py --what live --device $DEVICE \
+    --image-size $SIZE --images $MANY --top 25 \
+    --settings baseline quant_4bit checkpoint_stages_quant_4bit
+keep probe_live probe_live_forward
+stage bench_pooler_gpu "$(cap 60)" $RUN tools/bench.py --pooler --device $DEVICE \
+  --images $SIZES --image-size $SIZE --repeats $TIMES --json "$WORK/bench_pooler_gpu.json"
+keep bench_pooler_gpu
+# Issue 39's rows with their largest batch; a table that fails within a minute (a kernel that
+# does not compile) runs again with DROPIT_KERNELS=eager.
 first="baseline quant_4bit checkpoint_stages checkpoint_stages_quant_4bit quant_2bit"
 t0=$(date +%s)
 # shellcheck disable=SC2086  # the settings are words
-if ! stage bench_gpu $(($(left) * 40 / 100)) "${table[@]}" --max-batch 16000 --batch-limit 128 \
-  --settings $first --json "$OUT/bench_gpu.json" && [ -f "$OUT/bench_gpu.log" ] &&
+if ! stage bench_gpu $(($(left) * 40 / 100)) "${table[@]}" --repeats $REPEATS \
+  --images $SIZES --max-batch 16000 --batch-limit $BATCH_LIMIT --settings $first \
+  --json "$WORK/bench_gpu.json" && [ -f "$OUT/bench_gpu.log" ] &&
   [ $(($(date +%s) - t0)) -lt 60 ]; then
   DROPIT_KERNELS=eager stage bench_gpu_eager $(($(left) * 40 / 100)) "${table[@]}" \
-    --max-batch 16000 --batch-limit 128 --settings $first --json "$OUT/bench_gpu_eager.json"
+    --repeats $REPEATS --images $SIZES --max-batch 16000 --batch-limit $BATCH_LIMIT \
+    --settings $first --json "$WORK/bench_gpu_eager.json"
 fi
-
-# 0a. Issue 40's compiled rows: the backbone through Inductor, plain and 4-bit, beside the eager
-# ones (no largest-batch search: each batch size would compile again). Compiling twice at two
-# batch sizes took more than 40 s on an H200 (2026-11-28): half of what is left.
-stage bench_gpu_compiled $(($(left) * 50 / 100)) "${table[@]}" --batch-limit 0 \
+keep bench_gpu bench_gpu_eager
+# The tables below: steps and peaks only, each with a baseline of its own.
+more=("${table[@]}" --repeats $REST_REPEATS --batch-limit 0)
+# Issue 40's compiled rows: the backbone through Inductor (default mode), beside the eager ones.
+stage bench_gpu_compiled $(($(left) * 50 / 100)) "${more[@]}" --images $SIZES \
   --settings baseline baseline_compiled quant_4bit quant_4bit_compiled \
-  --json "$OUT/bench_gpu_compiled.json"
-
-# 1. Values: the GPU tier and the kernels compiled for this GPU, side by side.
-tier=$(($(left) * 40 / 100))
-stage tests_gpu "$tier" python3 -m pytest -m gpu -rs -p no:cacheprovider tests &
-stage tests_kernels "$tier" python3 -m pytest -rs -p no:cacheprovider -n 6 \
-  tests/core/test_dropit_kernels.py tests/core/test_dropit_compact.py &
-wait
-grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"$summary" 2>/dev/null
-
-# 1a. The rest of make bench-gpu's GPU_METHODS, steps and peaks only, with a baseline of their
-# own for the ratios.
+  --json "$WORK/bench_gpu_compiled.json"
+keep bench_gpu_compiled
+# The rest of make bench-gpu's GPU_METHODS.
 rest="baseline baseline_torchvision_forward quant_4bit_torchvision_forward baseline_torchvision_bn"
 rest="$rest baseline_torchvision_fpn mink_0.8 threshold_0.8 accumulate_2 accumulate_4"
 # shellcheck disable=SC2086  # the settings are words
-stage bench_gpu_rest $(($(left) * 50 / 100)) "${table[@]}" --batch-limit 0 --settings $rest \
-  --json "$OUT/bench_gpu_rest.json"
-
-# 1b. Issue 40's host time: the eager 4-bit step with every conv on its autograd Function
-# (DROPIT_HOOKED=0), what the table's quant_4bit ran before dropit_core.layers.hooked; steps only.
-DROPIT_HOOKED=0 stage bench_gpu_function $(($(left) * 20 / 100)) "${table[@]}" --batch-limit 0 \
-  --settings baseline quant_4bit --json "$OUT/bench_gpu_function.json"
-
-# 1c. The same backbone compiled with its packs and ReLU masks opaque, then fused into Inductor's
-# Triton kernels (DROPIT_FUSE): compile seconds, kernels built, step time at 8 images.
-stage bench_fusion_gpu $(($(left) * 20 / 100)) python3 tools/bench.py --fusion --device cuda \
-  --image-size 800 --images 8 --repeats 10 --quiet-machine --json "$OUT/bench_fusion_gpu.json"
-
-# 2. The host's cost of one launch: an aten op, a bare Triton launch, each DropIT wrapper.
-stage probe_launch 90 python3 tools/gpu_probe.py --what launch
-
-# 3. From scratch (BatchNorm, issue 28's coverage) on CUDA: step columns only.
-stage bench_scratch_gpu $(($(left) - 40)) python3 tools/bench.py --gpu-table --scratch \
-  --device cuda --amp fp16 --image-size 800 --images 4 --repeats 2 --rounds 5 --draws 1 \
-  --batch-limit 0 --quiet-machine --settings baseline quant_4bit quant_4bit_all \
-  saved_hooks_4bit checkpoint_stages --json "$OUT/bench_scratch_gpu.json"
-
-# 4. What each pass of an element-wise pack costs on this GPU.
-stage ops $(($(left) - 60)) python3 tools/bench.py --ops --device cuda
-
-# 5. Where the peak and the host time go (tools/gpu_probe.py): the blocks alive at the peak
-# with the toolkit's FPN and torchvision's, and the Python a quant step spends.
-stage probe_memory $(($(left) - 30)) python3 tools/gpu_probe.py --images 8 --what memory \
+stage bench_gpu_rest $(($(left) * 50 / 100)) "${more[@]}" --images $SIZES --settings $rest \
+  --json "$WORK/bench_gpu_rest.json"
+keep bench_gpu_rest
+# Issue 40's host time: the eager 4-bit step with every conv on its autograd Function
+# (DROPIT_HOOKED=0), what the table's quant_4bit ran before dropit_core.layers.hooked.
+DROPIT_HOOKED=0 stage bench_gpu_function $(($(left) * 20 / 100)) "${more[@]}" --images $SIZES \
+  --settings baseline quant_4bit --json "$WORK/bench_gpu_function.json"
+keep bench_gpu_function
+# The same backbone compiled with its packs and ReLU masks opaque, then fused into Inductor's
+# Triton kernels (DROPIT_FUSE): compile seconds, kernels built, step time.
+stage bench_fusion_gpu $(($(left) * 20 / 100)) $RUN tools/bench.py --fusion --device $DEVICE \
+  --image-size $SIZE --images $MANY --repeats $TIMES --quiet-machine \
+  --json "$WORK/bench_fusion_gpu.json"
+keep bench_fusion_gpu
+# The host's cost of one launch: an aten op, a bare Triton launch, each DropIT wrapper (CUDA).
+stage probe_launch "$(cap 90)" $RUN tools/gpu_probe.py --what launch
+keep probe_launch
+# From scratch (BatchNorm, issue 28's coverage).
+stage bench_scratch_gpu $(($(left) - 40)) "${more[@]}" --scratch --images $MID \
+  --settings baseline quant_4bit quant_4bit_all saved_hooks_4bit checkpoint_stages \
+  --json "$WORK/bench_scratch_gpu.json"
+keep bench_scratch_gpu
+# What each pass of an element-wise pack costs on this device.
+stage ops $(($(left) - 60)) $RUN tools/bench.py --ops --device $DEVICE
+keep ops
+# Where the peak and the host time go (CUDA): the blocks alive at the peak with the toolkit's
+# FPN and torchvision's, and the Python a quant step spends.
+stage probe_memory $(($(left) - 30)) $RUN tools/gpu_probe.py --images $MANY --what memory \
   --settings baseline baseline_torchvision_fpn quant_4bit
-stage probe_python $(($(left) - 90)) python3 tools/gpu_probe.py --images 2 --what python \
+keep probe_memory
+stage probe_python $(($(left) - 90)) $RUN tools/gpu_probe.py --images $FEW --what python \
   --settings quant_4bit --top 40
-# 6. torchvision's v2 heads (a BatchNorm after every FPN and head conv) on the COCO recipe's body.
-stage bench_v2_gpu $(($(left) - 5)) python3 tools/bench.py --gpu-table --heads v2 \
-  --device cuda --amp fp16 --image-size 800 --images 4 --repeats 2 --rounds 5 --draws 1 \
-  --batch-limit 0 --quiet-machine --settings baseline quant_4bit quant_4bit_all \
-  checkpoint_stages --json "$OUT/bench_v2_gpu.json"
+keep probe_python
+# torchvision's v2 heads (a BatchNorm after every FPN and head conv) on the COCO recipe's body.
+stage bench_v2_gpu $(($(left) - 5)) "${more[@]}" --heads v2 --images $MID \
+  --settings baseline quant_4bit quant_4bit_all checkpoint_stages --json "$WORK/bench_v2_gpu.json"
+keep bench_v2_gpu
 echo "done in $(($(date +%s) - start)) s" >>"$summary"
-if compgen -G "$OUT/*.log" >/dev/null; then (cd "$OUT" && tar czf logs.tgz ./*.log && rm ./*.log); fi
 cat "$summary"
