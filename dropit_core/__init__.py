@@ -44,8 +44,8 @@ Where things are (each subpackage's docstring maps its modules):
 - :mod:`.strategies`: what a layer keeps, one module per family, and ``REGISTRY``.
 - :mod:`.formats`: each pack format specified once (quant's in :mod:`.formats.quant`), the seeds'
   hash, the bit masks and the kept values' encodings.
-- :mod:`.layers`: where it runs: the modules, the autograd Functions, the ``torch.library``
-  operators, the hooked convolution, norms and pooling.
+- :mod:`.layers`: where it runs: the modules, the autograd Functions and the input cache, the
+  ``torch.library`` operators, the hooked convolution, norms and pooling.
 - :mod:`.backends`: how fast: the choice (:mod:`.backends.dispatch`), the C loops, the Triton
   kernels (quant on a GPU: :mod:`.backends.triton.quant`).
 - :mod:`.detection`: the torchvision-specific lean forward and frozen norm (the only part that

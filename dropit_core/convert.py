@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from dropit_core.layers.functions import InputCache
+from dropit_core.layers.cache import InputCache
 from dropit_core.layers.modules import DropITConv2d, DropITConvTranspose2d, DropITLinear, DropITReLU
 from dropit_core.layers.norm import NORM_CLASSES
 from dropit_core.layers.pooling import DropITMaxPool2d

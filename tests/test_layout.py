@@ -147,9 +147,9 @@ FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
     ("dropit_core.detection.forward", "torchvision._is_tracing"): (
         "torchvision's own ONNX-tracing test, which its RoI pooler asks too"
     ),
-    ("dropit_core.layers.functions", "key._version"): "a tensor's in-place version counter",
-    ("dropit_core.layers.functions", "p._version"): "a tensor's in-place version counter",
-    ("dropit_core.layers.functions", "torch._C"): (
+    ("dropit_core.layers.cache", "key._version"): "a tensor's in-place version counter",
+    ("dropit_core.layers.casts", "p._version"): "a tensor's in-place version counter",
+    ("dropit_core.layers.casts", "torch._C"): (
         "getattr(torch._C, '_is_any_autocast_enabled', fallback): one call, absent in old torch"
     ),
     ("dropit_core.layers.hooked", "torch._C._autograd._push_saved_tensors_default_hooks"): (

@@ -1,7 +1,7 @@
 """Seeds for reproducible random packs: one integer hash of (strategy seed, step, pack, ...).
 
 A strategy that draws (random keeps, importance sampling, stochastic rounding) seeds each pack
-from its ``seed`` option and a key that :class:`dropit_core.layers.functions.InputCache` derives
+from its ``seed`` option and a key that :class:`dropit_core.layers.cache.InputCache` derives
 from the training step and the pack's position in that step's forward. Integers (Python ints, or
 int64 CPU tensors of many at once, the same values): no generator state to save in a checkpoint,
 nothing read from a device.

@@ -32,16 +32,9 @@ from dropit_core import settings
 from dropit_core.formats.packed import Packed, QuantMeta
 from dropit_core.formats.quant import code_bytes, whole_bytes
 from dropit_core.formats.seeds import MASK32, TABLE_BITS, UNIFORM_BITS, mix32
-from dropit_core.layers.functions import (
-    ConvArgs,
-    InputCache,
-    Rebuilt,
-    cache_by_number,
-    conv_grads,
-    linear_grads,
-    relu_and_mask,
-    relu_mask_grad,
-)
+from dropit_core.layers.cache import InputCache, cache_by_number
+from dropit_core.layers.functions import ConvArgs, Rebuilt, conv_grads, linear_grads
+from dropit_core.layers.relu import relu_and_mask, relu_mask_grad
 from dropit_core.strategies.quant import Quant
 
 

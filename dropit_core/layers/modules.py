@@ -16,14 +16,10 @@ from torch import nn
 from dropit_core.layers import functions as ops
 from dropit_core.layers import hooked
 from dropit_core.layers import library as traced
-from dropit_core.layers.functions import (
-    ConvArgs,
-    DropITConvFunction,
-    DropITLinearFunction,
-    InputCache,
-    MaskedReLUFunction,
-    autocast_inputs,
-)
+from dropit_core.layers.cache import InputCache
+from dropit_core.layers.casts import autocast_inputs
+from dropit_core.layers.functions import ConvArgs, DropITConvFunction, DropITLinearFunction
+from dropit_core.layers.relu import MaskedReLUFunction
 
 
 def _training_step(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> bool:

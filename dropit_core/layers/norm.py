@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from dropit_core.formats.packed import Packed, refuse_double_backward, tag_pack
 from dropit_core.layers import library as traced
-from dropit_core.layers.functions import Grads, InputCache
+from dropit_core.layers.cache import InputCache
+from dropit_core.layers.functions import Grads
 
 
 def _training_step(module: nn.Module, x: torch.Tensor) -> bool:

@@ -218,7 +218,7 @@ def test_a_fused_pack_is_the_eager_pack_byte_for_byte(bits: int, monkeypatch):
     """The traced pack's torch ops (what Inductor fuses), run eagerly: the eager pack's bytes
     for the same draw, and the draw is the cache's next key (a pack of another shape, dtype or
     group is left to the opaque operator)."""
-    from dropit_core.layers.functions import InputCache
+    from dropit_core.layers.cache import InputCache
     from dropit_core.strategies.catalog import build_strategy
 
     configure(fuse=True)
@@ -237,7 +237,7 @@ def test_a_fused_pack_is_the_eager_pack_byte_for_byte(bits: int, monkeypatch):
 
 def test_the_fused_relu_keeps_the_eager_mask_and_gradient():
     from dropit_core.formats.bits import pack_blocked
-    from dropit_core.layers.functions import MaskedReLUFunction
+    from dropit_core.layers.relu import MaskedReLUFunction
 
     x = torch.randn(3, 5, 7)  # 105 values: a last byte of flags only partly used
     x[0, 0, :3] = torch.tensor([0.0, float("nan"), -0.0])

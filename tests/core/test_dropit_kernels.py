@@ -29,7 +29,7 @@ from dropit_core.backends import dispatch, native
 from dropit_core.formats import seeds
 from dropit_core.formats.quant import kernels_take as quant_kernels_take
 from dropit_core.formats.quant import unpack_codes
-from dropit_core.layers.functions import MaskedReLUFunction
+from dropit_core.layers.relu import MaskedReLUFunction
 from dropit_core.strategies.quant import pack_signed, unpack_signed
 from tests.core.kernel_env import DEVICE, FLOATS, INTERPRETED, NEEDS_KERNELS, same_bits
 from tests.core.test_dropit_unbiased import _activation, _error_in_noise_units

@@ -21,7 +21,7 @@ from dropit_core import (
 from dropit_core.backends import dispatch, native
 from dropit_core.formats import packed as base
 from dropit_core.formats.bits import pack_blocked, zero_flagged_sliced
-from dropit_core.layers.functions import relu_and_mask, relu_mask_grad
+from dropit_core.layers.relu import relu_and_mask, relu_mask_grad
 
 
 @pytest.fixture

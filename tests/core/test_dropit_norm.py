@@ -205,7 +205,7 @@ def test_norm_under_cpu_autocast_matches_the_plain_layer() -> None:
 def test_sync_batchnorm_across_processes_packs_its_saved_input() -> None:
     """The several-process path runs torch's function under a hook that packs the saved input:
     here the same hook around an op that saves its input twice (one pack, an unbiased rebuild)."""
-    from dropit_core.layers.functions import InputCache
+    from dropit_core.layers.cache import InputCache
     from dropit_core.layers.norm import _pack_saved
     from dropit_core.strategies.catalog import build_strategy
 

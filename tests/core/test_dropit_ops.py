@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropit_core import is_dropit, set_step, to_dropit
 from dropit_core.layers import functions as ops
-from dropit_core.layers.functions import MaskedReLUFunction
+from dropit_core.layers.cache import InputCache
+from dropit_core.layers.relu import MaskedReLUFunction
 from tests.core.contracts import contract_layers
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -401,7 +402,6 @@ def test_shared_input_is_packed_once_under_autocast(monkeypatch) -> None:
 
 
 def test_pack_shared_through_the_cast_source_follows_its_version() -> None:
-    from dropit_core.layers.functions import InputCache
     from dropit_core.strategies.catalog import build_strategy
 
     cache = InputCache(build_strategy("mink", 0.5))
@@ -595,16 +595,16 @@ def test_a_large_conv_rebuilds_its_input_an_image_chunk_at_a_time(monkeypatch, s
     those of one whole rebuild, bit for bit."""
     _split_at(monkeypatch, 1)
     calls = []
-    part, whole = ops.InputCache.unpack_part, ops.InputCache.unpack
+    part, whole = InputCache.unpack_part, InputCache.unpack
     monkeypatch.setattr(
-        ops.InputCache, "unpack_part", lambda s, p, a, b: calls.append(b - a) or part(s, p, a, b)
+        InputCache, "unpack_part", lambda s, p, a, b: calls.append(b - a) or part(s, p, a, b)
     )
-    monkeypatch.setattr(ops.InputCache, "unpack", lambda s, p: calls.append("whole") or whole(s, p))
+    monkeypatch.setattr(InputCache, "unpack", lambda s, p: calls.append("whole") or whole(s, p))
     x = torch.randn(shape)
     grads = []
     for by_part in (True, False):
         if not by_part:  # every strategy as one that cannot rebuild a part
-            monkeypatch.setattr(ops.InputCache, "unpack_part", lambda *a: None)
+            monkeypatch.setattr(InputCache, "unpack_part", lambda *a: None)
         torch.manual_seed(0)
         conv = to_dropit(nn.Sequential(nn.Conv2d(shape[1], 6, 3, padding=1)), "quant", bits=4)
         xi = x.clone().requires_grad_()

@@ -700,17 +700,17 @@ def test_a_truthy_attribute_that_is_not_true_does_not_count() -> None:
 def test_autocast_casts_are_asked_the_same_with_or_without_the_one_call_check(
     monkeypatch, one_call: bool
 ) -> None:
-    # ops.autocast_inputs asks torch's one-call "any autocast?" first; a torch without it asks
+    # casts.autocast_inputs asks torch's one-call "any autocast?" first; a torch without it asks
     # the device's own flag every time: the same casts either way, outside autocast and in it.
-    from dropit_core.layers import functions as ops
+    from dropit_core.layers import casts
 
     if not one_call:
-        monkeypatch.setattr(ops, "_any_autocast", ops._any_autocast_fallback)
+        monkeypatch.setattr(casts, "_any_autocast", casts._any_autocast_fallback)
     conv = to_dropit(nn.Sequential(nn.Conv2d(2, 3, 3)), strategy="quant", bits=4)[0]
     x = torch.randn(1, 2, 5, 5)
-    w, b, dtype = ops.autocast_inputs(x, conv.weight, conv.bias, conv.dropit_cache)
+    w, b, dtype = casts.autocast_inputs(x, conv.weight, conv.bias, conv.dropit_cache)
     assert (w, b, dtype) == (conv.weight, conv.bias, None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        w, b, dtype = ops.autocast_inputs(x, conv.weight, conv.bias, conv.dropit_cache)
+        w, b, dtype = casts.autocast_inputs(x, conv.weight, conv.bias, conv.dropit_cache)
     assert dtype == torch.bfloat16 and w.dtype == b.dtype == torch.bfloat16
     assert torch.equal(w, conv.weight.to(torch.bfloat16))

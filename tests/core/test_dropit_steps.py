@@ -229,7 +229,7 @@ def test_a_caches_keys_are_mix_seed_of_rank_stream_step_and_position() -> None:
 
     from dropit_core import build_strategy
     from dropit_core.formats.seeds import hash_keys, mix_seed, mix_state
-    from dropit_core.layers.functions import InputCache
+    from dropit_core.layers.cache import InputCache
 
     assert mix_state(mix_state(0, 3, 4), 5) >> 2 == mix_seed(3, 4, 5)
     cache = InputCache(build_strategy("quant", 0.8), stream=7)
@@ -254,7 +254,7 @@ def test_keys_made_together_are_the_keys_made_one_by_one() -> None:
 
     from dropit_core import build_strategy
     from dropit_core.formats.seeds import _signed64, mix_part, mix_seed
-    from dropit_core.layers.functions import KEY_BLOCK, InputCache
+    from dropit_core.layers.cache import KEY_BLOCK, InputCache
 
     rng = random.Random(0)
     parts = [rng.getrandbits(64) for _ in range(2000)] + [0, 1 << 63, (1 << 64) - 1]
@@ -281,7 +281,7 @@ def test_a_caches_key_table_is_rewritten_in_place_each_step() -> None:
     of eager's key at that position; ``set_step`` writes the new step's into the same memory, so
     a graph that replays reads them (it runs no Python), and two steps draw differently."""
     from dropit_core.formats.seeds import mix_seed
-    from dropit_core.layers.functions import InputCache
+    from dropit_core.layers.cache import InputCache
 
     quant = build_strategy("quant", 0.8, seed=4)
     cache = InputCache(quant, stream=2)

@@ -11,7 +11,7 @@ from torch import nn
 
 from dropit_core import REGISTRY, STRATEGIES, build_strategy, to_dropit
 from dropit_core.formats import packed as base_mod
-from dropit_core.layers.functions import InputCache
+from dropit_core.layers.cache import InputCache
 
 GAMMAS = (0.5, 0.8)
 CONV_SHAPE = (2, 3, 5, 7)  # 6 planes of 5x7: odd sizes exercise tails and padding

@@ -14,6 +14,6 @@
 Importing a submodule imports triton; :mod:`dropit_core.backends.dispatch` decides whether to (only
 then), so ``dropit_core`` imports without triton. Every kernel writes exactly the format its eager
 reference writes (``dropit_core.strategies.quant.Quant``,
-``dropit_core.layers.functions.MaskedReLUFunction``, the fixed-capacity path of
+``dropit_core.layers.relu.MaskedReLUFunction``, the fixed-capacity path of
 ``dropit_core.strategies.elementwise``, ``dropit_core.strategies.select``' radix select).
 """

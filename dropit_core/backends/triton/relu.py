@@ -1,5 +1,5 @@
 """The ReLU that keeps a 1-bit mask, forward and backward, one Triton launch each (reference:
-``dropit_core.layers.functions.MaskedReLUFunction``, whose mask is ``formats.bits.pack_bits(out
+``dropit_core.layers.relu.MaskedReLUFunction``, whose mask is ``formats.bits.pack_bits(out
 <= 0)``)."""
 
 from __future__ import annotations

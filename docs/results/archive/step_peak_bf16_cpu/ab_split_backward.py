@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dropit_core import set_step, to_dropit
-from dropit_core.layers.functions import InputCache
+from dropit_core.layers.cache import InputCache
 
 torch.set_num_threads(2)
 torch.manual_seed(0)

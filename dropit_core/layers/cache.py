@@ -1,0 +1,234 @@
+"""The input cache of a DropIT layer: it packs the layer's input with the layer's strategy, shares
+a pack between the layers fed the same tensor (through an attribute of the tensor), and says where
+each pack is in its random stream (the draw keys, and the same keys as a device table for a pack
+replayed in a CUDA graph). The ``torch.library`` operators name a cache by its number
+(:func:`cache_by_number`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from dropit_core.formats.packed import Packed, keep_pack, pack_made
+from dropit_core.formats.seeds import mix_part, mix_state, seed_of
+from dropit_core.layers.casts import ParamCasts
+from dropit_core.layers.hooked import SavedInputHooks
+from dropit_core.strategies.base import Strategy
+
+# The caches by number: a torch.library operator takes plain values (dropit_core.layers.library),
+# and names a cache by its number, for as long as the cache lives.
+_CACHES: weakref.WeakValueDictionary[int, InputCache] = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count(1)
+
+# The attribute of a layer input that holds its pack: (forward, version, layout, dtype, pack).
+# Forward numbers are unique across caches, so two caches never take each other's pack.
+_SHARED = "_dropit_shared_pack"
+_FORWARDS = itertools.count(1)
+
+# Rows of a cache's key table on a device (InputCache.draw_row): the packs one forward draws,
+# with room (quant converts 97 conv and linear layers of torchvision's R50-FPN Mask R-CNN; the
+# RPN head's three run once per FPN level).
+KEY_ROWS = 256
+# Draw keys an input cache makes at a time (InputCache.next_key): at first, and at most.
+KEY_BLOCK, MAX_KEY_BLOCK = 32, 4096
+
+
+def _number(cache: InputCache) -> int:
+    number = next(_NUMBERS)
+    _CACHES[number] = cache
+    return number
+
+
+def cache_by_number(number: int) -> InputCache:
+    """The live :class:`InputCache` numbered ``number`` (its ``number`` attribute)."""
+    cache = _CACHES.get(number)
+    if cache is None:
+        raise RuntimeError(f"DropIT: the input cache #{number} of a compiled graph is gone")
+    return cache
+
+
+class InputCache:
+    """Packs layer inputs with one strategy, sharing a pack between layers fed the same tensor.
+
+    In a ResNet the block input feeds conv1 and the downsample conv, and FPN reads the same stage
+    outputs; in the RPN head one tensor feeds two convs. Packing it once halves or thirds both the
+    work and the bytes. The pack rides on the input tensor itself (an attribute, tagged with the
+    cache and its forward, cheap to read: host time): it dies with the tensor, and a backward or
+    a new step makes it stale.
+
+    It also says where the packs are in their random streams: each pack that draws is keyed by
+    (rank, ``stream``, step, its position among this step's packs). The forward order is
+    deterministic, so the position names the layer and the call; :meth:`set_step` (called through
+    ``dropit_core.set_step`` before each forward) makes a resumed run draw what the original drew.
+    Without it the position keeps counting, so every pack still draws afresh.
+
+    ``dropped`` sums, on the device, the values its packs chose but could not store (packs sized
+    from the shape: :mod:`dropit_core.strategies.elementwise`); None until a pack reports some.
+    """
+
+    def __init__(self, strategy: Strategy, stream: int = 0) -> None:
+        self.strategy = strategy
+        self.stream = stream  # tells the caches of one model apart (one per rule)
+        self.step = 0
+        self.rank = 0
+        self.position = 0
+        self._prefix = mix_state(0, self.rank, self.stream, self.step)
+        # The keys of positions _block_first on, made together (next_key reads them), and how
+        # many to make next time: the last step's draws, so one block serves a whole step.
+        self._block: list[int] = []
+        self._block_first = 0
+        self._block_size = KEY_BLOCK
+        self._forward = next(_FORWARDS)  # names this cache's current forward on its packs
+        self.casts = ParamCasts()  # autocast's weight casts, shared by the calls of a forward
+        self.dropped: torch.Tensor | None = None
+        self.number = _number(self)  # how the torch.library operators name it (library.py)
+        self.saved_hooks = SavedInputHooks(self)  # its convs' path without a Function (hooked.py)
+        self.keys = KeyTable(self)  # the step's draws as device data (draw_row)
+
+    def set_step(self, step: int, rank: int = 0) -> None:
+        """Start the random streams of training step ``step`` (on process ``rank``).
+
+        Packs of earlier steps are forgotten: a tensor fed again (a fixed input) packs afresh.
+        """
+        self._block_size = max(KEY_BLOCK, self.position)
+        self.step, self.rank, self.position = step, rank, 0
+        self._prefix = mix_state(0, rank, self.stream, step)
+        self._block = []
+        self._forward = next(_FORWARDS)
+        self.keys.new_step()
+
+    def draw_row(self, device: torch.device) -> torch.Tensor:
+        """The next pack's draw as device data: ``(k0, k1, 0)`` (the hash keys of
+        :meth:`next_key`, the pack's first element), int64, from the step's key table on
+        ``device``, which ``set_step`` rewrites in place: a pack replayed in a CUDA graph (no
+        Python runs) draws each step's keys, eager's."""
+        position = self.position
+        self.next_key()  # moves on as eager does (its row holds this key's hash keys)
+        return self.keys.row(position, device).clone()
+
+    def next_key(self) -> int:
+        """The key of the next pack that draws, and move on."""
+        at = self.position - self._block_first
+        if not 0 <= at < len(self._block):
+            self._next_block()
+            at = 0
+        self.position += 1
+        return self._block[at]
+
+    def _next_block(self) -> None:
+        """Make the next positions' keys together on a tensor (not a hash in Python per pack:
+        host time), and let the strategy derive its draws from them (``remember_draws``)."""
+        count = min(max(self._block_size, 2 * len(self._block)), MAX_KEY_BLOCK)
+        keys = self.key_at(torch.arange(self.position, self.position + count))
+        self._block_first, self._block = self.position, keys.tolist()
+        self.strategy.remember_draws(keys)
+
+    def key_at(self, position: int | torch.Tensor) -> int | torch.Tensor:
+        """mix_seed(rank, stream, step, position), the first three folded in set_step; of each
+        position of an int64 tensor of them, as a tensor."""
+        return seed_of(mix_part(self._prefix, position))
+
+    def pack(
+        self,
+        x: torch.Tensor,
+        layout: str,
+        source: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Packed:
+        """Pack ``x`` as ``dtype`` values (default its own), or return the pack made earlier in
+        this forward for the same tensor.
+
+        Layers fed the same tensor share its pack, under autocast too: the key is ``source``, the
+        tensor ``x`` was cast from, when given, else ``x``; ``dtype`` is the layer's compute
+        dtype, so that ``x`` may be the uncast input (a strategy that reads through the cast
+        packs it without a copy: :meth:`Strategy.pack`).
+        """
+        key = x if source is None else source
+        dtype = x.dtype if dtype is None else dtype
+        made = (self._forward, key._version, layout, dtype)
+        hit = pack_made(key, _SHARED, made)
+        if hit is not None:
+            return hit
+        draw = self.next_key() if self.strategy.draws else 0
+        if dtype == x.dtype:  # the usual call (strategies that override pack take it)
+            packed = self.strategy.pack(x, layout, draw)
+        else:
+            packed = self.strategy.pack(x, layout, draw, dtype)
+        if packed.dropped is not None:  # a device-side sum: reading it is the caller's choice
+            self.dropped = packed.dropped if self.dropped is None else self.dropped + packed.dropped
+        keep_pack(key, _SHARED, made, packed)
+        return packed
+
+    def end_forward(self) -> None:
+        """Forget this forward's packs: a backward has begun, so the forward that shares them is
+        over. A tensor fed again in a later step then packs afresh, with a new draw, even without
+        ``set_step``. (A pack stays on its input until the input dies or is packed again: a
+        tensor the caller keeps past the step keeps its last pack, a fraction of its own bytes.)"""
+        self._forward = next(_FORWARDS)
+
+    def reads_through_cast(self) -> bool:
+        """Whether a pack of an autocast input is made from the uncast tensor (so the cast the
+        layer ran need not outlive the layer's op)."""
+        strategy = self.strategy
+        return strategy.reads_through_cast and strategy.rescale == "none"
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        """Rebuild the dense (dropped) input."""
+        return self.strategy.unpack(packed)
+
+    def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
+        """Elements ``[start, stop)`` of the flat rebuilt input, or None where the strategy
+        cannot rebuild them alone (``Strategy.unpack_part``)."""
+        return self.strategy.unpack_part(packed, start, stop)
+
+    # A copy starts with no packs and no casts, at the same place in the random streams.
+    _STATE = ("strategy", "stream", "step", "rank", "position")
+
+    def __getstate__(self) -> dict:
+        return {name: getattr(self, name) for name in self._STATE}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["strategy"], state["stream"])
+        self.set_step(state["step"], state["rank"])
+        self.position = state["position"]
+
+
+class KeyTable:
+    """A cache's draws as device data: row p holds ``(k0, k1, 0)``, the strategy's hash keys of
+    the step's key at position p. ``new_step`` rewrites the rows a forward has read in place, so
+    a CUDA graph that recorded reads of this memory draws each step's keys on replay."""
+
+    def __init__(self, cache: InputCache) -> None:
+        self.cache = cache
+        self.table: torch.Tensor | None = None
+        self.read = 0  # rows a forward has read: new_step rewrites those
+        self.fresh = 0  # rows holding this step's keys
+
+    def new_step(self) -> None:
+        """The cache began a step: its rows read so far get the step's keys, in place."""
+        if self.table is not None:
+            self.table[: self.read].copy_(self._rows(0, self.read))
+        self.fresh = self.read
+
+    def row(self, position: int, device: torch.device) -> torch.Tensor:
+        """Row ``position`` of the table on ``device`` (a view)."""
+        table = self.table
+        if table is None or table.device != device or position >= len(table):
+            # Sized once, before a graph records (its first forwards run eagerly): a table
+            # moved or grown later would leave a recorded graph reading the old one.
+            rows = max(KEY_ROWS, 2 * position + 2)
+            table = self.table = self._rows(0, rows).to(device)
+            self.fresh = rows
+        elif position >= self.fresh:  # past the rows new_step rewrote: this step's, now
+            table[self.fresh : position + 1].copy_(self._rows(self.fresh, position + 1))
+            self.fresh = position + 1
+        self.read = max(self.read, position + 1)
+        return table[position]
+
+    def _rows(self, start: int, stop: int) -> torch.Tensor:
+        cache = self.cache
+        k0, k1 = cache.strategy.draw_keys(cache.key_at(torch.arange(start, stop)))
+        return torch.stack([k0, k1, torch.zeros_like(k0)], 1)

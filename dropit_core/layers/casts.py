@@ -1,0 +1,70 @@
+"""Autocast's casts for a DropIT conv or linear layer: its weight and bias cast as autocast would
+cast them, one copy per forward for a layer called many times (:class:`ParamCasts`, which the
+layer's input cache holds), and the dtype the op casts its input to.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+
+class ParamCasts:
+    """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
+    once per FPN level), as autocast's own weight cache does for the plain layer. Each cast is
+    held weakly: the autograd graph keeps it through the forward and lets it go with the graph,
+    so no copy of the weights outlives a step. (Weak dictionaries neither pickle nor copy: a
+    copied cache starts with none.)"""
+
+    def __init__(self) -> None:
+        self._casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def get(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p`` as ``dtype``: the cast made earlier of this version of ``p``, or a new one."""
+        if p.dtype == dtype:
+            return p
+        hit = self._casts.get(p)
+        if hit is not None:
+            cast = hit[1]()
+            if cast is not None and hit[0] == p._version and cast.dtype == dtype:
+                return cast
+        cast = p.to(dtype)
+        self._casts[p] = (p._version, weakref.ref(cast))
+        return cast
+
+
+def _any_autocast_fallback() -> bool:
+    return True  # a torch without the one-call check: ask the device's flag every time
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast_fallback)
+
+
+def autocast_inputs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: Any
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype | None]:
+    """(weight, bias, the input's dtype) as autocast would cast them for conv/linear (the dtype
+    None without autocast): outputs identical to the plain layer's, narrow values in the cache.
+    The weight casts are made here, outside the Function, so that autograd sees them, shared by
+    the calls of one forward through ``cache``, the layer's
+    :class:`~dropit_core.layers.cache.InputCache` (None while tracing: the compiler shares them).
+    The input is cast inside the op (``_forward_and_save`` in :mod:`dropit_core.layers.functions`),
+    so that the cast can go as soon as the op has run; autograd casts its gradient back to
+    ``x``'s dtype, as autocast does."""
+    # One C call answers the usual fp32 case; the device's own flag only under some autocast.
+    if not _any_autocast():
+        return weight, bias, None
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return weight, bias, None
+    dtype = torch.get_autocast_dtype(device_type)
+    if cache is None:
+        return weight.to(dtype), None if bias is None else bias.to(dtype), dtype
+    return (
+        cache.casts.get(weight, dtype),
+        cache.casts.get(bias, dtype) if bias is not None else None,
+        dtype,
+    )
