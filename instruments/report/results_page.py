@@ -299,6 +299,24 @@ def _run_words(r: Mapping[str, Any]) -> str:
     )
 
 
+def _workload_words(record: Mapping[str, Any]) -> str:
+    """What the record's RoI heads saw (records from before workloads had names: untrained)."""
+    name = record.get("workload")
+    if name is None:
+        return "the untrained workload (the ground truth's 3 positive RoIs per image)"
+    positives = record.get("positive_rois_per_image")
+    count = f"{positives:.0f} positive RoIs per image" if positives is not None else "positives"
+    anchor = "../benchmark.md#the-workload-what-the-roi-heads-see"
+    return f"the {name} workload ({count}; [benchmark.md]({anchor}))"
+
+
+def _memory_words(record: Mapping[str, Any]) -> str:
+    """How the record's memory was counted."""
+    if record.get("memory_source") == "rss":
+        return "RSS (large blocks mmapped, so it follows live memory)"
+    return "tensors' bytes ([the one peak](../training.md#peak-memory))"
+
+
 def cpu_table_lines(
     table: Mapping[str, Mapping[str, Any]],
     proxy: Mapping[str, Mapping[str, Any]],
@@ -310,8 +328,7 @@ def cpu_table_lines(
     base = table["baseline"]
     lines = [
         f"**{base['machine']}**, torch threads {base['threads']}, Mask R-CNN R50-FPN (COCO "
-        "recipe), random weights; memory as RSS (large blocks mmapped, so it follows live "
-        "memory).",
+        f"recipe), random weights, {_workload_words(base)}; memory as {_memory_words(base)}.",
         "",
         f"- @{base['images']}: {_run_words(base)} "
         f"([memory.md](memory.md#every-method-in-one-table)).",
