@@ -23,6 +23,7 @@ RESULTS = REPO / "docs/results"
 BENCH_BLOCKS: dict[tuple[str, str], tuple[str, bool]] = {
     ("docs/results/memory.md", "methods-bench"): ("methods_bench.json", False),
     ("docs/results/memory.md", "methods-bench-trained"): ("methods_bench_trained.json", False),
+    ("docs/results/memory.md", "methods-bench-cap"): ("methods_bench_cap.json", False),
     ("docs/results/memory.md", "methods-bench-forward"): ("methods_bench_forward.json", False),
     ("docs/results/memory.md", "step-peak-bf16-rpn"): (
         "rpn_head_grad/methods_rpn_head.json",
