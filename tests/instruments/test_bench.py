@@ -430,6 +430,7 @@ def test_the_untrained_workload_is_the_first_benches_batch() -> None:
     assert targets[0]["boxes"][0].tolist() == [6.0, 8.0, 26.0, 28.0]
 
 
+@pytest.mark.slow  # three steps of a narrow bench model at 512 RoIs per image
 @pytest.mark.usefixtures("narrow_bench")
 def test_a_workloads_positive_rois_are_counted_in_the_measured_step() -> None:
     # 512 RoIs per image, as the recipe: the sampler keeps at most 128 positives (0.25)

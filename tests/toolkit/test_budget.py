@@ -318,6 +318,7 @@ def test_a_real_probe_of_a_tiny_model_measures_every_method(tiny_shapes) -> None
     assert choose(rows, between, 0.1, "between")[0] == "quant_4bit"
 
 
+@pytest.mark.slow  # four tiny detectors built and stepped
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_the_probe_steps_as_the_trainer_steps(tiny_shapes, accumulate: int) -> None:
     # one step function (engine.step.training_step): same losses, gradients and weights
