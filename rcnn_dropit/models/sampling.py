@@ -34,6 +34,14 @@ class RoISampleCounter:
         self.sampler = sampler
         self.sums: Tensor | None = None  # positives, negatives, images since the last take()
 
+    def __getattr__(self, name: str):
+        # what the wrapped sampler says of itself (batch_size_per_image, positive_fraction);
+        # before __init__ (a copy being made) there is no sampler: no such attribute
+        sampler = self.__dict__.get("sampler")
+        if sampler is None:
+            raise AttributeError(name)
+        return getattr(sampler, name)
+
     def __call__(self, matched_idxs: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         pos, neg = self.sampler(matched_idxs)
         if pos:
