@@ -131,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         "--workload",
         default="trained",
         help="the batch and the RoIs its heads see (instruments/measure/workload.py): trained "
-        "(a trained detector's positives, about 90 per image at 800 px), cap (the sampler's "
+        "(a trained detector's positives, most of the sampler's cap), cap (the sampler's "
         "128 per image), untrained (random weights: the ground truth's 3); default: "
         "%(default)s",
     )
