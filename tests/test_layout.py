@@ -275,7 +275,6 @@ def test_no_private_attribute_is_reached_across_modules() -> None:
 INSTRUMENTS = (
     "bench",
     "study",
-    "grad_figure",
     "grad_groups",
     "gpu_probe",
     "gpu_checks",
