@@ -1,13 +1,13 @@
-"""Where one GPU training step's time and peak memory go, per bench setting (a diagnostic).
+"""Where one GPU training step's host time and peak memory go, per bench setting (a diagnostic).
 
-    python tools/gpu_probe.py --settings baseline quant_4bit --images 2 8
+    python tools/gpu_probe.py --what memory --settings baseline quant_4bit --images 2 8
 
 For each setting and batch (the bench's R50-FPN Mask R-CNN, AMP fp16, 800 px; --scratch: with
 BatchNorm, every stage trainable): the allocations alive at the step's CUDA peak (--what
-memory), host against kernel time and the ops with the most host time (time), or the Python
-functions with the most time of their own (python); or, once, the host's cost of a launch:
-an aten op, a bare Triton launch and each DropIT wrapper (launch). Needs CUDA; prints text
-(instruments/measure/gpu_probe.py; docs/gpu.md says what a run of it showed on an H200).
+memory) or the Python functions with the most time of their own (python); or, once, the host's
+cost of a launch: an aten op, a bare Triton launch and each DropIT wrapper (launch). Needs CUDA;
+prints text (instruments/measure/gpu_probe.py; docs/gpu.md says what a run of it showed on an
+H200).
 
 ``--what live`` runs on any device (``--device cpu``, fp32 there): the tensors alive at the
 training forward's peak, by the line that made them, split into what backward keeps and the
@@ -83,12 +83,10 @@ def _probe(args: argparse.Namespace) -> None:
             batch = make_batch(800, torch.device("cuda"), n)
             print(f"== {setting.name}, {n} images", flush=True)
             try:  # one part failing leaves the others' figures
-                if args.what in ("both", "memory"):
+                if args.what == "memory":
                     step_loss(model, batch, "fp16").backward()  # warm: lazy state, kernels
                     probe.memory(model, batch, args.top)
-                if args.what in ("both", "time"):
-                    probe.timing(model, batch, args.top)
-                if args.what == "python":
+                else:
                     probe.python_time(model, batch, args.top)
             except Exception:  # a diagnostic: print the bug, go on to the next
                 traceback.print_exc()
@@ -107,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=15, help="lines per list")
     parser.add_argument(
         "--what",
-        choices=["both", "memory", "time", "python", "launch", "live", "live-step"],
-        default="both",
+        choices=["memory", "python", "launch", "live", "live-step"],
+        default="memory",
     )
     parser.add_argument("--device", default="cuda", help="with --what live(-step): any device")
     parser.add_argument("--image-size", type=int, default=800, help="with --what live(-step)")

@@ -1,55 +1,26 @@
-"""Where one GPU training step's time and peak memory go (a diagnostic: tools/gpu_probe.py).
+"""Where one GPU training step's host time and peak memory go (a diagnostic: tools/gpu_probe.py).
 
-The step's wall time against the GPU time of its kernels (a step whose wall time is well above
-its kernel time waits on the host), the ops with the most host time (torch.profiler), the
-Python functions with the most time of their own (cProfile), and the allocations alive at the
-step's CUDA peak (the caching allocator's trace), summed by the frame of our code or
-torchvision's that asked for them, with whether the peak falls in the forward or backward.
-And the host's cost of one launch: an aten op's, a bare Triton launch's and each DropIT
-wrapper's, on a tiny tensor (:func:`launch_costs`).
+The Python functions with the most time of their own (cProfile), and the allocations alive at
+the step's CUDA peak (the caching allocator's trace, read as the live probe reads its tensors:
+instruments.measure.live_probe), summed by the frame of our code or torchvision's that asked for
+them, with whether the peak falls in the forward or backward. And the host's cost of one launch:
+an aten op's, a bare Triton launch's and each DropIT wrapper's, on a tiny tensor
+(:func:`launch_costs`).
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 
+from instruments.measure.live_probe import report_of, trace_lives
 from instruments.measure.workload import step_loss
 
 # Untimed steps first: a Triton kernel compiles for each new specialisation of its integer
 # arguments (a size divisible by 16 or not), which the first steps of a model meet.
 WARMUP = 10
-OURS = ("dropit_core", "rcnn_dropit", "torchvision", "instruments")
-
-
-def frame_of(frames: list[dict]) -> str:
-    """The innermost frame in our code or torchvision's (the frame that asked for the memory)."""
-    for f in frames:
-        name = f.get("filename", "")
-        if any(f"/{part}/" in name for part in OURS):
-            short = name[max(name.rfind(f"/{p}/") for p in OURS) + 1 :]
-            return f"{short}:{f.get('line')} {f.get('name')}"
-    return "(no frame of ours)"
-
-
-def live_at_peak(trace: list[dict]) -> tuple[int, int, dict[int, tuple[int, list]]]:
-    """Replay an allocator trace: (peak bytes above the start, the event index of the peak,
-    the blocks alive then: address -> (size, frames))."""
-    live: dict[int, tuple[int, list]] = {}
-    now = peak = peak_at = 0
-    best: dict[int, tuple[int, list]] = {}
-    for i, ev in enumerate(trace):
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], ev.get("frames", []))
-            now += ev["size"]
-            if now > peak:
-                peak, peak_at, best = now, i, dict(live)
-        elif ev["action"] == "free_requested" and ev["addr"] in live:
-            now -= live.pop(ev["addr"])[0]
-    return peak, peak_at, best
 
 
 def memory(model, batch, top: int) -> None:
@@ -64,16 +35,11 @@ def memory(model, batch, top: int) -> None:
     torch.cuda.synchronize()
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, at, blocks = live_at_peak(trace)
-    phase = "forward" if at < forward_events else "backward"
-    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, frames in blocks.values():
-        g = groups[frame_of(frames)]
-        g[0] += size
-        g[1] += 1
-    print(f"  peak above the step's start: {peak / 2**20:.0f} MB, in the {phase}")
-    for where, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"    {size / 2**20:8.1f} MB  {count:5d} blocks  {where}")
+    lives = trace_lives(trace)
+    made = {life.born: ("alloc", life.where) for life in lives}
+    report = report_of(lives, len(trace), made, saved_known=False)
+    report.scope, report.forward_ops = "step", forward_events - 1  # events, not ops
+    print("\n".join("  " + line for line in report.lines(top)))
 
 
 def _warm_step(model, batch) -> Callable[[], None]:
@@ -87,27 +53,6 @@ def _warm_step(model, batch) -> Callable[[], None]:
         step()
     torch.cuda.synchronize()
     return step
-
-
-def timing(model, batch, top: int) -> None:
-    """Wall time against kernel time over 3 steps, and the ops with the most host time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step = _warm_step(model, batch)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / 3
-    events = prof.key_averages()
-    kernels = [e for e in events if getattr(e.device_type, "name", "") == "CUDA"]
-    gpu = sum(e.self_device_time_total for e in kernels or events) / 3e3
-    print(
-        f"  step wall {wall * 1e3:.1f} ms (under the profiler), kernels {gpu:.1f} ms of GPU "
-        "time per step"
-    )
-    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
 def python_time(model, batch, top: int) -> None:

@@ -27,6 +27,10 @@ step makes an ``add_``): a backward peak at such an ``add`` counts one gradient 
 
 Cost: a few microseconds of Python per op, a few seconds for an R50-FPN forward on the CPU (the
 profiler's allocation events took about two minutes for one step at 384 px).
+
+The peak and what is alive at it are read off the lives by :func:`peak_of`, which the CUDA
+allocator's trace goes through too (:func:`trace_lives`: its blocks, by the frame that asked
+for each; ``tools/gpu_probe.py --what memory``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import contextlib
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,23 +77,74 @@ def making_line(skip: int = 2) -> str:
     return f"{line} [{node.name()}]".lstrip()
 
 
-def _short(path: str) -> str:
-    """The path from its package folder on (``torchvision/ops/...``), else its last two parts."""
+def _ours(path: str) -> str | None:
+    """The path from its package folder on (``torchvision/ops/...``); None outside them."""
     parts = path.split(os.sep)
     for i, part in enumerate(parts):
         if part in ("torchvision", "dropit_core", "rcnn_dropit", "instruments", "tests"):
             return "/".join(parts[i:])
-    return "/".join(parts[-2:])
+    return None
+
+
+def _short(path: str) -> str:
+    """The path from its package folder on, else its last two parts."""
+    return _ours(path) or "/".join(path.split(os.sep)[-2:])
+
+
+def frame_of(frames: Sequence[Mapping[str, Any]]) -> str:
+    """``path:line function`` of the innermost frame of an allocator trace's event that is in
+    our code or torchvision's (the frame that asked for the memory)."""
+    for f in frames:
+        short = _ours(f.get("filename", ""))
+        if short is not None:
+            return f"{short}:{f.get('line')} {f.get('name')}"
+    return "(no frame of ours)"
 
 
 @dataclass
-class _Life:
+class Life:
+    """One storage (or allocator block): its bytes, the line that made it, the index of the op
+    (or event) after which it exists, and the first at which it is gone (None: never)."""
+
     nbytes: int
     where: str
-    born: int  # op index after which it exists
-    ref: Any  # StorageWeakRef
-    died: int | None = None  # first op index at which it was seen dead
-    saved: bool = False
+    born: int
+    died: int | None = None
+    saved: bool = False  # kept by autograd for the backward
+    ref: Any = None  # while followed: a StorageWeakRef
+
+
+def peak_of(lives: Iterable[Life]) -> tuple[int, int, list[Life]]:
+    """(the peak of the lives' summed bytes, the index after which it is first reached, the
+    lives alive then): at index i a life counts from ``born <= i`` until ``died <= i``."""
+    lives = list(lives)
+    change: dict[int, int] = defaultdict(int)
+    for life in lives:
+        change[life.born] += life.nbytes
+        if life.died is not None:
+            change[life.died] -= life.nbytes
+    now = peak = at = 0
+    for i in sorted(change):
+        now += change[i]
+        if now > peak:
+            peak, at = now, i
+    alive = [x for x in lives if x.born <= at and (x.died is None or x.died > at)]
+    return peak, at, alive
+
+
+def trace_lives(trace: Iterable[Mapping[str, Any]]) -> list[Life]:
+    """The blocks of a CUDA allocator trace (``torch.cuda.memory._snapshot``'s device trace) as
+    lives, indexed by event, each named by :func:`frame_of`; a block freed in the trace but
+    allocated before it is not one."""
+    lives: list[Life] = []
+    alive: dict[int, Life] = {}
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            alive[ev["addr"]] = Life(ev["size"], frame_of(ev.get("frames", [])), i)
+            lives.append(alive[ev["addr"]])
+        elif ev["action"] == "free_requested" and ev["addr"] in alive:
+            alive.pop(ev["addr"]).died = i
+    return lives
 
 
 @dataclass
@@ -113,7 +168,7 @@ class LiveReport:
     ops: int  # ops the forward ran
     op_name: str  # the op that reached it
     op_where: str  # and the line that called it
-    saved_mb: float  # alive at the peak and kept for backward
+    saved_mb: float | None  # alive at the peak and kept for backward (None: not known)
     held_mb: float  # alive at the peak and at the end, not kept by autograd (outputs, losses)
     transient_mb: float  # alive at the peak, freed before the forward ends: the working set
     end_mb: float  # recorded storages alive when the forward ends
@@ -133,14 +188,13 @@ class LiveReport:
             f"{self.scope} peak {self.peak_mb:.1f} MB{where} after op {self.peak_op} of "
             f"{self.ops} ({self.op_name} at {self.op_where}); "
             f"alive at the end {self.end_mb:.1f} MB",
-            f"  at the peak: saved for backward {self.saved_mb:.1f} MB, held otherwise "
+            f"  at the peak: saved for backward {_mb(self.saved_mb)}, held otherwise "
             f"{self.held_mb:.1f} MB, {self._freed_name} {self.transient_mb:.1f} MB",
             f"  {'MB':>8} {'saved':>8} {'freed':>8} {'count':>6}  line that made them",
         ]
         for g in self.groups[:top]:
-            out.append(
-                f"  {g.mb:8.1f} {g.saved_mb:8.1f} {g.transient_mb:8.1f} {g.count:6d}  {g.where}"
-            )
+            saved = "-" if self.saved_mb is None else f"{g.saved_mb:.1f}"
+            out.append(f"  {g.mb:8.1f} {saved:>8} {g.transient_mb:8.1f} {g.count:6d}  {g.where}")
         return out
 
     @property
@@ -150,19 +204,19 @@ class LiveReport:
         return "working set (freed before the end)"
 
 
+def _mb(mb: float | None) -> str:
+    return "not known" if mb is None else f"{mb:.1f} MB"
+
+
 class _Tracker(TorchDispatchMode):
     """Records every op output's storage and retires the dead ones (see the module's doc)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lives: list[_Life] = []
-        self.alive: dict[int, _Life] = {}  # storage address -> its life, while alive
+        self.lives: list[Life] = []
+        self.alive: dict[int, Life] = {}  # storage address -> its life, while alive
         self.op = 0
-        self.now = 0
-        self.peak = -1
-        self.peak_op = 0
-        self.peak_name = ""
-        self.peak_where = ""
+        self.made: dict[int, tuple[str, str]] = {}  # op index -> (op, line) of ops that made some
         self.node_ops = 0  # ops seen while an autograd node ran (the backward's)
         self.preexisting: set[int] = set()
 
@@ -170,12 +224,10 @@ class _Tracker(TorchDispatchMode):
         """Retire the storages that died since the last op."""
         dead = [k for k, life in self.alive.items() if life.ref.expired()]
         for k in dead:
-            life = self.alive.pop(k)
-            life.died = self.op
-            self.now -= life.nbytes
+            self.alive.pop(k).died = self.op
 
     def record(self, tensors: Iterable[Any], func_name: str) -> None:
-        """Count the new storages among ``tensors``; note the peak."""
+        """Record the new storages among ``tensors``, made by op ``func_name``."""
         outs = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "meta"]
         if not outs:
             return
@@ -187,13 +239,10 @@ class _Tracker(TorchDispatchMode):
             key, nbytes = storage.data_ptr(), storage.nbytes()
             if nbytes == 0 or key in self.alive or key in self.preexisting:
                 continue  # a view, an in-place result, or two outputs of one storage
-            life = _Life(nbytes, where, self.op, StorageWeakRef(storage))
+            life = Life(nbytes, where, self.op, ref=StorageWeakRef(storage))
             self.alive[key] = life
             self.lives.append(life)
-            self.now += nbytes
-        if self.now > self.peak:
-            self.peak, self.peak_op = self.now, self.op
-            self.peak_name, self.peak_where = func_name, where
+        self.made[self.op] = (func_name, where)
 
     def mark_saved(self, t: torch.Tensor) -> None:
         life = self.alive.get(t.untyped_storage().data_ptr())
@@ -220,7 +269,7 @@ def live_at_peak(
     """
     with _following(preexisting) as tracker:
         result = forward()
-    return result, _report(tracker)
+    return result, report_of(tracker.lives, tracker.op, tracker.made)
 
 
 @contextlib.contextmanager
@@ -258,18 +307,21 @@ def live_through_step(
         del loss
     if not tracker.node_ops:  # a backward the mode did not follow (another thread) looks empty
         raise RuntimeError("the live probe saw no op of the backward: it ran outside the mode")
-    report = _report(tracker)
+    report = report_of(tracker.lives, tracker.op, tracker.made)
     report.scope, report.forward_ops = "step", forward_ops
     return report
 
 
-def _report(tracker: _Tracker) -> LiveReport:
-    peak_op = tracker.peak_op
-    at_peak = [
-        life
-        for life in tracker.lives
-        if life.born <= peak_op and (life.died is None or life.died > peak_op)
-    ]
+def report_of(
+    lives: Sequence[Life],
+    ops: int,
+    made: Mapping[int, tuple[str, str]],
+    saved_known: bool = True,
+) -> LiveReport:
+    """The report of ``lives`` over ``ops`` ops (or events): :func:`peak_of`, the split of what
+    is alive at the peak, and its lives grouped by line; ``made``: the op and the line of each
+    index where lives were born (the peak's)."""
+    peak, peak_op, at_peak = peak_of(lives)
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0.0])
     saved = held = transient = 0.0
     for life in at_peak:
@@ -284,15 +336,16 @@ def _report(tracker: _Tracker) -> LiveReport:
         else:
             transient += life.nbytes
             g[3] += life.nbytes
-    end = sum(life.nbytes for life in tracker.lives if life.died is None)
+    end = sum(life.nbytes for life in lives if life.died is None)
     ordered = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    op_name, op_where = made.get(peak_op, ("", ""))
     return LiveReport(
-        peak_mb=max(tracker.peak, 0) / MB,
+        peak_mb=peak / MB,
         peak_op=peak_op,
-        ops=tracker.op,
-        op_name=tracker.peak_name,
-        op_where=tracker.peak_where,
-        saved_mb=saved / MB,
+        ops=ops,
+        op_name=op_name,
+        op_where=op_where,
+        saved_mb=saved / MB if saved_known else None,
         held_mb=held / MB,
         transient_mb=transient / MB,
         end_mb=end / MB,

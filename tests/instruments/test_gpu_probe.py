@@ -1,5 +1,6 @@
-"""The GPU probe's CPU-side logic: replaying an allocator trace to the blocks alive at its peak,
-and naming the frame that asked for each (the CUDA parts run on a GPU only: docs/gpu.md)."""
+"""The GPU probe's CPU-side logic: replaying an allocator trace to the blocks alive at its peak
+(the live probe's peak_of), and naming the frame that asked for each (the CUDA parts run on a
+GPU only: docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from instruments.commands.gpu_probe import main as probe_main
-from instruments.measure.gpu_probe import frame_of, launch_costs, live_at_peak
+from instruments.measure.gpu_probe import launch_costs
+from instruments.measure.live_probe import frame_of, peak_of, report_of, trace_lives
 
 TV = {"filename": "/site/torchvision/ops/feature_pyramid_network.py", "line": 194, "name": "fwd"}
 OURS = {"filename": "/work/main/dropit_core/layers/functions.py", "line": 200, "name": "conv"}
@@ -18,7 +20,7 @@ def _alloc(addr: int, size: int, *frames: dict) -> dict:
     return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
 
 
-def test_live_at_peak_keeps_the_blocks_alive_at_the_highest_point() -> None:
+def test_the_peak_of_a_trace_keeps_the_blocks_alive_at_the_highest_point() -> None:
     trace = [
         _alloc(1, 10, TORCH, TV),
         _alloc(2, 20),
@@ -29,14 +31,20 @@ def test_live_at_peak_keeps_the_blocks_alive_at_the_highest_point() -> None:
         {"action": "free_completed", "addr": 4, "size": 15},  # counted once, at the request
         _alloc(5, 9),
     ]
-    peak, at, blocks = live_at_peak(trace)
+    peak, at, blocks = peak_of(trace_lives(trace))
     assert (peak, at) == (40, 4)  # 20 + 5 + 15, before 4 is freed; 5's 9 comes after
-    assert sorted(blocks) == [2, 3, 4] and blocks[4][0] == 15
+    assert [(b.born, b.nbytes) for b in blocks] == [(1, 20), (3, 5), (4, 15)]
+    assert blocks[2].where == "dropit_core/layers/functions.py:200 conv"
+    # the report reads the same peak, by frame; the step's last events are its backward's
+    report = report_of(trace_lives(trace), len(trace), {4: ("alloc", "x")}, saved_known=False)
+    report.scope, report.forward_ops = "step", 2
+    assert report.phase == "backward" and report.peak_mb * 2**20 == 40
+    assert "saved for backward not known" in "\n".join(report.lines())
 
 
-def test_live_at_peak_ignores_frees_of_blocks_from_before_the_trace() -> None:
+def test_the_peak_of_a_trace_ignores_frees_of_blocks_from_before_the_trace() -> None:
     trace = [{"action": "free_requested", "addr": 7, "size": 99}, _alloc(1, 3)]
-    assert live_at_peak(trace)[:2] == (3, 1)
+    assert peak_of(trace_lives(trace))[:2] == (3, 1)
 
 
 def test_frame_of_names_the_innermost_frame_of_ours_or_torchvisions() -> None:
