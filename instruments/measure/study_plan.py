@@ -60,6 +60,8 @@ class Plan:
     readme: Path | None = None  # a file whose study-choice block the report rewrites
     # setting -> the COCO config that trains it on R50-FPN (what the report recommends points here)
     configs: dict[str, Path] = field(default_factory=dict)
+    # (setting, other): settings compared seed by seed with another, not only with the baseline
+    pairs: tuple[tuple[str, str], ...] = ()
 
 
 class PlanError(UsageError):
@@ -89,6 +91,7 @@ def load_plan(path: str | Path) -> Plan:
         "groups",
         "pretrain",
         "configs",
+        "pairs",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -136,6 +139,7 @@ def load_plan(path: str | Path) -> Plan:
             raise PlanError(
                 f"study plan '{path}': configs.{setting}: file '{config}' does not exist"
             )
+    pairs = _pairs(data.get("pairs") or [], settings, path)
     return Plan(
         out=Path(data.get("out", "docs/results/shapes_runs")),
         report=Path(data.get("report", "docs/results/shapes.md")),
@@ -147,7 +151,23 @@ def load_plan(path: str | Path) -> Plan:
         notes=Path(data["notes"]) if data.get("notes") else None,
         readme=Path(data["readme"]) if data.get("readme") else None,
         configs=configs,
+        pairs=pairs,
     )
+
+
+def _pairs(listed: Any, settings: dict, path: Path) -> tuple[tuple[str, str], ...]:
+    """``pairs``: a list of ``[setting, other]``, both settings of the plan."""
+    if not isinstance(listed, list):
+        raise PlanError(f"study plan '{path}': pairs must be a list of [setting, other]")
+    pairs = []
+    for i, pair in enumerate(listed):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(p in settings for p in pair)):
+            raise PlanError(
+                f"study plan '{path}': pairs[{i}] {pair!r}: must be [setting, other], "
+                f"each one of {sorted(settings)}"
+            )
+        pairs.append((str(pair[0]), str(pair[1])))
+    return tuple(pairs)
 
 
 GROUP = ("regimes", "settings", "seeds")  # a group's keys, in Group's order

@@ -41,7 +41,7 @@ from instruments.report.time_account import (
     time_table,
     usual_jobs,
 )
-from instruments.report.verdict import FAMILIES, TOLERANCE, verdict_table
+from instruments.report.verdict import FAMILIES, TOLERANCE, family_state, verdict_table
 from rcnn_dropit.atomic import write_atomic
 from rcnn_dropit.report import figures
 from rcnn_dropit.report.groups import Row
@@ -130,6 +130,33 @@ def ap_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
             f"| {diffs[0]} | {diffs[1]} | {saved} |"
         )
     return lines
+
+
+def pairs_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
+    """The plan's head-to-head pairs found in a regime: each setting against the other setting
+    of the same seed (not the baseline), box and mask, with the verdict's states."""
+    rows = []
+    for setting, other in plan.pairs:
+        runs, ref = found.get(setting, {}), found.get(other, {})
+        if not set(runs) & set(ref):
+            continue
+        seeds = ",".join(str(s) for s in sorted(set(runs) & set(ref)))
+        cells = []
+        for family, _ in FAMILIES:
+            d = paired(runs, ref, family)
+            cells.append(f"{_diff_text(d)} ({family_state(d)})" if d else "-")
+        rows.append(f"| {setting} | {other} | {seeds} | {cells[0]} | {cells[1]} |")
+    if not rows:
+        return []
+    return [
+        "Head to head: a setting against another of the same seed (Δ = setting - other, 95% "
+        "interval, read as the verdict reads Δ to the baseline):",
+        "",
+        "| setting | other | seeds | Δ box | Δ mask |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def training_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
@@ -532,7 +559,7 @@ def render_study_report(
         if not runs:
             body += ["No finished run yet.", ""]
             continue
-        body += [*ap_table(runs, plan), ""]
+        body += [*ap_table(runs, plan), "", *pairs_table(runs, plan)]
         training = training_table(runs, plan)
         if training:
             body += [

@@ -83,6 +83,9 @@ def test_runs_start_with_pretraining_then_go_group_by_group_seed_major(tmp_path:
         ("groups:\n  - {regimes: [scratch], settings: [baseline], seeds: 1}\n", "seeds: must be"),
         ("groups: {a: 1}\n", "groups must be a list of mappings"),
         ("groups: [\n", "line 1.: invalid YAML"),
+        ("groups: []\npairs: [[mink_0.8, mink_0.9]]\n", r"pairs\[0\] \['mink_0.8', 'mink_0.9'\]"),
+        ("groups: []\npairs: [mink_0.8]\n", r"pairs\[0\] 'mink_0.8': must be \[setting, other\]"),
+        ("groups: []\npairs: {a: b}\n", "pairs must be a list"),
     ],
 )
 def test_bad_plans_name_the_problem(tmp_path: Path, groups: str, message: str) -> None:

@@ -629,6 +629,28 @@ def test_ap_table_pairs_2x_rows_with_their_baseline_and_saved_by_seed(tmp_path: 
     )
 
 
+def test_head_to_head_pairs_a_setting_with_another_of_the_same_seed(tmp_path: Path) -> None:
+    import dataclasses
+
+    from instruments.measure.study_report import pairs_table, regime_runs
+
+    plan = dataclasses.replace(
+        study_plan(tmp_path), pairs=(("mink_0.8", "mink_0.8_2x"), ("mink_0.8", "quant_4bit"))
+    )
+    found = regime_runs(plan.out, "finetune2")
+    rows = pairs_table(found, plan)
+    # box 78, 80 against 82, 82 (seeds 1, 2): Δ -4, -2, mean -3, sd 1.41, t(1) 12.71 x 1.0;
+    # quant_4bit has no run, so its pair has no row
+    assert rows[2:] == [
+        "| setting | other | seeds | Δ box | Δ mask |",
+        "|---|---|---|---|---|",
+        "| mink_0.8 | mink_0.8_2x | 1,2 | -3.0 [-15.7, +9.7] (n=2) (inconclusive) "
+        "| -3.0 [-15.7, +9.7] (n=2) (inconclusive) |",
+        "",
+    ]
+    assert pairs_table(found, dataclasses.replace(plan, pairs=())) == []
+
+
 def test_study_report_renders_notes_verdict_goal_and_time(tmp_path: Path) -> None:
     plan = study_plan(tmp_path)
     text = write_study_report(plan, "plan.yaml", jobs=2)
