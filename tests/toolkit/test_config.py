@@ -290,7 +290,7 @@ def test_each_config_the_study_plan_names_trains_its_setting():
     from instruments.measure.study_plan import load_plan
 
     plan = load_plan(CONFIGS / "study/plan.yaml")
-    assert {"mink_0.8", "quant_4bit"} <= set(plan.configs)
+    assert {"mink_0.8", "quant_4bit_predictors"} <= set(plan.configs)
     recipe = load_config(CONFIGS / "maskrcnn_baseline.yaml")
     for setting, path in plan.configs.items():
         shipped = load_config(path)
