@@ -30,7 +30,7 @@ swaps torchvision's ``FrozenBatchNorm2d`` for one that keeps its input's dtype u
 (bit-equal in fp32); ``lean_detector(model)`` does that and gives a torchvision R-CNN a forward that
 releases each large map after its last use (bit-equal in fp32 too). ``dropit_core.memory`` measures
 what autograd keeps and the memory of a training step. ``configure(kernels=..., native=...,
-hooked=..., fuse=...)``, ``override_settings`` (a ``with`` block) and ``current_settings()`` hold
+fuse=...)``, ``override_settings`` (a ``with`` block) and ``current_settings()`` hold
 how DropIT runs (:mod:`dropit_core.settings`, read from the ``DROPIT_*`` environment once).
 
 Where things are (each subpackage's docstring maps its modules):
@@ -44,8 +44,8 @@ Where things are (each subpackage's docstring maps its modules):
 - :mod:`.strategies`: what a layer keeps, one module per family, and ``REGISTRY``.
 - :mod:`.formats`: each pack format specified once (quant's in :mod:`.formats.quant`), the seeds'
   hash, the bit masks and the kept values' encodings.
-- :mod:`.layers`: where it runs: the modules, the autograd Functions and the input cache, the
-  ``torch.library`` operators, the hooked convolution, norms and pooling.
+- :mod:`.layers`: where it runs: one module per op (conv, linear, ReLU, norms, pooling), each
+  with its autograd Function and its ``torch.library`` operator, and the input cache.
 - :mod:`.backends`: how fast: the choice (:mod:`.backends.dispatch`), the C loops, the Triton
   kernels (quant on a GPU: :mod:`.backends.triton.quant`).
 - :mod:`.detection`: the torchvision-specific lean forward and frozen norm (the only part that

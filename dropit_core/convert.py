@@ -16,9 +16,11 @@ from typing import Any, TypeVar
 from torch import nn
 
 from dropit_core.layers.cache import InputCache
-from dropit_core.layers.modules import DropITConv2d, DropITConvTranspose2d, DropITLinear, DropITReLU
+from dropit_core.layers.conv import DropITConv2d, DropITConvTranspose2d
+from dropit_core.layers.linear import DropITLinear
 from dropit_core.layers.norm import NORM_CLASSES
 from dropit_core.layers.pooling import DropITMaxPool2d
+from dropit_core.layers.relu import DropITReLU
 from dropit_core.readers import masks_that_free_nothing
 from dropit_core.rules import RELU_ALL, Rule, assign_layers, check_rules
 from dropit_core.saved import saved_compression

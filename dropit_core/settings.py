@@ -6,8 +6,6 @@
   the C loops included.
 - ``native`` (``DROPIT_NATIVE``, default on): the C loops (``native.c``) for CPU packs under
   ``auto``.
-- ``hooked`` (``DROPIT_HOOKED``, default on): an eager conv runs aten's op with a saved-tensor
-  hook rather than an autograd Function (less host time).
 - ``fuse`` (``DROPIT_FUSE``, default off): under ``torch.compile``, quant packs and ReLU masks as
   plain torch ops that Inductor fuses.
 
@@ -31,7 +29,6 @@ KERNELS = ("auto", "triton", "eager")
 ENVIRONMENT = {
     "kernels": "DROPIT_KERNELS",
     "native": "DROPIT_NATIVE",
-    "hooked": "DROPIT_HOOKED",
     "fuse": "DROPIT_FUSE",
 }
 _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
@@ -43,13 +40,12 @@ class Settings:
 
     kernels: str = "auto"
     native: bool = True
-    hooked: bool = True
     fuse: bool = False
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise ValueError(f"DropIT kernels={self.kernels!r} is invalid: allowed {KERNELS}")
-        for name in ("native", "hooked", "fuse"):
+        for name in ("native", "fuse"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DropIT {name}={getattr(self, name)!r} is invalid: a bool")
 

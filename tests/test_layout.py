@@ -136,7 +136,6 @@ def test_no_private_name_is_used_across_modules() -> None:
 # module does not define, where they stay: torch's and torchvision's own internals, each without
 # a public equivalent that does the same. (module, the reach as written) -> why it is allowed. An
 # entry that no longer occurs fails the test, so the list cannot go stale.
-_TORCH_C_HOOKS = "the saved-tensor hooks' stack as torch's own context manager drives it"
 FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
     ("dropit_core.detection.forward", "torch.ops.torchvision._roi_align_backward"): (
         "torchvision's RoIAlign backward kernel, called per part of a level's RoIs"
@@ -152,19 +151,7 @@ FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
     ("dropit_core.layers.casts", "torch._C"): (
         "getattr(torch._C, '_is_any_autocast_enabled', fallback): one call, absent in old torch"
     ),
-    ("dropit_core.layers.hooked", "torch._C._autograd._push_saved_tensors_default_hooks"): (
-        _TORCH_C_HOOKS
-    ),
-    ("dropit_core.layers.hooked", "torch._C._autograd._pop_saved_tensors_default_hooks"): (
-        _TORCH_C_HOOKS
-    ),
-    ("dropit_core.layers.hooked", "torch._C._autograd._top_saved_tensors_default_hooks"): (
-        _TORCH_C_HOOKS
-    ),
-    ("dropit_core.layers.hooked", "torch._C._autograd._saved_tensors_hooks_is_enabled"): (
-        _TORCH_C_HOOKS
-    ),
-    ("dropit_core.layers.modules", "module._parameters"): (
+    ("dropit_core.layers.casts", "module._parameters"): (
         "a layer's weight and bias without nn.Module.__getattr__ (host time per layer and step)"
     ),
     ("dropit_core.layers.norm", "nn.modules.batchnorm._BatchNorm"): (

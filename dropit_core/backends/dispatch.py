@@ -5,9 +5,12 @@ faster implementations it has: ``triton`` (:mod:`dropit_core.backends.triton`, o
 call) and ``native`` (:mod:`dropit_core.backends.native`, the CPU's C loops), each with what it
 takes of the tensor. :func:`choose` picks by the settings (``kernels``, ``native``:
 :mod:`dropit_core.settings` says what each value means), the tensor's device and dtype, and the
-backends the op's own setting allows (quant's group in whole code bytes, say). Every
+backends the op's own setting allows (:func:`quant_backends`: quant's group in whole code bytes,
+say; an element-wise strategy's rule in the kernels' terms), each setting asking once. Every
 implementation writes the same bytes, so a pack made by one rebuilds with another. No sync and
-no environment read per call: every layer asks, on each pack and rebuild (host time).
+no environment read per call: every layer asks, on each pack and rebuild (host time). While
+compiling, :func:`fused` says whether a pack or a ReLU mask is plain torch ops that Inductor fuses
+or an opaque operator (``settings.fuse``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from dropit_core import settings
 from dropit_core.backends import native
+from dropit_core.formats.quant import whole_bytes
 
 ENV = settings.ENVIRONMENT["kernels"]
 FAST = ("triton", "native")  # every faster backend: what an op's setting allows by default
@@ -68,6 +72,34 @@ def choose(op: str, t: torch.Tensor, allowed: tuple[str, ...] = FAST) -> str:
         if take is not None and "native" in allowed and take(t) and native.library() is not None:
             return "native"
     return "eager"
+
+
+MAX_KERNEL_GROUP = 8192  # values of a quant group one Triton program holds in its registers
+
+
+def quant_kernels_take(bits: int, group: int) -> bool:
+    """Whether the Triton kernels pack this quant setting: each group's codes whole bytes, and a
+    group small enough for one program's registers; other settings run eager (same format)."""
+    return whole_bytes(bits, group) and group <= MAX_KERNEL_GROUP
+
+
+def quant_backends(bits: int, group: int, signs: bool = False) -> tuple[str, ...]:
+    """The backends besides eager that take this quant setting (:func:`choose`'s ``allowed``): the
+    C loops every group of whole code bytes, the kernels also one within their limit; with
+    ``signs`` (``CompressSaved``'s pack, two flag bytes of its own) the kernels alone, for groups
+    of whole flag bytes (a flag byte must not straddle two programs' groups)."""
+    if signs:
+        return ("triton",) if quant_kernels_take(bits, group) and group % 8 == 0 else ()
+    if quant_kernels_take(bits, group):
+        return FAST
+    return ("native",) if whole_bytes(bits, group) else ()
+
+
+def fused(allowed: bool = True) -> bool:
+    """While compiling: whether a pack or a ReLU mask the op's setting ``allowed`` to be plain
+    torch ops is, so that Inductor fuses it (``settings.fuse``: default off, on the CPU a compile
+    several times longer and no faster step; docs/dropit.md), rather than an opaque operator."""
+    return allowed and settings.current().fuse
 
 
 def _no_triton(mode: str) -> bool:

@@ -36,8 +36,8 @@ from torchvision.ops.poolers import (
 )
 
 from dropit_core.formats.bits import SAME_WIDTH_INT
-from dropit_core.layers import functions as ops
-from dropit_core.layers.functions import ConvArgs
+from dropit_core.layers import conv as ops
+from dropit_core.layers.conv import ConvArgs
 
 
 class ConsumableMaps(OrderedDict):

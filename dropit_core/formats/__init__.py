@@ -5,7 +5,9 @@
   reference pack and rebuild.
 - :mod:`.seeds`: the counter hash ``mix32`` and the seeds derived from it: the noise every
   backend draws, bit for bit.
-- :mod:`.bits`: 1-bit position and ReLU masks, compaction of kept values, their rebuild.
+- :mod:`.bits`: the one torch byte packer, 1-bit position and ReLU masks, compaction of kept
+  values, their rebuild.
+- :mod:`.keep_rule`: which elements an element-wise pack keeps, stated once for every backend.
 - :mod:`.values`: how sparse packs store their kept values (``same``, ``fp16``, ``bf16``,
   ``int8``, ``int4``: symmetric, round to nearest; not quant's 4-bit codes).
 """

@@ -12,27 +12,30 @@ from collections.abc import Callable
 
 import torch
 
-# Multiplying eight 0/1 bytes (read as one little-endian int64) by this constant gathers them into
-# the top byte, bit i coming from byte i: one multiply packs eight flags at memory speed.
-_GATHER = 0x0102040810204080
+
+def pack_low_bits(values: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack a flat uint8 tensor of ``bits``-bit values (1, 2, 4 or 8; each below ``2**bits``) into
+    bytes, ``8 // bits`` a byte, the first in the low bits; a last partial byte is padded with
+    zeros. ``out``: the bytes' buffer. The one way bytes are packed in torch (flags, quant's codes,
+    eager and traced alike): shifts and ORs of each byte's slots, which Inductor fuses into the
+    kernel that makes the values (a view of the bytes as wider words, faster eagerly, it cannot)."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return values if out is None else out.copy_(values)
+    pad = (-values.numel()) % per_byte
+    if pad:
+        values = torch.nn.functional.pad(values, (0, pad))
+    slots = values.reshape(-1, per_byte)
+    packed = slots[:, 0].clone() if out is None else out.copy_(slots[:, 0])
+    for j in range(1, per_byte):
+        packed |= slots[:, j] << (bits * j)
+    return packed
 
 
 def pack_bits(mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack a flat bool tensor into uint8, 8 flags per byte (little-endian bit order); ``out``:
     the bytes' buffer (a slice of a pack's final one)."""
-    n = mask.numel()
-    pad = (-n) % 8
-    if pad:
-        mask = torch.cat([mask, mask.new_zeros(pad)])
-    if n + pad == 0:
-        return torch.empty(0, dtype=torch.uint8, device=mask.device) if out is None else out
-    mask = mask.contiguous()
-    if mask.data_ptr() % 8:  # reading bytes as int64 needs 8-byte alignment
-        mask = mask.clone()
-    words = mask.view(torch.uint8).view(torch.int64)
-    # int64 multiply wraps; the cast keeps the low byte, which drops the shift's sign bits.
-    gathered = (words * _GATHER) >> 56
-    return gathered.to(torch.uint8) if out is None else out.copy_(gathered)
+    return pack_low_bits(mask.view(torch.uint8), 1, out)
 
 
 # Each byte's flags as eight bytes: the byte copied into all eight (a multiply, no carries), bit i

@@ -18,59 +18,44 @@ mix32(i >> 12 + k1)) >> 8``, ``(k0, k1) = seeds.hash_keys(seed)``; the constants
 Rebuilt: ``code * step + min`` in fp32, then cast to ``dtype``. No fused multiply-add anywhere.
 
 Implementations, each tested byte for byte against this module: :mod:`dropit_core.backends.native`
-(``native.c``: the CPU), :mod:`dropit_core.backends.triton.quant` (Triton: CUDA), and
-:func:`dropit_core.layers.library.quant_fields` (plain torch ops Inductor fuses under
-``DROPIT_FUSE``). :class:`dropit_core.strategies.quant.Quant` chooses among them.
+(``native.c``: the CPU) and :mod:`dropit_core.backends.triton.quant` (Triton: CUDA); the traced pack
+that Inductor fuses under ``DROPIT_FUSE`` (:mod:`dropit_core.layers.library`) is :func:`quantize`
+itself. :mod:`dropit_core.backends.dispatch` chooses among them.
 """
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from dropit_core.formats import packed as base
+from dropit_core.formats.bits import pack_low_bits
 from dropit_core.formats.packed import tiny
 from dropit_core.formats.seeds import UNIFORM_BITS, keyed_bits
 
-MAX_KERNEL_GROUP = 8192  # values of a group one Triton program holds in its registers
-
-# Codes per byte -> the integer of that many bytes, and the shifts that gather its bytes' codes
-# into the low byte: a word of codes c_j (byte j) OR-ed with itself shifted right by
-# j * (8 - bits) has c_j at bit j * bits of its low byte (the other shifted copies land above it
-# or on zero bits, as every code is below 2**bits).
+# Codes per byte -> the integer of that many bytes, and the shifts that spread its byte's codes
+# over its bytes for unpack_codes: a byte widened to a word and OR-ed with itself shifted left by
+# j * (8 - bits) holds code j in the low bits of byte j.
 _WORDS = {2: (torch.int16, (4,)), 4: (torch.int32, (6, 12, 18))}
 
 
 def code_bytes(elements: int, bits: int) -> int:
-    """Bytes that :func:`pack_codes` makes of ``elements`` codes of ``bits`` bits."""
+    """Bytes that ``elements`` codes of ``bits`` bits take, packed (``bits.pack_low_bits``)."""
     return (elements * bits + 7) // 8
 
 
-@cache  # per pack on the kernels' path: a torch.tensor per call otherwise
 def inv_levels(bits: int) -> float:
     """1 / (2**bits - 1) rounded to fp32: quant's step is ``(max - min) * inv_levels(bits)`` on
     every path (a multiply by the rounded reciprocal, the same on every device)."""
-    return float(torch.tensor(1.0 / ((1 << bits) - 1), dtype=torch.float32))
+    return _INV_LEVELS[bits]
+
+
+# Made once: per pack a torch.tensor was host time, and the traced pack reads a constant.
+_INV_LEVELS = {b: float(torch.tensor(1.0 / ((1 << b) - 1), dtype=torch.float32)) for b in (2, 4, 8)}
 
 
 def whole_bytes(bits: int, group: int) -> bool:
     """Whether each group's codes fill whole bytes (what the C loops and kernels take)."""
     return group % (8 // bits) == 0
-
-
-def kernels_take(bits: int, group: int) -> bool:
-    """Whether the Triton kernels pack this setting: each group's codes whole bytes, and a group
-    small enough for one program's registers; other settings run eager (same format)."""
-    return whole_bytes(bits, group) and group <= MAX_KERNEL_GROUP
-
-
-def fast_backends(bits: int, group: int) -> tuple[str, ...]:
-    """The backends besides eager that take this setting (``dispatch.choose``'s ``allowed``):
-    the C loops every group of whole code bytes, the kernels also one within their limit."""
-    if kernels_take(bits, group):
-        return ("triton", "native")
-    return ("native",) if whole_bytes(bits, group) else ()
 
 
 def slice_len(group: int) -> int:
@@ -91,34 +76,10 @@ def buffers(
     )
 
 
-def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack a flat uint8 tensor of ``bits``-bit codes (2, 4 or 8; each below ``2**bits``) into
-    bytes, the first code in the low bits; a last partial byte is padded with zero codes.
-    ``out``: the bytes' buffer. Over whole words (two or four codes each): three to five passes
-    of a quarter or half the codes' count."""
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return codes if out is None else out.copy_(codes)
-    pad = (-codes.numel()) % per_byte
-    if pad:
-        codes = torch.nn.functional.pad(codes, (0, pad))
-    codes = codes.contiguous()
-    if codes.data_ptr() % per_byte:  # reading bytes as wider words needs their alignment
-        codes = codes.clone()
-    word_dtype, shifts = _WORDS[per_byte]
-    words = codes.view(word_dtype)
-    gathered = words >> shifts[0]
-    gathered |= words
-    for shift in shifts[1:]:
-        gathered |= words >> shift
-    # Integer narrowing keeps the low byte (modulo 2**8): the gathered codes.
-    return gathered.to(torch.uint8) if out is None else out.copy_(gathered)
-
-
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: the first ``n`` codes as a flat uint8 tensor. Each byte
-    widened to a word and OR-ed with itself shifted left by j * (8 - bits): byte j of the word then
-    holds code j in its low bits, which one mask keeps."""
+    """Inverse of ``formats.bits.pack_low_bits``: the first ``n`` codes as a flat uint8 tensor.
+    Each byte widened to a word and OR-ed with itself shifted left by j * (8 - bits): byte j of the
+    word then holds code j in its low bits, which one mask keeps."""
     if bits == 8:
         return packed[:n]
     per_byte = 8 // bits
@@ -149,15 +110,12 @@ def pack_eager(
     for start in range(0, flat.numel(), step):
         piece = flat[start : start + step]
         length = piece.numel()
-        first, last = start * bits // 8, code_bytes(start + length, bits)
-        # 8-bit codes are their bytes: written in place. Narrower: a byte per code, then packed.
-        code = codes[first:last] if bits == 8 else piece.new_empty(length, dtype=torch.uint8)
+        code = piece.new_empty(length, dtype=torch.uint8)  # a byte per code, then packed
         noise = keyed_bits(keys, start, length, piece.device)
         for at, width, groups in _group_rows(start, length, group):
             rows = piece[at].view(-1, width)
-            quantize(rows, noise[at], bits, (code[at], mins[groups], scales[groups]), cast)
-        if bits != 8:
-            pack_codes(code, bits, codes[first:last])
+            code[at], mins[groups], scales[groups] = quantize(rows, noise[at], bits, cast)
+        pack_low_bits(code, bits, codes[start * bits // 8 : code_bytes(start + length, bits)])
 
 
 def _group_rows(start: int, length: int, group: int) -> list[tuple[slice, int, slice]]:
@@ -176,31 +134,26 @@ def _group_rows(start: int, length: int, group: int) -> list[tuple[slice, int, s
 
 
 def quantize(
-    rows: torch.Tensor,
-    noise: torch.Tensor,
-    bits: int,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    cast: torch.dtype | None = None,
-) -> None:
-    """Codes of ``rows`` (one group each) into ``out``'s codes (a byte per code), their minimum and
-    step into its mins and scales: the same fp32 operations, in the same order, as the Triton kernel
-    and the C loops. ``cast``: the values are read as that dtype's (rounded to it first)."""
-    code, mins, scales = out
+    rows: torch.Tensor, noise: torch.Tensor, bits: int, cast: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the codes of ``rows``, one group a row, flat, a byte each; the groups' minima; their
+    steps), ``noise`` the rows' draws (``seeds.keyed_bits``, flat): the same fp32 operations, in
+    the same order, as the Triton kernel and the C loops, in plain torch ops that Inductor fuses
+    (the traced pack runs them too). ``cast``: the values are read as that dtype's."""
     g = (rows if cast is None else rows.to(cast)).float()
     # Two reductions, not aminmax: over rows of a group, torch's CPU aminmax was 9x slower.
-    torch.amin(g, 1, out=mins)
-    torch.amax(g, 1, out=scales)
+    mins = g.amin(1)
     # Times the fp32 1/levels, not divided by levels: CUDA's torch turns a division by a
     # scalar into that product anyway, and the kernels compute it alike everywhere.
-    scales.sub_(mins).mul_(inv_levels(bits)).clamp_min_(tiny(torch.float32))
+    scales = (g.amax(1) - mins).mul_(inv_levels(bits)).clamp_min_(tiny(torch.float32))
     y = torch.sub(g, mins[:, None]).div_(scales[:, None])  # in [0, levels]: the exact code
     # floor(y + u), u = noise * 2**-24 (exact): y rounded up with probability equal to its
-    # remainder. y + u >= 0, so the uint8 cast's truncation is the floor; clamping first
-    # gives what the kernel's floor-then-clamp gives.
+    # remainder. y + u >= 0, so the integer cast's truncation is the floor; clamping first
+    # gives what the kernel's floor-then-clamp gives. In place: one slice's temporaries.
     y.add_(noise.view_as(y), alpha=2.0**-UNIFORM_BITS).clamp_max_((1 << bits) - 1)
     # Via int16 (the same truncation, every code fits): torch's CPU float -> uint8 cast is
     # several times slower than float -> int16 and int16 -> uint8 together.
-    code.copy_(y.view(-1).to(torch.int16))
+    return y.view(-1).to(torch.int16).to(torch.uint8), mins, scales
 
 
 def fields(

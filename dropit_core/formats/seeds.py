@@ -111,9 +111,10 @@ def hash_keys(seed: int) -> tuple[int, int]:
 _SALTED_0, _SALTED_1 = mix32(KEY_SALT), mix32(1 + KEY_SALT)
 
 
-def _table(key: int, first: int, count: int, device: torch.device) -> torch.Tensor:
-    """``mix32((first + j + key) mod 2**32) >> 8`` for j < count, as int32."""
-    x = torch.arange(first + key, first + key + count, dtype=torch.int64, device=device)
+def _table(key: int | torch.Tensor, first: int, count: int, device: torch.device) -> torch.Tensor:
+    """``mix32((first + j + key) mod 2**32) >> 8`` for j < count, as int32; ``key`` an int or a
+    0-dim int64 tensor (a traced pack's keys are device data)."""
+    x = torch.arange(first, first + count, dtype=torch.int64, device=device).add_(key)
     return (mix32(x.bitwise_and_(MASK32)) >> (32 - UNIFORM_BITS)).to(torch.int32)
 
 
@@ -130,10 +131,14 @@ def hash_bits(seed: int, start: int, length: int, device: torch.device) -> torch
 
 
 def keyed_bits(
-    keys: tuple[int, int], start: int, length: int, device: torch.device
+    keys: tuple[int, int] | tuple[torch.Tensor, torch.Tensor],
+    start: int,
+    length: int,
+    device: torch.device,
 ) -> torch.Tensor:
-    """:func:`hash_bits` from the seed's hash keys (k0, k1) = ``hash_keys(seed)``: what a pack
-    drawn with keys read from device memory (a CUDA graph's) computes."""
+    """:func:`hash_bits` from the seed's hash keys (k0, k1) = ``hash_keys(seed)``, ints or 0-dim
+    int64 tensors: what a pack drawn with keys read from device memory (a CUDA graph's, a
+    traced one's) computes."""
     if start + length > 1 << 44:
         raise ValueError("hash_bits draws for element indices below 2**44")
     key_low, key_high = keys

@@ -2,20 +2,28 @@
 a pack between the layers fed the same tensor (through an attribute of the tensor), and says where
 each pack is in its random stream (the draw keys, and the same keys as a device table for a pack
 replayed in a CUDA graph). The ``torch.library`` operators name a cache by its number
-(:func:`cache_by_number`).
+(:func:`cache_by_number`). A layer's autograd Function keeps its pack (:func:`keep_packed`) and
+reads it back in its backward (:func:`kept_packed`, :class:`Rebuilt`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
+from collections.abc import Sequence
 
 import torch
 
-from dropit_core.formats.packed import Packed, keep_pack, pack_made
+from dropit_core.formats.packed import (
+    Packed,
+    keep_pack,
+    pack_made,
+    refuse_double_backward,
+    tag_pack,
+)
 from dropit_core.formats.seeds import mix_part, mix_state, seed_of
 from dropit_core.layers.casts import ParamCasts
-from dropit_core.layers.hooked import SavedInputHooks
 from dropit_core.strategies.base import Strategy
 
 # The caches by number: a torch.library operator takes plain values (dropit_core.layers.library),
@@ -85,18 +93,20 @@ class InputCache:
         self.casts = ParamCasts()  # autocast's weight casts, shared by the calls of a forward
         self.dropped: torch.Tensor | None = None
         self.number = _number(self)  # how the torch.library operators name it (library.py)
-        self.saved_hooks = SavedInputHooks(self)  # its convs' path without a Function (hooked.py)
         self.keys = KeyTable(self)  # the step's draws as device data (draw_row)
 
     def set_step(self, step: int, rank: int = 0) -> None:
         """Start the random streams of training step ``step`` (on process ``rank``).
 
         Packs of earlier steps are forgotten: a tensor fed again (a fixed input) packs afresh.
+        The step's first block of draw keys is made here, before its forward (host work).
         """
         self._block_size = max(KEY_BLOCK, self.position)
         self.step, self.rank, self.position = step, rank, 0
         self._prefix = mix_state(0, rank, self.stream, step)
         self._block = []
+        if self.strategy.draws:
+            self._next_block()
         self._forward = next(_FORWARDS)
         self.keys.new_step()
 
@@ -232,3 +242,104 @@ class KeyTable:
         cache = self.cache
         k0, k1 = cache.strategy.draw_keys(cache.key_at(torch.arange(start, stop)))
         return torch.stack([k0, k1, torch.zeros_like(k0)], 1)
+
+
+def keep_packed(ctx, cache: InputCache, packed: Packed | None, *rest: torch.Tensor | None) -> None:
+    """Keep for an autograd Function's backward the tensors ``rest`` (its weight, statistics) and
+    ``packed``, its input's pack from ``cache`` (None: no pack): the pack's tensors through
+    ``save_for_backward``, so that saved-tensor hooks see every byte, its metadata on ``ctx``."""
+    ctx.cache, ctx.rest = cache, len(rest)
+    ctx.meta = None if packed is None else packed.meta
+    if packed is None:
+        ctx.save_for_backward(*rest)
+        return
+    tag_pack(packed)  # before compress_saved's hooks, if any, see its tensors
+    ctx.save_for_backward(*rest, *packed[1:])
+
+
+def kept_packed(ctx) -> tuple[list[torch.Tensor | None], Packed | None]:
+    """(the tensors :func:`keep_packed` kept besides the pack, the pack or None), for a backward:
+    one that would be differentiated again is refused, and the forward is over."""
+    refuse_double_backward()
+    ctx.cache.end_forward()
+    saved = ctx.saved_tensors
+    packed = None if ctx.meta is None else Packed(ctx.meta, *saved[ctx.rest :])
+    return list(saved[: ctx.rest]), packed
+
+
+# A layer's (input, weight, bias) gradients, None where not needed
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def forward_and_pack(
+    ctx,
+    op,
+    layout: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias,
+    cache: InputCache,
+    dtype,
+    *args,
+) -> torch.Tensor:
+    """``op(x, weight, bias, *args)`` (a conv's or linear layer's) of ``x`` cast to ``dtype``
+    (autocast's; None: as it is), keeping for backward the weight (input gradient) and, when the
+    weight trains, the pack of the input the op computed with (:func:`keep_packed`).
+
+    Where the strategy packs ``x`` as the cast's values directly (quant), ``x`` is packed and
+    the cast's last reference goes before the pack, so the cast lives as long as the op, as
+    plain autocast's copy does. The pack is keyed by ``x``: the layers fed ``x`` share it.
+    """
+    used = x if dtype is None else x.to(dtype)
+    out = op(used, weight, bias, *args)
+    ctx.x_shape = x.shape
+    if not weight.requires_grad:
+        keep_packed(ctx, cache, None, weight)
+        return out
+    if used is not x and cache.reads_through_cast():
+        used = x
+    keep_packed(ctx, cache, cache.pack(used, layout, x, dtype or used.dtype), weight)
+    return out
+
+
+def weight_and_input(ctx) -> tuple[torch.Tensor, Rebuilt | None]:
+    """(weight, the packed input to rebuild or None) from what :func:`forward_and_pack` kept."""
+    (weight,), packed = kept_packed(ctx)
+    return weight, None if packed is None else Rebuilt(ctx.x_shape, ctx.cache, packed)
+
+
+class Rebuilt:
+    """A layer's packed input (of ``shape``), read back for its backward by its cache: whole, or
+    images ``[i, j)`` at a time, each chunk rebuilt alone where the strategy can, else sliced
+    from one rebuild of the whole batch (made once). The same values either way. (Slots: one is
+    made in every backward.)"""
+
+    __slots__ = ("shape", "cache", "packed", "_batch")
+
+    def __init__(
+        self, shape: Sequence[int], cache: InputCache | int, packed: Packed | list[torch.Tensor]
+    ) -> None:
+        self.shape, self.cache, self.packed = shape, cache, packed
+        self._batch: torch.Tensor | None = None
+
+    def read_whole(self) -> torch.Tensor:
+        """One rebuild of the whole input."""
+        return self.cache.unpack(self.packed)
+
+    def read_part(self, start: int, stop: int) -> torch.Tensor | None:
+        """Flat elements ``[start, stop)`` rebuilt alone, or None where the pack cannot."""
+        return self.cache.unpack_part(self.packed, start, stop)
+
+    def whole(self) -> torch.Tensor:
+        """The whole rebuilt input."""
+        return self.read_whole() if self._batch is None else self._batch
+
+    def images(self, i: int, j: int) -> torch.Tensor:
+        """Images ``[i, j)`` of the rebuilt input."""
+        if self._batch is None:
+            per_image = math.prod(self.shape[1:])
+            part = self.read_part(i * per_image, j * per_image)
+            if part is not None:
+                return part.view(j - i, *self.shape[1:])
+            self._batch = self.read_whole()
+        return self._batch[i:j]

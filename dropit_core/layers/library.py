@@ -1,40 +1,43 @@
-"""The DropIT layers as ``torch.library`` operators: converted layers run them in ``torch.compile``.
+"""The DropIT layers while compiling: the ``torch.library`` operators they share, and how a conv or
+linear layer runs its Function eagerly and its traced operator while compiling.
 
-Dynamo cannot trace the eager path (the autograd Functions, the hooked conv): its packs are shared
-through Python state on tensors and seeded from Python integers up to 2**64, which Inductor cannot
-hold as constants. While compiling, a converted layer calls the operators below instead, each
-opaque, with a fake (shape-only) implementation and an autograd formula (its Function's backward
-body reading the traced ``dropit::unpack``), so that ``torch.compile(model, fullgraph=True)``
-traces the whole model into one graph and no seed becomes a graph constant:
+Dynamo cannot trace the eager path (the autograd Functions): its packs are shared through Python
+state on tensors and seeded from Python integers up to 2**64, which Inductor cannot hold as
+constants. While compiling, a converted layer calls its own operator instead (``dropit::conv`` in
+:mod:`.conv`, ``dropit::linear`` in :mod:`.linear`, ``dropit::relu_mask`` in :mod:`.relu`,
+``dropit::batch_norm`` and ``dropit::group_norm`` in :mod:`.norm`), each opaque, with a fake
+(shape-only) implementation and an autograd formula (its Function's backward body, the pack read
+back through ``dropit::unpack``), so that ``torch.compile(model, fullgraph=True)`` traces the whole
+model into one graph and no seed becomes a graph constant. What they share is here:
 
 - ``dropit::pack`` runs the eager strategy code, drawn with the cache's next key
   (``dropit::draw``): byte-equal to the eager pack of the same step and layer as long as the graph
   packs in program order (tests/core/test_dropit_compile.py); ``dropit::unpack`` rebuilds it.
-- ``dropit::conv`` / ``dropit::linear``: the plain op forward; backward reads the pack.
-- ``dropit::relu_mask`` / ``dropit::relu_mask_grad``: the ReLU that keeps a 1-bit mask.
-- ``dropit::batch_norm`` / ``dropit::group_norm``: in :mod:`dropit_core.layers.norm`.
+- :func:`compiled`: a conv or linear layer's traced operator, or its Function behind a graph break.
 
 With ``configure(fuse=True)`` (``DROPIT_FUSE=1``) a quant pack and the ReLU's mask are plain torch
-ops instead, which Inductor fuses; only the draw stays opaque. Layers fed one tensor make identical
-``dropit::pack`` calls, which the compiler merges: one pack, as eagerly. Only strategies whose pack
-sizes follow from the input's shape (``quant``) are traced; the others run their eager Function
-behind a graph break (``torch.compiler.disable``). The max-pool's Function traces as it is.
+ops instead, which Inductor fuses (:func:`dropit_core.formats.quant.quantize`); only the draw stays
+opaque. Layers fed one tensor make identical ``dropit::pack`` calls, which the compiler merges: one
+pack, as eagerly. Only strategies whose pack sizes follow from the input's shape (``quant``) are
+traced; the others run their eager Function behind a graph break (``torch.compiler.disable``). The
+max-pool's Function traces as it is.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from dropit_core import settings
+from dropit_core.backends import dispatch
+from dropit_core.formats.bits import pack_low_bits
 from dropit_core.formats.packed import Packed, QuantMeta
-from dropit_core.formats.quant import code_bytes, whole_bytes
-from dropit_core.formats.seeds import MASK32, TABLE_BITS, UNIFORM_BITS, mix32
-from dropit_core.layers.cache import InputCache, cache_by_number
-from dropit_core.layers.functions import ConvArgs, Rebuilt, conv_grads, linear_grads
-from dropit_core.layers.relu import relu_and_mask, relu_mask_grad
+from dropit_core.formats.quant import code_bytes, quantize, whole_bytes
+from dropit_core.formats.seeds import keyed_bits
+from dropit_core.layers.cache import InputCache, Rebuilt, cache_by_number
+from dropit_core.layers.casts import autocast_inputs
 from dropit_core.strategies.quant import Quant
 
 
@@ -113,86 +116,29 @@ def _(x: Tensor, cache: int) -> Tensor:
 
 
 def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor] | None:
-    """A quant pack as plain torch ops (:func:`quant_fields`, the eager bytes), its own Inductor
-    kernel, reading ``x`` once it is made (the opaque draw needs ``x``, which names the shared
-    pack). None where it cannot be, e.g. for ``x`` read through an autocast cast (fused into its
-    consumer, Inductor would skip the cast's rounding unless ``emulate_precision_casts``)."""
-    strategy = cache.strategy
-    if (
-        not fuse_enabled()
-        or not traceable(cache)
-        or not whole_bytes(strategy.bits, strategy.group)
-        or dtype != x.dtype
-        or x.numel() == 0
-        or x.numel() % strategy.group  # a guard of the compiled graph under dynamic shapes
-    ):
+    """A quant pack as plain torch ops (:func:`dropit_core.formats.quant.quantize`, the eager
+    bytes), its own Inductor kernel, reading ``x`` once it is made (the opaque draw needs ``x``,
+    which names the shared pack). None where it is not (:func:`dispatch.fused`), or cannot be,
+    e.g. for ``x`` read through an autocast cast (fused into its consumer, Inductor would skip the
+    cast's rounding unless ``emulate_precision_casts``)."""
+    strategy, n = cache.strategy, x.numel()
+    allowed = (
+        traceable(cache)
+        and whole_bytes(strategy.bits, strategy.group)
+        and dtype == x.dtype
+        and n > 0
+        and n % strategy.group == 0  # a guard of the compiled graph under dynamic shapes
+    )
+    if not dispatch.fused(allowed):
         return None
     x = x.detach()
     keys = torch.ops.dropit.draw(x, cache.number)
-    rows = x.reshape(-1, strategy.group)
-    codes, mins, scales = quant_fields(rows, keys, strategy.bits, strategy.inv_levels)
-    return [codes, scales, mins]  # Packed's order (values, scales, mins)
+    noise = keyed_bits((keys[0], keys[1]), 0, n, x.device)
+    codes, mins, scales = quantize(x.reshape(-1, strategy.group), noise, strategy.bits)
+    return [pack_low_bits(codes, strategy.bits), scales, mins]  # Packed's order
 
 
-def quant_fields(
-    rows: Tensor, params: Tensor, bits: int, inv_levels: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(codes, minima, steps) of ``rows`` (one group each, whole bytes of codes) in plain torch
-    ops that Inductor fuses: ``formats.quant.quantize`` and ``formats.seeds.hash_bits`` op for
-    op, the eager bytes. ``params``: the hash keys k0, k1 (int64; a tensor: no recompile)."""
-    levels, per_byte = (1 << bits) - 1, 8 // bits
-    g = rows.float()
-    lo = g.amin(1)
-    scale = ((g.amax(1) - lo) * inv_levels).clamp_min(torch.finfo(torch.float32).tiny)
-    idx = torch.arange(rows.numel(), device=rows.device).view(rows.shape)
-    low = mix32(((idx & ((1 << TABLE_BITS) - 1)) + params[0]) & MASK32)
-    high = mix32(((idx >> TABLE_BITS) + params[1]) & MASK32)
-    noise = (low >> (32 - UNIFORM_BITS)) ^ (high >> (32 - UNIFORM_BITS))
-    y = (g - lo[:, None]) / scale[:, None] + noise.float() * 2.0**-UNIFORM_BITS
-    code = y.clamp_max(levels).to(torch.uint8).view(-1, per_byte)
-    packed = code[:, 0]
-    for j in range(1, per_byte):
-        packed = packed | (code[:, j] << (bits * j))
-    return packed.view(-1), lo, scale
-
-
-def fuse_enabled() -> bool:
-    """Whether a traced pack or ReLU mask is written as plain torch ops (``settings.fuse``:
-    default off, on the CPU a compile several times longer and no faster step; docs/dropit.md)."""
-    return settings.current().fuse
-
-
-def _convolution(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    fields: list[Tensor],
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    transposed: bool,
-    output_padding: list[int],
-    groups: int,
-    cache: int,
-) -> Tensor:
-    """``torch.convolution`` (its own fake too); the weight gradient reads the pack ``fields``."""
-    return torch.convolution(
-        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
-    )
-
-
-conv_op = torch.library.custom_op("dropit::conv", _convolution, mutates_args=())
-conv_op.register_fake(_convolution)
-
-
-def _layer_setup(ctx, inputs, output) -> None:
-    """Setup of ``dropit::conv`` and ``dropit::linear`` (``args``: the conv's; none)."""
-    x, weight, bias, fields, *args, cache = inputs
-    ctx.args, ctx.cache, ctx.x_shape, ctx.x_dtype = args, cache, list(x.shape), x.dtype
-    ctx.save_for_backward(weight, *fields)
-
-
-class _TracedRebuilt(Rebuilt):
+class TracedRebuilt(Rebuilt):
     """A traced pack's tensors read back through the opaque ``dropit::unpack`` (the backward
     formula is traced too), whole: ``cache`` is the cache's number, ``packed`` the fields."""
 
@@ -209,125 +155,47 @@ class _TracedRebuilt(Rebuilt):
         return None
 
 
-def _rebuilt(ctx, fields: list[Tensor]) -> Rebuilt | None:
-    """The backward's reader of the pack ``fields``."""
-    return _TracedRebuilt(ctx.x_shape, ctx.cache, fields, ctx.x_dtype) if fields else None
+def rebuilt(ctx, fields: list[Tensor]) -> TracedRebuilt | None:
+    """A traced backward's reader of the pack ``fields`` (None: no pack) of the input whose shape
+    and dtype its setup kept (:func:`save_layer`)."""
+    return TracedRebuilt(ctx.x_shape, ctx.cache, fields, ctx.x_dtype) if fields else None
 
 
-def _conv_backward(ctx, grad):
-    weight, *fields = ctx.saved_tensors
-    args = ConvArgs(*ctx.args)
-    grads = conv_grads(grad, weight, ctx.x_shape, args, ctx.needs_input_grad, _rebuilt(ctx, fields))
-    # a gradient per input: the pack's list gets a list of Nones
-    return *grads, [None] * len(fields), None, None, None, None, None, None, None
+def save_layer(ctx, inputs, output) -> None:
+    """Setup of ``dropit::conv`` and ``dropit::linear``: inputs ``(x, weight, bias, fields,
+    *args, cache)`` (``args``: the conv's; none); the weight and the pack kept."""
+    x, weight, bias, fields, *args, cache = inputs
+    ctx.args, ctx.cache, ctx.x_shape, ctx.x_dtype = args, cache, list(x.shape), x.dtype
+    ctx.save_for_backward(weight, *fields)
 
 
-conv_op.register_autograd(_conv_backward, setup_context=_layer_setup)
+def eager(function, x: Tensor, weight: Tensor, bias: Tensor | None, cache, *args) -> Tensor:
+    """A conv or linear layer's eager call: its autograd ``function`` of autocast's casts."""
+    w, b, dtype = autocast_inputs(x, weight, bias, cache)
+    return function.apply(x, w, b, cache, dtype, *args)
 
 
-def conv(
+# A graph break (a decorated copy: the eager path pays no wrapper).
+_behind_break = torch.compiler.disable(eager)
+
+
+def compiled(
+    function,
+    traced: Callable[..., Tensor],
+    layout: str,
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
-    args: ConvArgs,
     cache: InputCache,
-    dtype: torch.dtype | None,
+    *args,
 ) -> Tensor:
-    """The traced form of ``DropITConvFunction.apply``: the same output, pack and gradients."""
+    """A conv or linear layer's call while compiling: ``traced(x, weight, bias, fields, cache
+    number, *args)``, its operator on the layer's pack ``fields`` (none for a frozen weight), where
+    ``cache``'s packs trace, else its autograd ``function`` behind a graph break. Autocast's casts
+    are the compiler's to share; the input is cast as the Function casts it."""
+    if not traceable(cache):
+        return _behind_break(function, x, weight, bias, cache, *args)
+    w, b, dtype = autocast_inputs(x, weight, bias, None)
     used = x if dtype is None else x.to(dtype)
-    fields = pack(cache, x, "conv", used.dtype) if weight.requires_grad else []
-    return torch.ops.dropit.conv(used, weight, bias, fields, *args, cache.number)
-
-
-def _linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, fields: list[Tensor], cache: int
-) -> Tensor:
-    """``F.linear`` (its own fake too); the backward's weight gradient reads the pack ``fields``."""
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-linear_op = torch.library.custom_op("dropit::linear", _linear, mutates_args=())
-linear_op.register_fake(_linear)
-
-
-def _linear_backward(ctx, grad):
-    weight, *fields = ctx.saved_tensors
-    grads = linear_grads(grad, weight, ctx.x_shape, ctx.needs_input_grad, _rebuilt(ctx, fields))
-    return *grads, [None] * len(fields), None
-
-
-linear_op.register_autograd(_linear_backward, setup_context=_layer_setup)
-
-
-def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, cache: InputCache, dtype: torch.dtype | None
-) -> Tensor:
-    """The traced form of ``DropITLinearFunction.apply``."""
-    used = x if dtype is None else x.to(dtype)
-    fields = pack(cache, x, "linear", used.dtype) if weight.requires_grad else []
-    return torch.ops.dropit.linear(used, weight, bias, fields, cache.number)
-
-
-@torch.library.custom_op("dropit::relu_mask", mutates_args=())
-def relu_mask_op(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(relu(x), the packed flags of ``relu(x) <= 0``), as ``MaskedReLUFunction`` keeps them."""
-    return relu_and_mask(x, False)
-
-
-@relu_mask_op.register_fake
-def _(x: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
-
-
-@torch.library.custom_op("dropit::relu_mask_grad", mutates_args=())
-def relu_mask_grad_op(grad: Tensor, bits: Tensor) -> Tensor:
-    """The ReLU's input gradient from its output gradient and mask."""
-    return relu_mask_grad(grad, bits)
-
-
-@relu_mask_grad_op.register_fake
-def _(grad: Tensor, bits: Tensor) -> Tensor:
-    return torch.empty_like(grad)
-
-
-def _relu_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(output[1])
-
-
-def _relu_backward(ctx, grad, _bits_grad):
-    return torch.ops.dropit.relu_mask_grad(grad, *ctx.saved_tensors)  # the mask's bits
-
-
-relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)
-
-
-def relu(x: Tensor, inplace: bool) -> Tensor:
-    """The traced form of ``MaskedReLUFunction.apply``: :class:`_MaskedReLU`, which Inductor
-    fuses, or the opaque ``dropit::relu_mask`` (per ``settings.fuse``). In place: copied into x,
-    which the compiler turns back into one buffer."""
-    out = _MaskedReLU.apply(x) if fuse_enabled() else torch.ops.dropit.relu_mask(x)[0]
-    return x.copy_(out) if inplace else out
-
-
-class _MaskedReLU(torch.autograd.Function):
-    """ReLU keeping the packed flags of ``output <= 0`` (eager's bytes: 8 flags a byte, flag i
-    in bit i), in torch ops that Dynamo traces into the graph; backward zeroes the flagged
-    gradients (+0.0, as eager's mask does; NaN passes)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        out = torch.relu(x)
-        flags = (out <= 0).reshape(-1).to(torch.uint8)
-        flags = torch.nn.functional.pad(flags, (0, (-flags.numel()) % 8)).view(-1, 8)
-        bits = flags[:, 0]
-        for i in range(1, 8):
-            bits = bits | (flags[:, i] << i)
-        ctx.save_for_backward(bits)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        (bits,) = ctx.saved_tensors
-        shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
-        flags = ((bits[:, None] >> shifts) & 1).reshape(-1)[: grad.numel()]
-        return torch.where(flags.view(grad.shape).bool(), 0.0, grad)
+    fields = pack(cache, x, layout, used.dtype) if w.requires_grad else []
+    return traced(used, w, b, fields, cache.number, *args)

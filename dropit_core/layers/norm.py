@@ -18,10 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dropit_core.formats.packed import Packed, refuse_double_backward, tag_pack
-from dropit_core.layers import library as traced
-from dropit_core.layers.cache import InputCache
-from dropit_core.layers.functions import Grads
+from dropit_core.formats.packed import Packed, refuse_double_backward
+from dropit_core.layers import library
+from dropit_core.layers.cache import Grads, InputCache, keep_packed, kept_packed
 
 
 def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
@@ -30,19 +29,10 @@ def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
     return module.training and torch.is_grad_enabled() and x.requires_grad and x.numel() > 0
 
 
-def _save_pack(ctx, cache: InputCache, x: torch.Tensor, *rest: torch.Tensor | None) -> None:
-    packed = cache.pack(x, "conv")
-    tag_pack(packed)  # before compress_saved's hooks, if any, see its tensors
-    ctx.meta, ctx.cache, ctx.rest = packed.meta, cache, len(rest)
-    ctx.save_for_backward(*rest, *packed[1:])
-
-
 def _saved(ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(the tensors saved besides the pack, the rebuilt input)."""
-    refuse_double_backward()
-    ctx.cache.end_forward()
-    saved = ctx.saved_tensors
-    return list(saved[: ctx.rest]), ctx.cache.unpack(Packed(ctx.meta, *saved[ctx.rest :]))
+    """(the tensors kept besides the pack, the rebuilt input)."""
+    rest, packed = kept_packed(ctx)
+    return rest, ctx.cache.unpack(packed)
 
 
 def _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, eps):
@@ -72,7 +62,7 @@ class _BatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, cache):
         ctx.eps = eps
         out, *stats = _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, eps)
-        _save_pack(ctx, cache, x, weight, *stats)
+        keep_packed(ctx, cache, cache.pack(x, "conv"), weight, *stats)
         return out
 
     @staticmethod
@@ -113,7 +103,7 @@ class _GroupNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, cache):
         (out, mean, rstd), ctx.dims = _group_norm_forward(x, weight, bias, groups, eps)
-        _save_pack(ctx, cache, x, weight, mean, rstd)
+        keep_packed(ctx, cache, cache.pack(x, "conv"), weight, mean, rstd)
         return out
 
     @staticmethod
@@ -153,7 +143,7 @@ def _momentum(module: nn.modules.batchnorm._BatchNorm) -> float:
 
 def _traced(cache: InputCache) -> bool:
     """Whether to run the traced operator (compiling, a traceable strategy), not the Function."""
-    return torch.compiler.is_compiling() and traced.traceable(cache)
+    return torch.compiler.is_compiling() and library.traceable(cache)
 
 
 def _batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +193,14 @@ class _pack_saved(torch.autograd.graph.saved_tensors_hooks):
         def pack(t: torch.Tensor):
             return cache.pack(t, "conv") if t.shape == x.shape and t.is_floating_point() else t
 
-        super().__init__(pack, cache.saved_hooks.unpack)  # the hooked conv's: one unpack hook
+        def unpack(saved) -> torch.Tensor:
+            if not isinstance(saved, Packed):
+                return saved
+            refuse_double_backward()
+            cache.end_forward()  # a backward has begun: this forward's packs are no more shared
+            return cache.unpack(saved)
+
+        super().__init__(pack, unpack)
 
 
 class DropITGroupNorm(nn.GroupNorm):
@@ -269,7 +266,7 @@ def _batch_norm_setup(ctx, inputs, output) -> None:
 
 def _batch_norm_backward(ctx, grad, *_):
     weight, mean, invstd, reserve, *fields = ctx.saved_tensors
-    x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+    x_hat = library.rebuilt(ctx, fields).whole()
     stats = (mean, invstd, reserve if ctx.update else None)
     grads = batch_norm_grads(grad, x_hat, weight, stats, ctx.eps, ctx.needs_input_grad)
     return *grads, None, None, [None] * len(fields), None, None, None
@@ -289,7 +286,7 @@ def batch_norm(
     cache: InputCache,
 ) -> Tensor:
     """The traced form of ``norm._BatchNormFunction.apply`` (running statistics updated alike)."""
-    fields = traced.pack(cache, x, "conv", x.dtype)
+    fields = library.pack(cache, x, "conv", x.dtype)
     out, _, _, _, new_mean, new_var = torch.ops.dropit.batch_norm(
         x, weight, bias, running_mean, running_var, fields, momentum, eps, cache.number
     )
@@ -329,7 +326,7 @@ def _group_norm_setup(ctx, inputs, output) -> None:
 
 def _group_norm_backward(ctx, grad, *_):
     weight, mean, rstd, *fields = ctx.saved_tensors
-    x_hat = torch.ops.dropit.unpack(fields, ctx.cache, ctx.x_shape, ctx.x_dtype)
+    x_hat = library.rebuilt(ctx, fields).whole()
     grads = group_norm_grads(grad, x_hat, weight, mean, rstd, ctx.dims, ctx.needs_input_grad)
     return *grads, [None] * len(fields), None, None, None
 
@@ -341,7 +338,7 @@ def group_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int, eps: float, cache
 ) -> Tensor:
     """The traced form of ``norm._GroupNormFunction.apply``."""
-    fields = traced.pack(cache, x, "conv", x.dtype)
+    fields = library.pack(cache, x, "conv", x.dtype)
     return torch.ops.dropit.group_norm(x, weight, bias, fields, groups, eps, cache.number)[0]
 
 

@@ -1,14 +1,17 @@
-"""The ReLU that keeps a 1-bit mask of its output instead of the output, and its forward and
-backward bodies, which run the mask through the Triton kernels, the C loops or eager torch as
-:func:`dropit_core.backends.dispatch.choose` says (eager and traced alike).
+"""The ReLU that keeps a 1-bit mask of its output instead of the output: its module, its autograd
+Function (what runs eagerly), its forward and backward bodies, which run the mask through the
+Triton kernels, the C loops or eager torch as :func:`dropit_core.backends.dispatch.choose` says,
+and its traced operators ``dropit::relu_mask`` and ``dropit::relu_mask_grad`` (what
+``torch.compile`` traces: the same bodies), or under ``DROPIT_FUSE`` plain torch ops.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor, nn
 
 from dropit_core.backends import dispatch, native
-from dropit_core.formats.bits import pack_blocked, zero_flagged_sliced
+from dropit_core.formats.bits import pack_bits, pack_blocked, zero_flagged_sliced
 from dropit_core.formats.packed import refuse_double_backward
 
 
@@ -33,20 +36,94 @@ class MaskedReLUFunction(torch.autograd.Function):
         return relu_mask_grad(grad, bits), None
 
 
-def relu_and_mask(x: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def relu_and_mask(x: Tensor, inplace: bool) -> tuple[Tensor, Tensor]:
     """(relu(x), the packed flags of ``relu(x) <= 0``): the masked ReLU's forward, eager and
-    traced alike. The kernel takes a float tensor, contiguous when in place (it writes the
-    output in x's memory order)."""
-    way = dispatch.choose("relu_mask", x)
-    if way == "triton" and (x.is_contiguous() or not inplace):
+    traced alike. In place, the kernel writes the output in x's memory order: contiguous only."""
+    allowed = ("native",) if inplace and not x.is_contiguous() else dispatch.FAST
+    way = dispatch.choose("relu_mask", x, allowed)
+    if way == "triton":
         return dispatch.kernels("relu").relu_mask(x, inplace, check=False)  # choose checked x
     out = x.relu_() if inplace else torch.relu(x)
     return out, native.relu_mask(out) if way == "native" else pack_blocked(out)
 
 
-def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+def relu_mask_grad(grad: Tensor, bits: Tensor) -> Tensor:
     """The masked ReLU's input gradient: ``grad`` with the flagged elements zeroed."""
     way = dispatch.choose("relu_grad", grad)
     if way == "triton":
         return dispatch.kernels("relu").relu_mask_grad(grad, bits, check=False)
     return native.relu_apply(grad, bits) if way == "native" else zero_flagged_sliced(grad, bits)
+
+
+# The traced operators (torch.compile: dropit_core.layers.library) ---------------------------
+
+
+@torch.library.custom_op("dropit::relu_mask", mutates_args=())
+def relu_mask_op(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(relu(x), the packed flags of ``relu(x) <= 0``), as ``MaskedReLUFunction`` keeps them."""
+    return relu_and_mask(x, False)
+
+
+@relu_mask_op.register_fake
+def _(x: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("dropit::relu_mask_grad", mutates_args=())
+def relu_mask_grad_op(grad: Tensor, bits: Tensor) -> Tensor:
+    """The ReLU's input gradient from its output gradient and mask."""
+    return relu_mask_grad(grad, bits)
+
+
+@relu_mask_grad_op.register_fake
+def _(grad: Tensor, bits: Tensor) -> Tensor:
+    return torch.empty_like(grad)
+
+
+def _relu_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1])
+
+
+def _relu_backward(ctx, grad, _bits_grad):
+    return torch.ops.dropit.relu_mask_grad(grad, *ctx.saved_tensors)  # the mask's bits
+
+
+relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)
+
+
+def traced_relu(x: Tensor, inplace: bool) -> Tensor:
+    """The traced form of ``MaskedReLUFunction.apply``: :class:`_MaskedReLU`, which Inductor
+    fuses, or the opaque ``dropit::relu_mask`` (per ``dispatch.fused``). In place: copied into x,
+    which the compiler turns back into one buffer."""
+    out = _MaskedReLU.apply(x) if dispatch.fused() else torch.ops.dropit.relu_mask(x)[0]
+    return x.copy_(out) if inplace else out
+
+
+class _MaskedReLU(torch.autograd.Function):
+    """ReLU keeping the packed flags of ``output <= 0`` (eager's bytes: ``pack_bits``), in torch
+    ops that Dynamo traces into the graph; backward zeroes the flagged gradients (+0.0, as
+    eager's mask does; NaN passes)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        out = torch.relu(x)
+        ctx.save_for_backward(pack_bits((out <= 0).reshape(-1)))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (bits,) = ctx.saved_tensors
+        shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+        flags = ((bits[:, None] >> shifts) & 1).reshape(-1)[: grad.numel()]
+        return torch.where(flags.view(grad.shape).bool(), 0.0, grad)
+
+
+class DropITReLU(nn.ReLU):
+    """``nn.ReLU`` that keeps a 1-bit mask of its output for backward, not the output."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and torch.is_grad_enabled() and x.requires_grad):
+            return super().forward(x)
+        if torch.compiler.is_compiling():
+            return traced_relu(x, self.inplace)
+        return MaskedReLUFunction.apply(x, self.inplace)

@@ -8,7 +8,6 @@
 - :mod:`.quant`: ``quant``, every element as a stochastically rounded group code.
 - :mod:`.structured`: ``channel_mink``, ``channel_random``, ``block_mink``, ``pool``.
 - :mod:`.elementwise`: the slice-by-slice pack and rebuild the element-wise families share.
-- :mod:`.keep_rule`: which elements an element-wise pack keeps, stated once for every backend.
 - :mod:`.select`: the exact k-th largest magnitude, with small temporaries.
 """
 

@@ -32,11 +32,11 @@ import torch
 from dropit_core.backends import dispatch
 from dropit_core.formats import packed as base
 from dropit_core.formats.bits import compact_bits, compact_into, pack_bits, scatter_kept
+from dropit_core.formats.keep_rule import KeepRule
 from dropit_core.formats.packed import ElementsMeta, Packed
 from dropit_core.formats.values import ValueCodec
 from dropit_core.registry import Option
 from dropit_core.strategies.base import Strategy, decoded, encoded
-from dropit_core.strategies.keep_rule import KeepRule
 
 POSITIONS = ("bits", "sparse_bits")
 POSITIONS_OPTION = Option(
@@ -114,6 +114,14 @@ class Elementwise(Strategy):
     exact_capacity = False
     # True: integer value codes never code a non-zero kept value as 0 (its sign is kept)
     signed_values = False
+    # What the class allows besides eager torch (dispatch.choose's ``allowed``): the Triton
+    # kernels pack where it states its rule in their terms (_kernel_rule), and rebuild where they
+    # need no rule (a stored mask) or it states one.
+    pack_backends: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.pack_backends = ("triton",) if cls._kernel_rule is not Elementwise._kernel_rule else ()
 
     def __init__(
         self, gamma: float, codec: ValueCodec, rescale: str, *, positions: str = POSITIONS[0]
@@ -142,10 +150,11 @@ class Elementwise(Strategy):
         """The mask of a slice rebuilt from the state alone (``stores_mask = False`` only)."""
         raise NotImplementedError
 
-    def _kernel_rule(self, state: Any) -> KeepRule | None:
-        """The rule of :meth:`_slice_mask` for the Triton kernels, or None: eager torch only.
-        A strategy that stores no mask draws its flags again from this rule in the rebuild."""
-        return None
+    def _kernel_rule(self, state: Any) -> KeepRule:
+        """The rule of :meth:`_slice_mask` for the Triton kernels; a class that does not state
+        it packs with eager torch only. A strategy that stores no mask draws its flags again
+        from this rule in the rebuild."""
+        raise NotImplementedError
 
     def _kept_state(self, state: Any) -> Any:
         """What of the state the pack's metadata keeps (by default all of it)."""
@@ -161,7 +170,7 @@ class Elementwise(Strategy):
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         flat = x.reshape(-1)
-        kernels = dispatch.choose("compact", flat) == "triton"
+        kernels = dispatch.choose("compact", flat, self.pack_backends) == "triton"
         if kernels or fixed_capacity(flat.device):
             bits, values, state, dropped = self._pack_fixed(flat, key, kernels)
             slots = values.numel()
@@ -209,9 +218,9 @@ class Elementwise(Strategy):
         n, dev = flat.numel(), flat.device
         state = self._begin(flat, True, key)
         slots = self.capacity(n)
-        rule = self._kernel_rule(state) if kernels else None
-        if rule is not None:  # the Triton kernels (kernels: what dispatch chose for flat)
+        if kernels:  # the Triton kernels: what dispatch chose for flat
             compact_pack = dispatch.kernels("compact").compact_pack
+            rule = self._kernel_rule(state)
             bits, values, chosen = compact_pack(flat, rule, slots, self.stores_mask)
             dropped = None if self.exact_capacity else (chosen - slots).clamp_min(0)
             return bits, values, state, dropped
@@ -237,12 +246,13 @@ class Elementwise(Strategy):
         n = math.prod(shape)
         values = self._rebuilt_values(decoded(self.codec, packed, dtype, kept), packed)
         step = self.slice_len()
-        kernels = dispatch.choose("compact", values) == "triton"
+        allowed = dispatch.FAST if self.stores_mask else self.pack_backends
+        kernels = dispatch.choose("compact", values, allowed) == "triton"
         bits = packed.bits  # None where the mask is drawn again (stores_mask False)
         if self.stores_mask and self.positions == "sparse_bits":
             bits = _dense_bits(bits, packed.mask_bytes, n, kernels)
-        rule = self._kernel_rule(state) if kernels and not self.stores_mask else None
-        if kernels and (self.stores_mask or rule is not None):
+        if kernels:
+            rule = None if self.stores_mask else self._kernel_rule(state)
             scatter_pack = dispatch.kernels("compact").scatter_pack
             return scatter_pack(bits, values, n, draw=rule).view(shape)
         if self.stores_mask:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from dropit_core.formats.keep_rule import IMPORTANCE, KeepRule
 from dropit_core.formats.packed import Packed, tiny
 from dropit_core.formats.seeds import hash_uniform, mix_seed
 from dropit_core.formats.values import ValueCodec
@@ -20,7 +21,6 @@ from dropit_core.strategies.elementwise import (
     Elementwise,
     expected_capacity,
 )
-from dropit_core.strategies.keep_rule import IMPORTANCE, KeepRule
 from dropit_core.strategies.select import sample_size, sample_stride
 
 

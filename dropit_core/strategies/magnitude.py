@@ -12,6 +12,7 @@ import torch
 
 from dropit_core.formats import packed as base
 from dropit_core.formats.bits import pack_bits
+from dropit_core.formats.keep_rule import AT_LEAST, DRAW, TIES, KeepRule
 from dropit_core.formats.packed import Packed, tiny
 from dropit_core.formats.seeds import hash_uniform, mix_seed
 from dropit_core.formats.values import ValueCodec
@@ -24,7 +25,6 @@ from dropit_core.strategies.elementwise import (
     Elementwise,
     expected_capacity,
 )
-from dropit_core.strategies.keep_rule import AT_LEAST, DRAW, TIES, KeepRule
 from dropit_core.strategies.select import (
     KthLargest,
     abs_slices,

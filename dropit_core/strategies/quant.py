@@ -59,16 +59,9 @@ class Quant(Strategy):
         self._inv_levels = inv_levels(bits)
         self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
         self._hashed: dict[int, tuple[int, int]] = {}  # draw_keys of the keys remember_draws saw
-        # asked per pack and rebuild: answered once
-        self._fast = quant_format.fast_backends(bits, group)
-        # the signed flags' bytes must not straddle two programs' groups: whole flag bytes
-        self._signed_fast = ("triton",) if "triton" in self._fast and group % 8 == 0 else ()
-
-    @property
-    def inv_levels(self) -> float:
-        """``1 / (2**bits - 1)`` rounded to fp32 (:func:`dropit_core.formats.quant.inv_levels`):
-        the factor of every path's step, ``(max - min) * inv_levels``."""
-        return self._inv_levels
+        # what this setting allows besides eager, asked per pack and rebuild: answered once
+        self._fast = dispatch.quant_backends(bits, group)
+        self._signed_fast = dispatch.quant_backends(bits, group, signs=True)
 
     def draw_keys(self, key: int | torch.Tensor) -> tuple[int, int] | tuple[torch.Tensor, ...]:
         """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
@@ -87,10 +80,6 @@ class Quant(Strategy):
 
     def _keys_of(self, key: int) -> tuple[int, int]:
         return self._hashed.get(key) or self.draw_keys(key)
-
-    def slice_len(self) -> int:
-        """Elements per slice: whole groups and whole code bytes."""
-        return quant_format.slice_len(self.group)
 
     def pack(
         self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None
@@ -167,7 +156,8 @@ class Quant(Strategy):
                 packed.values, packed.mins, packed.scales, n, self.bits, self.group, dtype,
                 shape=shape, check=False,
             )  # fmt: skip
-        return _rebuild_on_host(packed, n, self.bits, self.group, self.slice_len(), way)
+        step = quant_format.slice_len(self.group)  # whole groups and whole code bytes
+        return _rebuild_on_host(packed, n, self.bits, self.group, step, way)
 
 
 def _rebuild_on_host(

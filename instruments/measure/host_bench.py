@@ -26,8 +26,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropit_core import compress_saved, configure, to_dropit
 from dropit_core.backends import kernels, triton_available
-from dropit_core.formats import Packed, quant_buffers
-from dropit_core.layers import SavedInputHooks
 from dropit_core.timing import timed_rounds
 from instruments.measure.rows import rows_with
 from rcnn_dropit.errors import UsageError
@@ -104,28 +102,16 @@ def stubbed_launches() -> Iterator[Launches]:
 # (stack, what DropIT converts): each against the same stack of plain layers. "bare Function"
 # converts nothing to DropIT: each conv (and ReLU) becomes the least a layer written as a Python
 # autograd Function can be (it saves its input, its backward is one aten call), the part of
-# DropIT's host time that its work cannot remove. "layers, Function": the converted convs run
-# their autograd Function, as every eager conv did before dropit_core.layers.hooked (the same
-# packs). The last two take a converted conv apart (dropit_core.layers.hooked's path): "hooks, no
-# pack" keeps the layer's Python and its saved-tensor hooks but saves the input as it is; "pack, no
-# rebuild" packs it for real and hands the backward a ready tensor: against "layers", what the pack
-# and the rebuild each add. "buffers and launches only": the least any pack of this format written
-# in Python does per layer (its three buffers and launch, the rebuild's buffer and launch; no
-# seeds, no sharing, no pack object): what the "layers" rows of its stack cannot go below.
+# DropIT's host time that its work cannot remove. (The rows that took apart the hooked conv,
+# which issue 68 removed, went with it: docs/results/memory.md's host-time section.)
 STACKS = (
     ("conv", "layers"),
     ("conv+relu", "layers"),
-    ("conv", "layers, Function"),
-    ("conv+relu", "layers, Function"),
     ("conv+bn+relu", "layers"),
     ("conv+bn+relu", "layers+norm"),
     ("conv+bn+relu", "saved hooks"),
     ("conv", "bare Function"),
     ("conv+relu", "bare Function"),
-    ("conv", "hooks, no pack"),
-    ("conv", "pack, no rebuild"),
-    ("conv", "buffers and launches only"),
-    ("conv+relu", "buffers and launches only"),
 )
 
 
@@ -200,96 +186,15 @@ def _bare(model: nn.Module) -> nn.Module:
     return model
 
 
-class _FunctionPath(nn.Module):
-    """A converted model whose convs run their autograd Function (``configure(hooked=False)``
-    for its forward: the backward follows the forward's choice)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        previous = configure(hooked=False)
-        try:
-            return self.model(x)
-        finally:
-            configure(hooked=previous.hooked)
-
-
-class _HooksNoPack(SavedInputHooks):
-    """A converted conv's hooks that keep its input as it is (no pack, no rebuild)."""
-
-    def pack(self, t: torch.Tensor) -> Any:
-        return t
-
-    def unpack(self, saved: Any) -> torch.Tensor:
-        return saved
-
-
-class _PackNoRebuild(SavedInputHooks):
-    """A converted conv's hooks that pack its input and give the backward a ready tensor of the
-    input's shape (made once per shape) instead of the rebuilt one."""
-
-    ready: dict[tuple, torch.Tensor] = {}
-
-    def unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, Packed):
-            return saved
-        self.cache.end_forward()
-        shape, dtype = saved.meta[:2]
-        key = (shape, dtype)
-        if key not in self.ready:
-            self.ready[key] = torch.randn(shape).to(dtype)
-        return self.ready[key]
-
-
-class _BuffersAndLaunches(SavedInputHooks):
-    """A converted conv's hooks that do only what no pack of the quant format can skip: its
-    three buffers and its launch, then the rebuilt input's buffer and its launch (both launches
-    stubbed, and nothing written: the backward reads an uninitialised input)."""
-
-    def pack(self, t: torch.Tensor) -> Any:
-        if t is self.weight:
-            return t
-        module, quant = kernels("quant"), self.cache.strategy
-        codes, mins, scales = quant_buffers(t.numel(), quant.bits, quant.group, t.device)
-        module.quant_codes_kernel[(1,)](t, codes, mins, scales)
-        return (t.shape, t.dtype, codes, mins, scales)
-
-    def unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
-        shape, dtype, codes, mins, scales = saved
-        out = torch.empty(*shape, dtype=dtype, device=codes.device)
-        kernels("quant").quant_rebuild_kernel[(1,)](codes, mins, scales, out)
-        return out
-
-
-_TAKEN_APART = {
-    "hooks, no pack": _HooksNoPack,
-    "pack, no rebuild": _PackNoRebuild,
-    "buffers and launches only": _BuffersAndLaunches,
-}
-
-
 def _dropit(plain: nn.Module, dropit: str) -> nn.Module:
     """A copy of ``plain`` with quant 4-bit: its conv (and ReLU) layers, its norms too, or every
     saved tensor through :func:`dropit_core.compress_saved` (no layer converted); or with its
     layers as bare autograd Functions (no DropIT)."""
     model = copy.deepcopy(plain)
-    if dropit == "layers, Function":
-        return _FunctionPath(to_dropit(model, strategy="quant", bits=4, strict=False))
     if dropit == "bare Function":
         return _bare(model)
     if dropit == "saved hooks":
         compress_saved(model, bits=4, min_bytes=1024)  # the maps, not BatchNorm's statistics
-        return model
-    if dropit in _TAKEN_APART:
-        to_dropit(model, strategy="quant", bits=4, strict=False)
-        for m in model.modules():
-            cache = getattr(m, "dropit_cache", None)
-            if cache is not None:
-                cache.saved_hooks = _TAKEN_APART[dropit](cache)
         return model
     return to_dropit(model, strategy="quant", bits=4, strict=False, norm=dropit == "layers+norm")
 

@@ -23,9 +23,9 @@ from dropit_core import (
     to_dropit,
 )
 from dropit_core.formats.bits import compact_into, pack_bits, scatter_kept
+from dropit_core.formats.keep_rule import AT_LEAST, DRAW, IMPORTANCE, TIES, KeepRule
 from dropit_core.formats.seeds import hash_uniform
 from dropit_core.strategies import elementwise as elementwise_mod
-from dropit_core.strategies.keep_rule import AT_LEAST, DRAW, IMPORTANCE, TIES, KeepRule
 from tests.core.kernel_env import DEVICE, FLOATS, NEEDS_KERNELS, same_bits
 from tests.core.test_dropit_fixed import SETTINGS, _x, small_slices  # noqa: F401 (a fixture)
 

@@ -22,6 +22,7 @@ from dropit_core import (
     set_step,
     to_dropit,
 )
+from dropit_core.backends import dispatch
 from dropit_core.layers import library as traced
 
 # Relative tolerance of compiled gradients and losses against eager ones: fp32 sums in another
@@ -237,12 +238,12 @@ def test_a_fused_pack_is_the_eager_pack_byte_for_byte(bits: int, monkeypatch):
 
 def test_the_fused_relu_keeps_the_eager_mask_and_gradient():
     from dropit_core.formats.bits import pack_blocked
-    from dropit_core.layers.relu import MaskedReLUFunction
+    from dropit_core.layers.relu import MaskedReLUFunction, _MaskedReLU
 
     x = torch.randn(3, 5, 7)  # 105 values: a last byte of flags only partly used
     x[0, 0, :3] = torch.tensor([0.0, float("nan"), -0.0])
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = traced._MaskedReLU.apply(a)
+    out = _MaskedReLU.apply(a)
     want = MaskedReLUFunction.apply(b, False)
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # bits, NaN included
     assert torch.equal(out.grad_fn.saved_tensors[0], pack_blocked(want.detach()))
@@ -256,13 +257,13 @@ def test_the_fused_relu_keeps_the_eager_mask_and_gradient():
 def test_fusing_is_off_unless_asked(monkeypatch):
     monkeypatch.delenv("DROPIT_FUSE", raising=False)
     reset_settings()
-    assert not traced.fuse_enabled()
+    assert not dispatch.fused()
     monkeypatch.setenv("DROPIT_FUSE", "1")
     reset_settings()
     try:
-        assert traced.fuse_enabled()
+        assert dispatch.fused()
         configure(fuse=False)
-        assert not traced.fuse_enabled()
+        assert not dispatch.fused()
     finally:
         monkeypatch.delenv("DROPIT_FUSE")
         reset_settings()

@@ -73,21 +73,8 @@ def _recorded(layer: nn.Module) -> list:
     return packs
 
 
-@pytest.fixture(
-    params=[("conv", False), ("conv", True), ("linear", False)],
-    ids=["conv-function", "conv-hooks", "linear-function"],
-)
-def layer_path(request):
-    """(layer kind, whether a conv takes the saved-tensor hooks, dropit_core.layers.hooked, or the
-    autograd Function): each path has its own order of op and pack."""
-    kind, hooks = request.param
-    previous = configure(hooked=hooks)
-    yield kind, hooks
-    configure(hooked=previous.hooked)
-
-
-def test_autocast_copy_of_a_quant_layer_input_goes_with_the_layer(eager, layer_path) -> None:
-    kind, hooks = layer_path
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_autocast_copy_of_a_quant_layer_input_goes_with_the_layer(eager, kind) -> None:
     plain, layer, shape = _converted(kind, "quant")
     packs = _recorded(layer)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
@@ -103,22 +90,16 @@ def test_autocast_copy_of_a_quant_layer_input_goes_with_the_layer(eager, layer_p
     copy = h.numel() * 2
     # (The weight casts may be made at another moment when other tests ran first, so their bytes
     # bound the figures instead of fixing them; the bf16 copy would add far more.)
-    if hooks:
-        # aten's node saves its input before the op runs: the pack is made of the bf16 copy the
-        # op is given, while it is alive and before the output is.
-        assert copy <= made.alive_at("pack") <= copy + weight_cast + bias_cast
-        assert source() is None and dtype == []  # the copy, gone with the layer
-    else:
-        # When the pack starts, the op's output and its weight and bias casts are alive, not the
-        # bf16 copy of h the op ran on: it went with the op. The pack read h itself.
-        assert (
-            out.nbytes
-            <= made.alive_at("pack")
-            <= out.nbytes + weight_cast + bias_cast
-            < copy + out.nbytes
-        )
-        assert source() is h and dtype == [torch.bfloat16]
-    # After the forward, either way: the output, the pack and the weight cast (the backward's).
+    # When the pack starts, the op's output and its weight and bias casts are alive, not the
+    # bf16 copy of h the op ran on: it went with the op. The pack read h itself.
+    assert (
+        out.nbytes
+        <= made.alive_at("pack")
+        <= out.nbytes + weight_cast + bias_cast
+        < copy + out.nbytes
+    )
+    assert source() is h and dtype == [torch.bfloat16]
+    # After the forward: the output, the pack and the weight cast (the backward's).
     assert out.nbytes + packed.nbytes() <= made.alive <= out.nbytes + weight_cast + packed.nbytes()
     # The pack is the one of that copy, bit for bit, and rebuilds as bf16.
     strategy = layer.dropit_cache.strategy

@@ -26,8 +26,8 @@ from dropit_core import (
     to_dropit,
 )
 from dropit_core.backends import dispatch, native
+from dropit_core.backends.dispatch import quant_kernels_take
 from dropit_core.formats import seeds
-from dropit_core.formats.quant import kernels_take as quant_kernels_take
 from dropit_core.formats.quant import unpack_codes
 from dropit_core.layers.relu import MaskedReLUFunction
 from dropit_core.strategies.quant import pack_signed, unpack_signed
@@ -464,7 +464,7 @@ def test_eager_kernels_mean_eager_everywhere(monkeypatch) -> None:
 def test_one_table_chooses_each_ops_backend_by_device_dtype_setting_and_settings() -> None:
     """dispatch.TABLE and choose: what runs each op, from (op, tensor, the op's setting, the
     settings); every strategy and layer asks it, none decides alone."""
-    from dropit_core.formats.quant import fast_backends
+    from dropit_core.backends.dispatch import quant_backends as fast_backends
 
     assert fast_backends(4, 256) == ("triton", "native")
     assert fast_backends(4, 16384) == ("native",)  # beyond a program's registers

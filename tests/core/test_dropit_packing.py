@@ -18,7 +18,8 @@ from dropit_core.formats.bits import (
     unpack_bits,
     zero_flagged,
 )
-from dropit_core.formats.quant import pack_codes, unpack_codes
+from dropit_core.formats.bits import pack_low_bits as pack_codes
+from dropit_core.formats.quant import unpack_codes
 from dropit_core.formats.values import VALUE_FORMATS, ValueCodec
 
 

@@ -22,12 +22,9 @@ from dropit_core import (
     is_dropit,
     to_dropit,
 )
-from dropit_core.layers.modules import (
-    DropITConv2d,
-    DropITConvTranspose2d,
-    DropITLinear,
-    DropITReLU,
-)
+from dropit_core.layers.conv import DropITConv2d, DropITConvTranspose2d
+from dropit_core.layers.linear import DropITLinear
+from dropit_core.layers.relu import DropITReLU
 
 
 class Body(nn.Module):

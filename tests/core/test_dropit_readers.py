@@ -14,7 +14,7 @@ from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from dropit_core import PAPER_EXCLUDE, checkpoint_modules, dropit_record, lean_detector, to_dropit
-from dropit_core.layers.modules import DropITReLU
+from dropit_core.layers.relu import DropITReLU
 from dropit_core.readers import FLOWS, forward_class, relu_readers
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dropit_core import set_step
+from dropit_core import set_step, to_dropit
 from dropit_core.memory import saved_activations
 from dropit_core.saved import CompressSaved, compress_saved
 
@@ -214,3 +214,36 @@ def test_a_linear_layers_transposed_weight_stays_dense_so_its_input_gradient_is_
     # x * 1.0 (64 KiB) is packed; the weight's view is left whole, not rounded to 4 bits
     assert saved.packs == 1 and saved.dense_bytes == 64 * 256 * 4
     assert torch.equal(x.grad, exact)  # the input gradient reads only the weight
+
+
+class _Fork(nn.Module):
+    """A stem conv, then two convs fed the same tensor (their pack is shared), summed, then a
+    transposed conv."""
+
+    def __init__(self, channels: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.a = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.b = nn.Conv2d(channels, channels, 1, stride=2)
+        self.up = nn.ConvTranspose2d(channels, 3, 2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu(self.stem(x)).float()
+        return self.up(self.a(h)[..., ::2, ::2] + self.b(h))
+
+
+def test_compress_saved_on_a_converted_model_sees_the_functions_tensors():
+    # compress_saved's block is another pair of hooks: converted convs inside it run the Function,
+    # whose packs it leaves alone (tagged), and it packs the rest as before: here the one tensor
+    # no converted layer keeps, the sigmoid's output.
+    torch.manual_seed(0)
+    model = nn.Sequential(to_dropit(_Fork(), strategy="quant", gamma=0.7, bits=4), nn.Sigmoid())
+    handle = compress_saved(model, bits=4, min_bytes=256)
+    x = torch.randn(2, 3, 12, 12, requires_grad=True)
+    out = model(x)
+    up = out.grad_fn.next_functions[0][0]  # the transposed conv's node, under the sigmoid's
+    assert "DropITConvFunction" in type(up).__name__
+    out.sum().backward()
+    assert handle.last is not None and handle.last.packs == 1
+    assert handle.last.dense_bytes == out.numel() * 4

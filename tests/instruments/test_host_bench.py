@@ -60,12 +60,10 @@ def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:
 
     # A quant conv: one pack and one rebuild launch each; through its autograd Function also
     # one step's copy of the loss's expanded gradient, which aten's conv backward (the plain
-    # conv's, and the hooked conv's) reads as it is, and so does the masked ReLU's kernel, which
-    # otherwise launches as many as the plain ReLU. A DropIT norm adds its pack and rebuild.
-    assert extra("conv", "layers") == 2 * layers
+    # conv's) reads as it is, and so does the masked ReLU's kernel, which otherwise launches as
+    # many as the plain ReLU. A DropIT norm adds its pack and rebuild.
+    assert extra("conv", "layers") == 2 * layers + 1
     assert extra("conv+relu", "layers") == 2 * layers + 1
-    assert extra("conv", "layers, Function") == 2 * layers + 1
-    assert extra("conv+relu", "layers, Function") == 2 * layers + 1
     assert extra("conv+bn+relu", "layers+norm") - extra("conv+bn+relu", "layers") == 2 * layers
     # Saved hooks: each BatchNorm input and ReLU output packed in one launch (a ReLU output saved
     # by the ReLU and the next conv once), each use of it rebuilt in one: 5 per unit, less the
@@ -73,12 +71,6 @@ def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:
     assert extra("conv+bn+relu", "saved hooks") == 5 * layers - 1
     # Bare Functions launch what the plain layers launch: the rows differ by host time only.
     assert extra("conv", "bare Function") == extra("conv+relu", "bare Function") == 0
-    # A conv taken apart: its hooks alone launch nothing more; its pack alone, one per layer.
-    assert extra("conv", "hooks, no pack") == 0
-    assert extra("conv", "pack, no rebuild") == layers
-    # The least a pack can do launches what the real pack and rebuild launch.
-    assert extra("conv", "buffers and launches only") == extra("conv", "layers")
-    assert extra("conv+relu", "buffers and launches only") == extra("conv+relu", "layers")
 
 
 def _input_and_weight_grads(models: tuple[nn.Module, ...]) -> list[list[torch.Tensor]]:
@@ -98,15 +90,6 @@ def test_bare_functions_compute_the_plain_stacks_gradients() -> None:
     assert {type(m).__name__ for m in bare} == {"_BareConv", "_BareReLU"}
     for a, b in zip(*_input_and_weight_grads((plain, bare)), strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_a_conv_whose_hooks_keep_its_input_computes_the_plain_stacks_gradients() -> None:
-    # "hooks, no pack": the converted layers' own path, only the pack left out
-    plain = host_bench._stack(3, 4, "conv")
-    kept = host_bench._dropit(plain, "hooks, no pack")
-    assert {type(m.dropit_cache.saved_hooks).__name__ for m in kept} == {"_HooksNoPack"}
-    for a, b in zip(*_input_and_weight_grads((plain, kept)), strict=True):
-        assert torch.equal(a, b)
 
 
 def test_host_markdown_keeps_the_columns_of_rows_measured_before_launch_counts() -> None:

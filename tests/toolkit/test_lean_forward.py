@@ -30,7 +30,7 @@ from dropit_core.detection.forward import (
     _ReadersInputGrad,
     add_top_down,
 )
-from dropit_core.layers import functions as ops
+from dropit_core.layers import conv as ops
 from rcnn_dropit.config import config_from_dict
 from rcnn_dropit.models import build_model
 from tests.core.allocations import allocations

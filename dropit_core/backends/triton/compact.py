@@ -6,7 +6,7 @@ device (where each block's values start), and writes every block's kept values a
 with its 1-bit mask; the rebuild reads them back the same way. No size depends on the data, so the
 host never waits: a pack stores at most its capacity (the first kept values in flat order, its
 mask flagging exactly those) and returns how many its rule chose, for the overflow count. Which
-elements a block keeps is a :class:`~dropit_core.strategies.keep_rule.KeepRule`; the draws are
+elements a block keeps is a :class:`~dropit_core.formats.keep_rule.KeepRule`; the draws are
 :func:`dropit_core.formats.seeds.hash_uniform`'s, per element.
 """
 
@@ -18,8 +18,8 @@ import triton.language as tl
 
 from dropit_core.backends.triton.launch import cdiv
 from dropit_core.backends.triton.noise import uniform
+from dropit_core.formats.keep_rule import DRAW, TIES, KeepRule
 from dropit_core.formats.seeds import hash_keys
-from dropit_core.strategies.keep_rule import DRAW, TIES, KeepRule
 
 BLOCK = 4096  # elements per program: a multiple of 8, so each program writes whole mask bytes
 

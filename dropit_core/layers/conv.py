@@ -1,6 +1,7 @@
-"""Autograd functions: convolution and linear layers that keep a dropped input, with the chunked
-backward that rebuilds it (its bodies, :func:`conv_grads` and :func:`linear_grads`, are the traced
-operators' too).
+"""The DropIT convolution, plain and transposed: its module, its autograd Function (what runs
+eagerly) with the chunked backward that rebuilds the input, and its traced operator
+``dropit::conv`` (what ``torch.compile`` traces), whose backward is the Function's body,
+:func:`conv_grads`.
 
 The forward output is exactly the plain op's. The input gradient needs only the weight, and the
 bias gradient only the output gradient, so both are exact; only the weight gradient is computed
@@ -15,14 +16,22 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 
-from dropit_core.formats.packed import Packed, refuse_double_backward, tag_pack
-from dropit_core.layers.cache import InputCache
+from dropit_core.layers import library
+from dropit_core.layers.cache import (
+    Grads,
+    InputCache,
+    Rebuilt,
+    forward_and_pack,
+    weight_and_input,
+)
+from dropit_core.layers.casts import training_step, weight_and_bias
 
 
 class ConvArgs(NamedTuple):
     """The arguments of ``aten.convolution`` besides input, weight and bias (lists or tuples:
-    aten takes either; the compiled path's operators take lists)."""
+    aten takes either; the compiled path's operator takes lists)."""
 
     stride: Sequence[int]
     padding: Sequence[int]
@@ -30,52 +39,6 @@ class ConvArgs(NamedTuple):
     transposed: bool
     output_padding: Sequence[int]
     groups: int
-
-
-def _zeros_like_shape(ref: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    # A zero-stride stand-in: the input gradient only reads the input's shape.
-    return ref.new_zeros(()).expand(shape)
-
-
-def _forward_and_save(ctx, x, weight, bias, cache: InputCache, dtype, args: ConvArgs | None):
-    """The conv (``args`` given) or linear op of ``x`` (cast to ``dtype``, autocast's; None:
-    as it is), keeping for backward the weight (input gradient) and, when the weight trains, the
-    pack of the input the op computed with: its tensor fields through ``save_for_backward``
-    (None included), its metadata on ``ctx``.
-
-    Where the strategy packs ``x`` as the cast's values directly (quant), ``x`` is packed and
-    the cast's last reference goes before the pack, so the cast lives as long as the op, as
-    plain autocast's copy does. The pack is keyed by ``x``: the layers fed ``x`` share it.
-    """
-    used = x if dtype is None else x.to(dtype)
-    if args is None:
-        out = F.linear(used, weight, bias)
-    else:
-        out = torch.convolution(used, weight, bias, *args)
-    ctx.cache, ctx.x_shape = cache, x.shape
-    if not weight.requires_grad:
-        ctx.meta = None
-        ctx.save_for_backward(weight)
-        return out
-    if used is not x and cache.reads_through_cast():
-        used = x
-    packed = cache.pack(used, "linear" if args is None else "conv", x, dtype or used.dtype)
-    tag_pack(packed)  # before compress_saved's hooks, if any, see its tensors
-    ctx.meta = packed.meta
-    ctx.save_for_backward(weight, *packed[1:])
-    return out
-
-
-def _saved_input(ctx) -> tuple[torch.Tensor, Rebuilt | None]:
-    """(weight, the packed input to rebuild or None) from what :func:`_forward_and_save` kept,
-    for a backward: one that would be differentiated again is refused, and the forward is
-    over."""
-    refuse_double_backward()
-    ctx.cache.end_forward()
-    weight, *tensors = ctx.saved_tensors
-    if ctx.meta is None:
-        return weight, None
-    return weight, Rebuilt(ctx.x_shape, ctx.cache, Packed(ctx.meta, *tensors))
 
 
 # Inputs of at least this many bytes have their conv's weight and input gradients made in turn
@@ -99,23 +62,22 @@ class DropITConvFunction(torch.autograd.Function):
     """Convolution (plain or transposed) whose weight gradient uses a dropped input cache."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, args: ConvArgs, cache: InputCache, dtype):
+    def forward(ctx, x, weight, bias, cache: InputCache, dtype, args: ConvArgs):
         ctx.args = args
-        return _forward_and_save(ctx, x, weight, bias, cache, dtype, args)
+        return forward_and_pack(
+            ctx, torch.convolution, "conv", x, weight, bias, cache, dtype, *args
+        )
 
     @staticmethod
     def backward(ctx, grad):
-        weight, rebuilt = _saved_input(ctx)
+        weight, rebuilt = weight_and_input(ctx)
         grads = conv_grads(grad, weight, ctx.x_shape, ctx.args, ctx.needs_input_grad, rebuilt)
         return grads + (None,) * 3
 
 
-Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
-
-
 def conv_grads(
-    grad: torch.Tensor,
-    weight: torch.Tensor,
+    grad: Tensor,
+    weight: Tensor,
     x_shape: Sequence[int],
     args: ConvArgs,
     needs: Sequence[bool],
@@ -145,9 +107,12 @@ def conv_grads(
     return gx, gw, gb
 
 
-def conv_input_grad(
-    grad: torch.Tensor, weight: torch.Tensor, x_shape: torch.Size, args: ConvArgs
-) -> torch.Tensor:
+def _zeros_like_shape(ref: Tensor, shape: torch.Size) -> Tensor:
+    # A zero-stride stand-in: the input gradient only reads the input's shape.
+    return ref.new_zeros(()).expand(shape)
+
+
+def conv_input_grad(grad: Tensor, weight: Tensor, x_shape: torch.Size, args: ConvArgs) -> Tensor:
     """A conv's input gradient without its input. On the CPU a 2-D conv's is the transposed
     conv of ``grad``: the backward's kernel would first make its input argument contiguous (a
     whole map of zeros for the zero-stride stand-in); the same values."""
@@ -169,51 +134,14 @@ def conv_input_grad(
     )[0]
 
 
-class Rebuilt:
-    """A layer's packed input (of ``shape``), read back for its backward by its cache: whole, or
-    images ``[i, j)`` at a time, each chunk rebuilt alone where the strategy can, else sliced
-    from one rebuild of the whole batch (made once). The same values either way. (Slots: one is
-    made in every backward.)"""
-
-    __slots__ = ("shape", "cache", "packed", "_batch")
-
-    def __init__(
-        self, shape: Sequence[int], cache: InputCache | int, packed: Packed | list[torch.Tensor]
-    ) -> None:
-        self.shape, self.cache, self.packed = shape, cache, packed
-        self._batch: torch.Tensor | None = None
-
-    def read_whole(self) -> torch.Tensor:
-        """One rebuild of the whole input."""
-        return self.cache.unpack(self.packed)
-
-    def read_part(self, start: int, stop: int) -> torch.Tensor | None:
-        """Flat elements ``[start, stop)`` rebuilt alone, or None where the pack cannot."""
-        return self.cache.unpack_part(self.packed, start, stop)
-
-    def whole(self) -> torch.Tensor:
-        """The whole rebuilt input."""
-        return self.read_whole() if self._batch is None else self._batch
-
-    def images(self, i: int, j: int) -> torch.Tensor:
-        """Images ``[i, j)`` of the rebuilt input."""
-        if self._batch is None:
-            per_image = math.prod(self.shape[1:])
-            part = self.read_part(i * per_image, j * per_image)
-            if part is not None:
-                return part.view(j - i, *self.shape[1:])
-            self._batch = self.read_whole()
-        return self._batch[i:j]
-
-
 def _weight_grad_by_images(
-    grad: torch.Tensor,
+    grad: Tensor,
     rebuilt: Rebuilt,
     x_shape: Sequence[int],
-    weight: torch.Tensor,
+    weight: Tensor,
     bias_sizes: list[int] | None,
     args: ConvArgs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[Tensor, Tensor | None]:
     """The weight (and bias) gradient of a conv as a sum over chunks of images (CHUNK_BYTES of
     input each, at least one image), images ``[i, j)`` read as ``rebuilt.images(i, j)``: the
     rebuilt input and the kernel's copies are a chunk's, not the batch's. The parts are summed
@@ -240,37 +168,107 @@ def _weight_grad_by_images(
     return gw.to(weight.dtype), (None if gb is None else gb.to(weight.dtype))
 
 
-class DropITLinearFunction(torch.autograd.Function):
-    """Linear layer over any leading dims whose weight gradient uses a dropped input cache."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, cache: InputCache, dtype):
-        return _forward_and_save(ctx, x, weight, bias, cache, dtype, None)
-
-    @staticmethod
-    def backward(ctx, grad):
-        weight, rebuilt = _saved_input(ctx)
-        return linear_grads(grad, weight, ctx.x_shape, ctx.needs_input_grad, rebuilt) + (None,) * 2
+# The traced operator (torch.compile: dropit_core.layers.library) ----------------------------
 
 
-def linear_grads(
-    grad: torch.Tensor,
-    weight: torch.Tensor,
-    x_shape: Sequence[int],
-    needs: Sequence[bool],
-    rebuilt: Rebuilt | None,
-) -> Grads:
-    """(input, weight, bias gradients) of a DropIT linear layer over any leading dims: the one
-    body of the autograd Function's backward and the traced operator's (as :func:`conv_grads`)."""
-    need_x, need_w, need_b = needs[:3]
-    g2 = grad.reshape(-1, grad.shape[-1])
-    gx = gw = gb = None
-    if need_w and rebuilt is not None:  # first: the rebuilt input goes before gx is made
-        x_hat = rebuilt.whole()
-        gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
-        del x_hat
-    if need_x:
-        gx = (g2 @ weight).view(x_shape)
-    if need_b:
-        gb = g2.sum(0)
-    return gx, gw, gb
+def _convolution(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    fields: list[Tensor],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    transposed: bool,
+    output_padding: list[int],
+    groups: int,
+    cache: int,
+) -> Tensor:
+    """``torch.convolution`` (its own fake too); the weight gradient reads the pack ``fields``."""
+    return torch.convolution(
+        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
+
+
+conv_op = torch.library.custom_op("dropit::conv", _convolution, mutates_args=())
+conv_op.register_fake(_convolution)
+
+
+def _conv_backward(ctx, grad):
+    weight, *fields = ctx.saved_tensors
+    args = ConvArgs(*ctx.args)
+    rebuilt = library.rebuilt(ctx, fields)
+    grads = conv_grads(grad, weight, ctx.x_shape, args, ctx.needs_input_grad, rebuilt)
+    # a gradient per input: the pack's list gets a list of Nones
+    return *grads, [None] * len(fields), None, None, None, None, None, None, None
+
+
+conv_op.register_autograd(_conv_backward, setup_context=library.save_layer)
+
+
+def _traced(x, weight, bias, fields, cache: int, args: ConvArgs) -> Tensor:
+    # the operator takes lists (a module's tuples, as eager aten takes them, are lists here)
+    lists = [list(a) if isinstance(a, tuple) else a for a in args]
+    return torch.ops.dropit.conv(x, weight, bias, fields, *lists, cache)
+
+
+# The modules --------------------------------------------------------------------------------
+
+
+def _run(x: Tensor, weight: Tensor, bias: Tensor | None, cache: InputCache, args) -> Tensor:
+    """The DropIT convolution of ``x``: eagerly the Function, while compiling the operator."""
+    if torch.compiler.is_compiling():
+        return library.compiled(DropITConvFunction, _traced, "conv", x, weight, bias, cache, args)
+    return library.eager(DropITConvFunction, x, weight, bias, cache, args)
+
+
+class DropITConv2d(nn.Conv2d):
+    """``nn.Conv2d`` whose weight gradient is computed from a dropped input cache."""
+
+    dropit_cache: InputCache
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight, bias = weight_and_bias(self)
+        if not training_step(self, x, weight):
+            return super().forward(x)
+        if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.Conv2d takes
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        padding = self.padding
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = (0, 0)
+        elif isinstance(padding, str):
+            x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation), (0, 0)
+        # The module's tuples as they are: aten takes them so (a list of each per call was
+        # host time, on every layer of every step).
+        args = ConvArgs(self.stride, padding, self.dilation, False, (0, 0), self.groups)
+        return _run(x, weight, bias, self.dropit_cache, args)
+
+
+def _explicit_padding(x, padding: str, kernel_size, dilation) -> Tensor:
+    """``x`` padded as a ``"same"`` or ``"valid"`` conv pads it."""
+    if padding == "valid":
+        return x
+    pads = []
+    for k, d in zip(reversed(kernel_size), reversed(dilation), strict=True):
+        total = d * (k - 1)
+        pads += [total // 2, total - total // 2]
+    return F.pad(x, pads)
+
+
+class DropITConvTranspose2d(nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` whose weight gradient is computed from a dropped input cache."""
+
+    dropit_cache: InputCache
+
+    def forward(self, x: Tensor, output_size: list[int] | None = None) -> Tensor:
+        weight, bias = weight_and_bias(self)
+        if not training_step(self, x, weight):
+            return super().forward(x, output_size)
+        if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.ConvTranspose2d takes
+            return self.forward(x.unsqueeze(0), output_size).squeeze(0)
+        stride, padding, dilation = list(self.stride), list(self.padding), list(self.dilation)
+        kernel = list(self.kernel_size)
+        output_padding = self._output_padding(x, output_size, stride, padding, kernel, 2, dilation)
+        args = ConvArgs(stride, padding, dilation, True, list(output_padding), self.groups)
+        return _run(x, weight, bias, self.dropit_cache, args)

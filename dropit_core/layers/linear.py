@@ -1,0 +1,97 @@
+"""The DropIT linear layer: its module, its autograd Function (what runs eagerly) and its traced
+operator ``dropit::linear`` (what ``torch.compile`` traces), whose backward is the Function's body,
+:func:`linear_grads`. As the conv's (:mod:`.conv`): the output and the input and bias gradients
+are the plain layer's; only the weight gradient reads the rebuilt input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dropit_core.layers import library
+from dropit_core.layers.cache import (
+    Grads,
+    InputCache,
+    Rebuilt,
+    forward_and_pack,
+    weight_and_input,
+)
+from dropit_core.layers.casts import training_step, weight_and_bias
+
+
+class DropITLinearFunction(torch.autograd.Function):
+    """Linear layer over any leading dims whose weight gradient uses a dropped input cache."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, cache: InputCache, dtype):
+        return forward_and_pack(ctx, F.linear, "linear", x, weight, bias, cache, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, rebuilt = weight_and_input(ctx)
+        return linear_grads(grad, weight, ctx.x_shape, ctx.needs_input_grad, rebuilt) + (None,) * 2
+
+
+def linear_grads(
+    grad: Tensor,
+    weight: Tensor,
+    x_shape: Sequence[int],
+    needs: Sequence[bool],
+    rebuilt: Rebuilt | None,
+) -> Grads:
+    """(input, weight, bias gradients) of a DropIT linear layer over any leading dims: the one
+    body of the autograd Function's backward and the traced operator's."""
+    need_x, need_w, need_b = needs[:3]
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gx = gw = gb = None
+    if need_w and rebuilt is not None:  # first: the rebuilt input goes before gx is made
+        x_hat = rebuilt.whole()
+        gw = g2.t() @ x_hat.reshape(-1, x_hat.shape[-1])
+        del x_hat
+    if need_x:
+        gx = (g2 @ weight).view(x_shape)
+    if need_b:
+        gb = g2.sum(0)
+    return gx, gw, gb
+
+
+def _linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, fields: list[Tensor], cache: int
+) -> Tensor:
+    """``F.linear`` (its own fake too); the backward's weight gradient reads the pack ``fields``."""
+    return F.linear(x, weight, bias)
+
+
+linear_op = torch.library.custom_op("dropit::linear", _linear, mutates_args=())
+linear_op.register_fake(_linear)
+
+
+def _linear_backward(ctx, grad):
+    weight, *fields = ctx.saved_tensors
+    rebuilt = library.rebuilt(ctx, fields)
+    grads = linear_grads(grad, weight, ctx.x_shape, ctx.needs_input_grad, rebuilt)
+    return *grads, [None] * len(fields), None
+
+
+linear_op.register_autograd(_linear_backward, setup_context=library.save_layer)
+
+
+class DropITLinear(nn.Linear):
+    """``nn.Linear`` whose weight gradient is computed from a dropped input cache."""
+
+    dropit_cache: InputCache
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight, bias = weight_and_bias(self)
+        if not training_step(self, x, weight):
+            return super().forward(x)
+        if torch.compiler.is_compiling():
+            traced = torch.ops.dropit.linear
+            return library.compiled(
+                DropITLinearFunction, traced, "linear", x, weight, bias, self.dropit_cache
+            )
+        return library.eager(DropITLinearFunction, x, weight, bias, self.dropit_cache)
