@@ -137,13 +137,13 @@ def test_no_private_name_is_used_across_modules() -> None:
 # a public equivalent that does the same. (module, the reach as written) -> why it is allowed. An
 # entry that no longer occurs fails the test, so the list cannot go stale.
 FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
-    ("dropit_core.detection.forward", "torch.ops.torchvision._roi_align_backward"): (
+    ("dropit_core.detection.pooler", "torch.ops.torchvision._roi_align_backward"): (
         "torchvision's RoIAlign backward kernel, called per part of a level's RoIs"
     ),
-    ("dropit_core.detection.forward", "torchvision.extension._has_ops"): (
+    ("dropit_core.detection.pooler", "torchvision.extension._has_ops"): (
         "whether torchvision's compiled ops exist (else it pools in Python): no public test"
     ),
-    ("dropit_core.detection.forward", "torchvision._is_tracing"): (
+    ("dropit_core.detection.pooler", "torchvision._is_tracing"): (
         "torchvision's own ONNX-tracing test, which its RoI pooler asks too"
     ),
     ("dropit_core.layers.cache", "key._version"): "a tensor's in-place version counter",

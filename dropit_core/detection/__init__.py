@@ -4,6 +4,7 @@
 - :mod:`.frozen_norm`: a ``FrozenBatchNorm2d`` that keeps its input's dtype under autocast.
 - :mod:`.forward`: the R-CNN forward that releases each large map after its last use (imports
   torchvision; the rest of ``dropit_core`` imports torch only).
+- :mod:`.pooler`: its RoI pooler, a few images at a time under autocast.
 """
 
 from dropit_core.detection.frozen_norm import (
