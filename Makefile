@@ -47,7 +47,7 @@ gpu-session: setup
 	$(PY) tools/results_page.py --lease gpu_out
 
 bench: setup
-	$(PY) tools/bench.py
+	$(PY) tools/bench.py steps
 
 # Every method of the toolkit on the R50 recipe, each named as the study's setting
 # (configs/study/plan.yaml): memory, step and eval time, gradient cosine, norm ratio and bias over
@@ -61,10 +61,10 @@ METHODS := baseline mink_0.8 threshold_0.8 random_0.8 random_scaled_0.8 importan
 DRAWS ?= 4
 REPEATS ?= 2
 bench-methods: setup
-	$(PY) tools/bench.py --settings $(METHODS) --draws $(DRAWS) --repeats $(REPEATS) \
+	$(PY) tools/bench.py steps --settings $(METHODS) --draws $(DRAWS) --repeats $(REPEATS) \
 		--json docs/results/bench_methods_cpu.json \
 		--methods-json docs/results/methods_bench.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py --markdown docs/results/methods_bench.json --into docs/results/memory.md
+	$(PY) tools/bench.py markdown docs/results/methods_bench.json --into docs/results/memory.md
 	$(PY) tools/results_page.py
 
 # What autocast does to the baselines without a GPU: bf16 on the CPU, R50-FPN at 2 images of
@@ -75,10 +75,10 @@ bench-methods: setup
 BF16_METHODS := baseline baseline_torchvision_bn baseline_torchvision_forward accumulate_2 quant_4bit \
 	quant_2bit checkpoint_stages checkpoint_stages_quant_4bit
 bench-bf16: setup
-	$(PY) tools/bench.py --amp bf16 --image-size 384 --settings $(BF16_METHODS) --draws 2 \
+	$(PY) tools/bench.py steps --amp bf16 --image-size 384 --settings $(BF16_METHODS) --draws 2 \
 		--repeats 2 --json docs/results/bench_bf16_cpu.json \
 		--methods-json docs/results/methods_bench_bf16.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py --markdown docs/results/methods_bench_bf16.json \
+	$(PY) tools/bench.py markdown docs/results/methods_bench_bf16.json \
 		--into docs/results/memory.md --block methods-bench-bf16
 
 # The forward's working set (issue 39's rows): the toolkit's lean forward against torchvision's,
@@ -87,10 +87,10 @@ bench-bf16: setup
 FORWARD_METHODS := baseline baseline_torchvision_forward quant_4bit quant_4bit_torchvision_forward \
 	quant_2bit checkpoint_stages checkpoint_stages_quant_4bit
 bench-forward: setup
-	$(PY) tools/bench.py --image-size 800 --settings $(FORWARD_METHODS) \
+	$(PY) tools/bench.py steps --image-size 800 --settings $(FORWARD_METHODS) \
 		--draws 1 --repeats 3 --json docs/results/bench_forward_cpu.json \
 		--methods-json docs/results/methods_bench_forward.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py --markdown docs/results/methods_bench_forward.json \
+	$(PY) tools/bench.py markdown docs/results/methods_bench_forward.json \
 		--into docs/results/memory.md --block methods-bench-forward
 
 # From scratch (R50-FPN, BatchNorm, every stage trainable): the conv-only 4-bit setting against
@@ -98,51 +98,51 @@ bench-forward: setup
 # same through saved-tensor hooks alone (no layer converted).
 SCRATCH_METHODS := baseline quant_4bit quant_4bit_all saved_hooks_4bit checkpoint_stages
 bench-scratch: setup
-	$(PY) tools/bench.py --scratch --settings $(SCRATCH_METHODS) --draws 2 --repeats 3 \
+	$(PY) tools/bench.py steps --scratch --settings $(SCRATCH_METHODS) --draws 2 --repeats 3 \
 		--json docs/results/bench_scratch_cpu.json \
 		--methods-json docs/results/methods_bench_scratch.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py --markdown docs/results/methods_bench_scratch.json \
+	$(PY) tools/bench.py markdown docs/results/methods_bench_scratch.json \
 		--into docs/results/memory.md --block methods-bench-scratch
 
 # The COCO recipe's body (frozen BatchNorm, 3 trainable stages) with torchvision's v2 heads (a
 # BatchNorm after every FPN and head conv): the same rows as bench-scratch.
 bench-v2: setup
-	$(PY) tools/bench.py --heads v2 --settings $(SCRATCH_METHODS) --draws 2 --repeats 3 \
+	$(PY) tools/bench.py steps --heads v2 --settings $(SCRATCH_METHODS) --draws 2 --repeats 3 \
 		--json docs/results/bench_v2_cpu.json \
 		--methods-json docs/results/methods_bench_v2.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py --markdown docs/results/methods_bench_v2.json \
+	$(PY) tools/bench.py markdown docs/results/methods_bench_v2.json \
 		--into docs/results/memory.md --block methods-bench-v2
 
 # The CPU step time of the recommended setting and the paper's, against the baseline, on the COCO
 # recipe (issue target: quant 4-bit at most 1.10x); five timed steps per side.
 bench-speed: setup
-	$(PY) tools/bench.py --settings baseline quant_4bit mink_0.8 --draws 1 --repeats 5 \
+	$(PY) tools/bench.py steps --settings baseline quant_4bit mink_0.8 --draws 1 --repeats 5 \
 		--json docs/results/bench_speed_quant_cpu.json \
 		--methods-json docs/results/methods_bench_speed.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py --markdown docs/results/methods_bench_speed.json \
+	$(PY) tools/bench.py markdown docs/results/methods_bench_speed.json \
 		--into docs/results/memory.md --block methods-bench-speed
 
 # make demo's step with its DropIT section against the same model without DropIT, side by side
 # on one batch of its data, and the DropIT model again with eager packs instead of the C loops,
 # 20 rounds (about two minutes): docs/results/bench_demo_cpu.json.
 bench-demo: setup
-	$(PY) tools/bench.py --demo --repeats 20 --json docs/results/bench_demo_cpu.json \
+	$(PY) tools/bench.py demo --repeats 20 --json docs/results/bench_demo_cpu.json \
 		$(if $(QUIET),--quiet-machine)
 
 # Host time per DropIT layer on the GPU path, with the Triton launches stubbed (any machine; run
 # it on a quiet one): docs/results/bench_host_cpu.json and its table in docs/results/memory.md.
 bench-host: setup
-	$(PY) tools/bench.py --host --repeats 31 --json docs/results/bench_host_cpu.json
-	$(PY) tools/bench.py --markdown docs/results/bench_host_cpu.json --into docs/results/memory.md \
+	$(PY) tools/bench.py host --repeats 31 --json docs/results/bench_host_cpu.json
+	$(PY) tools/bench.py markdown docs/results/bench_host_cpu.json --into docs/results/memory.md \
 		--block bench-host
 
 # train.compile's backbone (lean R18-FPN, 4-bit DropIT) with its packs and ReLU masks opaque, then
 # fused into Inductor's kernels (DROPIT_FUSE), each compiled from an empty cache: compile seconds,
 # kernels built, step time. docs/results/bench_fusion_cpu.json and its table in memory.md.
 bench-fusion: setup
-	$(PY) tools/bench.py --fusion --image-size 128 --repeats 10 \
+	$(PY) tools/bench.py fusion --image-size 128 --repeats 10 \
 		--json docs/results/bench_fusion_cpu.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py --markdown docs/results/bench_fusion_cpu.json \
+	$(PY) tools/bench.py markdown docs/results/bench_fusion_cpu.json \
 		--into docs/results/memory.md --block bench-fusion
 
 # On a machine with a GPU: one row per setting against the lean baseline (AMP fp16, 800 px;
@@ -161,7 +161,7 @@ GPU_METHODS := baseline baseline_torchvision_forward quant_4bit quant_2bit check
 bench-gpu: setup
 	$(eval LEASE := $(or $(LEASE),$(shell $(PY) tools/results_page.py --lease-dir)))
 	mkdir -p $(LEASE)
-	$(PY) tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \
+	$(PY) tools/bench.py gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \
 		--settings $(GPU_METHODS) --repeats 2 --rounds 5 --draws 2 --max-batch $(BUDGET_MB) \
 		--batch-limit $(BATCH_LIMIT) --json $(LEASE)/bench_gpu.json
 	$(PY) tools/results_page.py

@@ -43,7 +43,9 @@
 # narrow through tests/instruments/rehearse_stage.py; torch.compile off; the later tables
 # memory-only; pytest collects instead of running), so a flag, a setting's name, a file or a
 # writer that would fail on the GPU fails there first. The stages that only run on CUDA
-# (probe_launch, probe_memory, probe_python) must end with their CUDA refusal there.
+# (probe_launch, probe_memory, probe_python) must end with their CUDA refusal there. One
+# interpreter imports torch once and runs each command in a fork of itself, as python would run
+# it (rehearse_stage.py --serve): the rehearsal pays for the stages' work, not for 40 imports.
 set -u
 rehearse=0
 from=""
@@ -60,10 +62,12 @@ while [ $# -gt 0 ]; do
 done
 budget=${budget:-$([ "$rehearse" = 1 ] && echo 3600 || echo 570)}
 OUT=${OUT:-gpu_out}
+cleanup=""
 if [ -z "${WORK:-}" ]; then
   WORK=$(mktemp -d)
-  trap 'rm -rf "$WORK"' EXIT  # its files are in lease.tar by then
+  cleanup='rm -rf "$WORK"'  # its files are in lease.tar by then
 fi
+trap 'eval "$cleanup"' EXIT
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT" "$WORK"
 rm -f "$OUT/lease.tar"  # this call's stages only, as its summary.txt
@@ -75,7 +79,13 @@ if [ "$rehearse" = 1 ]; then
   PAIR_SIZE="data.shapes.num_train=8 data.shapes.num_val=2 data.shapes.image_size=64"
   PAIR_SIZE="$PAIR_SIZE model.min_size=64 model.max_size=64 solver.batch_size=2"
   PAIR_SIZE="$PAIR_SIZE solver.warmup_iters=1 data.num_workers=0"
-  export OMP_NUM_THREADS=1 TORCH_COMPILE_DISABLE=1
+  # One interpreter imports torch; every command of $RUN runs in a fork of it, as python would
+  # run it (tests/instruments/rehearse_stage.py), and so do the interpreters a command starts.
+  # Its allocator is set as tools/bench.py sets its own (which then need not start again).
+  export OMP_NUM_THREADS=1 TORCH_COMPILE_DISABLE=1 MALLOC_MMAP_THRESHOLD_=65536 \
+    REHEARSE_SOCKET=$(mktemp -d)/rehearse.sock
+  $PYTHON tests/instruments/rehearse_stage.py --serve "$REHEARSE_SOCKET" &
+  cleanup="kill $! && wait $!; rm -rf '${REHEARSE_SOCKET%/*}'; $cleanup"
 else
   DEVICE=cuda AMP=fp16 SIZE=800 FEW=2 MANY=8 SIZES="2 8" MID=4 REPEATS=2 ROUNDS=5 TIMES=10
   STEADY=5 ITERS=30 BATCH_LIMIT=128 WORKERS=6 COLLECT="" REST_REPEATS=2 SLACK=1
@@ -148,7 +158,7 @@ TORCH_LOGS=perf_hints stage capture "$(cap 180)" $RUN tools/gpu_checks.py captur
   --device $DEVICE --amp $AMP --image-size $SIZE --images $SIZES --repeats $STEADY \
   --settings baseline_graphed quant_4bit_graphed --quiet-machine --json "$WORK/capture.json"
 keep capture
-table=($RUN tools/bench.py --gpu-table --device $DEVICE --amp $AMP --image-size $SIZE
+table=($RUN tools/bench.py gpu-table --device $DEVICE --amp $AMP --image-size $SIZE
   --rounds $ROUNDS --draws 1 --quiet-machine)
 stage graphed_2img "$(cap 120)" "${table[@]}" --repeats $REPEATS --batch-limit 0 --images $FEW \
   --settings baseline baseline_graphed quant_4bit quant_4bit_graphed \
@@ -173,11 +183,14 @@ keep deterministic_pair
 # 3. Values: the GPU tier and the kernels compiled for this GPU, side by side.
 tier=$(($(left) * 40 / 100))
 # shellcheck disable=SC2086  # COLLECT is empty or one flag
-stage tests_gpu "$tier" $PYTHON -m pytest -m gpu -rs -p no:cacheprovider $COLLECT tests &
+stage tests_gpu "$tier" $RUN -m pytest -m gpu -rs -p no:cacheprovider $COLLECT tests &
+tiers=$!
 # shellcheck disable=SC2086
-stage tests_kernels "$tier" $PYTHON -m pytest -rs -p no:cacheprovider -n $WORKERS $COLLECT \
+stage tests_kernels "$tier" $RUN -m pytest -rs -p no:cacheprovider -n $WORKERS $COLLECT \
   tests/core/test_dropit_kernels.py tests/core/test_dropit_compact.py &
-wait
+tiers="$tiers $!"
+# shellcheck disable=SC2086  # two process ids (not a rehearsal's server)
+wait $tiers
 grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"$summary" \
   2>/dev/null
 keep tests_gpu tests_kernels
@@ -192,7 +205,7 @@ stage probe_live "$(cap 90)" $RUN tools/gpu_probe.py --what live-step --device $
     --image-size $SIZE --images $MANY --top 25 \
     --settings baseline quant_4bit checkpoint_stages_quant_4bit
 keep probe_live probe_live_forward
-stage bench_pooler_gpu "$(cap 60)" $RUN tools/bench.py --pooler --device $DEVICE \
+stage bench_pooler_gpu "$(cap 60)" $RUN tools/bench.py pooler --device $DEVICE \
   --images $SIZES --image-size $SIZE --repeats $TIMES --json "$WORK/bench_pooler_gpu.json"
 keep bench_pooler_gpu
 # Issue 39's rows with their largest batch; a table that fails within a minute (a kernel that
@@ -230,7 +243,7 @@ DROPIT_HOOKED=0 stage bench_gpu_function $(($(left) * 20 / 100)) "${more[@]}" --
 keep bench_gpu_function
 # The same backbone compiled with its packs and ReLU masks opaque, then fused into Inductor's
 # Triton kernels (DROPIT_FUSE): compile seconds, kernels built, step time.
-stage bench_fusion_gpu $(($(left) * 20 / 100)) $RUN tools/bench.py --fusion --device $DEVICE \
+stage bench_fusion_gpu $(($(left) * 20 / 100)) $RUN tools/bench.py fusion --device $DEVICE \
   --image-size $SIZE --images $MANY --repeats $TIMES --quiet-machine \
   --json "$WORK/bench_fusion_gpu.json"
 keep bench_fusion_gpu
@@ -243,7 +256,7 @@ stage bench_scratch_gpu $(($(left) - 40)) "${more[@]}" --scratch --images $MID \
   --json "$WORK/bench_scratch_gpu.json"
 keep bench_scratch_gpu
 # What each pass of an element-wise pack costs on this device.
-stage ops $(($(left) - 60)) $RUN tools/bench.py --ops --device $DEVICE
+stage ops $(($(left) - 60)) $RUN tools/bench.py ops --device $DEVICE
 keep ops
 # Where the peak and the host time go (CUDA): the blocks alive at the peak with the toolkit's
 # FPN and torchvision's, and the Python a quant step spends.

@@ -1,18 +1,21 @@
-"""Benchmark DropIT variants against the baseline on Mask R-CNN R50-FPN; prints JSON lines.
+"""Benchmark DropIT settings against the baseline on Mask R-CNN R50-FPN; prints JSON lines.
 
-python tools/bench.py                          # COCO recipe (FrozenBN, 3 trainable stages)
-python tools/bench.py --scratch                # BatchNorm2d, all stages trainable
-python tools/bench.py --variants mink:0.9:values=int8 threshold:0.8 --json bench.json
-python tools/bench.py --settings baseline mink_0.8 quant_4bit checkpoint_stages \
+One subcommand per bench, each with its own flags (``tools/bench.py SUBCOMMAND --help``):
+
+python tools/bench.py steps                     # default variants, COCO recipe (FrozenBN, 3 stages)
+python tools/bench.py steps --scratch           # BatchNorm2d, all stages trainable
+python tools/bench.py steps --variants mink:0.9:values=int8 threshold:0.8 --json bench.json
+python tools/bench.py steps --settings baseline mink_0.8 quant_4bit checkpoint_stages \\
     --methods-json methods.json       # settings of the study's plan, by name (--plan)
-python tools/bench.py --markdown methods.json   # the Markdown table of such a file
-python tools/bench.py --device cuda --amp fp16 # GPU: allocator peaks, synchronised step times
-python tools/bench.py --device cuda --amp fp16 --max-batch 16000   # largest batch in 16 GB
-python tools/bench.py --gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \
+python tools/bench.py markdown methods.json     # the Markdown table of such a file
+python tools/bench.py steps --device cuda --amp fp16   # GPU: allocator peaks, synchronised steps
+python tools/bench.py gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \\
     --settings baseline quant_4bit --json bench_gpu.json   # the GPU table (make bench-gpu)
-python tools/bench.py --widths                 # the narrow CPU model vs torchvision's widths
-python tools/bench.py --ops                    # each pass of the pack and rebuild, one 4Mi slice
-python tools/bench.py --pooler --images 2 8     # the RoI poolers under autocast: bytes and ms
+python tools/bench.py demo                      # make demo's step with and without DropIT
+python tools/bench.py ops                       # each pass of the pack and rebuild, one 4Mi slice
+python tools/bench.py host                      # host µs per DropIT layer, launches stubbed
+python tools/bench.py pooler --images 2 8       # the RoI poolers under autocast: bytes and ms
+python tools/bench.py fusion --image-size 128   # compiled packs, opaque and fused
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 from rcnn_dropit.cli import run_cli
 from rcnn_dropit.errors import UsageError
 
-# make demo's training config: its DropIT section against none (tools/bench.py --demo)
+# make demo's training config: its DropIT section against none (tools/bench.py demo)
 DEMO_CONFIG = "configs/demo/maskrcnn_shapes_quant4.yaml"
 DEFAULT_VARIANTS = [
     "mink:0.8",
@@ -52,82 +55,237 @@ def restart_measuring() -> None:
 
 
 def cli() -> int:
-    """Entry point of ``dropit-bench`` and ``tools/bench.py``: restart measuring, then main()."""
+    """Entry point of ``tools/bench.py``: restart measuring, then main()."""
     restart_measuring()
     return main()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the arguments and run the mode they pick (markdown, widths, ops, max-batch, steps)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.into and not args.markdown:
-        parser.error("--into goes with --markdown")
-    if args.rounds is not None and not args.gpu_table:
-        parser.error("--rounds goes with --gpu-table (the other benches time rounds of one step)")
-    if args.markdown:
-        return run_cli(lambda: _markdown(args.markdown, args.into, args.block, args.summary))
-    if args.widths:
-        return run_cli(lambda: _widths(args.widths, args.repeats, args.json))
-    if args.demo:
-        return run_cli(lambda: _demo(args.demo, args.repeats, args.json, args.quiet_machine))
-    if args.ops:
-        return run_cli(lambda: _ops(args.device, args.repeats, args.json))
-    if args.host:
-        return run_cli(lambda: _host(args.repeats, args.json))
-    if args.pooler:
-        return run_cli(lambda: _pooler(args))
-    if args.fusion:
-        return run_cli(lambda: _fusion(args, args.quiet_machine))
-    if args.gpu_table:
-        return run_cli(lambda: _gpu_table(args))
-    if args.max_batch is not None:
-        return run_cli(lambda: _max_batch(args))
-    return run_cli(lambda: _steps(args))
+    """Parse the arguments and run the subcommand they name."""
+    args = _parser().parse_args(argv)
+    return run_cli(lambda: args.run(args))
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The command's arguments."""
+    """The command's subcommands, each with its own arguments."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument(
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="SUBCOMMAND")
+
+    def command(name: str, run: Callable[[argparse.Namespace], None], short: str, text: str):
+        p = sub.add_parser(name, help=short, description=text)
+        p.set_defaults(run=run)
+        return p
+
+    steps = command(
+        "steps",
+        _steps,
+        "memory, gradient fidelity and step time of each setting",
+        "memory, gradient fidelity and step time of the baseline and each setting, at each "
+        "--images in turn",
+    )
+    _model_arguments(steps, images="2", repeats="timed steps per side (median)")
+    steps.add_argument(
+        "--methods-json",
+        type=Path,
+        metavar="FILE",
+        help="also write the methods table's records (setting, saved_mb, ratios, cosine, "
+        "norm_ratio, bias, ..., and the command, commit, machine, threads, quiet)",
+    )
+
+    table = command(
+        "gpu-table",
+        _gpu_table,
+        "the GPU table: steps, peaks and the largest batch per setting",
+        "one row per setting with the step time, peak, launches and host syncs per step at "
+        "each --images, and the largest batch within --max-batch MB up to --batch-limit "
+        "images; --json writes it with the GPU's name and the torch, CUDA and triton versions "
+        "(make bench-gpu: docs/results/gpu_<gpu>_<date>/bench_gpu.json)",
+    )
+    _model_arguments(table, images="2 8", repeats="timed steps per setting in each of --rounds")
+    _search_arguments(table)
+
+    markdown = command(
+        "markdown",
+        _markdown,
+        "the Markdown table of a file the benches wrote",
+        "print the Markdown table of a steps --methods-json file, of a gpu-table --json file, "
+        "or of the rows another subcommand wrote with --json (as that run printed them)",
+    )
+    markdown.add_argument("file", type=Path, metavar="FILE")
+    markdown.add_argument(
+        "--into",
+        type=Path,
+        metavar="DOC",
+        help="write the table into DOC between the markers of its generated block",
+    )
+    markdown.add_argument(
+        "--block",
+        default="methods-bench",
+        metavar="NAME",
+        help="with --into: the name of DOC's generated block (default: %(default)s)",
+    )
+    markdown.add_argument(
+        "--summary",
+        action="store_true",
+        help="one line per memory method (the README's) instead of the table",
+    )
+
+    demo = command(
+        "demo",
+        _demo,
+        "make demo's step with and without its DropIT section",
+        "train-step time of the demo's model (CONFIG) with its DropIT section against the same "
+        "model without DropIT, and with eager packs instead of the C loops, on one batch of "
+        "its data",
+    )
+    demo.add_argument("config", nargs="?", default=DEMO_CONFIG, metavar="CONFIG")
+    _timing_arguments(demo, repeats=5, quiet=True)
+
+    ops = command(
+        "ops",
+        _ops,
+        "each pass of an element-wise pack and rebuild",
+        "milliseconds of each pass of an element-wise pack and rebuild on one 4Mi slice "
+        "(compare, bit packing, compaction, positions, gather, ReLU mask)",
+    )
+    _device_argument(ops)
+    _timing_arguments(ops, repeats=5)
+
+    host = command(
+        "host",
+        _host,
+        "host time per DropIT layer, launches stubbed",
+        "host microseconds and launches per DropIT layer (quant 4-bit; conv, conv + ReLU, "
+        "conv + BatchNorm + ReLU with DropIT norms or saved-tensor hooks) with the Triton "
+        "launches stubbed out, against the plain layers: the Python a GPU step waits on, "
+        "measured on any machine",
+    )
+    _timing_arguments(host, repeats=5)
+
+    pooler = command(
+        "pooler",
+        _pooler,
+        "the RoI poolers under autocast: bytes and ms",
+        "the RoI poolers under autocast, torchvision's and the lean one, on a pyramid of "
+        "--images batches of --image-size px: the bytes at the forward's and the backward's "
+        "peak, the milliseconds of both, and whether the lean one's bits are torchvision's",
+    )
+    _device_argument(pooler)
+    pooler.add_argument("--image-size", type=int, default=512)
+    pooler.add_argument("--images", type=int, nargs="+", default=[2, 8])
+    pooler.add_argument(
+        "--amp",
+        choices=["fp16", "bf16"],
+        help="autocast dtype (default: fp16 on CUDA, bf16 on the CPU)",
+    )
+    _timing_arguments(pooler, repeats=3)
+
+    fusion = command(
+        "fusion",
+        _fusion,
+        "compiled packs, opaque and fused: compile and step time",
+        "the compiled lean ResNet-18-FPN backbone with 4-bit DropIT, its packs and ReLU masks "
+        "opaque and then fused into Inductor's kernels (DROPIT_FUSE), each in a fresh process "
+        "and Inductor cache: the first step's seconds (compiling), the kernels built, the "
+        "median step after",
+    )
+    _device_argument(fusion)
+    fusion.add_argument("--image-size", type=int, default=512)
+    fusion.add_argument("--images", type=int, default=2)
+    _timing_arguments(fusion, repeats=5, quiet=True)
+    return parser
+
+
+def _device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+
+
+def _timing_arguments(p: argparse.ArgumentParser, repeats: int, quiet: bool = False) -> None:
+    """--repeats (at least ``repeats`` are timed), --json, and --quiet-machine where rows
+    record it."""
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=repeats,
+        help="timed rounds (at least %(default)s)",
+    )
+    p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    if quiet:
+        _quiet_argument(p)
+
+
+def _quiet_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quiet-machine",
+        action="store_true",
+        help="record that nothing else ran on the machine (default: not quiet)",
+    )
+
+
+def _search_arguments(p: argparse.ArgumentParser) -> None:
+    """gpu-table's own: its timing rounds and its largest-batch search."""
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="time the steps in this many alternating rounds, every setting taking --repeats "
+        "steps in each; ratios are the median of the rounds' ratios, with their lowest and "
+        "highest (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=float,
+        default=16000.0,
+        metavar="BUDGET_MB",
+        help="the memory budget of the largest-batch column (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch-limit",
+        type=int,
+        default=64,
+        help="largest batch tried (default: %(default)s; 0: no batch search)",
+    )
+
+
+def _model_arguments(p: argparse.ArgumentParser, images: str, repeats: str) -> None:
+    """The settings, the bench's recipe and workload, and the measuring of steps and gpu-table."""
+    p.add_argument(
         "--variants",
         nargs="+",
         help=f"strategy:gamma[:key=value,...] (default, without --settings: {DEFAULT_VARIANTS})",
     )
-    parser.add_argument(
+    p.add_argument(
         "--settings",
         nargs="+",
         metavar="NAME",
         help="settings of --plan by name (its config overrides, applied to the bench's recipe), "
         "measured before any --variants",
     )
-    parser.add_argument(
+    p.add_argument(
         "--plan",
         type=Path,
         default=Path("configs/study/plan.yaml"),
         help="the study plan whose settings --settings names (default: %(default)s)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--draws",
         type=int,
         default=8,
         help="weight gradients averaged for the bias of a setting that draws random numbers "
         "(steps seeded 0..K-1; default: %(default)s)",
     )
-    parser.add_argument(
-        "--scratch", action="store_true", help="BatchNorm2d model trained from scratch"
-    )
-    parser.add_argument(
+    p.add_argument("--scratch", action="store_true", help="BatchNorm2d model trained from scratch")
+    p.add_argument(
         "--heads",
         choices=("v1", "v2"),
         default="v1",
         help="the model's heads (model.heads): v2 puts a BatchNorm after every FPN and head "
         "conv, as torchvision's *_resnet50_fpn_v2 (default: v1)",
     )
-    parser.add_argument("--image-size", type=int, default=512)
-    parser.add_argument(
+    p.add_argument("--image-size", type=int, default=512)
+    p.add_argument(
         "--workload",
         default="trained",
         help="the batch and the RoIs its heads see (instruments/measure/workload.py): trained "
@@ -135,146 +293,35 @@ def _parser() -> argparse.ArgumentParser:
         "128 per image), untrained (random weights: the ground truth's 3); default: "
         "%(default)s",
     )
-    parser.add_argument(
+    p.add_argument(
         "--repeats",
         type=int,
         default=5,
-        help="timed steps per side (median; with --gpu-table: per setting in each of --rounds); "
-        "0: memory and gradient fidelity only, no timing",
+        help=f"{repeats}; 0: memory and gradient fidelity only, no timing (default: 5)",
     )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        help="with --gpu-table: time the steps in this many alternating rounds, every setting "
-        "taking --repeats steps in each; ratios are the median of the rounds' ratios, with "
-        "their lowest and highest (default: 5)",
-    )
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    parser.add_argument(
+    _device_argument(p)
+    p.add_argument(
         "--amp",
         choices=["none", "fp16", "bf16"],
         default="none",
         help="autocast dtype (default: none, fp32)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--images",
         type=int,
         nargs="+",
-        help="images per step; several: the rows at each in turn (default: 2; 2 8 with "
-        "--gpu-table)",
+        default=[int(n) for n in images.split()],
+        help=f"images per step; several: the rows at each in turn (default: {images})",
     )
-    parser.add_argument(
+    p.add_argument(
         "--profile-steps",
         type=int,
         metavar="N",
         help="steps per setting run under torch.profiler, for its kernel launches and host "
         "syncs per step (default: 3 on CUDA, 0 on the CPU, where there are none)",
     )
-    parser.add_argument(
-        "--gpu-table",
-        action="store_true",
-        help="instead: one row per setting with the step time, peak, launches and host syncs "
-        "per step at each --images, and the largest batch within --max-batch MB (default 16000) "
-        "up to --batch-limit images; --json writes it with the GPU's name and the torch, CUDA "
-        "and triton versions (make bench-gpu: docs/results/gpu_<gpu>_<date>/bench_gpu.json)",
-    )
-    parser.add_argument(
-        "--max-batch",
-        type=float,
-        metavar="BUDGET_MB",
-        help="instead: the largest batch each setting trains within this memory budget (with "
-        "--gpu-table: the budget of its batch column)",
-    )
-    parser.add_argument(
-        "--batch-limit",
-        type=int,
-        default=64,
-        help="largest batch tried (default: %(default)s; 0 with --gpu-table: no batch search)",
-    )
-    parser.add_argument(
-        "--widths",
-        nargs="?",
-        const="configs/study/scratch.yaml",
-        metavar="CONFIG",
-        help="instead: train-step time of CONFIG's model (default: the study's narrow model) "
-        "against the same model with torchvision's FPN and head widths, on one shapes batch",
-    )
-    parser.add_argument(
-        "--demo",
-        nargs="?",
-        const=DEMO_CONFIG,
-        metavar="CONFIG",
-        help="instead: train-step time of the demo's model (CONFIG, default: %(const)s) with its "
-        "DropIT section against the same model without DropIT, on one batch of its data",
-    )
-    parser.add_argument(
-        "--ops",
-        action="store_true",
-        help="instead: milliseconds of each pass of an element-wise pack and rebuild on one 4Mi "
-        "slice (compare, bit packing, compaction, positions, gather, ReLU mask)",
-    )
-    parser.add_argument(
-        "--host",
-        action="store_true",
-        help="instead: host microseconds and launches per DropIT layer (quant 4-bit; conv, "
-        "conv + ReLU, conv + BatchNorm + ReLU with DropIT norms or saved-tensor hooks) with the "
-        "Triton launches stubbed out, against the plain layers: the Python a GPU step waits "
-        "on, measured on any machine",
-    )
-    parser.add_argument(
-        "--pooler",
-        action="store_true",
-        help="instead: the RoI poolers under autocast (--amp, default fp16 on CUDA, bf16 on the "
-        "CPU), torchvision's and the lean one, on a pyramid of --images batches of --image-size "
-        "px: the bytes at the forward's and the backward's peak, the milliseconds of both, "
-        "and whether the lean one's bits are torchvision's",
-    )
-    parser.add_argument(
-        "--fusion",
-        action="store_true",
-        help="instead: the compiled lean ResNet-18-FPN backbone with 4-bit DropIT "
-        "(--image-size, --images, --device), its packs and ReLU masks opaque and then fused into "
-        "Inductor's kernels (DROPIT_FUSE), each in a fresh process and Inductor cache: the "
-        "first step's seconds (compiling), the kernels built, the median step after",
-    )
-    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
-    parser.add_argument(
-        "--methods-json",
-        type=Path,
-        metavar="FILE",
-        help="also write the methods table's records (setting, saved_mb, ratios, cosine, "
-        "norm_ratio, bias, ..., and the command, commit, machine, threads, quiet)",
-    )
-    parser.add_argument(
-        "--quiet-machine",
-        action="store_true",
-        help="record in --methods-json that nothing else ran on the machine (default: not quiet)",
-    )
-    parser.add_argument(
-        "--markdown",
-        type=Path,
-        metavar="FILE",
-        help="instead: print the Markdown table of a --methods-json file, of a --gpu-table "
-        "--json file, or of the rows a run wrote with --json (as that run printed them)",
-    )
-    parser.add_argument(
-        "--into",
-        type=Path,
-        metavar="DOC",
-        help="with --markdown: write the table into DOC between its methods-bench markers",
-    )
-    parser.add_argument(
-        "--summary",
-        action="store_true",
-        help="with --markdown: one line per memory method (the README's) instead of the table",
-    )
-    parser.add_argument(
-        "--block",
-        default="methods-bench",
-        metavar="NAME",
-        help="with --into: the name of DOC's generated block (default: %(default)s)",
-    )
-    return parser
+    p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    _quiet_argument(p)
 
 
 def _settings(args: argparse.Namespace) -> list:
@@ -290,28 +337,13 @@ def _settings(args: argparse.Namespace) -> list:
     return settings + [parse_variant(v).setting for v in texts or ()]
 
 
-def _max_batch(args: argparse.Namespace) -> None:
-    """The largest batch of the baseline and each setting within --max-batch MB."""
-    from instruments.measure.max_batch import largest_batches
-    from instruments.measure.step_bench import markdown_table
-
-    if args.methods_json:
-        raise UsageError("--methods-json: the methods table comes from step rows, not --max-batch")
-    produced = largest_batches(
-        _settings(args), args.max_batch, args.batch_limit, args.scratch, args.image_size,
-        args.device, amp=args.amp, heads=args.heads, workload=args.workload,
-    )  # fmt: skip
-    _emit(produced, args.json, markdown_table)
-
-
 def _steps(args: argparse.Namespace) -> None:
     """Memory, gradient fidelity and step time of the baseline and each setting, at each
     --images in turn."""
     from instruments.measure.methods_table import method_records, provenance, write_methods_json
     from instruments.measure.step_bench import markdown_table, run_benchmark
 
-    images = args.images or [2]
-    if args.methods_json and len(images) > 1:
+    if args.methods_json and len(args.images) > 1:
         raise UsageError("--methods-json: one row per setting, so one --images value")
     settings = _settings(args)
     header = provenance(_command_line(), args.quiet_machine, args.device)  # before minutes of work
@@ -321,7 +353,7 @@ def _steps(args: argparse.Namespace) -> None:
             amp=args.amp, images=n, draws=args.draws, profile_steps=_profile_steps(args),
             heads=args.heads, workload=args.workload,
         )
-        for n in images
+        for n in args.images
     )  # fmt: skip
     rows = _emit(produced, args.json, markdown_table)
     if args.methods_json:
@@ -342,38 +374,28 @@ def _gpu_table(args: argparse.Namespace) -> None:
     lines and a table; --json writes it with the run's provenance."""
     from instruments.measure.gpu_table import gpu_header, gpu_markdown, gpu_table, write_gpu_table
 
-    if args.methods_json:
-        raise UsageError("--methods-json goes with step rows, not --gpu-table")
-    images = args.images or [2, 8]
-    budget = 16000.0 if args.max_batch is None else args.max_batch
-    rounds = 5 if args.rounds is None else args.rounds
-    if rounds < 1:
-        raise UsageError(f"--rounds {rounds}: allowed integers >= 1")
+    if args.rounds < 1:
+        raise UsageError(f"--rounds {args.rounds}: allowed integers >= 1")
     settings = _settings(args)
     run = {
-        "images": images, "budget_mb": budget, "batch_limit": args.batch_limit,
-        "repeats": args.repeats, "rounds": rounds if args.repeats > 0 else None,
+        "images": args.images, "budget_mb": args.max_batch, "batch_limit": args.batch_limit,
+        "repeats": args.repeats, "rounds": args.rounds if args.repeats > 0 else None,
         "profile_steps": _profile_steps(args),
         "amp": args.amp, "image_size": args.image_size, "draws": args.draws,
         "workload": args.workload,
     }  # fmt: skip
     header = gpu_header(_command_line(), args.device, args.quiet_machine, **run)
     produced = gpu_table(
-        settings, images, budget, args.batch_limit, args.image_size, args.repeats, args.device,
-        args.amp, args.draws, run["profile_steps"], args.scratch, heads=args.heads, rounds=rounds,
-        workload=args.workload,
+        settings, args.images, args.max_batch, args.batch_limit, args.image_size, args.repeats,
+        args.device, args.amp, args.draws, run["profile_steps"], args.scratch, heads=args.heads,
+        rounds=args.rounds, workload=args.workload,
         progress=lambda row: print("measured: " + json.dumps(row), file=sys.stderr, flush=True),
         # The step columns are written before the (long) batch search; the end rewrites the file.
         on_steps=(lambda rows: write_gpu_table(args.json, {**header, "complete": False}, rows))
         if args.json and args.batch_limit > 0
         else None,
     )  # fmt: skip
-    rows = []
-    for row in produced:
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    print()
-    print(gpu_markdown({**header, "rows": rows}))
+    rows = _emit(produced, None, lambda rows: gpu_markdown({**header, "rows": rows}))
     if args.json:
         write_gpu_table(args.json, header, rows)
 
@@ -406,8 +428,9 @@ def _command_line() -> str:
 
 
 def markdown_of(path: Path, summary: bool = False) -> str:
-    """The table of a JSON file (the methods table's records, a GPU table, or the rows of
-    ``--json``, as the run printed them), or its one line per method (``summary``)."""
+    """The table of a JSON file (the methods table's records, a GPU table, or the rows a
+    subcommand wrote with ``--json``, as the run printed them), or its one line per method
+    (``summary``)."""
     from instruments.measure.fusion_bench import fusion_markdown, is_fusion_rows
     from instruments.measure.gpu_table import gpu_markdown, gpu_summary, is_gpu_table
     from instruments.measure.host_bench import host_markdown, is_host_rows
@@ -424,96 +447,60 @@ def markdown_of(path: Path, summary: bool = False) -> str:
     except json.JSONDecodeError:
         data = None  # read_methods_json says what is wrong with it
     if is_gpu_table(data):
-        table = gpu_summary(data) if summary else gpu_markdown(data)
-    elif is_fusion_rows(data):
-        if summary:
-            raise UsageError("--summary: one line per method of a methods table, not --fusion rows")
-        table = fusion_markdown(data)
-    elif is_host_rows(data):
-        if summary:
-            raise UsageError("--summary: one line per method of a methods table, not --host rows")
-        table = host_markdown(data)
-    elif is_pooler_rows(data):
-        if summary:
-            raise UsageError("--summary: one line per method of a methods table, not --pooler rows")
-        table = pooler_markdown(data)
-    elif is_step_rows(data):
-        if summary:
-            raise UsageError("--summary: one line per method of a methods table, not --json rows")
-        table = markdown_table(data)
-    else:
-        records = read_methods_json(path)
-        table = methods_summary(records) if summary else methods_markdown(records)
-    return table
+        return gpu_summary(data) if summary else gpu_markdown(data)
+    tables = {
+        "fusion": (is_fusion_rows, fusion_markdown),
+        "host": (is_host_rows, host_markdown),
+        "pooler": (is_pooler_rows, pooler_markdown),
+        "steps": (is_step_rows, markdown_table),
+    }
+    for name, (is_rows, table) in tables.items():
+        if is_rows(data):
+            if summary:
+                raise UsageError(
+                    f"--summary: one line per method of a methods table, not {name} rows"
+                )
+            return table(data)
+    records = read_methods_json(path)
+    return methods_summary(records) if summary else methods_markdown(records)
 
 
-def _markdown(
-    path: Path, into: Path | None, block: str = "methods-bench", summary: bool = False
-) -> None:
+def _markdown(args: argparse.Namespace) -> None:
     """Print :func:`markdown_of` a JSON file, or write it into a document's marked block."""
     from instruments.measure.methods_table import splice
 
-    table = markdown_of(path, summary)
-    if into is None:
+    table = markdown_of(args.file, args.summary)
+    if args.into is None:
         print(table)
         return
-    if not into.is_file():
-        raise UsageError(f"--into: file '{into}' does not exist")
-    into.write_text(splice(into.read_text(), table, str(into), block))
-    print(f"table of {path} written into {into}")
+    if not args.into.is_file():
+        raise UsageError(f"--into: file '{args.into}' does not exist")
+    args.into.write_text(splice(args.into.read_text(), table, str(args.into), args.block))
+    print(f"table of {args.file} written into {args.into}")
 
 
-def _widths(config: str, repeats: int, out: Path | None) -> None:
-    """Step time of a config's model vs torchvision's widths: JSON lines (ratio, first = 1x)."""
-    from instruments.measure.width_bench import TORCHVISION_WIDTHS, compare_step_time
+def _demo(args: argparse.Namespace) -> None:
+    """Step time of the demo with DropIT against the demo without (demo_bench): JSON lines."""
+    from instruments.measure.demo_bench import demo_rows
 
-    variants = [("torchvision widths", TORCHVISION_WIDTHS), (config, ())]
-    rows = compare_step_time(config, variants, repeats=max(repeats, 5))
-    _emit(rows, out)
-
-
-def _demo(config: str, repeats: int, out: Path | None, quiet: bool) -> None:
-    """Step time of the demo with DropIT against the demo without: JSON lines (baseline = 1x).
-    A third row packs with eager torch instead of the C loops (dropit_core.backends.native): what
-    they save, in the same rounds."""
-    from dropit_core import configure, pack_backend, reset_settings
-    from instruments.measure.width_bench import compare_step_time
-
-    variants = [
-        ("baseline", ("dropit.enabled=false",)),
-        ("dropit", ()),
-        ("dropit_eager_packs", ()),
-    ]
-    setups = {
-        "baseline": lambda: reset_settings(),
-        "dropit": lambda: reset_settings(),
-        "dropit_eager_packs": lambda: configure(native=False),
-    }
-    try:
-        rows = compare_step_time(config, variants, repeats=max(repeats, 5), setups=setups)
-    finally:
-        reset_settings()
+    rows = demo_rows(args.config, max(args.repeats, 5))
     for row in rows:
-        row["c_packs"] = row["model"] == "dropit" and pack_backend("cpu") == "native"
-    for row in rows:
-        row.update(config=config, quiet=quiet, command=_command_line())
-    _emit(rows, out)
+        row.update(config=args.config, quiet=args.quiet_machine, command=_command_line())
+    _emit(rows, args.json)
 
 
-def _ops(device: str, repeats: int, out: Path | None) -> None:
+def _ops(args: argparse.Namespace) -> None:
     """Per-pass costs of the element-wise ops on one slice: JSON lines."""
     from instruments.measure.op_bench import op_costs
 
-    rows = op_costs(repeats=max(repeats, 5), device=device)
-    _emit(rows, out)
+    _emit(op_costs(repeats=max(args.repeats, 5), device=args.device), args.json)
 
 
-def _host(repeats: int, out: Path | None) -> None:
+def _host(args: argparse.Namespace) -> None:
     """Host microseconds and launches per DropIT layer with the launches stubbed: JSON lines."""
     from instruments.measure.host_bench import host_costs
 
-    rows = host_costs(repeats=max(repeats, 5))
-    _emit(rows, out)
+    _emit(host_costs(repeats=max(args.repeats, 5)), args.json)
 
 
 def _pooler(args: argparse.Namespace) -> None:
@@ -521,23 +508,22 @@ def _pooler(args: argparse.Namespace) -> None:
     from instruments.measure.pooler_bench import pooler_costs, pooler_markdown
 
     rows = pooler_costs(
-        images=tuple(args.images or (2, 8)),
+        images=tuple(args.images),
         image_size=args.image_size,
         device=args.device,
-        amp=None if args.amp == "none" else args.amp,
+        amp=args.amp,
         repeats=max(args.repeats, 3),
     )
     _emit(rows, args.json, pooler_markdown)
 
 
-def _fusion(args: argparse.Namespace, quiet: bool) -> None:
+def _fusion(args: argparse.Namespace) -> None:
     """Compile and step time of the compiled backbone, packs opaque and fused: JSON lines."""
     from instruments.measure.fusion_bench import fusion_markdown, fusion_rows
 
-    images = args.images[0] if args.images else 2
-    rows = fusion_rows("resnet18", args.image_size, images, max(args.repeats, 1), args.device)
+    rows = fusion_rows("resnet18", args.image_size, args.images, max(args.repeats, 1), args.device)
     for row in rows:
-        row.update(quiet=quiet, command=_command_line())
+        row.update(quiet=args.quiet_machine, command=_command_line())
     _emit(rows, args.json, fusion_markdown)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from dropit_core.memory import training_tensors
 from instruments.measure import workload
+from instruments.measure.graph_capture import bucket_batch, buckets_for, with_buckets
 from rcnn_dropit.config import Config, with_overrides
 from rcnn_dropit.distributed import DistInfo
 from rcnn_dropit.engine.budget import Row, choose, fit_budget, is_exact
@@ -113,17 +114,28 @@ def budget_check(
     amp: str = "fp16",
     budget: str = "16GB",
     table: Path | None = None,
+    workload_name: str = workload.DEFAULT_WORKLOAD,
+    size_buckets: bool = False,
 ) -> dict[str, Any]:
-    """The probe's table, choice and wall time at ``images`` of the bench's batch, each
-    method's peak beside the GPU table's (``table``: its JSON at the same batch size)."""
+    """The probe's table, choice and wall time at ``images`` of the bench's batch
+    (``workload_name``'s), each method's peak beside the GPU table's (``table``: its JSON at
+    the same batch size); ``size_buckets``: the model pads to the recipe's two orientations and
+    the batch is the first's, as the GPU table's rows with ``--size-buckets``."""
     cfg = probe_config(images, image_size, device, amp, budget)
     dev = torch.device(device)
-    batch = workload.make_batch(image_size, torch.device("cpu"), images)
+    if size_buckets:
+        cfg = with_buckets(cfg, image_size)
+        bucket = buckets_for(image_size)[0]
+        batch = bucket_batch(image_size, images, bucket, torch.device("cpu"), workload_name)
+    else:
+        batch = workload.make_batch(image_size, torch.device("cpu"), images, workload_name)
     held = held_bytes(cfg, batch)
     started = time.perf_counter()
     choice = fit_budget(cfg, DistInfo(0, 1, 0, dev, False), BenchLoader(*batch))
     wall = time.perf_counter() - started
     rows = table_rows(table)
+    counted = [m["positive_rois_per_image"] for m in choice.as_dict()["methods"]]
+    counted = [c for c in counted if c is not None]  # the probe's positives, as it counted them
     methods = []
     for m in choice.as_dict()["methods"]:
         mine = m["peak_mb"]
@@ -143,6 +155,9 @@ def budget_check(
         "images": images,
         "image_size": image_size,
         "amp": amp,
+        "workload": workload_name,
+        "positive_rois_per_image": min(counted) if counted else None,
+        "size_buckets": [list(b) for b in cfg.model.size_buckets] or None,
         "wall_s": round(wall, 2),
         "held_mb": round(held / MB, 2),
         "table": None if table is None else table.name,

@@ -1,7 +1,8 @@
 """Training-step time of whole models from configs, side by side on one batch (a benchmark).
 
-Used by ``tools/bench.py --widths`` to show what the narrow CPU model buys against the torchvision
-widths the first shapes study used, measured in one process, alternating, on the same images.
+Used by ``tools/bench.py demo`` (``make bench-demo``): make demo's model with its DropIT section
+against the same model without DropIT, and with eager packs instead of the C loops, measured in
+one process, alternating, on the same images.
 """
 
 from __future__ import annotations
@@ -12,17 +13,32 @@ from typing import Any
 
 import torch
 
+from dropit_core import configure, pack_backend, reset_settings
 from dropit_core.timing import timed_rounds
 from instruments.measure.allocator import training_allocator
 
-# The first shapes study's model: torchvision's FPN and head widths, 32 sampled RoIs per image.
-TORCHVISION_WIDTHS = (
-    "model.fpn_channels=256",
-    "model.box_head_width=1024",
-    "model.mask_head_channels=256",
-    "model.mask_head_convs=4",
-    "model.box_batch_size_per_image=32",
-)
+
+def demo_rows(config: str, repeats: int) -> list[dict[str, Any]]:
+    """Step time of ``config``'s model with DropIT against the same model without (baseline =
+    1x). A third row packs with eager torch instead of the C loops (dropit_core.backends.native):
+    what they save, in the same rounds; ``c_packs`` says which row packed with them."""
+    variants = [
+        ("baseline", ("dropit.enabled=false",)),
+        ("dropit", ()),
+        ("dropit_eager_packs", ()),
+    ]
+    setups = {
+        "baseline": lambda: reset_settings(),
+        "dropit": lambda: reset_settings(),
+        "dropit_eager_packs": lambda: configure(native=False),
+    }
+    try:
+        rows = compare_step_time(config, variants, repeats=repeats, setups=setups)
+    finally:
+        reset_settings()
+    for row in rows:
+        row["c_packs"] = row["model"] == "dropit" and pack_backend("cpu") == "native"
+    return rows
 
 
 def compare_step_time(

@@ -1,7 +1,7 @@
 """Compiled DropIT with its packs and ReLU masks fused into Inductor's kernels, or opaque, and
 eager: what each costs to compile and to run (a benchmark).
 
-Used by ``tools/bench.py --fusion``. The model is what ``train.compile: backbone`` compiles: the
+Used by ``tools/bench.py fusion``. The model is what ``train.compile: backbone`` compiles: the
 lean ResNet-FPN body and FPN with 4-bit DropIT, Inductor, dynamic shapes. Each setting (eager,
 then compiled with ``DROPIT_FUSE`` off, then on) runs in a fresh process with an empty Inductor
 cache, so a compiled model's first training step includes the whole compile: that step's
@@ -52,7 +52,7 @@ def fusion_rows(
                 check=False,
             )
             if proc.returncode:
-                raise RuntimeError(f"--fusion, setting {name}: {proc.stderr[-3000:]}")
+                raise RuntimeError(f"fusion, setting {name}: {proc.stderr[-3000:]}")
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             row.update(setting=name, kernels=_kernel_sources(Path(cache)))
         rows.append(row)
@@ -117,12 +117,12 @@ def measure(
 
 
 def is_fusion_rows(data: Any) -> bool:
-    """Whether JSON data read from a file is ``--fusion`` rows."""
+    """Whether JSON data read from a file is ``fusion`` rows."""
     return rows_with(data, "first_step_s", "kernels")
 
 
 def fusion_markdown(rows: list[dict[str, Any]]) -> str:
-    """The Markdown table of ``--fusion`` rows; step ratios against the first (eager) row."""
+    """The Markdown table of ``fusion`` rows; step ratios against the first (eager) row."""
     base = rows[0]
     lines = [
         "| packs and masks | first step (compiling), s | kernels built | step, s | step ratio |",

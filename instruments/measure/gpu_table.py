@@ -8,8 +8,8 @@ within a memory budget (:func:`instruments.measure.max_batch.largest_batches`). 
 in alternating rounds (every setting's model takes its steps, then the next round), a ratio
 being the median of the rounds' ratios with their lowest and highest; the rows that run the
 baseline's kernels say what differences the run resolves (:func:`step_resolution`). The file
-``tools/bench.py --gpu-table --json`` writes holds these rows with the run's provenance: the
-command, the commit, the GPU's name and the torch, CUDA and triton versions. ``--markdown``
+``tools/bench.py gpu-table --json`` writes holds these rows with the run's provenance: the
+command, the commit, the GPU's name and the torch, CUDA and triton versions. ``markdown``
 makes its table; ``tools/results_page.py`` reads the newest lease's file into the results
 page, docs/results/README.md.
 """
@@ -269,7 +269,7 @@ def gpu_summary(table: Mapping[str, Any]) -> str:
     """One line per setting of a GPU table (for prose that must not retype its figures): step,
     peak and saved ratios at each batch size and the largest batch, then the GPU and commit."""
     if not is_gpu_table(table) or not table["rows"]:
-        raise UsageError("GPU table: expected an object with rows (tools/bench.py --gpu-table)")
+        raise UsageError("GPU table: expected an object with rows (tools/bench.py gpu-table)")
     images = table.get("images") or []
     base = table["rows"][0]
     at = " and ".join(f"{n}" for n in images)
@@ -331,7 +331,7 @@ def _forward_cell(row: Mapping[str, Any], n: int) -> str:
 def gpu_markdown(table: Mapping[str, Any]) -> str:
     """The Markdown table of a GPU table file's data, then the run that measured it."""
     if not is_gpu_table(table):
-        raise UsageError("GPU table: expected an object with 'rows' (tools/bench.py --gpu-table)")
+        raise UsageError("GPU table: expected an object with 'rows' (tools/bench.py gpu-table)")
     images = table.get("images") or []
     budget = table.get("budget_mb")
     searched = (table.get("batch_limit") or 0) > 0  # a limit of 0: no batch search ran

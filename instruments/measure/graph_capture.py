@@ -1,4 +1,5 @@
-"""What a graphed setting's first steps cost, per size bucket (``tools/gpu_checks.py capture``).
+"""What a graphed setting's first steps cost, per size bucket (``tools/gpu_checks.py capture``),
+and the size buckets of the GPU table's graphed rows (``tools/bench.py gpu-table --size-buckets``).
 
 A graphed setting (``train.compile=backbone`` with ``train.compile_mode=reduce-overhead``)
 compiles the graphable part (the ResNet body and FPN) once, then records one CUDA graph per
@@ -10,7 +11,13 @@ turn: its first steps timed one by one (the first pays the compile, the next the
 then its steady steps. Per bucket: those seconds, what the first steps cost beyond steady ones
 (``capture_s``), the seconds torch spent recording CUDA graphs (``record_s``), the graphs Dynamo
 compiled and the times Inductor skipped CUDA graphs (``TORCH_LOGS=perf_hints`` prints why).
-Steps are the bench's (forward and backward, workload.train_step), synchronised.
+Steps are the bench's (forward and backward, workload.train_step), synchronised; each row
+records the workload and the positive RoIs per image its steady steps had.
+
+The GPU table with ``--size-buckets`` (:func:`with_buckets`, :func:`bucket_batches`,
+:func:`first_steps`) trains every row as a run with the recipe's buckets: the same model and
+buckets, a landscape and a portrait batch taken in turn, and a compiled row's first steps in each
+bucket timed one by one before its timed steps.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 
 from dropit_core.timing import timed
 from instruments.measure import workload
-from rcnn_dropit.config import with_overrides
+from rcnn_dropit.config import Config, with_overrides
 from rcnn_dropit.engine.probe import largest_batch
 from rcnn_dropit.errors import UsageError
+from rcnn_dropit.models.sampling import roi_sample_counter
 
 # The COCO recipe's long side over its short one (1333 / 800): its buckets' shape
 LONG_OVER_SHORT = 1333 / 800
@@ -41,16 +49,20 @@ def buckets_for(image_size: int) -> list[tuple[int, int]]:
     return [(image_size, long), (long, image_size)]
 
 
-def bucket_config(image_size: int):
-    """The bench's recipe with the two buckets: the resize keeps a (short, long) image."""
+def with_buckets(cfg: Config, image_size: int) -> Config:
+    """``cfg`` (a bench recipe at ``image_size``) with the two buckets as ``model.size_buckets``
+    and their long side as ``model.max_size``: the resize keeps a (short, long) image whole."""
     buckets = buckets_for(image_size)
     long = buckets[0][1]
     sizes = ", ".join(f"[{h}, {w}]" for h, w in buckets)
     return with_overrides(
-        workload.recipe_config(False, image_size),
-        [f"model.max_size={long}", f"model.size_buckets=[{sizes}]"],
-        source="graph capture",
+        cfg, [f"model.max_size={long}", f"model.size_buckets=[{sizes}]"], source="size buckets"
     )
+
+
+def bucket_config(image_size: int) -> Config:
+    """The bench's recipe with the two buckets."""
+    return with_buckets(workload.recipe_config(False, image_size), image_size)
 
 
 def _turned(images: list[torch.Tensor], targets: list[dict]) -> tuple[list, list]:
@@ -70,15 +82,34 @@ def _turned(images: list[torch.Tensor], targets: list[dict]) -> tuple[list, list
     return [img.transpose(-1, -2).contiguous() for img in images], out
 
 
-def bucket_batch(image_size: int, images: int, bucket: tuple[int, int], device: torch.device):
-    """The bench's batch of ``images`` stretched to ``bucket`` (height, width), on ``device``."""
-    pictures, targets = workload.make_batch(image_size, torch.device("cpu"), images)
+def bucket_batch(
+    image_size: int,
+    images: int,
+    bucket: tuple[int, int],
+    device: torch.device,
+    workload_name: str = workload.DEFAULT_WORKLOAD,
+):
+    """The bench's batch of ``images`` (``workload_name``'s objects) stretched to ``bucket``
+    (height, width), on ``device``."""
+    pictures, targets = workload.make_batch(image_size, torch.device("cpu"), images, workload_name)
     short, long = min(bucket), max(bucket)
     pictures, targets = largest_batch(pictures, targets, short, long)  # landscape
     if bucket[0] > bucket[1]:
         pictures, targets = _turned(pictures, targets)
     moved = [{k: v.to(device) for k, v in t.items()} for t in targets]
     return [p.to(device) for p in pictures], moved
+
+
+def bucket_batches(
+    image_size: int,
+    images: int,
+    device: torch.device,
+    workload_name: str = workload.DEFAULT_WORKLOAD,
+) -> list[tuple[list, list]]:
+    """The bench's batch in each bucket of :func:`buckets_for` (landscape, then portrait)."""
+    return [
+        bucket_batch(image_size, images, b, device, workload_name) for b in buckets_for(image_size)
+    ]
 
 
 def _compiled_graphs() -> int:
@@ -93,19 +124,46 @@ def _recorded() -> list[float]:
     return list(compilation_time_metrics.get(RECORD, []))
 
 
+def first_steps(
+    step: Callable[[Any], None], batch, device: torch.device, count: int = 3
+) -> dict[str, Any]:
+    """``count`` steps of ``batch`` timed one by one (the first pays the compile, the next the
+    CUDA graph's recording), with the seconds torch spent recording CUDA graphs in them, the
+    graphs Dynamo compiled and the times Inductor skipped CUDA graphs."""
+    graphs, skips, recorded = _compiled_graphs(), _skips(), len(_recorded())
+    first = [timed(lambda: step(batch), device)[1] for _ in range(count)]
+    return {
+        "first_steps_s": [round(t, 3) for t in first],
+        "record_s": round(sum(_recorded()[recorded:]), 3),
+        "graphs_compiled": _compiled_graphs() - graphs,
+        "cudagraph_skips": _skips() - skips,
+    }
+
+
+def beyond_steady(first: dict[str, Any], steady_s: float | None) -> float | None:
+    """What a bucket's first steps cost beyond as many steady steps (None without a step)."""
+    if steady_s is None:
+        return None
+    return round(sum(first["first_steps_s"]) - len(first["first_steps_s"]) * steady_s, 3)
+
+
 def capture_rows(
     settings: Sequence[workload.Setting],
     images: Sequence[int] = (2, 8),
     image_size: int = 800,
     device: str = "cuda",
     amp: str = "fp16",
-    first_steps: int = 3,
+    first_steps_count: int = 3,
     repeats: int = 5,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    workload_name: str = workload.DEFAULT_WORKLOAD,
 ) -> Iterator[dict[str, Any]]:
     """One row per setting, batch size and bucket, in the order a run meets them."""
-    if first_steps < 1 or repeats < 1:
-        raise UsageError(f"first steps {first_steps}, repeats {repeats}: allowed integers >= 1")
+    if first_steps_count < 1 or repeats < 1:
+        raise UsageError(
+            f"first steps {first_steps_count}, repeats {repeats}: allowed integers >= 1"
+        )
+    workload.workload_named(workload_name)  # a bad name fails before any model is built
     base = bucket_config(image_size)
     dev = torch.device(device)
     resolved = [(s, workload.setting_config(base, s)) for s in settings]
@@ -116,28 +174,34 @@ def capture_rows(
             workload.train_step(model, batch, amp, accumulate)
             model.zero_grad(set_to_none=True)
 
+        counter = roi_sample_counter(model)
         for n in images:
             for bucket in buckets_for(image_size):
-                batch = bucket_batch(image_size, n, bucket, dev)
-                graphs, skips, recorded = _compiled_graphs(), _skips(), len(_recorded())
-                first = [timed(lambda b=batch: step(b), dev)[1] for _ in range(first_steps)]
+                batch = bucket_batch(image_size, n, bucket, dev, workload_name)
+                first = first_steps(step, batch, dev, first_steps_count)
+                if counter is not None:
+                    counter.take()  # the first steps'
                 steady = statistics.median(
                     timed(lambda b=batch: step(b), dev)[1] for _ in range(repeats)
                 )
+                positives, _negatives, counted = counter.take() if counter else (0, 0, 0)
                 row = {
                     "setting": setting.name,
                     "overrides": list(setting.overrides),
                     "compile_mode": cfg.train.compile_mode,
                     "images": n,
                     "bucket": list(bucket),
-                    "first_steps_s": [round(t, 3) for t in first],
+                    "first_steps_s": first["first_steps_s"],
                     "steady_step_s": round(steady, 4),
-                    "capture_s": round(sum(first) - first_steps * steady, 3),
-                    "record_s": round(sum(_recorded()[recorded:]), 3),
-                    "graphs_compiled": _compiled_graphs() - graphs,
-                    "cudagraph_skips": _skips() - skips,
+                    "capture_s": beyond_steady(first, steady),
+                    "record_s": first["record_s"],
+                    "graphs_compiled": first["graphs_compiled"],
+                    "cudagraph_skips": first["cudagraph_skips"],
                     "device": dev.type,
                     "amp": amp,
+                    "workload": workload_name,
+                    # what the steady steps' RoI heads had, as the sampler kept them
+                    "positive_rois_per_image": positives / counted if counted else None,
                 }
                 if progress:
                     progress(row)

@@ -1,6 +1,6 @@
 """Host time of a DropIT layer on the GPU path, measured on any machine (a benchmark).
 
-Used by ``tools/bench.py --host``. On a GPU the training step waits on the host, not on the kernels
+Used by ``tools/bench.py host``. On a GPU the training step waits on the host, not on the kernels
 (docs/gpu.md): what a DropIT layer costs there is mostly Python, its autograd Function, its pack's
 bookkeeping and the launch wrappers. This runs that very code with the Triton launches stubbed out:
 ``dropit_core`` is told to use its kernels (``configure(kernels="triton")``), every wrapper computes
@@ -84,7 +84,7 @@ def stubbed_launches() -> Iterator[Launches]:
     """Within: DropIT takes its kernel path on any tensor, and no kernel is launched; what it
     yields counts the launches stubbed."""
     if not triton_available():
-        raise UsageError("--host runs the kernels' wrappers: it needs triton installed")
+        raise UsageError("host runs the kernels' wrappers: it needs triton installed")
     modules = {name: kernels(name) for name, _ in KERNELS}
     saved = [(modules[m], k, getattr(modules[m], k)) for m, k in KERNELS]
     launches = Launches()
@@ -261,12 +261,12 @@ def _launches_per_step(model: nn.Module, x0: torch.Tensor, launches: Launches) -
 
 
 def is_host_rows(data: Any) -> bool:
-    """Whether JSON data read from a file is ``--host`` rows."""
+    """Whether JSON data read from a file is ``host`` rows."""
     return rows_with(data, "stack", "extra_us")
 
 
 def host_markdown(rows: list[dict[str, Any]]) -> str:
-    """The Markdown table of ``--host`` rows (rows measured before the launch counts and the
+    """The Markdown table of ``host`` rows (rows measured before the launch counts and the
     norm stacks: their columns only)."""
     counted = all("dropit_launches" in r for r in rows)
     head = "| stack | plain, µs per layer | quant 4-bit, launches stubbed | DropIT's host time |"

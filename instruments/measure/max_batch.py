@@ -20,13 +20,11 @@ from instruments.measure.workload import (
     DEFAULT_WORKLOAD,
     Setting,
     Variant,
-    as_setting,
     describe,
     detector,
     make_batch,
     recipe_config,
-    setting_config,
-    split_reference,
+    resolve_settings,
     train_step,
 )
 from rcnn_dropit.config import Config
@@ -175,8 +173,7 @@ def largest_batches(
     update) fits ``budget_mb``. ``peak_of(model, n, floor)`` replaces the measurement
     (tests)."""
     base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone, heads)
-    resolved = [(s, setting_config(base_cfg, s)) for s in map(as_setting, settings)]
-    reference, resolved = split_reference(resolved, base_cfg)
+    reference, resolved = resolve_settings(settings, base_cfg)
     dev = torch.device(device)
     check_amp(amp)
 

@@ -1,11 +1,11 @@
 """The methods table: one bench row per training setting, with the run that measured it.
 
-``tools/bench.py --settings ... --methods-json docs/results/methods_bench.json`` writes a list of
-records (:data:`METHOD_KEYS`, plus the provenance fields of :func:`provenance` in every record,
-so that rows of several runs can sit in one file and each still says where it comes from);
-``--markdown FILE`` prints the Markdown table made from such a file, and ``--into`` writes it
-into a document between :data:`BEGIN` and :data:`END`. The report of the accuracy study reads
-the same file, by the same keys.
+``tools/bench.py steps --settings ... --methods-json docs/results/methods_bench.json`` writes a
+list of records (:data:`METHOD_KEYS`, plus the provenance fields of :func:`provenance` in every
+record, so that rows of several runs can sit in one file and each still says where it comes
+from); ``tools/bench.py markdown FILE`` prints the Markdown table made from such a file, and
+``--into`` writes it into a document between :data:`BEGIN` and :data:`END`. The report of the
+accuracy study reads the same file, by the same keys.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ LATER_KEYS = (
 BLOCK = "methods-bench"  # the default block's name; others hold tables of other runs (bf16)
 
 
-def markers(block: str = BLOCK, tool: str = "tools/bench.py --markdown") -> tuple[str, str]:
+def markers(block: str = BLOCK, tool: str = "tools/bench.py markdown") -> tuple[str, str]:
     """The lines that open and close the generated block named ``block`` in a document, the
     opening one naming the ``tool`` that writes it."""
     return (
@@ -166,10 +166,10 @@ def write_methods_json(path: str | Path, records: Sequence[Mapping[str, Any]]) -
 def read_methods_json(path: str | Path) -> list[dict[str, Any]]:
     """The records of a methods_bench.json file, checked to hold every key."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"methods table: file '{path}' does not exist")
     try:
         records = json.loads(path.read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise UsageError(f"methods table: file '{path}' does not exist") from None
     except json.JSONDecodeError as err:
         raise UsageError(f"methods table '{path}': not JSON ({err})") from None
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
@@ -290,7 +290,7 @@ def splice(
     table: str,
     where: str = "document",
     block: str = BLOCK,
-    tool: str = "tools/bench.py --markdown",
+    tool: str = "tools/bench.py markdown",
 ) -> str:
     """``text`` with what stands between the markers of ``block`` replaced by ``table``."""
     begin, end_line = markers(block, tool)

@@ -1,6 +1,6 @@
 """What each stage of an element-wise DropIT pack and rebuild costs, on one slice (a benchmark).
 
-Used by ``tools/bench.py --ops``. A whole training step says how much DropIT adds; this says
+Used by ``tools/bench.py ops``. A whole training step says how much DropIT adds; this says
 where: one slice of ``n`` values (the ops work in slices of 4Mi), split into the passes that
 ``threshold`` and ``mink`` make in the forward (|x| and compare, bit packing, compaction) and in the
 backward (positions, gather), and the ReLU's mask. Times are medians in milliseconds, with

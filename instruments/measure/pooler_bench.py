@@ -1,6 +1,6 @@
 """The RoI poolers under autocast, torchvision's and the lean one, side by side (a benchmark).
 
-Used by ``tools/bench.py --pooler``. Under autocast torchvision's ``roi_align`` pools in fp32 from
+Used by ``tools/bench.py pooler``. Under autocast torchvision's ``roi_align`` pools in fp32 from
 an fp32 copy of the whole level it reads; the lean pooler (dropit_core.detection.forward) pools a
 few images at a time, so its copy is one image's finest level. This measures what that buys and what
 it costs, on the pooler alone: a pyramid P2-P5 of the COCO recipe's 256 channels for a batch of
@@ -158,7 +158,7 @@ def _compare(name, size, n, per_image, image_size, dtype, dev, repeats) -> list[
 
 
 def is_pooler_rows(data: Any) -> bool:
-    """Whether JSON data read from a file is ``--pooler`` rows."""
+    """Whether JSON data read from a file is ``pooler`` rows."""
     return (
         isinstance(data, list)
         and bool(data)
@@ -167,7 +167,7 @@ def is_pooler_rows(data: Any) -> bool:
 
 
 def pooler_markdown(rows: list[dict[str, Any]]) -> str:
-    """The Markdown table of ``--pooler`` rows: one line per pooler and batch, torchvision's
+    """The Markdown table of ``pooler`` rows: one line per pooler and batch, torchvision's
     figures against the lean pooler's."""
     lines = [
         "| pooler | images | RoIs | forward peak MB, torchvision → lean | backward peak MB, "

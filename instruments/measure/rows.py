@@ -1,5 +1,5 @@
 """What a JSON file of bench rows holds: each ``--json`` kind is a non-empty list of objects, told
-apart by the keys every one of its rows has (``tools/bench.py --markdown`` picks its table so)."""
+apart by the keys every one of its rows has (``tools/bench.py markdown`` picks its table so)."""
 
 from __future__ import annotations
 

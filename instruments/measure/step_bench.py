@@ -43,7 +43,6 @@ from instruments.measure.workload import (
     DEFAULT_WORKLOAD,
     Setting,
     Variant,
-    as_setting,
     describe,
     detector,
     draws_randomly,
@@ -51,8 +50,7 @@ from instruments.measure.workload import (
     make_batch,
     micro_batch_parts,
     recipe_config,
-    setting_config,
-    split_reference,
+    resolve_settings,
     step_loss,
     train_step,
 )
@@ -191,9 +189,7 @@ def run_benchmark(
     if rounds is not None and rounds < 1:
         raise UsageError(f"rounds={rounds!r} is invalid: allowed integers >= 1")
     base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone, heads)
-    # Every setting resolved before minutes of model building: a bad override fails at once.
-    resolved = [(s, setting_config(base_cfg, s)) for s in map(as_setting, settings)]
-    reference, resolved = split_reference(resolved, base_cfg)
+    reference, resolved = resolve_settings(settings, base_cfg)
     dev = torch.device(device)
     check_amp(amp)  # fail on a bad amp value early too
     batch = make_batch(image_size, dev, images, workload)
@@ -326,22 +322,15 @@ def _release(model: nn.Module, dev: torch.device) -> None:
 
 
 def is_step_rows(data: Any) -> bool:
-    """Whether parsed JSON is a ``--json`` file of step rows (or of largest-batch rows, or of
-    memory-only rows: ``--repeats 0``)."""
-    measured = ("step_time_ratio", "max_batch", "peak_mb")
+    """Whether parsed JSON is a ``steps --json`` file of step rows (or of memory-only rows:
+    ``--repeats 0``)."""
+    measured = ("step_time_ratio", "peak_mb")
     return rows_with(data, "variant") and all(any(k in r for k in measured) for r in data)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table (memory: PeakMeter's, tensors' bytes)."""
-    if rows and "max_batch" in rows[0]:
-        cols = [
-            ("variant", "setting"),
-            ("budget_mb", "budget MB"),
-            ("max_batch", "largest batch"),
-            ("peak_mb_at_max", "peak MB at it"),
-        ]
-    elif rows and "step_time_ratio" not in rows[0]:  # --repeats 0: memory only, in MB
+    if rows and "step_time_ratio" not in rows[0]:  # --repeats 0: memory only, in MB
         cols = [
             ("variant", "setting"),
             ("saved_mb", "saved MB"),

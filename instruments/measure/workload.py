@@ -140,7 +140,7 @@ def recipe_config(
     backbone: str = "resnet50",
     heads: str = "v1",
 ) -> Config:
-    """The config of :func:`build_detector`'s model: the COCO recipe without downloaded
+    """The config of the bench's model (:func:`detector`): the COCO recipe without downloaded
     weights, at ``image_size``; ``scratch``: BatchNorm and every stage trainable; ``heads``:
     ``model.heads`` (v2: a BatchNorm after every FPN and head conv, torchvision's v2 models)."""
     model: dict[str, Any] = {
@@ -172,11 +172,14 @@ def setting_config(base: Config, setting: Setting) -> Config:
     return cfg
 
 
-def split_reference(
-    resolved: Sequence[tuple[Setting, Config]], base: Config
+def resolve_settings(
+    settings: Sequence[Setting | Variant], base: Config
 ) -> tuple[Setting, list[tuple[Setting, Config]]]:
-    """The baseline's setting (the first given one whose config is ``base`` itself, e.g. the
-    plan's ``baseline``; else one named so) and the settings left to compare with it."""
+    """Each setting with its config (:func:`setting_config`: every one resolved before minutes
+    of model building, so a bad override fails at once), the baseline's apart: its setting (the
+    first given one whose config is ``base`` itself, e.g. the plan's ``baseline``; else one
+    named so) and the settings left to compare with it."""
+    resolved = [(s, setting_config(base, s)) for s in map(as_setting, settings)]
     for i, (setting, cfg) in enumerate(resolved):
         if cfg == base:
             return setting, [*resolved[:i], *resolved[i + 1 :]]
@@ -222,17 +225,6 @@ def detector(cfg: Config) -> nn.Module:
     model.rpn.register_forward_hook(join_proposals_around)  # for a workload that proposes
     compile_model(model, cfg.train.compile, cfg.train.compile_backend, cfg.train.compile_mode)
     return model
-
-
-def build_detector(
-    scratch: bool,
-    image_size: int,
-    rois_per_image: int = 512,
-    backbone: str = "resnet50",
-    heads: str = "v1",
-) -> nn.Module:
-    """Mask R-CNN R50-FPN with random weights: COCO recipe, or BatchNorm from scratch."""
-    return detector(recipe_config(scratch, image_size, rois_per_image, backbone, heads))
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,13 @@ a lease folder (docs/results/gpu_<gpu>_<date>/), read and said in words and tabl
 step that brings a lease's output there.
 
 The stages' files: ``graphed_2img.json`` and ``graphed_8img.json`` (GPU tables, one batch size
-each: the eager and graphed rows in alternating rounds), ``capture.json`` (the graphed settings'
-first steps per size bucket), ``budget_probe.json`` (train.memory_budget's probe beside the
-tables' peaks) and ``deterministic_pair.json`` (train.deterministic: two runs of one seed, one
-without the key). A graphed row is one whose overrides set ``train.compile_mode=reduce-overhead``;
-its eager twin the row whose overrides are the same without the compile keys.
+each: the eager and graphed rows in alternating rounds, with size buckets: a compiled row's first
+steps per bucket in ``bucket_steps_{n}img``), ``capture.json`` (the graphed settings' first steps
+per size bucket), ``budget_probe.json`` (train.memory_budget's probe beside the tables' peaks)
+and ``deterministic_pair.json`` (train.deterministic: two runs of one seed, one without the key).
+Each says its workload (what the RoI heads saw) and the positive RoIs per image it counted. A
+graphed row is one whose overrides set ``train.compile_mode=reduce-overhead``; its eager twin
+the row whose overrides are the same without the compile keys.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def table_lines(p: GpuPass) -> list[str]:
         "backbone (ResNet body and FPN) compiled by Inductor in reduce-overhead mode, one CUDA "
         "graph per size bucket and batch size, the heads eager (`train.compile=backbone`, "
         "`train.compile_mode=reduce-overhead`). Peak as on every page (training.md#peak-memory) "
-        "above the model's own allocation.",
+        f"above the model's own allocation. {_bucket_words(t)}",
         "",
         "| method | "
         + " | ".join(f"peak @{n}" for n in images)
@@ -203,6 +205,22 @@ def table_lines(p: GpuPass) -> list[str]:
     if notes:
         lines += ["", "What the timing resolves: " + "; ".join(notes) + "."]
     return lines
+
+
+def _size(bucket: Sequence[int]) -> str:
+    return f"{bucket[0]}x{bucket[1]}"
+
+
+def _bucket_words(t: Mapping[str, Any]) -> str:
+    """How the table's batches were shaped: the size buckets every row trained with, or none."""
+    buckets = t.get("size_buckets")
+    if not buckets:
+        return f"Without size buckets: every batch {t.get('image_size')} px square, one shape."
+    sizes = " and ".join(_size(b) for b in buckets)
+    return (
+        f"Every row with size buckets {sizes} (`model.size_buckets`, as a run with buckets "
+        "trains): its batches padded to them, a landscape and a portrait batch in turn."
+    )
 
 
 def _mb(row: Mapping | None, key: str) -> str:
@@ -259,7 +277,37 @@ def graphed_lines(p: GpuPass) -> list[str]:
             twin = eager_twin(row, rows) if row else None
             cells.append(_x(_peak_ratio(row, p.row(twin, n) if twin else None, n)))
         lines.append(f"| `{s}` | {' | '.join(cells)} | {_captures(p, s)} |")
-    return lines
+    if p.capture:
+        c = p.capture
+        counted = [r.get("positive_rois_per_image") for r in c["captures"]]
+        counted = [v for v in counted if v is not None]
+        positives = f", {min(counted):.1f} positive RoIs per image" if counted else ""
+        lines += ["", f"Capture: workload {c.get('workload', 'untrained')}{positives}."]
+    return [*lines, *table_bucket_lines(p)]
+
+
+def table_bucket_lines(p: GpuPass) -> list[str]:
+    """Each compiled row's first steps per bucket in the tables (before its timed steps)."""
+    parts = []
+    for s in p.settings:
+        for n in p.images:
+            steps = (p.row(s, n) or {}).get(f"bucket_steps_{n}img")
+            if not steps:
+                continue
+            cells = []
+            for b in steps:
+                beyond = b.get("capture_s")
+                took = "-" if beyond is None else f"{beyond:.1f} s"
+                record = f", record {b['record_s']:.1f} s" if b.get("record_s") else ""
+                cells.append(f"{_size(b['bucket'])} {took}{record}")
+            parts.append(f"`{s}` @{n}: {', '.join(cells)}")
+    if not parts:
+        return []
+    return [
+        "",
+        "In the tables, each compiled row's first steps per bucket beyond as many steady "
+        "steps: " + "; ".join(parts) + ".",
+    ]
 
 
 def budget_lines(p: GpuPass) -> list[str]:
@@ -269,13 +317,20 @@ def budget_lines(p: GpuPass) -> list[str]:
         return ["The memory budget's probe: not measured in this lease."]
     lines = []
     for c in b["checks"]:
+        shape = ""
+        if c.get("size_buckets"):
+            shape = f", padded to {_size(c['size_buckets'][0])}"
+        positives = c.get("positive_rois_per_image")
+        seen = f"workload {c.get('workload', 'untrained')}" + (
+            "" if positives is None else f", {positives:.1f} positive RoIs per image"
+        )
         table = (
             f"the table's rows give `{c['table_choice']}` by the same rule"
             if c.get("table_choice")
             else "no table row of its candidates to compare (its stage did not finish)"
         )
         lines.append(
-            f"- {c['images']} images: `train.memory_budget={c['budget']}` chose "
+            f"- {c['images']} images ({seen}{shape}): `train.memory_budget={c['budget']}` chose "
             f"`{c['method']}` ({c['reason']}) in {c['wall_s']:.1f} s; {table}."
         )
     methods = [m["method"] for m in b["checks"][0]["methods"]]
@@ -318,9 +373,12 @@ def pair_lines(p: GpuPass) -> list[str]:
             f"loss term {c['largest_difference']:.3g})"
         )
 
+    counted = [r["positive_rois_per_image"] for r in d["runs"] if r.get("positive_rois_per_image")]
+    positives = f", {min(counted):.1f} positive RoIs per image" if counted else ""
     text = (
         f"`train.deterministic` ({d['config']}, {d['iters']} iterations, {d['device']}, AMP "
-        f"{d['amp']}): two runs of one seed with the key {same(pair)}; without the key the "
+        f"{d['amp']}, workload {d.get('workload', 'its training data')}{positives}): two runs "
+        f"of one seed with the key {same(pair)}; without the key the "
         f"same seed's run against them: {same(plain)}; the key's step: "
         f"{_x(d.get('key_step_ratio'))} the step without it (median after the first quarter)."
     )

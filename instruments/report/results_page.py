@@ -131,7 +131,7 @@ def read_lease(folder: Path) -> Lease:
     path = folder / "bench_gpu.json"
     table = json.loads(path.read_text())
     if not is_gpu_table(table):
-        raise UsageError(f"{path}: not a GPU table (tools/bench.py --gpu-table)")
+        raise UsageError(f"{path}: not a GPU table (tools/bench.py gpu-table)")
     batches = {r["setting"]: int(r["max_batch"]) for r in table["rows"] if r.get("max_batch")}
     for setting, batch in _logged_batches(folder / "bench_gpu.log").items():
         batches.setdefault(setting, batch)

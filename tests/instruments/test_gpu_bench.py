@@ -269,7 +269,7 @@ def test_gpu_summary_reads_every_ratio_from_the_rows(tmp_path, capsys) -> None:
     assert "NVIDIA H100 80GB HBM3, AMP fp16, 800 px, commit `abc123`" in text
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps(_table()))
-    assert bench_main(["--markdown", str(path), "--summary"]) == 0
+    assert bench_main(["markdown", str(path), "--summary"]) == 0
     assert capsys.readouterr().out.startswith("- `mink_0.8`: step 3.50x")
     with pytest.raises(Exception, match="expected an object with rows"):
         gpu.gpu_summary({**_table(), "rows": []})
@@ -282,7 +282,7 @@ def test_make_bench_gpu_writes_one_file_of_the_issues_settings_and_its_table() -
     assert names.replace("\\", " ").split() == GPU_METHODS
     assert [s.name for s in plan_settings(PLAN, GPU_METHODS)] == GPU_METHODS
     recipe = text[text.index("bench-gpu: setup") : text.index("lint: setup")]
-    assert "--gpu-table" in recipe and "--images 2 8" in recipe
+    assert "tools/bench.py gpu-table" in recipe and "--images 2 8" in recipe
     # one file in the lease's folder, then the results page that reads the newest folder
     assert recipe.count("--json") == 1 and "--json $(LEASE)/bench_gpu.json" in recipe
     assert "tools/results_page.py --lease-dir" in recipe
@@ -317,7 +317,7 @@ def test_cli_gpu_table_prints_rows_and_writes_one_file(monkeypatch, tmp_path, ca
 
     monkeypatch.setattr(gpu, "gpu_table", fake)
     out = tmp_path / "bench_gpu.json"
-    argv = ["--gpu-table", "--device", "cpu", "--settings", "baseline", "mink_0.8"]
+    argv = ["gpu-table", "--device", "cpu", "--settings", "baseline", "mink_0.8"]
     assert bench_main([*argv, "--batch-limit", "48", "--json", str(out)]) == 0
     assert got == {"images": [2, 8], "budget": 16000.0, "limit": 48,
                    "settings": ["baseline", "mink_0.8"]}  # fmt: skip
@@ -332,7 +332,7 @@ def test_cli_gpu_table_prints_rows_and_writes_one_file(monkeypatch, tmp_path, ca
     doc = tmp_path / "memory.md"
     begin, end = markers(gpu.GPU_BLOCK)
     doc.write_text(f"{begin}\n{end}\n")
-    assert bench_main(["--markdown", str(out), "--into", str(doc), "--block", "bench-gpu"]) == 0
+    assert bench_main(["markdown", str(out), "--into", str(doc), "--block", "bench-gpu"]) == 0
     assert "| mink_0.8 |" in doc.read_text()
     assert "batch search finished" not in doc.read_text()
 
@@ -347,7 +347,7 @@ def test_cli_gpu_table_writes_its_step_columns_before_the_batch_search(
         raise KeyboardInterrupt  # the lease ends during the search
 
     monkeypatch.setattr(gpu, "gpu_table", fake)
-    argv = ["--gpu-table", "--device", "cpu", "--settings", "baseline", "--json", str(out)]
+    argv = ["gpu-table", "--device", "cpu", "--settings", "baseline", "--json", str(out)]
     assert bench_main(argv) != 0
     written = json.loads(out.read_text())
     assert written["complete"] is False and written["rows"][0]["step_s_2img"] == 0.1
@@ -355,12 +355,14 @@ def test_cli_gpu_table_writes_its_step_columns_before_the_batch_search(
 
 
 def test_cli_refuses_what_the_gpu_table_does_not_take(capsys) -> None:
-    base = ["--gpu-table", "--device", "cpu", "--settings", "baseline"]
-    assert bench_main([*base, "--methods-json", "x.json"]) == 2
-    assert "--methods-json goes with step rows" in capsys.readouterr().err
+    base = ["gpu-table", "--device", "cpu", "--settings", "baseline"]
+    with pytest.raises(SystemExit) as stopped:
+        bench_main([*base, "--methods-json", "x.json"])  # a flag of steps, not of gpu-table
+    assert stopped.value.code == 2 and "--methods-json" in capsys.readouterr().err
     assert bench_main([*base, "--profile-steps", "-1"]) == 2
     assert "--profile-steps -1" in capsys.readouterr().err
-    assert bench_main(["--settings", "baseline", "--images", "2", "8", "--methods-json", "x"]) == 2
+    steps = ["steps", "--settings", "baseline", "--images", "2", "8", "--methods-json", "x"]
+    assert bench_main(steps) == 2
     assert "one --images value" in capsys.readouterr().err
 
 

@@ -96,9 +96,10 @@ def test_the_rehearsal_changes_sizes_and_the_device_only() -> None:
     # them use those variables, not a size or a device of their own.
     text = SCRIPT.read_text()
     branches = re.search(r'if \[ "\$rehearse" = 1 \]; then\n(.*?)\nelse\n(.*?)\nfi\n', text, re.S)
-    names = [set(re.findall(r"\b([A-Z_]+)=", b)) for b in branches.groups()]
-    exported = set(re.findall(r"export ([A-Z_= 0-9]+)", branches.group(1))[0].split())
-    assert names[0] - {n.split("=")[0] for n in exported} == names[1]
+    code = [re.sub(r"(?m)#.*$", "", b).replace("\\\n", " ") for b in branches.groups()]
+    names = [set(re.findall(r"\b([A-Z_]+)=", b)) for b in code]
+    exported = set(re.findall(r"\b([A-Z_]+)=", " ".join(re.findall(r"export (.*)", code[0]))))
+    assert exported and names[0] - exported == names[1]
     commands = text[branches.end() :]
     assert not re.search(r"--device cuda|--images [0-9]|--image-size [0-9]|--amp fp", commands)
 

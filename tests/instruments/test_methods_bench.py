@@ -406,16 +406,16 @@ def test_cli_markdown_of_json_rows_is_the_table_the_run_printed(tmp_path, capsys
     ]
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows))
-    assert bench_main(["--markdown", str(path)]) == 0
+    assert bench_main(["markdown", str(path)]) == 0
     out = capsys.readouterr().out
     assert out == markdown_table(rows) + "\n"
     assert "| quant_4bit | 70.2 | - |" in out and "| 1.076 |" in out
-    assert bench_main(["--markdown", str(path), "--summary"]) == 2
-    assert "not --json rows" in capsys.readouterr().err
+    assert bench_main(["markdown", str(path), "--summary"]) == 2
+    assert "not steps rows" in capsys.readouterr().err
     # a list of objects that are not rows is still read as a methods table, which names what
     # its records lack
     path.write_text(json.dumps([{"setting": "x"}]))
-    assert bench_main(["--markdown", str(path)]) == 2
+    assert bench_main(["markdown", str(path)]) == 2
     assert "record 0 lacks" in capsys.readouterr().err
 
 
@@ -436,16 +436,16 @@ def test_provenance_takes_the_commit_it_is_given(monkeypatch) -> None:
 def test_cli_markdown_into_a_document(tmp_path, capsys) -> None:
     path = tmp_path / "methods.json"
     write_methods_json(path, [_record("baseline"), _record("mink_0.8", cosine=0.93)])
-    assert bench_main(["--markdown", str(path)]) == 0
+    assert bench_main(["markdown", str(path)]) == 0
     assert "| mink_0.8 |" in capsys.readouterr().out
     doc = tmp_path / "memory.md"
     doc.write_text(f"before\n{BEGIN}\n{END}\n")
-    assert bench_main(["--markdown", str(path), "--into", str(doc)]) == 0
+    assert bench_main(["markdown", str(path), "--into", str(doc)]) == 0
     assert "| mink_0.8 | - | - | - | - | - | - | - | 0.930 |" in doc.read_text()
 
 
 def test_cli_unknown_setting_is_one_line(capsys) -> None:
-    assert bench_main(["--settings", "quant_3bit", "--plan", str(PLAN)]) == 2
+    assert bench_main(["steps", "--settings", "quant_3bit", "--plan", str(PLAN)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: setting 'quant_3bit' is not in") and "did you mean" in err
 

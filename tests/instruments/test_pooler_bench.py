@@ -1,4 +1,4 @@
-"""The pooler bench (tools/bench.py --pooler): the lean pooler's smaller copy, measured on the
+"""The pooler bench (tools/bench.py pooler): the lean pooler's smaller copy, measured on the
 CPU under bf16 autocast, with the same bits as torchvision's."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_the_pooler_bench_runs_under_autocast_only(monkeypatch, tmp_path, capsys
         pooler_costs(device="cpu", amp="fp32")
     monkeypatch.setattr(pooler_bench, "POOLERS", {"mask": (14, 4)})  # 4 RoIs per image: fast
     out = tmp_path / "pooler.json"
-    argv = ["--pooler", "--images", "2", "--image-size", "64", "--repeats", "0", "--json", str(out)]
+    argv = ["pooler", "--images", "2", "--image-size", "64", "--repeats", "0", "--json", str(out)]
     assert bench_main(argv) == 0
     rows = json.loads(out.read_text())
     assert [(r["pooler"], r["forward"], r["amp"], r["rois"]) for r in rows] == [
