@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu gpu-session bench bench-methods bench-forward bench-bf16 bench-scratch bench-v2 bench-speed bench-gpu bench-host bench-fusion bench-demo lint format study
+.PHONY: setup demo test test-fast test-gpu gpu-session bench bench-methods bench-forward bench-bf16 bench-proxy8 bench-scratch bench-v2 bench-speed bench-gpu bench-host bench-fusion bench-demo lint format study
 
 setup: $(STAMP)
 
@@ -55,7 +55,7 @@ bench: setup
 # docs/results/memory.md, and the results page (docs/results/README.md, with README.md's and
 # docs/choosing.md's blocks). A quarter hour on 2 quiet cores; QUIET=1 records that nothing else ran.
 METHODS := baseline mink_0.8 threshold_0.8 random_0.8 random_scaled_0.8 importance_0.8 \
-	quant_2bit quant_4bit quant_8bit mink_0.8_backbone mink_0.8_backbone_quant_4bit_heads \
+	quant_2bit quant_4bit quant_4bit_predictors quant_8bit mink_0.8_backbone mink_0.8_backbone_quant_4bit_heads \
 	checkpoint_stages checkpoint_stages_quant_4bit baseline_torchvision_bn accumulate_2 \
 	baseline_torchvision_forward quant_4bit_torchvision_forward
 DRAWS ?= 4
@@ -65,6 +65,18 @@ bench-methods: setup
 		--json docs/results/bench_methods_cpu.json \
 		--methods-json docs/results/methods_bench.json $(if $(QUIET),--quiet-machine)
 	$(PY) tools/bench.py markdown docs/results/methods_bench.json --into docs/results/memory.md
+	$(PY) tools/results_page.py
+
+# The GPU table's setting on the CPU: 8 images of 800 px under bf16, the trained workload,
+# memory only (tensors' bytes: exact on a busy machine; a step of 8 images takes minutes here).
+PROXY_METHODS := baseline quant_4bit quant_2bit checkpoint_stages checkpoint_stages_quant_4bit \
+	accumulate_2
+bench-proxy8: setup
+	$(PY) tools/bench.py steps --amp bf16 --image-size 800 --images 8 --settings $(PROXY_METHODS) \
+		--draws 1 --repeats 0 --json docs/results/bench_proxy8_cpu.json \
+		--methods-json docs/results/methods_bench_proxy8.json
+	$(PY) tools/bench.py markdown docs/results/methods_bench_proxy8.json \
+		--into docs/results/memory.md --block step-peak-bf16-trained
 	$(PY) tools/results_page.py
 
 # What autocast does to the baselines without a GPU: bf16 on the CPU, R50-FPN at 2 images of

@@ -34,7 +34,7 @@ RESULTS = REPO / "docs/results"
 PAGE = RESULTS / "README.md"
 CPU_TABLE = RESULTS / "methods_bench.json"
 # The GPU table's setting (8 images of 800 px, autocast) on the CPU under bf16, memory only
-CPU_PROXY_8 = RESULTS / "rpn_head_grad/methods_rpn_head.json"
+CPU_PROXY_8 = RESULTS / "methods_bench_proxy8.json"
 PLAN = REPO / "configs/study/plan.yaml"
 # The one lease that timed the packs both ways: eager torch (DROPIT_KERNELS=eager) and Triton
 EAGER_LEASE = RESULTS / "gpu_h200_2026-11-26"
@@ -336,8 +336,8 @@ def cpu_table_lines(
     if proxy:
         p = proxy["baseline"]
         lines.append(
-            f"- peak @{p['images']}: the GPU table's setting on the CPU, under bf16: "
-            f"{_run_words(p)} ([memory.md](memory.md#a-steps-peak-at-8-images-under-bf16-the-"
+            f"- peak @{p['images']}: the GPU table's setting on the CPU, under bf16, "
+            f"{_workload_words(p)}: {_run_words(p)} ([memory.md](memory.md#a-steps-peak-at-8-images-under-bf16-the-"
             f"gpu-tables-setting-on-the-cpu))."
         )
     n8 = proxy.get("baseline", {}).get("images", 8)
@@ -353,7 +353,8 @@ def cpu_table_lines(
     ]
     for setting, r in table.items():
         if setting == "baseline":
-            cells = [f"{r['saved_mb']:.0f} MB", f"{r['peak_mb']:.0f} MB", f"{r['step_s']:.2f} s"]
+            step = "not timed" if r.get("step_s") is None else f"{r['step_s']:.2f} s"
+            cells = [f"{r['saved_mb']:.0f} MB", f"{r['peak_mb']:.0f} MB", step]
         else:
             cells = [_x(r.get(k)) for k in ("saved_ratio", "peak_ratio", "step_ratio")]
         if setting in proxy:
@@ -403,6 +404,12 @@ def weigh(points: Mapping[str, Point], resolution: float) -> str:
     if pick is None:
         return f"`{PICK}` was not measured."
     lower = [points[s] for s in EXACT_ALTERNATIVES if s in points and points[s].peak < pick.peak]
+    if pick.step is None:
+        head = f"`{PICK}` peaks at {_x(pick.peak)} of the baseline (steps not timed)"
+        lower_words = ", ".join(f"`{p.setting}` at {_x(p.peak)}" for p in lower)
+        return head + (
+            f"; lower in peak: {lower_words}." if lower else "; no exact method is lower in peak."
+        )
     head = f"`{PICK}` peaks at {_x(pick.peak)} of the baseline at {_x(pick.step)} its step"
     if not lower:
         faster = [

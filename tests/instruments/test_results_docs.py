@@ -25,6 +25,7 @@ BENCH_BLOCKS: dict[tuple[str, str], tuple[str, bool]] = {
     ("docs/results/memory.md", "methods-bench-trained"): ("methods_bench_trained.json", False),
     ("docs/results/memory.md", "methods-bench-cap"): ("methods_bench_cap.json", False),
     ("docs/results/memory.md", "methods-bench-forward"): ("methods_bench_forward.json", False),
+    ("docs/results/memory.md", "step-peak-bf16-trained"): ("methods_bench_proxy8.json", False),
     ("docs/results/memory.md", "step-peak-bf16-rpn"): (
         "rpn_head_grad/methods_rpn_head.json",
         False,
@@ -179,6 +180,21 @@ def test_an_exact_method_lower_and_faster_than_the_pick_is_said_to_be_the_better
     assert "does not tell apart" in rp.weigh(points, resolution=0.20)
     alone = rp.weigh({"quant_4bit": points["quant_4bit"]}, 0.0)
     assert alone.endswith("no exact method is lower in peak.")
+
+
+def test_an_untimed_table_is_weighed_by_peak_alone() -> None:
+    """A memory-only run (--repeats 0) has no step: the sentence says so and claims no speed."""
+    points = {
+        "quant_4bit": rp.Point("quant_4bit", 0.56, None),
+        "accumulate_2": rp.Point("accumulate_2", 0.64, None),
+        "accumulate_4": rp.Point("accumulate_4", 0.52, None),
+    }
+    text = rp.weigh(points, resolution=0.1)
+    assert text == (
+        "`quant_4bit` peaks at 0.56x of the baseline (steps not timed); lower in peak: "
+        "`accumulate_4` at 0.52x."
+    )
+    assert "faster" not in text and "slower" not in text
 
 
 def test_the_timing_resolution_is_the_widest_same_kernel_ratio() -> None:
