@@ -337,8 +337,8 @@ def cpu_table_lines(
         p = proxy["baseline"]
         lines.append(
             f"- peak @{p['images']}: the GPU table's setting on the CPU, under bf16, "
-            f"{_workload_words(p)}: {_run_words(p)} ([memory.md](memory.md#a-steps-peak-at-8-images-under-bf16-the-"
-            f"gpu-tables-setting-on-the-cpu))."
+            f"{_workload_words(p)}: {_run_words(p)} ([memory.md](memory.md#a-steps-peak-at-8-"
+            f"images-under-bf16-the-gpu-tables-setting-on-the-cpu))."
         )
     n8 = proxy.get("baseline", {}).get("images", 8)
     lines += [
