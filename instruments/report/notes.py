@@ -47,6 +47,8 @@ seedlist REGIME            every setting of a regime with its finished seeds   `
 grad NAME STATE SET GROUP  a cosine (``cos``) or norm ratio (``norm``) of       ``0.97``
   MEASURE                  ``shapes_grad_groups_NAME.json``; spaces as ``_``
 bench SETTING KEY          a ratio of ``methods_bench.json`` (R50-FPN bench)   ``0.61x``
+step SETTING               its step ratio there, or in the newest timed table  ``1.19x (timed
+                           (its workload and date said)                        on ...)``
 same RUN OTHER             whether two runs (``regime/setting_sN``) logged     ``identical: ...``
                            the same losses and AP to the last bit
 =========================  ==================================================  ===================
@@ -489,18 +491,48 @@ def _grad(sources: Sources, name: str, state: str, setting: str, group: str, mea
 
 def _bench(sources: Sources, setting: str, key: str) -> str:
     """A ratio of the R50-FPN methods bench (``methods_bench.json`` beside the report)."""
+    return f"{_bench_row_value(sources, BENCH_FILE, setting, key):.2f}x"
+
+
+# The newest methods bench that timed its steps, where methods_bench.json did not (a run with
+# --repeats 0): the untrained workload's, quiet, 2026-11-27.
+TIMED_BENCH_FILE = "archive/untrained_methods_512/methods_bench.json"
+
+
+def _step(sources: Sources, setting: str) -> str:
+    """The step ratio of ``setting`` on the methods bench, or on the newest timed one (named)."""
+    ratio = _bench_row_value(sources, BENCH_FILE, setting, "step_ratio", required=False)
+    if ratio is not None:
+        return f"{ratio:.2f}x"
+    row = _bench_row(sources, TIMED_BENCH_FILE, setting)
+    value = row.get("step_ratio")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Bad(f"{TIMED_BENCH_FILE}: 'step_ratio' of '{setting}' is not a number")
+    workload = row.get("workload") or "untrained"
+    return f"{value:.2f}x (timed on the {workload} workload, {row.get('date')})"
+
+
+def _bench_row(sources: Sources, name: str, setting: str) -> dict:
     if sources.grad_dir is None:
         raise _Bad("no results folder given")
-    path = sources.grad_dir / BENCH_FILE
+    path = sources.grad_dir / name
     bench = read_bench(path)
     if bench is None:
         raise _Bad(f"no file {path}")
     if setting not in bench:
         raise _Bad(f"{path.name} has no setting '{setting}'; it has {sorted(bench)}")
-    value = bench[setting].get(key)
+    return bench[setting]
+
+
+def _bench_row_value(
+    sources: Sources, name: str, setting: str, key: str, required: bool = True
+) -> float | None:
+    value = _bench_row(sources, name, setting).get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _Bad(f"{path.name}: '{key}' of '{setting}' is not a number")
-    return f"{value:.2f}x"
+        if required:
+            raise _Bad(f"{name}: '{key}' of '{setting}' is not a number")
+        return None
+    return float(value)
 
 
 FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
@@ -532,5 +564,6 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "seedlist": (_seedlist, ("REGIME",)),
     "grad": (_grad, ("NAME", "STATE", "SETTING", "GROUP", "MEASURE")),
     "bench": (_bench, ("SETTING", "KEY")),
+    "step": (_step, ("SETTING",)),
     "same": (_same, ("RUN", "OTHER")),
 }

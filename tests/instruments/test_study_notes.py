@@ -20,7 +20,7 @@ from instruments.report.goal import (
     goal_section,
     read_bench,
 )
-from instruments.report.notes import FUNCTIONS, NotesError, Sources, render
+from instruments.report.notes import FUNCTIONS, TIMED_BENCH_FILE, NotesError, Sources, render
 from instruments.report.seeded import baseline_of, paired, saved_ratio
 from instruments.report.time_account import (
     log_segments,
@@ -190,11 +190,45 @@ def test_every_placeholder_renders_its_figure(
     assert render(f"x {{{{{placeholder}}}}} y", sources) == f"x {expected} y"
 
 
+def test_a_step_ratio_comes_from_the_newest_timed_table_which_it_names(sources: Sources) -> None:
+    """methods_bench.json untimed (--repeats 0): the archived timed table's ratio, its workload
+    and date said; timed: its own ratio, nothing added; neither: one clear error."""
+    timed = sources.grad_dir / TIMED_BENCH_FILE
+    timed.parent.mkdir(parents=True)
+    timed.write_text(
+        json.dumps(
+            [
+                {
+                    "setting": "mink_0.8",
+                    "saved_ratio": 0.27,
+                    "peak_ratio": 0.56,
+                    "step_ratio": 1.234,
+                    "date": "2026-11-27",
+                }
+            ]
+        )
+    )
+    assert render("{{step mink_0.8}}", sources) == (
+        "1.23x (timed on the untrained workload, 2026-11-27)"
+    )
+    own = sources.grad_dir / "methods_bench.json"
+    own.write_text(
+        json.dumps(
+            [{"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6, "step_ratio": 1.1}]
+        )
+    )
+    assert render("{{step mink_0.8}}", sources) == "1.10x"
+    own.write_text(json.dumps([{"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6}]))
+    timed.write_text(json.dumps([{"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6}]))
+    with pytest.raises(NotesError, match="'step_ratio' of 'mink_0.8' is not a number"):
+        render("{{step mink_0.8}}", sources)
+
+
 def test_every_function_is_tested() -> None:
     tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow", "nabove", "dat"}
     tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench", "same", "dhalf"}
     tested |= {"dlow", "dhigh", "seedlist", "apat", "gain", "gainseeds", "converged", "state"}
-    tested |= {"meets", "margin"}
+    tested |= {"meets", "margin", "step"}
     assert set(FUNCTIONS) == tested
 
 
