@@ -509,7 +509,7 @@ def _step(sources: Sources, setting: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _Bad(f"{TIMED_BENCH_FILE}: 'step_ratio' of '{setting}' is not a number")
     workload = row.get("workload") or "untrained"
-    return f"{value:.2f}x (timed on the {workload} workload, {row.get('date')})"
+    return f"{value:.2f}x ({workload} workload, timed {row.get('date')})"
 
 
 def _bench_row(sources: Sources, name: str, setting: str) -> dict:

@@ -208,9 +208,7 @@ def test_a_step_ratio_comes_from_the_newest_timed_table_which_it_names(sources: 
             ]
         )
     )
-    assert render("{{step mink_0.8}}", sources) == (
-        "1.23x (timed on the untrained workload, 2026-11-27)"
-    )
+    assert render("{{step mink_0.8}}", sources) == ("1.23x (untrained workload, timed 2026-11-27)")
     own = sources.grad_dir / "methods_bench.json"
     own.write_text(
         json.dumps(
