@@ -13,8 +13,10 @@
 #                          one (compile, CUDA graph recording), then steady ones; from the
 #                          machine's empty compile cache, which it fills for the next two;
 #                          each bucket's row kept as it comes
-#   graphed_2img    120 s  the GPU table at 2 images of 800 px, AMP fp16: baseline and quant_4bit
-#                          eager and graphed, in alternating rounds with their spread and peaks
+#   graphed_2img    120 s  the GPU table at 2 images of 800 px, AMP fp16, on the trained
+#                          workload (a trained detector's positive RoIs): baseline and quant_4bit
+#                          eager and graphed, and the quant recipe (quant_4bit_predictors), in
+#                          alternating rounds with their spread and peaks
 #   graphed_8img    150 s  the same at 8 images, with accumulate_2, checkpoint_stages and
 #                          quant_2bit in the same rounds (the 8-image Pareto)
 #   budget_probe     90 s  train.memory_budget's probe at 2 and 8 images on the table's batch:
@@ -24,7 +26,7 @@
 # then the GPU test tier and the kernels compiled for the GPU (side by side), and the rest as
 # before: the live tensors at a step's peak, the RoI poolers, issue 39's table with its largest
 # batch (with DROPIT_KERNELS=eager if it fails within a minute), the compiled rows, the table's
-# other rows, every conv on its autograd Function (DROPIT_HOOKED=0), the fused packs, a launch's
+# other rows, the fused packs, a launch's
 # host cost, the from-scratch rows, per-pass op costs, the peak's blocks, a quant step's Python,
 # the v2 heads. --from STAGE starts there (a second call on a warm machine, when the first ran
 # out of time; a device call may not run longer than 10 minutes), --until STAGE stops before it.
@@ -161,12 +163,12 @@ keep capture
 table=($RUN tools/bench.py gpu-table --device $DEVICE --amp $AMP --image-size $SIZE
   --rounds $ROUNDS --draws 1 --quiet-machine)
 stage graphed_2img "$(cap 120)" "${table[@]}" --repeats $REPEATS --batch-limit 0 --images $FEW \
-  --settings baseline baseline_graphed quant_4bit quant_4bit_graphed \
+  --settings baseline baseline_graphed quant_4bit quant_4bit_graphed quant_4bit_predictors \
   --json "$WORK/graphed_2img.json"
 keep graphed_2img
 stage graphed_8img "$(cap 150)" "${table[@]}" --repeats $REPEATS --batch-limit 0 \
   --images $MANY --settings baseline baseline_graphed quant_4bit quant_4bit_graphed accumulate_2 \
-  checkpoint_stages quant_2bit --json "$WORK/graphed_8img.json"
+  checkpoint_stages quant_2bit quant_4bit_predictors --json "$WORK/graphed_8img.json"
 keep graphed_8img
 
 # 2. The memory budget's probe (issue 59) against those rows' peaks, then the deterministic pair.
@@ -236,11 +238,6 @@ rest="$rest baseline_torchvision_fpn mink_0.8 threshold_0.8 accumulate_2 accumul
 stage bench_gpu_rest $(($(left) * 50 / 100)) "${more[@]}" --images $SIZES --settings $rest \
   --json "$WORK/bench_gpu_rest.json"
 keep bench_gpu_rest
-# Issue 40's host time: the eager 4-bit step with every conv on its autograd Function
-# (DROPIT_HOOKED=0), what the table's quant_4bit ran before dropit_core.layers.hooked.
-DROPIT_HOOKED=0 stage bench_gpu_function $(($(left) * 20 / 100)) "${more[@]}" --images $SIZES \
-  --settings baseline quant_4bit --json "$WORK/bench_gpu_function.json"
-keep bench_gpu_function
 # The same backbone compiled with its packs and ReLU masks opaque, then fused into Inductor's
 # Triton kernels (DROPIT_FUSE): compile seconds, kernels built, step time.
 stage bench_fusion_gpu $(($(left) * 20 / 100)) $RUN tools/bench.py fusion --device $DEVICE \
