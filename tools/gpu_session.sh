@@ -162,18 +162,20 @@ TORCH_LOGS=perf_hints stage capture "$(cap 180)" $RUN tools/gpu_checks.py captur
 keep capture
 table=($RUN tools/bench.py gpu-table --device $DEVICE --amp $AMP --image-size $SIZE
   --rounds $ROUNDS --draws 1 --quiet-machine)
-stage graphed_2img "$(cap 120)" "${table[@]}" --repeats $REPEATS --batch-limit 0 --images $FEW \
+# Every row of the graphed tables trains as a run with the recipe's size buckets does.
+stage graphed_2img "$(cap 120)" "${table[@]}" --size-buckets --repeats $REPEATS --batch-limit 0 \
+  --images $FEW \
   --settings baseline baseline_graphed quant_4bit quant_4bit_graphed quant_4bit_predictors \
   --json "$WORK/graphed_2img.json"
 keep graphed_2img
-stage graphed_8img "$(cap 150)" "${table[@]}" --repeats $REPEATS --batch-limit 0 \
+stage graphed_8img "$(cap 150)" "${table[@]}" --size-buckets --repeats $REPEATS --batch-limit 0 \
   --images $MANY --settings baseline baseline_graphed quant_4bit quant_4bit_graphed accumulate_2 \
   checkpoint_stages quant_2bit quant_4bit_predictors --json "$WORK/graphed_8img.json"
 keep graphed_8img
 
 # 2. The memory budget's probe (issue 59) against those rows' peaks, then the deterministic pair.
 stage budget_probe "$(cap 90)" $RUN tools/gpu_checks.py budget --device $DEVICE --amp $AMP \
-  --image-size $SIZE --images $SIZES --budget 16GB --quiet-machine \
+  --image-size $SIZE --images $SIZES --budget 16GB --size-buckets --quiet-machine \
   --against "$WORK/graphed_2img.json" "$WORK/graphed_8img.json" --json "$WORK/budget_probe.json"
 keep budget_probe
 # shellcheck disable=SC2086  # the sizes are words

@@ -247,6 +247,12 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
         default=64,
         help="largest batch tried (default: %(default)s; 0: no batch search)",
     )
+    p.add_argument(
+        "--size-buckets",
+        action="store_true",
+        help="every row trains as a run with the recipe's two size buckets (model.size_buckets): "
+        "landscape and portrait batches in turn, a compiled row's first steps per bucket timed",
+    )
 
 
 def _model_arguments(p: argparse.ArgumentParser, images: str, repeats: str) -> None:
@@ -383,12 +389,13 @@ def _gpu_table(args: argparse.Namespace) -> None:
         "profile_steps": _profile_steps(args),
         "amp": args.amp, "image_size": args.image_size, "draws": args.draws,
         "workload": args.workload,
+        "size_buckets": _buckets(args.image_size) if args.size_buckets else None,
     }  # fmt: skip
     header = gpu_header(_command_line(), args.device, args.quiet_machine, **run)
     produced = gpu_table(
         settings, args.images, args.max_batch, args.batch_limit, args.image_size, args.repeats,
         args.device, args.amp, args.draws, run["profile_steps"], args.scratch, heads=args.heads,
-        rounds=args.rounds, workload=args.workload,
+        rounds=args.rounds, workload=args.workload, size_buckets=args.size_buckets,
         progress=lambda row: print("measured: " + json.dumps(row), file=sys.stderr, flush=True),
         # The step columns are written before the (long) batch search; the end rewrites the file.
         on_steps=(lambda rows: write_gpu_table(args.json, {**header, "complete": False}, rows))
@@ -398,6 +405,12 @@ def _gpu_table(args: argparse.Namespace) -> None:
     rows = _emit(produced, None, lambda rows: gpu_markdown({**header, "rows": rows}))
     if args.json:
         write_gpu_table(args.json, header, rows)
+
+
+def _buckets(image_size: int) -> list[list[int]]:
+    from instruments.measure.graph_capture import buckets_for
+
+    return [list(b) for b in buckets_for(image_size)]
 
 
 def _emit(

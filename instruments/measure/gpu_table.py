@@ -50,6 +50,7 @@ PER_BATCH = {
     "dtoh_copies_per_step": "dtoh_copies_per_step",
     "kernels_per_step": "kernels_per_step",
     "grad_cosine": "grad_cosine",
+    "bucket_steps": "bucket_steps",
 }
 # What a setting is, from its first step row.
 DESCRIPTION = (
@@ -95,6 +96,7 @@ def gpu_table(
     on_steps: Callable[[list[dict[str, Any]]], None] | None = None,
     rounds: int = 5,
     workload: str = DEFAULT_WORKLOAD,
+    size_buckets: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """One row per setting (the baseline first): step rows at each of ``images``, then the
     largest batch within ``budget_mb`` searched up to ``batch_limit`` images (``at_limit``
@@ -102,13 +104,14 @@ def gpu_table(
     The steps are timed in ``rounds`` alternating rounds of ``repeats`` steps per setting.
     ``progress`` sees every step and batch row as it comes, and ``on_steps`` the table's rows
     once the step columns are in, before the search (a lease that ends during the search then
-    still has them)."""
+    still has them). ``size_buckets``: the step rows train with the recipe's two buckets
+    (step_bench.run_benchmark), a compiled row's first steps per bucket in ``bucket_steps``."""
     table: dict[str, dict[str, Any]] = {}
     for n in images:
         rows = run_benchmark(
             settings, scratch, image_size, repeats, device, rois_per_image, backbone,
             amp=amp, images=n, draws=draws, profile_steps=profile_steps, heads=heads,
-            rounds=rounds, workload=workload,
+            rounds=rounds, workload=workload, size_buckets=size_buckets,
         )  # fmt: skip
         for row in rows:
             if progress:

@@ -29,6 +29,7 @@ from torch import nn
 from dropit_core import from_dropit, is_dropit
 from dropit_core.memory import measure_step
 from dropit_core.timing import timed, timed_rounds
+from instruments.measure import graph_capture
 from instruments.measure.allocator import training_allocator
 from instruments.measure.cuda_calls import CudaCalls, profile_cuda_calls
 from instruments.measure.grad_fidelity import (
@@ -169,6 +170,7 @@ def run_benchmark(
     profile_steps: int = 0,
     rounds: int | None = None,
     workload: str = DEFAULT_WORKLOAD,
+    size_buckets: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """Measure the baseline, then each setting; yields one result dict per row as it is done.
 
@@ -182,17 +184,28 @@ def run_benchmark(
     each row's step figures the median over rounds with the rounds' ratios and their spread
     (:func:`round_summary`); None: ``repeats`` rounds of one step, the ratio of medians.
     ``workload`` (workload.WORKLOADS) makes the batch and the RoIs its heads see; each row
-    records the positive RoIs per image its measured step had.
+    records the positive RoIs per image its measured step had. ``size_buckets``: every model
+    trains as a run with the recipe's two buckets (``model.size_buckets``, graph_capture): its
+    memory and gradients on the landscape batch, its timed steps on the landscape and portrait
+    batches in turn, and a compiled model's first steps in each bucket timed one by one before
+    (``bucket_steps``: what they cost beyond as many steady steps; the landscape bucket's come
+    after the memory steps, which compiled it, so its cold cost is the capture stage's).
     """
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise UsageError(f"draws={draws!r} is invalid: allowed integers >= 1")
     if rounds is not None and rounds < 1:
         raise UsageError(f"rounds={rounds!r} is invalid: allowed integers >= 1")
     base_cfg = recipe_config(scratch, image_size, rois_per_image, backbone, heads)
+    if size_buckets:
+        base_cfg = graph_capture.with_buckets(base_cfg, image_size)
     reference, resolved = resolve_settings(settings, base_cfg)
     dev = torch.device(device)
     check_amp(amp)  # fail on a bad amp value early too
-    batch = make_batch(image_size, dev, images, workload)
+    if size_buckets:
+        batches = graph_capture.bucket_batches(image_size, images, dev, workload)
+    else:
+        batches = [make_batch(image_size, dev, images, workload)]
+    batch = batches[0]
     base = detector(base_cfg).to(dev).train()
 
     accumulate: dict[int, int] = {}  # id(model) -> its setting's micro-batches per step
@@ -253,7 +266,16 @@ def run_benchmark(
     # was measured above its own start before, so holding the others costs no figure): weights
     # only, as timed_step frees each step's gradients, which is what lets rounds alternate
     # between models built once instead of rebuilding (and re-warming) one per turn.
-    step_fns = [lambda m=m: timed_step(m, batch) for m in models]
+    firsts = {}  # row index -> a compiled model's first steps per bucket
+    if size_buckets:
+        for i, m in enumerate(models):
+            if rows[i].get("compile") not in (None, "none"):
+                firsts[i] = [
+                    graph_capture.first_steps(functools.partial(timed_step, m), b, dev)
+                    for b in batches
+                ]
+    turns = [itertools.cycle(batches) for _ in models]  # each model's batches in turn
+    step_fns = [lambda m=m, t=t: timed_step(m, next(t)) for m, t in zip(models, turns, strict=True)]
     with training_allocator(dev) as allocator:
         if rounds is None:
             steps = timed_rounds(step_fns, repeats, dev)
@@ -274,6 +296,22 @@ def run_benchmark(
             eval_time_ratio=round(med(evals[i]) / med(evals[0]), 4),
             timing_allocator=allocator,
         )
+        if size_buckets:
+            row["size_buckets"] = [list(b) for b in graph_capture.buckets_for(image_size)]
+            row["bucket_steps"] = (
+                [
+                    {
+                        "bucket": list(bucket),
+                        **first,
+                        "capture_s": graph_capture.beyond_steady(first, row.get("step_s")),
+                    }
+                    for bucket, first in zip(
+                        graph_capture.buckets_for(image_size), firsts[i], strict=True
+                    )
+                ]
+                if i in firsts
+                else None
+            )
         if profile_steps > 0:  # untimed: the profiler slows the step it watches
             calls = profile_cuda_calls(lambda m=model: timed_step(m, batch), profile_steps, dev)
             row.update(calls.per_step(profile_steps), profiled_steps=profile_steps)

@@ -83,6 +83,17 @@ def test_every_stage_rehearses_on_the_cpu_and_writes_what_the_pages_read(tmp_pat
     for setting in graphed.settings:
         assert f"| `{setting}` |" in text
     assert gpu_pass.graphed(graphed) == ["baseline_graphed", "quant_4bit_graphed"]
+    # every row trained with the recipe's two buckets; a compiled row's first steps per bucket
+    assert "Every row with size buckets" in text
+    for n, table in graphed.tables.items():
+        assert len(table["size_buckets"]) == 2
+        for row in table["rows"]:
+            setting, steps = row["setting"], row[f"bucket_steps_{n}img"]
+            if setting.endswith("_graphed"):
+                assert [s["bucket"] for s in steps] == table["size_buckets"]
+                assert all(len(s["first_steps_s"]) == 3 for s in steps)
+            else:
+                assert steps is None, setting
     assert graphed.pair["pair"]["identical"]  # the CPU is bit-exact, with the key or without
     assert len(gpu_pass.verdict_lines(graphed)) == 2
     # ... and the earlier stages' table, as the page reads it
