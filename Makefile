@@ -51,7 +51,7 @@ bench: setup
 
 # Every method of the toolkit on the R50 recipe, each named as the study's setting
 # (configs/study/plan.yaml): memory, step and eval time, gradient cosine, norm ratio and bias over
-# DRAWS seeded draws. Writes docs/results/methods_bench.json, its table into
+# DRAWS seeded draws. Writes docs/results/cpu_methods/methods.json, its table into
 # docs/results/memory.md, and the results page (docs/results/README.md, with README.md's and
 # docs/choosing.md's blocks). A quarter hour on 2 quiet cores; QUIET=1 records that nothing else ran.
 METHODS := baseline mink_0.8 threshold_0.8 random_0.8 random_scaled_0.8 importance_0.8 \
@@ -62,9 +62,9 @@ DRAWS ?= 4
 REPEATS ?= 2
 bench-methods: setup
 	$(PY) tools/bench.py steps --settings $(METHODS) --draws $(DRAWS) --repeats $(REPEATS) \
-		--json docs/results/bench_methods_cpu.json \
-		--methods-json docs/results/methods_bench.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py markdown docs/results/methods_bench.json --into docs/results/memory.md
+		--json docs/results/cpu_methods/bench.json \
+		--methods-json docs/results/cpu_methods/methods.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py markdown docs/results/cpu_methods/methods.json --into docs/results/memory.md
 	$(PY) tools/results_page.py
 
 # The GPU table's setting on the CPU: 8 images of 800 px under bf16, the trained workload,
@@ -73,9 +73,9 @@ PROXY_METHODS := baseline quant_4bit quant_2bit checkpoint_stages checkpoint_sta
 	accumulate_2
 bench-proxy8: setup
 	$(PY) tools/bench.py steps --amp bf16 --image-size 800 --images 8 --settings $(PROXY_METHODS) \
-		--draws 1 --repeats 0 --json docs/results/bench_proxy8_cpu.json \
-		--methods-json docs/results/methods_bench_proxy8.json
-	$(PY) tools/bench.py markdown docs/results/methods_bench_proxy8.json \
+		--draws 1 --repeats 0 --json docs/results/cpu_proxy8/bench.json \
+		--methods-json docs/results/cpu_proxy8/methods.json
+	$(PY) tools/bench.py markdown docs/results/cpu_proxy8/methods.json \
 		--into docs/results/memory.md --block step-peak-bf16-trained
 	$(PY) tools/results_page.py
 
@@ -136,25 +136,25 @@ bench-speed: setup
 
 # make demo's step with its DropIT section against the same model without DropIT, side by side
 # on one batch of its data, and the DropIT model again with eager packs instead of the C loops,
-# 20 rounds (about two minutes): docs/results/bench_demo_cpu.json.
+# 20 rounds (about two minutes): docs/results/cpu_demo/bench.json.
 bench-demo: setup
-	$(PY) tools/bench.py demo --repeats 20 --json docs/results/bench_demo_cpu.json \
+	$(PY) tools/bench.py demo --repeats 20 --json docs/results/cpu_demo/bench.json \
 		$(if $(QUIET),--quiet-machine)
 
 # Host time per DropIT layer on the GPU path, with the Triton launches stubbed (any machine; run
-# it on a quiet one): docs/results/bench_host_cpu.json and its table in docs/results/memory.md.
+# it on a quiet one): docs/results/cpu_host/bench.json and its table in docs/results/memory.md.
 bench-host: setup
-	$(PY) tools/bench.py host --repeats 31 --json docs/results/bench_host_cpu.json
-	$(PY) tools/bench.py markdown docs/results/bench_host_cpu.json --into docs/results/memory.md \
+	$(PY) tools/bench.py host --repeats 31 --json docs/results/cpu_host/bench.json
+	$(PY) tools/bench.py markdown docs/results/cpu_host/bench.json --into docs/results/memory.md \
 		--block bench-host
 
 # train.compile's backbone (lean R18-FPN, 4-bit DropIT) with its packs and ReLU masks opaque, then
 # fused into Inductor's kernels (DROPIT_FUSE), each compiled from an empty cache: compile seconds,
-# kernels built, step time. docs/results/bench_fusion_cpu.json and its table in memory.md.
+# kernels built, step time. docs/results/cpu_fusion/bench.json and its table in memory.md.
 bench-fusion: setup
 	$(PY) tools/bench.py fusion --image-size 128 --repeats 10 \
-		--json docs/results/bench_fusion_cpu.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py markdown docs/results/bench_fusion_cpu.json \
+		--json docs/results/cpu_fusion/bench.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py markdown docs/results/cpu_fusion/bench.json \
 		--into docs/results/memory.md --block bench-fusion
 
 # On a machine with a GPU: one row per setting against the lean baseline (AMP fp16, 800 px;

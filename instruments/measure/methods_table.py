@@ -1,9 +1,9 @@
 """The methods table: one bench row per training setting, with the run that measured it.
 
-``tools/bench.py steps --settings ... --methods-json docs/results/methods_bench.json`` writes a
-list of records (:data:`METHOD_KEYS`, plus the provenance fields of :func:`provenance` in every
-record, so that rows of several runs can sit in one file and each still says where it comes
-from); ``tools/bench.py markdown FILE`` prints the Markdown table made from such a file, and
+``tools/bench.py steps --settings ... --methods-json docs/results/cpu_methods/methods.json``
+writes a list of records (:data:`METHOD_KEYS`, plus the provenance fields of :func:`provenance`
+in every record, so that rows of several runs can sit in one file and each still says where it
+comes from); ``tools/bench.py markdown FILE`` prints the Markdown table made from such a file, and
 ``--into`` writes it into a document between :data:`BEGIN` and :data:`END`. The report of the
 accuracy study reads the same file, by the same keys.
 """

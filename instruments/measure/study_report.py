@@ -24,7 +24,7 @@ from instruments.report.goal import (
     settings_meeting_goal,
     with_schedules,
 )
-from instruments.report.notes import Sources, render
+from instruments.report.notes import Sources, grad_groups_file, render
 from instruments.report.seeded import (
     BASELINE,
     ap_values,
@@ -49,6 +49,8 @@ from rcnn_dropit.report.paired import PairedDiff, spread
 from rcnn_dropit.report.runs import Run, RunNotUsable, load_run
 
 GOAL = Goal()
+# The report's figures: drawn into this folder beside it and linked from it by this path
+FIGURES = "figures"
 TEMPLATE_SUFFIX = ".template.md"
 PAPER = (
     "The paper (Chen et al., ICLR 2023) reports parity or better on COCO: Mask R-CNN R50-FPN "
@@ -225,13 +227,13 @@ def _figures(
     main = [s for s in found if s == BASELINE or re.fullmatch(r"[a-z_]+_0\.8", s)]
     loss_png = figure_dir / f"shapes_{regime}_loss.png"
     if figures.plot_loss_curves(_rows(found, plan, main), loss_png):
-        lines += [f"![{regime}: training loss]({loss_png.name})", ""]
+        lines += [f"![{regime}: training loss]({FIGURES}/{loss_png.name})", ""]
     rows = _rows(found, plan, [s for s in found if s == BASELINE or s.startswith("mink_0.")])
     gamma_png = figure_dir / f"shapes_{regime}_ap_vs_gamma.png"
     base = next((r for r in rows if r.label == BASELINE), None)
     mink = [r for r in rows if r.label != BASELINE and r.label.count("_") == 1]
     if figures.plot_ap_vs_gamma(mink, base, gamma_png):
-        lines += [f"![{regime}: AP vs gamma]({gamma_png.name})", ""]
+        lines += [f"![{regime}: AP vs gamma]({FIGURES}/{gamma_png.name})", ""]
     return lines
 
 
@@ -303,7 +305,7 @@ def goal_lines(
     figure_dir: Path | None = None,
 ) -> list[str]:
     """The goal judged in its regime, with the Δ AP vs peak memory figure (drawn into
-    ``figure_dir``, by default the report's folder)."""
+    ``figure_dir``, by default FIGURES beside the report)."""
     bench_path = plan.report.parent / BENCH_FILE
     bench = read_bench(bench_path)
     if goal.regime not in plan.regimes:
@@ -321,15 +323,16 @@ def goal_lines(
         }
         if diffs:
             points.append((setting, float(bench[setting]["peak_ratio"]), diffs))
-    png = (figure_dir or plan.report.parent) / f"shapes_{goal.regime}_peak_vs_ap.png"
+    png = (figure_dir or plan.report.parent / FIGURES) / f"shapes_{goal.regime}_peak_vs_ap.png"
     if bench is None:
         return lines
     if not points:
         return [*lines, "No Δ AP vs peak memory figure: no benched setting has paired runs.", ""]
     if not figures.matplotlib_available():
         return [*lines, "Δ AP vs peak memory not drawn: matplotlib is not installed.", ""]
+    png.parent.mkdir(parents=True, exist_ok=True)
     figures.plot_peak_vs_ap(points, png, goal.tolerance, goal.peak)
-    return [*lines, f"![{goal.regime}: Δ AP vs peak memory]({png.name})", ""]
+    return [*lines, f"![{goal.regime}: Δ AP vs peak memory]({FIGURES}/{png.name})", ""]
 
 
 def _layers(config: dict) -> str:
@@ -518,10 +521,10 @@ def render_study_report(
     plan: Plan, plan_path: str | Path, jobs: int, figure_dir: Path | None = None
 ) -> StudyPages:
     """The report's pages from the runs on disk, written nowhere; only its figures are drawn,
-    into ``figure_dir`` (by default the report's folder)."""
+    into ``figure_dir`` (by default FIGURES beside the report; the links say FIGURES/NAME)."""
     import torch  # here: for its version; the tables need no torch
 
-    figure_dir = figure_dir or plan.report.parent
+    figure_dir = figure_dir or plan.report.parent / FIGURES
     figure_dir.mkdir(parents=True, exist_ok=True)
     command = f"python tools/study.py --plan {plan_path} --jobs {jobs}"
     found = found_runs(plan)
@@ -570,7 +573,7 @@ def render_study_report(
                 "",
             ]
         body += _figures(runs, plan, regime, figure_dir)
-        body += _grad_groups(plan.report.parent / f"shapes_grad_groups_{regime}.json")
+        body += _grad_groups(grad_groups_file(plan.report.parent, regime))
     lines += [
         "## Goal: a DropIT setting on every layer that keeps AP",
         "",

@@ -2,8 +2,9 @@
 
 One row per setting of the goal's regime: the paired Δ AP with its 95% interval and verdict
 (from the study's runs) next to the saved, peak and step-time ratios of the R50-FPN bench
-(``methods_bench.json``). The study report writes the table into its own report and, between
-two marker lines, into the README, so the README's recommendation is regenerated with the data.
+(``docs/results/cpu_methods/methods.json``). The study report writes the table into its own
+report and, between two marker lines, into the README, so the README's recommendation is
+regenerated with the data.
 """
 
 from __future__ import annotations

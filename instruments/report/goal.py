@@ -2,8 +2,9 @@
 converts that keeps box and mask AP by the paired interval at 5 fine-tune seeds, at <= 0.30x
 saved activations and <= 0.65x peak of the step on the R50-FPN bench.
 
-The bench figures come from ``methods_bench.json`` (``tools/bench.py``): a list of objects with
-at least ``setting`` (a study plan setting name), ``saved_ratio`` and ``peak_ratio``.
+The bench figures come from ``docs/results/cpu_methods/methods.json`` (``tools/bench.py``): a
+list of objects with at least ``setting`` (a study plan setting name), ``saved_ratio`` and
+``peak_ratio``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from instruments.report.seeded import (
 from instruments.report.verdict import FAMILIES, KEEPS, family_state
 from rcnn_dropit.errors import UsageError
 
-BENCH_FILE = "methods_bench.json"
+BENCH_FILE = "cpu_methods/methods.json"
 # The top-level modules of a torchvision detector: DropIT on all three covers every layer.
 TOP_MODULES = ("backbone.*", "rpn.*", "roi_heads.*")
 

@@ -45,8 +45,8 @@ seeds TARGET               the seeds that finished                             `
 seedlist REGIME            every setting of a regime with its finished seeds   ``baseline 1, 2;
                                                                                mink_0.8 1``
 grad NAME STATE SET GROUP  a cosine (``cos``) or norm ratio (``norm``) of       ``0.97``
-  MEASURE                  ``shapes_grad_groups_NAME.json``; spaces as ``_``
-bench SETTING KEY          a ratio of ``methods_bench.json`` (R50-FPN bench)   ``0.61x``
+  MEASURE                  ``shapes_grad_groups/NAME.json``; spaces as ``_``
+bench SETTING KEY          a ratio of ``cpu_methods/methods.json`` (R50-FPN)   ``0.61x``
 step SETTING               its step ratio there, or in the newest timed table  ``1.19x (timed
                            (its workload and date said)                        on ...)``
 same RUN OTHER             whether two runs (``regime/setting_sN``) logged     ``identical: ...``
@@ -90,6 +90,13 @@ from rcnn_dropit.report.runs import Run
 PLACEHOLDER = re.compile(r"\{\{([^{}]*)\}\}")
 _SEEDED = re.compile(r"(?P<setting>.+)_s(?P<first>\d+)(?:-(?P<last>\d+))?")
 GRAD_MEASURES = {"cos": "cosine", "norm": "norm_ratio"}
+# tools/grad_groups.py's tables, one file per name, under the results folder
+GRAD_GROUPS_DIR = "shapes_grad_groups"
+
+
+def grad_groups_file(results: Path, name: str) -> Path:
+    """The gradient-group file ``name`` (a regime, or a sweep's name) under ``results``."""
+    return results / GRAD_GROUPS_DIR / f"{name}.json"
 
 
 class NotesError(UsageError):
@@ -109,7 +116,7 @@ class Target:
 @dataclass(frozen=True)
 class Sources:
     """Where placeholders read from: the runs, and the results folder (the gradient-group files
-    and methods_bench.json)."""
+    and the methods bench, BENCH_FILE)."""
 
     found: Found
     grad_dir: Path | None = None
@@ -466,7 +473,8 @@ def _seedlist(sources: Sources, regime: str) -> str:
 def _grad(sources: Sources, name: str, state: str, setting: str, group: str, measure: str) -> str:
     if sources.grad_dir is None:
         raise _Bad("no folder of gradient-group files given")
-    path = sources.grad_dir / f"shapes_grad_groups_{name}.json"
+    path = grad_groups_file(sources.grad_dir, name)
+    where = path.relative_to(sources.grad_dir).as_posix()
     if not path.is_file():
         raise _Bad(f"no file {path}")
     if measure not in GRAD_MEASURES:
@@ -477,24 +485,24 @@ def _grad(sources: Sources, name: str, state: str, setting: str, group: str, mea
         raise _Bad(f"{path} is not JSON ({err})") from None
     for key in (state, setting, group, GRAD_MEASURES[measure]):
         if not isinstance(node, dict):
-            raise _Bad(f"{path.name}: no table under '{key}'")
+            raise _Bad(f"{where}: no table under '{key}'")
         spaced = key.replace("_", " ")
         key = spaced if spaced in node else key
         if key not in node or key == "run":
             known = sorted(k for k in node if k != "run")
-            raise _Bad(f"{path.name} has no '{key}' there (spaces as '_'); it has {known}")
+            raise _Bad(f"{where} has no '{key}' there (spaces as '_'); it has {known}")
         node = node[key]
     if not isinstance(node, (int, float)):
-        raise _Bad(f"{path.name}: '{measure}' is not a number")
+        raise _Bad(f"{where}: '{measure}' is not a number")
     return f"{node:.2f}"
 
 
 def _bench(sources: Sources, setting: str, key: str) -> str:
-    """A ratio of the R50-FPN methods bench (``methods_bench.json`` beside the report)."""
+    """A ratio of the R50-FPN methods bench (BENCH_FILE under the report's folder)."""
     return f"{_bench_row_value(sources, BENCH_FILE, setting, key):.2f}x"
 
 
-# The newest methods bench that timed its steps, where methods_bench.json did not (a run with
+# The newest methods bench that timed its steps, where BENCH_FILE did not (a run with
 # --repeats 0): the untrained workload's, quiet, 2026-11-27.
 TIMED_BENCH_FILE = "archive/untrained_methods_512/methods_bench.json"
 
@@ -520,7 +528,7 @@ def _bench_row(sources: Sources, name: str, setting: str) -> dict:
     if bench is None:
         raise _Bad(f"no file {path}")
     if setting not in bench:
-        raise _Bad(f"{path.name} has no setting '{setting}'; it has {sorted(bench)}")
+        raise _Bad(f"{name} has no setting '{setting}'; it has {sorted(bench)}")
     return bench[setting]
 
 

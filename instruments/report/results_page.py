@@ -6,8 +6,9 @@ with the first stages of tools/gpu_session.sh (the eager and graphed rows, the b
 the deterministic pair: instruments/report/gpu_pass.py) and the newest with the every-method
 table (``docs/results/gpu_<gpu>_<date>/bench_gpu.json``, with the largest batches its log printed
 when the JSON was written before the search ended); on the CPU, the methods bench
-(``methods_bench.json``) and the 8-image bf16 proxy. Beside each method, the accuracy study's
-paired AP intervals (the goal's regime of ``configs/study/plan.yaml``). Nothing here is typed:
+(``cpu_methods/methods.json``) and the 8-image bf16 proxy (``cpu_proxy8/methods.json``). Beside
+each method, the accuracy study's paired AP intervals (the goal's regime of
+``configs/study/plan.yaml``). Nothing here is typed:
 ``python tools/results_page.py`` writes the page and the generated blocks of README.md,
 docs/choosing.md and docs/gpu.md, and a test checks that they are what it would write.
 """
@@ -32,9 +33,9 @@ COMMAND = "python tools/results_page.py"
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs/results"
 PAGE = RESULTS / "README.md"
-CPU_TABLE = RESULTS / "methods_bench.json"
+CPU_TABLE = RESULTS / "cpu_methods/methods.json"
 # The GPU table's setting (8 images of 800 px, autocast) on the CPU under bf16, memory only
-CPU_PROXY_8 = RESULTS / "methods_bench_proxy8.json"
+CPU_PROXY_8 = RESULTS / "cpu_proxy8/methods.json"
 PLAN = REPO / "configs/study/plan.yaml"
 # The one lease that timed the packs both ways: eager torch (DROPIT_KERNELS=eager) and Triton
 EAGER_LEASE = RESULTS / "gpu_h200_2026-11-26"
@@ -324,7 +325,7 @@ def cpu_table_lines(
 ) -> list[str]:
     """The CPU's common settings, then one row per setting of the methods table."""
     if not table:
-        return ["Not measured: `make bench-methods` writes docs/results/methods_bench.json."]
+        return ["Not measured: `make bench-methods` writes docs/results/cpu_methods/methods.json."]
     base = table["baseline"]
     lines = [
         f"**{base['machine']}**, torch threads {base['threads']}, Mask R-CNN R50-FPN (COCO "

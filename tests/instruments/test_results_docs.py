@@ -21,11 +21,11 @@ RESULTS = REPO / "docs/results"
 # is the one-line-per-method summary (`tools/bench.py markdown FILE [--summary] --into DOC
 # --block BLOCK`)
 BENCH_BLOCKS: dict[tuple[str, str], tuple[str, bool]] = {
-    ("docs/results/memory.md", "methods-bench"): ("methods_bench.json", False),
-    ("docs/results/memory.md", "methods-bench-trained"): ("methods_bench_trained.json", False),
-    ("docs/results/memory.md", "methods-bench-cap"): ("methods_bench_cap.json", False),
+    ("docs/results/memory.md", "methods-bench"): ("cpu_methods/methods.json", False),
+    ("docs/results/memory.md", "methods-bench-trained"): ("cpu_trained_800/methods.json", False),
+    ("docs/results/memory.md", "methods-bench-cap"): ("cpu_cap_800/methods.json", False),
     ("docs/results/memory.md", "methods-bench-forward"): ("methods_bench_forward.json", False),
-    ("docs/results/memory.md", "step-peak-bf16-trained"): ("methods_bench_proxy8.json", False),
+    ("docs/results/memory.md", "step-peak-bf16-trained"): ("cpu_proxy8/methods.json", False),
     ("docs/results/memory.md", "step-peak-bf16-rpn"): (
         "rpn_head_grad/methods_rpn_head.json",
         False,
@@ -39,8 +39,8 @@ BENCH_BLOCKS: dict[tuple[str, str], tuple[str, bool]] = {
     ),
     ("docs/results/memory.md", "methods-bench-speed"): ("methods_bench_speed.json", False),
     ("docs/results/memory.md", "methods-bench-compiled"): ("methods_bench_compiled.json", False),
-    ("docs/results/memory.md", "bench-fusion"): ("bench_fusion_cpu.json", False),
-    ("docs/results/memory.md", "bench-host"): ("bench_host_cpu.json", False),
+    ("docs/results/memory.md", "bench-fusion"): ("cpu_fusion/bench.json", False),
+    ("docs/results/memory.md", "bench-host"): ("cpu_host/bench.json", False),
     ("docs/gpu.md", "gpu-scratch-summary"): ("gpu_h200_2026-11-26/bench_scratch_gpu.json", True),
     ("docs/results/archive/draws.md", "draws-generator"): (
         "archive/bench_draws_generator_cpu.json",

@@ -351,7 +351,8 @@ def test_a_stopped_study_takes_its_running_children_down(tmp_path: Path, monkeyp
 def test_report_shows_the_gradient_fidelity_tables_when_measured(tmp_path: Path) -> None:
     from instruments.measure.study_report import _grad_groups
 
-    path = tmp_path / "shapes_grad_groups_finetune.json"
+    path = tmp_path / "shapes_grad_groups" / "finetune.json"
+    path.parent.mkdir()
     assert _grad_groups(path) == []  # not measured: nothing to show
     cell = {"cosine": 0.9512, "norm_ratio": 0.876}
     path.write_text(json.dumps({"run": "runs/b_s1", "init": {"mink_0.8": {"FPN": cell}}}))

@@ -13,6 +13,7 @@ import pytest
 from instruments.measure.study_plan import Group, Plan
 from instruments.measure.study_report import ap_table, write_study_report
 from instruments.report.goal import (
+    BENCH_FILE,
     BenchFileError,
     Goal,
     covers_every_layer,
@@ -20,7 +21,14 @@ from instruments.report.goal import (
     goal_section,
     read_bench,
 )
-from instruments.report.notes import FUNCTIONS, TIMED_BENCH_FILE, NotesError, Sources, render
+from instruments.report.notes import (
+    FUNCTIONS,
+    TIMED_BENCH_FILE,
+    NotesError,
+    Sources,
+    grad_groups_file,
+    render,
+)
 from instruments.report.seeded import baseline_of, paired, saved_ratio
 from instruments.report.time_account import (
     log_segments,
@@ -102,10 +110,12 @@ FOUND = {
 @pytest.fixture
 def sources(tmp_path: Path) -> Sources:
     cell = {"cosine": 0.9744, "norm_ratio": 0.7561}
-    (tmp_path / "shapes_grad_groups_ft.json").write_text(
-        json.dumps({"run": "x", "iter 800": {"mink_0.8": {"RPN head": cell}}})
-    )
-    (tmp_path / "methods_bench.json").write_text(
+    grad = grad_groups_file(tmp_path, "ft")
+    grad.parent.mkdir()
+    grad.write_text(json.dumps({"run": "x", "iter 800": {"mink_0.8": {"RPN head": cell}}}))
+    bench = tmp_path / BENCH_FILE
+    bench.parent.mkdir()
+    bench.write_text(
         json.dumps([{"setting": "mink_0.8", "saved_ratio": 0.2694, "peak_ratio": 0.6095}])
     )
     return Sources(FOUND, grad_dir=tmp_path)
@@ -191,7 +201,7 @@ def test_every_placeholder_renders_its_figure(
 
 
 def test_a_step_ratio_comes_from_the_newest_timed_table_which_it_names(sources: Sources) -> None:
-    """methods_bench.json untimed (--repeats 0): the archived timed table's ratio, its workload
+    """The methods bench untimed (--repeats 0): the archived timed table's ratio, its workload
     and date said; timed: its own ratio, nothing added; neither: one clear error."""
     timed = sources.grad_dir / TIMED_BENCH_FILE
     timed.parent.mkdir(parents=True)
@@ -209,7 +219,7 @@ def test_a_step_ratio_comes_from_the_newest_timed_table_which_it_names(sources: 
         )
     )
     assert render("{{step mink_0.8}}", sources) == ("1.23x (untrained workload, timed 2026-11-27)")
-    own = sources.grad_dir / "methods_bench.json"
+    own = sources.grad_dir / BENCH_FILE
     own.write_text(
         json.dumps(
             [{"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6, "step_ratio": 1.1}]
@@ -624,7 +634,8 @@ def study_plan(tmp_path: Path) -> Plan:
         write_run(out / "finetune2", name, box, mask, saved, d)
     report = tmp_path / "results" / "shapes.md"
     report.parent.mkdir()
-    (report.parent / "methods_bench.json").write_text(
+    (report.parent / BENCH_FILE).parent.mkdir()
+    (report.parent / BENCH_FILE).write_text(
         json.dumps([{"setting": "mink_0.8", "saved_ratio": 0.25, "peak_ratio": 0.62}])
     )
     notes = tmp_path / "results" / "notes.template.md"
@@ -699,8 +710,9 @@ def test_study_report_renders_notes_verdict_goal_and_time(tmp_path: Path) -> Non
         "| mink_0.8 | **no**: 2 seeds |" in text and "| yes: 0.25x | yes: 0.62x | not met |" in text
     )
     assert "**No setting meets the goal** in `finetune2`" in text
-    assert "![finetune2: Δ AP vs peak memory](shapes_finetune2_peak_vs_ap.png)" in text
-    assert (tmp_path / "results" / "shapes_finetune2_peak_vs_ap.png").stat().st_size > 1000
+    assert "![finetune2: Δ AP vs peak memory](figures/shapes_finetune2_peak_vs_ap.png)" in text
+    figure = tmp_path / "results" / "figures" / "shapes_finetune2_peak_vs_ap.png"
+    assert figure.stat().st_size > 1000
     assert "| finetune2 | 7 | 7 | 0 | 1.5 | 0.7 |" in text  # 7 runs x 762 s, 2 jobs each
 
 

@@ -1,5 +1,5 @@
 """The study's committed pages are what the report tool writes from the committed runs and
-``methods_bench.json``: docs/results/shapes.md, docs/results/shapes_notes.md and the
+the methods bench (``BENCH_FILE``): docs/results/shapes.md, docs/results/shapes_notes.md and the
 study-choice block of docs/choosing.md. A page that quotes an older bench, or runs that changed
 since, fails here with the command that rewrites it (as test_methods_bench.py checks the blocks
 of memory.md against their JSON files)."""
