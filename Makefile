@@ -87,10 +87,11 @@ bench-proxy8: setup
 BF16_METHODS := baseline baseline_torchvision_bn baseline_torchvision_forward accumulate_2 quant_4bit \
 	quant_2bit checkpoint_stages checkpoint_stages_quant_4bit
 bench-bf16: setup
+	mkdir -p docs/results/cpu_bf16_384
 	$(PY) tools/bench.py steps --amp bf16 --image-size 384 --settings $(BF16_METHODS) --draws 2 \
-		--repeats 2 --json docs/results/bench_bf16_cpu.json \
-		--methods-json docs/results/methods_bench_bf16.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py markdown docs/results/methods_bench_bf16.json \
+		--repeats 2 --json docs/results/cpu_bf16_384/bench.json \
+		--methods-json docs/results/cpu_bf16_384/methods.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py markdown docs/results/cpu_bf16_384/methods.json \
 		--into docs/results/memory.md --block methods-bench-bf16
 
 # The forward's working set (issue 39's rows): the toolkit's lean forward against torchvision's,
@@ -99,10 +100,11 @@ bench-bf16: setup
 FORWARD_METHODS := baseline baseline_torchvision_forward quant_4bit quant_4bit_torchvision_forward \
 	quant_2bit checkpoint_stages checkpoint_stages_quant_4bit
 bench-forward: setup
+	mkdir -p docs/results/cpu_forward_800
 	$(PY) tools/bench.py steps --image-size 800 --settings $(FORWARD_METHODS) \
-		--draws 1 --repeats 3 --json docs/results/bench_forward_cpu.json \
-		--methods-json docs/results/methods_bench_forward.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py markdown docs/results/methods_bench_forward.json \
+		--draws 1 --repeats 3 --json docs/results/cpu_forward_800/bench.json \
+		--methods-json docs/results/cpu_forward_800/methods.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py markdown docs/results/cpu_forward_800/methods.json \
 		--into docs/results/memory.md --block methods-bench-forward
 
 # From scratch (R50-FPN, BatchNorm, every stage trainable): the conv-only 4-bit setting against
@@ -110,28 +112,31 @@ bench-forward: setup
 # same through saved-tensor hooks alone (no layer converted).
 SCRATCH_METHODS := baseline quant_4bit quant_4bit_all saved_hooks_4bit checkpoint_stages
 bench-scratch: setup
+	mkdir -p docs/results/cpu_scratch_512
 	$(PY) tools/bench.py steps --scratch --settings $(SCRATCH_METHODS) --draws 2 --repeats 3 \
-		--json docs/results/bench_scratch_cpu.json \
-		--methods-json docs/results/methods_bench_scratch.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py markdown docs/results/methods_bench_scratch.json \
+		--json docs/results/cpu_scratch_512/bench.json \
+		--methods-json docs/results/cpu_scratch_512/methods.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py markdown docs/results/cpu_scratch_512/methods.json \
 		--into docs/results/memory.md --block methods-bench-scratch
 
 # The COCO recipe's body (frozen BatchNorm, 3 trainable stages) with torchvision's v2 heads (a
 # BatchNorm after every FPN and head conv): the same rows as bench-scratch.
 bench-v2: setup
+	mkdir -p docs/results/cpu_v2_512
 	$(PY) tools/bench.py steps --heads v2 --settings $(SCRATCH_METHODS) --draws 2 --repeats 3 \
-		--json docs/results/bench_v2_cpu.json \
-		--methods-json docs/results/methods_bench_v2.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py markdown docs/results/methods_bench_v2.json \
+		--json docs/results/cpu_v2_512/bench.json \
+		--methods-json docs/results/cpu_v2_512/methods.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py markdown docs/results/cpu_v2_512/methods.json \
 		--into docs/results/memory.md --block methods-bench-v2
 
 # The CPU step time of the recommended setting and the paper's, against the baseline, on the COCO
 # recipe (issue target: quant 4-bit at most 1.10x); five timed steps per side.
 bench-speed: setup
+	mkdir -p docs/results/cpu_speed_512
 	$(PY) tools/bench.py steps --settings baseline quant_4bit mink_0.8 --draws 1 --repeats 5 \
-		--json docs/results/bench_speed_quant_cpu.json \
-		--methods-json docs/results/methods_bench_speed.json $(if $(QUIET),--quiet-machine)
-	$(PY) tools/bench.py markdown docs/results/methods_bench_speed.json \
+		--json docs/results/cpu_speed_512/bench.json \
+		--methods-json docs/results/cpu_speed_512/methods.json $(if $(QUIET),--quiet-machine)
+	$(PY) tools/bench.py markdown docs/results/cpu_speed_512/methods.json \
 		--into docs/results/memory.md --block methods-bench-speed
 
 # make demo's step with its DropIT section against the same model without DropIT, side by side

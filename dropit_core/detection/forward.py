@@ -1,12 +1,12 @@
 """A torchvision R-CNN forward that holds only what it needs: each map goes after its last use.
 
 Most of a DropIT step's forward peak is what the detector's Python still holds, not what backward
-keeps (docs/results/memory.md): C2-C5 through the whole FPN, its intermediate maps, P2-P6 through
-the mask head. The classes below are torchvision's own (same modules and ``state_dict`` keys);
-only ``forward`` changes, computing the same ops in the same order, so outputs, gradients and
-DropIT's draws are torchvision's bit for bit in fp32. Only these forwards consume a dict
-(:class:`ConsumableMaps`); TorchScript is not supported. ``dropit_core`` imports this module
-(and torchvision) only for a model with torchvision's modules (``lean_detector``).
+keeps (docs/results/archive/untrained_workload.md): C2-C5 through the whole FPN, its intermediate
+maps, P2-P6 through the mask head. The classes below are torchvision's own (same modules and
+``state_dict`` keys); only ``forward`` changes, computing the same ops in the same order, so
+outputs, gradients and DropIT's draws are torchvision's bit for bit in fp32. Only these forwards
+consume a dict (:class:`ConsumableMaps`); TorchScript is not supported. ``dropit_core`` imports this
+module (and torchvision) only for a model with torchvision's modules (``lean_detector``).
 """
 
 from __future__ import annotations

@@ -290,7 +290,8 @@ def gpu_summary(table: Mapping[str, Any]) -> str:
     lines.append(
         f"\n({table.get('gpu') or 'no GPU'}, AMP {table.get('amp')}, {table.get('image_size')} "
         f"px, commit `{table.get('commit')}`, DropIT kernels: {table.get('kernels')}; "
-        "the table and its command: docs/results/memory.md.)"
+        "the full table and its command: the docs/results page whose generated block reads "
+        "the same file.)"
     )
     return "\n".join(lines)
 

@@ -514,9 +514,10 @@ def page(lease: Lease | None, accuracy: Mapping[str, str], graphed: GpuPass | No
         "",
         "## Other results",
         "",
-        "- [memory.md](memory.md): every CPU bench behind the CPU table (the forward's working "
-        "set, bf16, torchvision's v2 heads, from scratch, compiled, host time per layer), with "
-        "what each column means.",
+        "- [memory.md](memory.md): the CPU benches behind the CPU table (the trained workload at "
+        "800 px and at the sampler's cap, every method, the 8-image bf16 proxy, fused packs, host "
+        "time per layer), with what each column means; each bench's files are in its `cpu_*/` "
+        "folder.",
         "- [shapes.md](shapes.md): the accuracy study; [demo.md](demo.md): `make demo`'s run.",
         "- GPU leases, each as it printed (named by GPU and date): "
         + ", ".join(
@@ -525,8 +526,10 @@ def page(lease: Lease | None, accuracy: Mapping[str, str], graphed: GpuPass | No
             if p.is_dir() and LEASE_NAME.match(p.name)
         )
         + ".",
-        "- [archive/](archive/memory_log.md): superseded tables and the notebook of earlier "
-        "runs (git keeps every earlier version of each file).",
+        "- [archive/untrained_workload.md](archive/untrained_workload.md): the tables measured "
+        "on the untrained workload (random weights, 3 positive RoIs per image), superseded; "
+        "[archive/memory_log.md](archive/memory_log.md): earlier tables and the notebook of "
+        "earlier runs (git keeps every earlier version of each file).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -16,9 +16,9 @@ CUDA graphs, the step's kernels replayed without a launch each from Python).
 Inductor keeps the maps' own memory format (``layout_optimization`` off). On the CPU it would
 otherwise run every conv channels-last: a channels-last copy of each 3x3 conv weight made in
 every forward and saved for the backward beside the weight itself, which the eager model never
-keeps, and on this project's 2-core CPU a slower step, not a faster one (docs/results/memory.md,
-"Compiled"). On a GPU, with dynamic shapes, Inductor keeps the layout anyway: the option changes
-nothing there.
+keeps, and on this project's 2-core CPU a slower step, not a faster one
+(docs/results/archive/untrained_workload.md, "Compiled"). On a GPU, with dynamic shapes, Inductor
+keeps the layout anyway: the option changes nothing there.
 """
 
 from __future__ import annotations

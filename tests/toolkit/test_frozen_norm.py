@@ -160,7 +160,8 @@ def test_under_bf16_autocast_the_relus_keep_half_and_no_conv_keeps_a_second_copy
     # conv is kept three times: fp32 by the ReLU, twice in bf16)
     assert tv.by_type["Conv2d"] - lean.by_type["Conv2d"] > lean.by_type["ReLU"] // 2
     # (the bf16 weight casts, the same for both, are most of the total at 96 px; R50-FPN at
-    # 2x384 px keeps 0.60x in all: tools/bench.py --amp bf16, docs/results/memory.md)
+    # 2x384 px keeps 0.60x in all: tools/bench.py --amp bf16, on the untrained workload:
+    # docs/results/archive/untrained_workload.md)
 
 
 def _bf16_forward(body: nn.Module, x: torch.Tensor):
