@@ -148,8 +148,8 @@ FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
     ),
     ("dropit_core.layers.cache", "key._version"): "a tensor's in-place version counter",
     ("dropit_core.layers.casts", "p._version"): "a tensor's in-place version counter",
-    ("dropit_core.layers.casts", "torch._C"): (
-        "getattr(torch._C, '_is_any_autocast_enabled', fallback): one call, absent in old torch"
+    ("dropit_core.layers.casts", "torch._C._is_any_autocast_enabled"): (
+        "whether any device's autocast is on, in one call (torch >= 2.4): no public equivalent"
     ),
     ("dropit_core.layers.casts", "module._parameters"): (
         "a layer's weight and bias without nn.Module.__getattr__ (host time per layer and step)"

@@ -1,7 +1,7 @@
-"""What a DropIT conv or linear layer hands its op: whether its call is a training step at all
-(:func:`training_step`), its weight and bias (:func:`weight_and_bias`) cast as autocast would
-cast them, one copy per forward for a layer called many times (:class:`ParamCasts`, which the
-layer's input cache holds), and the dtype the op casts its input to (:func:`autocast_inputs`).
+"""What a DropIT conv or linear layer hands its op: its weight and bias where its call is a
+training step (:func:`training_params`), cast as autocast would cast them, one copy per forward
+for a layer called many times (:class:`ParamCasts`, which the layer's input cache holds), and the
+dtype the op casts its input to (:func:`autocast_inputs`).
 """
 
 from __future__ import annotations
@@ -14,23 +14,23 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 
-def training_step(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``module``'s call keeps anything for a backward. In eval, under no_grad, or for a
-    frozen layer fed a constant it runs the plain op: zero selection work."""
-    return (
-        module.training
-        and torch.is_grad_enabled()
-        and (weight.requires_grad or x.requires_grad)
-        and x.numel() > 0  # an empty batch (a head without RoIs) keeps nothing either way
-    )
-
-
-def weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(module.weight, module.bias)``, from its parameters where they are: ``module.weight``
+def training_params(
+    module: nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(module.weight, module.bias)`` where ``module``'s call keeps something for a backward;
+    None where it runs the plain op (eval, no_grad, a frozen layer fed a constant, an empty
+    batch): zero selection work. Read from ``_parameters`` where they are: ``module.weight``
     runs ``nn.Module.__getattr__`` (0.7 µs, every layer and step); a parametrized one is not."""
     params = module._parameters
     weight = params.get("weight")
     weight = module.weight if weight is None else weight
+    if not (
+        module.training
+        and torch.is_grad_enabled()
+        and (weight.requires_grad or x.requires_grad)
+        and x.numel() > 0
+    ):
+        return None
     return weight, params["bias"] if "bias" in params else module.bias
 
 
@@ -58,11 +58,8 @@ class ParamCasts:
         return cast
 
 
-def _any_autocast_fallback() -> bool:
-    return True  # a torch without the one-call check: ask the device's flag every time
-
-
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast_fallback)
+# One C call for every device's autocast (torch >= 2.4 has it), held: a lookup per layer
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def autocast_inputs(

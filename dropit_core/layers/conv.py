@@ -26,7 +26,7 @@ from dropit_core.layers.cache import (
     forward_and_pack,
     weight_and_input,
 )
-from dropit_core.layers.casts import training_step, weight_and_bias
+from dropit_core.layers.casts import training_params
 
 
 class ConvArgs(NamedTuple):
@@ -228,9 +228,10 @@ class DropITConv2d(nn.Conv2d):
     dropit_cache: InputCache
 
     def forward(self, x: Tensor) -> Tensor:
-        weight, bias = weight_and_bias(self)
-        if not training_step(self, x, weight):
+        params = training_params(self, x)
+        if params is None:
             return super().forward(x)
+        weight, bias = params
         if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.Conv2d takes
             return self.forward(x.unsqueeze(0)).squeeze(0)
         padding = self.padding
@@ -262,9 +263,10 @@ class DropITConvTranspose2d(nn.ConvTranspose2d):
     dropit_cache: InputCache
 
     def forward(self, x: Tensor, output_size: list[int] | None = None) -> Tensor:
-        weight, bias = weight_and_bias(self)
-        if not training_step(self, x, weight):
+        params = training_params(self, x)
+        if params is None:
             return super().forward(x, output_size)
+        weight, bias = params
         if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.ConvTranspose2d takes
             return self.forward(x.unsqueeze(0), output_size).squeeze(0)
         stride, padding, dilation = list(self.stride), list(self.padding), list(self.dilation)

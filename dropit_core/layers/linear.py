@@ -20,7 +20,7 @@ from dropit_core.layers.cache import (
     forward_and_pack,
     weight_and_input,
 )
-from dropit_core.layers.casts import training_step, weight_and_bias
+from dropit_core.layers.casts import training_params
 
 
 class DropITLinearFunction(torch.autograd.Function):
@@ -86,9 +86,10 @@ class DropITLinear(nn.Linear):
     dropit_cache: InputCache
 
     def forward(self, x: Tensor) -> Tensor:
-        weight, bias = weight_and_bias(self)
-        if not training_step(self, x, weight):
+        params = training_params(self, x)
+        if params is None:
             return super().forward(x)
+        weight, bias = params
         if torch.compiler.is_compiling():
             traced = torch.ops.dropit.linear
             return library.compiled(
