@@ -1,13 +1,6 @@
-"""Memory accounting: the bytes autograd keeps for backward, and the peak of a call.
-
-:class:`PeakMeter` holds the one definition of "peak" that every report, table and decision
-reads (on CUDA the allocator's, on the CPU torch's allocations: tensors' bytes on both).
-``measure_step`` measures one training step with it: what autograd keeps, the memory live after
-the forward and the peak over the whole step, each above what the step held when it began
-(:class:`StepMemory`). ``saved_activations`` counts the unique storages handed to autograd
-during one forward (``saved_tensors_hooks`` also see what custom Functions save), parameters
-excluded, each charged to the innermost module running when it was first saved. A model with
-:func:`~dropit_core.saved.compress_saved` attached is charged what its block keeps.
+"""Memory accounting: the bytes autograd keeps for backward (:func:`saved_activations`), and the
+peak of a call (:class:`PeakMeter`, the one meaning of "peak" every report reads), of a training
+step (:func:`measure_step`) and of a window of steps (:class:`WindowPeak`).
 """
 
 from __future__ import annotations
@@ -59,8 +52,9 @@ _NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
 
 def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any, SavedReport]:
-    """Run ``forward()`` and count what autograd keeps for its backward; returns (result, report)
-    with the graph alive in the result, for the caller's ``backward``."""
+    """Run ``forward()`` and count the unique storages autograd keeps for its backward, parameters
+    excluded, each charged to the innermost module running when first saved (a
+    :func:`~dropit_core.saved.compress_saved` block: what it keeps); returns (result, report)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     names = {m: n for n, m in model.named_modules()}
     stack: list[nn.Module] = []
@@ -153,8 +147,8 @@ _MARK = "dropit_core::peak_mark"
 
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """Keep the profiler's start and stop lines (kineto prints two per profile, straight to
-    file descriptor 2) off the console: a CPU run measures a step at every logged iteration."""
+    """Keep the profiler's start and stop lines (kineto writes to file descriptor 2) off the
+    console: a CPU run measures a step at every logged iteration."""
     sys.stderr.flush()
     saved = os.dup(2)
     null = os.open(os.devnull, os.O_WRONLY)
@@ -168,18 +162,14 @@ def _quiet_stderr() -> Iterator[None]:
 
 
 class PeakMeter:
-    """The peak of one call on one device, the one meaning of "peak" in this project: the most
-    bytes the device's tensors held at once during the call, what was alive when it began
-    included. On CUDA the caching allocator's counters (``max_memory_allocated`` after a reset:
-    not its reserve, not the CUDA context). On the CPU the bytes of ``held()`` (the storages the
-    call starts with: weights, gradients, optimizer state, the batch) plus the peak of torch's CPU
-    allocations over the call, from the profiler's memory events: exact to the byte, whatever
-    malloc keeps (RSS would carry what earlier calls left in the heap, and the interpreter).
+    """The peak of one call on one device: the most bytes its tensors held at once, what was alive
+    when it began included. On CUDA the allocator's ``max_memory_allocated`` after a reset. On the
+    CPU the bytes of ``held()`` (weights, gradients, optimizer state, the batch) plus the peak of
+    torch's allocations over the call, from the profiler's memory events (exact, unlike RSS).
 
-    The profiler does not see a free of a block allocated before it started, so a call must not
-    free what ``held()`` counted: free the gradients (``zero_grad(set_to_none=True)``) before
-    measuring a step that would. ``mark()``, called inside the measured call, notes what is alive
-    and the peak so far (e.g. at the end of a forward): :attr:`marks`.
+    The profiler misses frees of blocks made before it started: a call must not free what
+    ``held()`` counted (``zero_grad(set_to_none=True)`` first). ``mark()``, inside the call, notes
+    (alive, peak so far) in :attr:`marks`.
     """
 
     def __init__(
@@ -194,8 +184,7 @@ class PeakMeter:
 
     @property
     def source(self) -> str:
-        """What the figures count: "cuda" (the allocator's counters) or "cpu" (torch's CPU
-        allocations)."""
+        """What the figures count: "cuda" (the allocator's) or "cpu" (torch's allocations)."""
         return "cuda" if self.cuda else "cpu"
 
     def measure(self, fn: Callable[[], Any]) -> Any:
@@ -241,10 +230,8 @@ class PeakMeter:
 
 @dataclass(frozen=True)
 class StepMemory:
-    """The memory of one training step (forward and backward) on one device, in MB, as
-    :class:`PeakMeter` counts it: above what the step's tensors held when it began
-    (``held_at_start_mb``: weights, buffers, optimizer state, the batch), except
-    ``step_peak_total_mb``, the peak with the start included."""
+    """One training step's memory on one device, in MB as :class:`PeakMeter` counts it, above
+    what the step held when it began (``held_at_start_mb``) but ``step_peak_total_mb``."""
 
     source: str  # PeakMeter.source: "cuda" (the allocator's counters) or "cpu" (its allocations)
     held_at_start_mb: float
@@ -267,14 +254,13 @@ class StepMemory:
 
     @property
     def forward_transient_mb(self) -> float | None:
-        """What the forward's peak holds beyond the live state after it: the dense working set
-        and the packing temporaries, not the caches."""
+        """The forward's peak beyond the live state after it (working set and temporaries)."""
         if self.forward_peak_mb is None:
             return None
         return self.forward_peak_mb - self.live_after_forward_mb
 
     def as_dict(self) -> dict[str, Any]:
-        """The step's figures by their names, for JSON (the saved report's are separate)."""
+        """The step's figures by their names, for JSON (not the saved report's)."""
         return {
             "memory_source": self.source,
             "held_at_start_mb": self.held_at_start_mb,
@@ -292,10 +278,9 @@ def measure_step(
     device: torch.device | str,
     batch: object = (),
 ) -> StepMemory:
-    """Measure the memory of one training step of ``model`` on ``device``: each of ``forwards``
-    (one per micro-batch) returns its scalar loss, whose backward runs before the next forward;
-    gradients are set to None before and after. What autograd keeps is counted in the first.
-    ``batch``: the tensors the forwards read (lists and dicts of them), held at the start."""
+    """The memory of one training step of ``model``: each of ``forwards`` (a micro-batch's)
+    returns its loss, backward before the next; what autograd keeps is counted in the first.
+    ``batch``: the tensors the forwards read, held at the start."""
     if not forwards:
         raise ValueError("measure_step needs at least one forward")
     model.zero_grad(set_to_none=True)  # freed before the meter starts: see PeakMeter
@@ -327,10 +312,9 @@ def measure_step(
 
 
 class WindowPeak:
-    """The peak of a window of training steps (a log record's), as :class:`PeakMeter` means it.
-    On CUDA the allocator counts every step at no cost: the peak since the window began. On the
-    CPU the profiler costs a step's worth of bookkeeping, so only the steps run through
-    :meth:`step` with ``measure`` count (the trainer measures each window's last)."""
+    """The peak of a window of training steps (a log record's), as :class:`PeakMeter` means it:
+    on CUDA every step's, at no cost; on the CPU only the steps :meth:`step` runs with
+    ``measure`` (the profiler costs a step's worth of bookkeeping)."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)

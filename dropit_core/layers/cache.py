@@ -1,9 +1,7 @@
 """The input cache of a DropIT layer: it packs the layer's input with the layer's strategy, shares
-a pack between the layers fed the same tensor (through an attribute of the tensor), and says where
-each pack is in its random stream (the draw keys, and the same keys as a device table for a pack
-replayed in a CUDA graph). The ``torch.library`` operators name a cache by its number
-(:func:`cache_by_number`). A layer's autograd Function keeps its pack (:func:`keep_packed`) and
-reads it back in its backward (:func:`kept_packed`, :class:`Rebuilt`).
+a pack between the layers fed one tensor, and keys each pack's draws (also as a device table, for a
+CUDA graph's replay). A layer's Function keeps its pack (:func:`keep_packed`) and reads it back
+(:func:`kept_packed`, :class:`Rebuilt`).
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ from dropit_core.formats.seeds import mix_part, mix_state, seed_of
 from dropit_core.layers.casts import ParamCasts
 from dropit_core.strategies.base import Strategy
 
-# The caches by number: a torch.library operator takes plain values (dropit_core.layers.library),
-# and names a cache by its number, for as long as the cache lives.
+# The caches by number: a torch.library operator (layers.library) names a cache by its number.
 _CACHES: weakref.WeakValueDictionary[int, InputCache] = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count(1)
 
@@ -36,9 +33,8 @@ _NUMBERS = itertools.count(1)
 _SHARED = "_dropit_shared_pack"
 _FORWARDS = itertools.count(1)
 
-# Rows of a cache's key table on a device (InputCache.draw_row): the packs one forward draws,
-# with room (quant converts 97 conv and linear layers of torchvision's R50-FPN Mask R-CNN; the
-# RPN head's three run once per FPN level).
+# Rows of a cache's key table on a device: the packs one forward draws, with room (R50-FPN Mask
+# R-CNN: 97 conv and linear layers, the RPN head's three once per FPN level).
 KEY_ROWS = 256
 # Draw keys an input cache makes at a time (InputCache.next_key): at first, and at most.
 KEY_BLOCK, MAX_KEY_BLOCK = 32, 4096
@@ -59,22 +55,14 @@ def cache_by_number(number: int) -> InputCache:
 
 
 class InputCache:
-    """Packs layer inputs with one strategy, sharing a pack between layers fed the same tensor.
+    """Packs layer inputs with one strategy, sharing a pack between layers fed the same tensor (a
+    ResNet block's input feeds conv1 and the downsample conv): the pack rides on the tensor, so it
+    dies with it, and a backward or a new step makes it stale.
 
-    In a ResNet the block input feeds conv1 and the downsample conv, and FPN reads the same stage
-    outputs; in the RPN head one tensor feeds two convs. Packing it once halves or thirds both the
-    work and the bytes. The pack rides on the input tensor itself (an attribute, tagged with the
-    cache and its forward, cheap to read: host time): it dies with the tensor, and a backward or
-    a new step makes it stale.
-
-    It also says where the packs are in their random streams: each pack that draws is keyed by
-    (rank, ``stream``, step, its position among this step's packs). The forward order is
-    deterministic, so the position names the layer and the call; :meth:`set_step` (called through
-    ``dropit_core.set_step`` before each forward) makes a resumed run draw what the original drew.
-    Without it the position keeps counting, so every pack still draws afresh.
-
-    ``dropped`` sums, on the device, the values its packs chose but could not store (packs sized
-    from the shape: :mod:`dropit_core.strategies.elementwise`); None until a pack reports some.
+    Each pack that draws is keyed by (rank, ``stream``, step, its position among the step's
+    packs): the forward order is deterministic, so :meth:`set_step` makes a resumed run draw what
+    the original drew. ``dropped`` sums, on the device, the values packs sized from the shape
+    chose but could not store; None until a pack reports some.
     """
 
     def __init__(self, strategy: Strategy, stream: int = 0) -> None:
@@ -96,11 +84,8 @@ class InputCache:
         self.keys = KeyTable(self)  # the step's draws as device data (draw_row)
 
     def set_step(self, step: int, rank: int = 0) -> None:
-        """Start the random streams of training step ``step`` (on process ``rank``).
-
-        Packs of earlier steps are forgotten: a tensor fed again (a fixed input) packs afresh.
-        The step's first block of draw keys is made here, before its forward (host work).
-        """
+        """Start the random streams of training step ``step`` (on process ``rank``); packs of
+        earlier steps are forgotten, and the step's first block of draw keys is made here."""
         self._block_size = max(KEY_BLOCK, self.position)
         self.step, self.rank, self.position = step, rank, 0
         self._prefix = mix_state(0, rank, self.stream, step)
@@ -111,10 +96,8 @@ class InputCache:
         self.keys.new_step()
 
     def draw_row(self, device: torch.device) -> torch.Tensor:
-        """The next pack's draw as device data: ``(k0, k1, 0)`` (the hash keys of
-        :meth:`next_key`, the pack's first element), int64, from the step's key table on
-        ``device``, which ``set_step`` rewrites in place: a pack replayed in a CUDA graph (no
-        Python runs) draws each step's keys, eager's."""
+        """The next pack's draw as device data, ``(k0, k1, 0)`` int64, from the key table on
+        ``device`` that ``set_step`` rewrites in place: a CUDA graph's replay draws each step's."""
         position = self.position
         self.next_key()  # moves on as eager does (its row holds this key's hash keys)
         return self.keys.row(position, device).clone()
@@ -129,8 +112,8 @@ class InputCache:
         return self._block[at]
 
     def _next_block(self) -> None:
-        """Make the next positions' keys together on a tensor (not a hash in Python per pack:
-        host time), and let the strategy derive its draws from them (``remember_draws``)."""
+        """Make the next positions' keys together on a tensor (host time), and let the strategy
+        derive its draws from them (``remember_draws``)."""
         count = min(max(self._block_size, 2 * len(self._block)), MAX_KEY_BLOCK)
         keys = self.key_at(torch.arange(self.position, self.position + count))
         self._block_first, self._block = self.position, keys.tolist()
@@ -148,14 +131,8 @@ class InputCache:
         source: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
     ) -> Packed:
-        """Pack ``x`` as ``dtype`` values (default its own), or return the pack made earlier in
-        this forward for the same tensor.
-
-        Layers fed the same tensor share its pack, under autocast too: the key is ``source``, the
-        tensor ``x`` was cast from, when given, else ``x``; ``dtype`` is the layer's compute
-        dtype, so that ``x`` may be the uncast input (a strategy that reads through the cast
-        packs it without a copy: :meth:`Strategy.pack`).
-        """
+        """Pack ``x`` as ``dtype`` values (default its own), or return this forward's pack of the
+        same tensor: ``source`` (the tensor ``x`` was cast from) when given, else ``x``."""
         key = x if source is None else source
         dtype = x.dtype if dtype is None else dtype
         made = (self._forward, key._version, layout, dtype)
@@ -173,15 +150,12 @@ class InputCache:
         return packed
 
     def end_forward(self) -> None:
-        """Forget this forward's packs: a backward has begun, so the forward that shares them is
-        over. A tensor fed again in a later step then packs afresh, with a new draw, even without
-        ``set_step``. (A pack stays on its input until the input dies or is packed again: a
-        tensor the caller keeps past the step keeps its last pack, a fraction of its own bytes.)"""
+        """Forget this forward's packs (a backward has begun): a tensor fed again packs afresh,
+        with a new draw, even without ``set_step``."""
         self._forward = next(_FORWARDS)
 
     def reads_through_cast(self) -> bool:
-        """Whether a pack of an autocast input is made from the uncast tensor (so the cast the
-        layer ran need not outlive the layer's op)."""
+        """Whether a pack of an autocast input is made from the uncast tensor."""
         strategy = self.strategy
         return strategy.reads_through_cast and strategy.rescale == "none"
 
@@ -207,9 +181,8 @@ class InputCache:
 
 
 class KeyTable:
-    """A cache's draws as device data: row p holds ``(k0, k1, 0)``, the strategy's hash keys of
-    the step's key at position p. ``new_step`` rewrites the rows a forward has read in place, so
-    a CUDA graph that recorded reads of this memory draws each step's keys on replay."""
+    """A cache's draws as device data: row p holds ``(k0, k1, 0)``, the hash keys of the step's
+    key at position p, rewritten in place each step (a recorded CUDA graph reads them)."""
 
     def __init__(self, cache: InputCache) -> None:
         self.cache = cache
@@ -245,9 +218,8 @@ class KeyTable:
 
 
 def keep_packed(ctx, cache: InputCache, packed: Packed | None, *rest: torch.Tensor | None) -> None:
-    """Keep for an autograd Function's backward the tensors ``rest`` (its weight, statistics) and
-    ``packed``, its input's pack from ``cache`` (None: no pack): the pack's tensors through
-    ``save_for_backward``, so that saved-tensor hooks see every byte, its metadata on ``ctx``."""
+    """Keep for a Function's backward the tensors ``rest`` and ``packed`` (None: no pack), the
+    tensors through ``save_for_backward`` (saved-tensor hooks see every byte), the meta on ctx."""
     ctx.cache, ctx.rest = cache, len(rest)
     ctx.meta = None if packed is None else packed.meta
     if packed is None:
@@ -258,8 +230,8 @@ def keep_packed(ctx, cache: InputCache, packed: Packed | None, *rest: torch.Tens
 
 
 def kept_packed(ctx) -> tuple[list[torch.Tensor | None], Packed | None]:
-    """(the tensors :func:`keep_packed` kept besides the pack, the pack or None), for a backward:
-    one that would be differentiated again is refused, and the forward is over."""
+    """(the tensors :func:`keep_packed` kept besides the pack, the pack or None), for a backward
+    (a double backward is refused; the forward is over)."""
     refuse_double_backward()
     ctx.cache.end_forward()
     saved = ctx.saved_tensors
@@ -282,14 +254,9 @@ def forward_and_pack(
     dtype,
     *args,
 ) -> torch.Tensor:
-    """``op(x, weight, bias, *args)`` (a conv's or linear layer's) of ``x`` cast to ``dtype``
-    (autocast's; None: as it is), keeping for backward the weight (input gradient) and, when the
-    weight trains, the pack of the input the op computed with (:func:`keep_packed`).
-
-    Where the strategy packs ``x`` as the cast's values directly (quant), ``x`` is packed and
-    the cast's last reference goes before the pack, so the cast lives as long as the op, as
-    plain autocast's copy does. The pack is keyed by ``x``: the layers fed ``x`` share it.
-    """
+    """``op(x, weight, bias, *args)`` of ``x`` cast to ``dtype`` (autocast's; None: as it is),
+    keeping the weight and, when it trains, the pack of the op's input, keyed by ``x``. A
+    strategy that reads through the cast (quant) packs ``x`` itself: the cast dies with the op."""
     used = x if dtype is None else x.to(dtype)
     out = op(used, weight, bias, *args)
     ctx.x_shape = x.shape
@@ -309,10 +276,8 @@ def weight_and_input(ctx) -> tuple[torch.Tensor, Rebuilt | None]:
 
 
 class Rebuilt:
-    """A layer's packed input (of ``shape``), read back for its backward by its cache: whole, or
-    images ``[i, j)`` at a time, each chunk rebuilt alone where the strategy can, else sliced
-    from one rebuild of the whole batch (made once). The same values either way. (Slots: one is
-    made in every backward.)"""
+    """A layer's packed input (of ``shape``), read back by its cache: whole, or images ``[i, j)``
+    at a time (rebuilt alone where the strategy can, else sliced from one whole rebuild)."""
 
     __slots__ = ("shape", "cache", "packed", "_batch")
 

@@ -1,11 +1,7 @@
-"""Normalisation layers that keep a packed copy of their input for backward.
-
-A trainable norm keeps its whole input for backward: from scratch, as much as every conv input
-together. The DropIT subclasses run the plain layer's aten op (output and statistics bit for bit)
-and keep the input as a pack of a strategy that keeps every element (``quant``). Backward runs the
-plain backward on the rebuilt input: the weight and bias gradients are unbiased, the input
-gradient close but neither exact nor unbiased (``docs/dropit.md``). ``SyncBatchNorm`` across
-processes runs torch's own function, its saved input packed by a saved-tensor hook.
+"""Normalisation layers that keep a packed copy of their input for backward: the plain layer's
+aten op (output and statistics bit for bit), its backward on the rebuilt input (docs/dropit.md,
+"Normalisation layers and max-pools"). ``SyncBatchNorm`` across processes runs torch's own
+function, its saved input packed by a saved-tensor hook.
 """
 
 from __future__ import annotations
@@ -29,16 +25,9 @@ def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
     return module.training and torch.is_grad_enabled() and x.requires_grad and x.numel() > 0
 
 
-def _saved(ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(the tensors kept besides the pack, the rebuilt input)."""
-    rest, packed = kept_packed(ctx)
-    return rest, ctx.cache.unpack(packed)
-
-
 def _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, eps):
-    """(output, mean, invstd, reserve) of training-mode batch norm: the op ``F.batch_norm``
-    dispatches to (cuDNN's on CUDA), which updates the running statistics in place, or without
-    them (track_running_stats=False) the native op, and no reserve (None)."""
+    """(output, mean, invstd, reserve) of training-mode batch norm, the op ``F.batch_norm`` runs
+    (running statistics updated in place); without them the native op, and no reserve (None)."""
     if running_mean is None:
         out, mean, invstd = torch.ops.aten.native_batch_norm.default(
             x, weight, bias, None, None, True, momentum, eps
@@ -67,7 +56,8 @@ class _BatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (weight, *stats), x_hat = _saved(ctx)  # stats: mean, invstd, reserve (None: no update)
+        (weight, *stats), packed = kept_packed(ctx)  # stats: mean, invstd, reserve (or None)
+        x_hat = ctx.cache.unpack(packed)
         grads = batch_norm_grads(grad, x_hat, weight, stats, ctx.eps, ctx.needs_input_grad)
         return *grads, None, None, None, None, None
 
@@ -108,7 +98,8 @@ class _GroupNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (weight, mean, rstd), x_hat = _saved(ctx)
+        (weight, mean, rstd), packed = kept_packed(ctx)
+        x_hat = ctx.cache.unpack(packed)
         grads = group_norm_grads(grad, x_hat, weight, mean, rstd, ctx.dims, ctx.needs_input_grad)
         return *grads, None, None, None
 
@@ -234,10 +225,9 @@ def batch_norm_op(
     eps: float,
     cache: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Training-mode batch norm as ``_BatchNormFunction`` runs it: (output, mean, invstd,
-    reserve, the updated running mean and variance; the last three empty without running
-    statistics). Functional: the statistics are updated in copies, which the caller writes back
-    (an operator with an autograd formula mutates nothing)."""
+    """``_BatchNormFunction``'s batch norm: (output, mean, invstd, reserve, the updated running
+    mean and variance; the last three empty without them), updated in copies that the caller
+    writes back (an operator with an autograd formula mutates nothing)."""
     if running_mean is not None:
         running_mean, running_var = running_mean.clone(), running_var.clone()
     *outs, reserve = _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, eps)
