@@ -1,25 +1,15 @@
-"""What reads a ReLU's output, from a model's structure: where a ReLU's 1-bit mask frees memory.
+"""What reads a ReLU's output, from a model's structure: where a ReLU's 1-bit mask frees memory
+(docs/dropit.md, "Which ReLUs keep a mask").
 
-A converted ReLU keeps a 1-bit mask in place of its output. That frees the output only where no
-other node of the autograd graph keeps it whole: where every layer reading it keeps a compressed
-copy (a DropIT layer) or nothing of it (a residual add, a flatten). Where a plain layer reads it
-(an excluded predictor, a max-pool left plain), that layer keeps the whole output anyway and the
-mask is one more bit per element, kept for nothing.
-
-Who reads an output is written in the model's structure, module by module: a module's *flow*
-says, for each of its children, which of its children (or ``OUTPUT``: whoever reads the module's
-own output) read that child's output, once per call of the child (torchvision's ResNet blocks
-call one ReLU module two or three times), and which read the module's input (``INPUT``). An
-``nn.Sequential`` (and every subclass that keeps its forward) runs its children in order, each
-reading the one before. Other modules' forwards are code: the flows of torchvision's ResNets and
-detection modules (and of the lean forwards of :mod:`dropit_core.detection`) are written in
-:data:`FLOWS`, by the name of the class whose ``forward`` runs. A module with no flow there says
-nothing, and what its children's outputs feed is unknown.
+A module's *flow* says, for each of its children (or ``INPUT``), which children (or ``OUTPUT``:
+whoever reads the module's own output) read that child's output, once per call of the child. An
+``nn.Sequential`` (and every subclass that keeps its forward) runs its children in order; other
+forwards are code, so the flows of torchvision's ResNets and detection modules (and of the lean
+forwards of :mod:`dropit_core.detection`) are written in :data:`FLOWS`, by the name of the class
+whose ``forward`` runs. A module with no flow there says nothing.
 
 :func:`masks_that_free_nothing` names the ReLUs to leave plain: those whose every call's output
-has a reader that keeps it whole. One call whose readers keep compressed copies is enough to
-convert a ReLU, and so is one whose readers are unknown: a needless mask costs 1 bit an element,
-a needlessly whole output 32 (fp32).
+has a reader that keeps it whole (a needless mask costs 1 bit an element, a whole output 32).
 """
 
 from __future__ import annotations

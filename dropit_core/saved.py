@@ -1,22 +1,12 @@
-"""Compress every activation autograd saves, in any model, through saved-tensor hooks.
+"""Compress every activation autograd saves, in any model, through saved-tensor hooks
+(docs/dropit.md, "Every saved activation, in any model").
 
-What ``to_dropit`` cannot convert (functional ReLU, Conv2d subclasses as in detectron2, custom
-ops, attention) can still keep a compressed copy:
-
-    with CompressSaved(bits=4) as saved:
-        loss = model(x).sum()
-    loss.backward()
-
-Inside the block, every floating-point tensor autograd saves with at least ``min_bytes`` is kept
-as a ``quant`` pack (``bits``-bit stochastically rounded codes per group of ``group``), plus one
-bit for "is zero" and one for "is negative": the rebuilt tensor has the original's exact zeros and
-signs, all that ReLU, max-pool and threshold backwards read. Parameters and their autocast copies,
-integer and bool tensors and small tensors are left alone; a tensor saved by several ops is packed
-once. Backwards that read a saved value (a conv's weight gradient, BatchNorm's) see a rebuilt one,
-unbiased but not exact.
-
-Where the training loop is someone else's (detectron2's, mmengine's), :func:`compress_saved`
-attaches the block to every training forward of a model through forward hooks.
+Inside a :class:`CompressSaved` block every floating-point tensor autograd saves, from
+``min_bytes`` up, is kept as a ``quant`` pack plus one bit for "is zero" and one for "is
+negative": the rebuilt tensor has the original's exact zeros and signs. Parameters and their
+autocast copies, integer and small tensors stay as they are; a tensor saved twice is packed once.
+:func:`compress_saved` attaches the block to every training forward of a model (forward hooks),
+for a training loop that cannot be edited.
 """
 
 from __future__ import annotations
@@ -57,9 +47,8 @@ class _Saved(NamedTuple):
 
 
 class CompressSaved:
-    """Context manager: the tensors autograd saves inside it are kept compressed (see module).
-    ``packs``, ``packed_bytes`` and ``dense_bytes`` count the packs, their bytes and what those
-    tensors held. ``step`` and ``rank`` seed the rounding noise, as ``set_step`` does for layers."""
+    """Context manager: the tensors autograd saves inside it are kept compressed. ``packs``,
+    ``packed_bytes`` and ``dense_bytes`` count them; ``step`` and ``rank`` seed the draws."""
 
     def __init__(
         self,
@@ -139,8 +128,7 @@ class CompressSaved:
 
 def _in_memory_order(t: torch.Tensor) -> tuple[torch.Tensor, tuple[str, tuple[int, ...]] | None]:
     """(t's values flat, and the layout :func:`_in_layout` restores: a compiled graph checks the
-    strides of what it saved). A dense permutation (channels-last) is packed in its memory
-    order, with no copy; other strides from a contiguous copy."""
+    strides it saved). A dense permutation (channels-last) is read in memory order, no copy."""
     if t.is_contiguous():
         return t.reshape(-1), None
     order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))

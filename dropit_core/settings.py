@@ -2,19 +2,14 @@
 
 - ``kernels`` (``DROPIT_KERNELS``, default ``auto``): ``auto`` gives CUDA tensors the Triton
   kernels (when triton imports) and CPU tensors the C loops; ``triton`` the kernels for every
-  tensor (on the CPU under ``TRITON_INTERPRET=1``: the tests); ``eager`` plain torch everywhere,
-  the C loops included.
-- ``native`` (``DROPIT_NATIVE``, default on): the C loops (``native.c``) for CPU packs under
-  ``auto``.
+  tensor (on the CPU under ``TRITON_INTERPRET=1``: the tests); ``eager`` plain torch everywhere.
+- ``native`` (``DROPIT_NATIVE``, default on): the C loops for CPU packs under ``auto``.
 - ``fuse`` (``DROPIT_FUSE``, default off): under ``torch.compile``, quant packs and ReLU masks as
-  plain torch ops that Inductor fuses.
+  plain torch ops that Inductor fuses (read while tracing: set it before the first compiled call).
 
-The environment is read when this module is imported and again by :func:`reset_settings`;
-:func:`configure` changes fields in code (it returns the settings it replaced) and
-:func:`override_settings` changes them for a ``with`` block. Every path asks :func:`current`,
-one call per layer, so a change takes effect at the next layer; ``fuse`` is read while tracing,
-so set it before the first compiled call. :mod:`dropit_core.backends.dispatch` decides from these
-fields which implementation packs a tensor.
+:func:`reset_settings` reads the environment again; :func:`configure` changes fields in code (it
+returns the settings it replaced) and :func:`override_settings` for a ``with`` block. Every path
+asks :func:`current`, so a change takes effect at the next layer.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Which implementation runs each DropIT op on a tensor: one table, one choice.
 
 Eager torch is the reference and runs every op and setting. :data:`TABLE` lists, per op, the
-faster implementations it has: ``triton`` (:mod:`dropit_core.backends.triton`, one launch per
-call) and ``native`` (:mod:`dropit_core.backends.native`, the CPU's C loops), each with what it
-takes of the tensor. :func:`choose` picks by the settings (``kernels``, ``native``:
-:mod:`dropit_core.settings` says what each value means), the tensor's device and dtype, and the
-backends the op's own setting allows (:func:`quant_backends`: quant's group in whole code bytes,
-say; an element-wise strategy's rule in the kernels' terms), each setting asking once. Every
-implementation writes the same bytes, so a pack made by one rebuilds with another. No sync and
-no environment read per call: every layer asks, on each pack and rebuild (host time). While
-compiling, :func:`fused` says whether a pack or a ReLU mask is plain torch ops that Inductor fuses
-or an opaque operator (``settings.fuse``).
+faster implementations, ``triton`` and ``native`` (the CPU's C loops), each with what it takes of
+the tensor; :func:`choose` picks by the settings (:mod:`dropit_core.settings`), the tensor's
+device and dtype, and the backends the op's own setting allows (:func:`quant_backends`). Every
+implementation writes the same bytes. No sync and no environment read per call: every layer asks,
+on each pack and rebuild (host time). :func:`fused` says whether a traced pack is plain torch ops.
 """
 
 from __future__ import annotations
@@ -104,10 +99,20 @@ def fused(allowed: bool = True) -> bool:
 
 def _no_triton(mode: str) -> bool:
     """False, where triton is missing: an error when the kernels are forced, else a warning."""
+    global _warned
     if mode == "triton":
         raise RuntimeError(f"{ENV}=triton, but triton is not installed")
-    _warn_once()
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "DropIT: triton is not installed; CUDA tensors use the eager torch path (slower)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return False
+
+
+_warned = False
 
 
 def pack_backend(device: torch.device | str) -> str:
@@ -142,15 +147,3 @@ def kernels(name: str) -> ModuleType:
 
 
 _MODULES: dict[str, ModuleType] = {}
-_warned = False
-
-
-def _warn_once() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(
-            "DropIT: triton is not installed; CUDA tensors use the eager torch path (slower)",
-            RuntimeWarning,
-            stacklevel=3,
-        )

@@ -1,20 +1,13 @@
-"""DropIT's CPU packs as C loops (``native.c``), built once with the system C compiler.
+"""DropIT's CPU packs as C loops (``native.c``), built once with the system C compiler
+(docs/dropit.md, "Kernels, the C loops and the draws").
 
-Eager torch makes a pass over memory, with a temporary and an operator call, per operation: a
-4-bit pack of a map is many of each, as are the ReLU mask's pack and apply. Here each is one C
-call that reads a value once and writes its code once.
-
-The loops compute what the eager path computes, bit for bit (the same fp32 operations in the
-same order, no fused multiply-add: tests/core/test_dropit_native.py compares every byte), so a
-pack made here rebuilds eagerly or with the Triton kernels and the committed runs reproduce.
-
-Built on first use with ``$CC`` (default ``cc``) into ``$DROPIT_CACHE_DIR`` (default
-``~/.cache/dropit_core``), once per source version and machine; loaded with ctypes (no Python
-headers, no ninja). Where no compiler works, one warning is given and the eager path packs.
-``DROPIT_NATIVE=0`` (``configure(native=False)``) turns it off; ``DROPIT_KERNELS=eager`` (pure
-torch) bypasses it too. Only contiguous fp32 CPU tensors take it; others pack eagerly. A call over
-at least :data:`PARALLEL_MIN` values per thread is split into ranges of whole groups (or flag bytes)
-run on up to ``torch.get_num_threads()`` threads; the bytes do not depend on it.
+Each of quant's pack and rebuild and the ReLU mask's pack and apply is one C call that reads a
+value once, where eager torch makes a pass over memory per operation; the loops compute the eager
+path's fp32 operations in the same order (no fused multiply-add), so their bytes are eager's.
+Built on first use with ``$CC`` into ``$DROPIT_CACHE_DIR`` (default ``~/.cache/dropit_core``),
+loaded with ctypes; where no compiler works, one warning and the eager path. A call over at least
+:data:`PARALLEL_MIN` values per thread is split into ranges of whole groups (or flag bytes) run
+on up to ``torch.get_num_threads()`` threads; the bytes do not depend on it.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
-"""The DropIT layers while compiling: the ``torch.library`` operators they share, and how a conv or
-linear layer runs its Function eagerly and its traced operator while compiling.
+"""The DropIT layers while compiling (docs/dropit.md, "Under torch.compile"): the ``torch.library``
+operators they share, ``dropit::pack`` (the eager strategy code, drawn with ``dropit::draw``: the
+cache's next key, as device data) and ``dropit::unpack``, and how a conv or linear layer runs its
+Function eagerly (:func:`eager`) and its traced operator while compiling (:func:`compiled`).
 
-Dynamo cannot trace the eager path (the autograd Functions): its packs are shared through Python
-state on tensors and seeded from Python integers up to 2**64, which Inductor cannot hold as
-constants. While compiling, a converted layer calls its own operator instead (``dropit::conv`` in
-:mod:`.conv`, ``dropit::linear`` in :mod:`.linear`, ``dropit::relu_mask`` in :mod:`.relu`,
-``dropit::batch_norm`` and ``dropit::group_norm`` in :mod:`.norm`), each opaque, with a fake
-(shape-only) implementation and an autograd formula (its Function's backward body, the pack read
-back through ``dropit::unpack``), so that ``torch.compile(model, fullgraph=True)`` traces the whole
-model into one graph and no seed becomes a graph constant. What they share is here:
-
-- ``dropit::pack`` runs the eager strategy code, drawn with the cache's next key
-  (``dropit::draw``): byte-equal to the eager pack of the same step and layer as long as the graph
-  packs in program order (tests/core/test_dropit_compile.py); ``dropit::unpack`` rebuilds it.
-- :func:`compiled`: a conv or linear layer's traced operator, or its Function behind a graph break.
-
-With ``configure(fuse=True)`` (``DROPIT_FUSE=1``) a quant pack and the ReLU's mask are plain torch
-ops instead, which Inductor fuses (:func:`dropit_core.formats.quant.quantize`); only the draw stays
-opaque. Layers fed one tensor make identical ``dropit::pack`` calls, which the compiler merges: one
-pack, as eagerly. Only strategies whose pack sizes follow from the input's shape (``quant``) are
-traced; the others run their eager Function behind a graph break (``torch.compiler.disable``). The
-max-pool's Function traces as it is.
+Dynamo cannot trace the Functions (packs shared through Python state on tensors, seeds up to
+2**64): each layer calls an opaque operator of its own, with a fake and an autograd formula (its
+Function's backward body), so that no seed becomes a graph constant. Only strategies whose pack
+sizes follow from the shape (``quant``) are traced; the others run their Function behind a graph
+break. Under ``configure(fuse=True)`` a quant pack is plain torch ops that Inductor fuses.
 """
 
 from __future__ import annotations
@@ -104,9 +91,8 @@ def pack(cache: InputCache, x: Tensor, layout: str, dtype: torch.dtype) -> list[
 
 @torch.library.custom_op("dropit::draw", mutates_args=())
 def draw_op(x: Tensor, cache: int) -> Tensor:
-    """(k0, k1, 0): the hash keys of ``cache``'s next pack and the index of its first element,
-    int64 on ``x``'s device (``InputCache.draw_row``): the eager pack's draw. ``x`` only names
-    the pack, so that layers fed one tensor share a draw as they share the pack."""
+    """(k0, k1, 0) int64 on ``x``'s device: the hash keys of ``cache``'s next pack (the eager
+    draw). ``x`` only names the pack: layers fed one tensor make one call, merged."""
     return cache_by_number(cache).draw_row(x.device)
 
 
@@ -117,10 +103,8 @@ def _(x: Tensor, cache: int) -> Tensor:
 
 def _fused_pack(cache: InputCache, x: Tensor, dtype: torch.dtype) -> list[Tensor] | None:
     """A quant pack as plain torch ops (:func:`dropit_core.formats.quant.quantize`, the eager
-    bytes), its own Inductor kernel, reading ``x`` once it is made (the opaque draw needs ``x``,
-    which names the shared pack). None where it is not (:func:`dispatch.fused`), or cannot be,
-    e.g. for ``x`` read through an autocast cast (fused into its consumer, Inductor would skip the
-    cast's rounding unless ``emulate_precision_casts``)."""
+    bytes) that Inductor fuses; None where it is not (:func:`dispatch.fused`) or cannot be
+    (docs/dropit.md, "Fused packs and masks")."""
     strategy, n = cache.strategy, x.numel()
     allowed = (
         traceable(cache)
@@ -190,9 +174,8 @@ def compiled(
     *args,
 ) -> Tensor:
     """A conv or linear layer's call while compiling: ``traced(x, weight, bias, fields, cache
-    number, *args)``, its operator on the layer's pack ``fields`` (none for a frozen weight), where
-    ``cache``'s packs trace, else its autograd ``function`` behind a graph break. Autocast's casts
-    are the compiler's to share; the input is cast as the Function casts it."""
+    number, *args)`` on the layer's pack ``fields`` (none for a frozen weight) where ``cache``'s
+    packs trace, else its autograd ``function`` behind a graph break."""
     if not traceable(cache):
         return _behind_break(function, x, weight, bias, cache, *args)
     w, b, dtype = autocast_inputs(x, weight, bias, None)

@@ -1,25 +1,12 @@
-"""The slice-by-slice pack and rebuild shared by the strategies that keep single elements.
+"""The slice-by-slice pack and rebuild shared by the strategies that keep single elements: a
+1-bit position mask (or a mask drawn again from a seed) plus the kept values, in flat order.
 
-An element-wise pack keeps a 1-bit position mask (or, for a mask drawn from a seed, nothing) plus
-the kept values; a subclass says which elements a slice keeps (:meth:`Elementwise._slice_mask`) and,
-optionally, a per-tensor state computed first (:meth:`Elementwise._begin`: a threshold, a seed).
-
-The kept values sit in flat order in a buffer of ``meta.kept`` slots, sized one of two ways; the
-format is the same, and so is the rebuild, which finds where each slice's values start from the
-mask, on the device:
-
-- to the kept count, on the CPU: each slice's count is read on the host, which costs nothing
-  there, and the pack is as small as it can be;
-- from the shape, on an accelerator (:func:`fixed_capacity`): :meth:`Elementwise.capacity`
-  slots, so that no size depends on the data and the host never waits for the device. Slots
-  past the kept values hold zeros. Should a pack choose more values than its capacity holds, it
-  stores the first ones in flat order, its position mask marks exactly those (the rest rebuild
-  as zeros, as dropped ones do), and it counts the others in ``Packed.dropped``.
-
-Where :func:`dropit_core.backends.dispatch.choose` gives it the kernels (CUDA tensors, by default),
-a strategy that states its choice as a :class:`KeepRule` packs and rebuilds with the Triton kernels
-of :mod:`dropit_core.backends.triton.compact` instead: the fixed-capacity format, byte for byte, in
-a few launches for the whole tensor instead of a dozen per slice.
+The values' buffer is sized to the kept count on the CPU (read on the host, free there), and from
+the shape on an accelerator (:func:`fixed_capacity`), so that the host never waits: a pack that
+chooses more than its capacity stores the first ones, masks exactly those and counts the rest in
+``Packed.dropped`` (docs/dropit.md, "What a layer stores"). Where dispatch gives it the Triton
+kernels, a strategy that states its choice as a :class:`KeepRule` packs and rebuilds there, the
+same fixed-capacity bytes.
 """
 
 from __future__ import annotations
@@ -68,10 +55,9 @@ def fixed_capacity(device: torch.device) -> bool:
 
 
 def expected_capacity(n: int, p: float, sample: int | None = None, draws: bool = False) -> int:
-    """Slots for a count that keeps p of n elements on average, at most n. ``p n`` plus
-    :data:`CAPACITY_SPREAD` standard deviations of the count, from a threshold estimated as the
-    p-quantile of ``sample`` values (its rank is off by about ``sqrt(p (1-p) / sample)`` of n) and
-    from n independent draws (``sqrt(n p (1-p))``), plus :data:`CAPACITY_SLACK`."""
+    """Slots for a count that keeps p of n elements on average, at most n: ``p n`` plus
+    :data:`CAPACITY_SPREAD` standard deviations of the count (a threshold estimated from
+    ``sample`` values; n independent ``draws``), plus :data:`CAPACITY_SLACK`."""
     variance = 0.0
     if sample:
         variance += n * n * p * (1.0 - p) / sample
@@ -81,10 +67,9 @@ def expected_capacity(n: int, p: float, sample: int | None = None, draws: bool =
 
 
 def _sparse_bits(bits: torch.Tensor, slots: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(which bytes of the mask are non-zero, 1 bit each; those bytes): at gamma 0.9 a fifth to half
-    of the mask bytes are zero, and storing a zero byte as one bit saves 7/8 of it. ``slots``: the
-    pack's value capacity (fixed-capacity packs; None: sized to the count). A non-zero byte flags at
-    least one stored value, so that many bytes always hold them."""
+    """(which bytes of the mask are non-zero, 1 bit each; those bytes): a zero byte as one bit.
+    ``slots``: the pack's value capacity (None: sized to the count), which bounds the non-zero
+    bytes (each flags a stored value)."""
     flags = bits != 0
     if slots is None:
         return pack_bits(flags), bits[flags]
@@ -104,11 +89,10 @@ def _dense_bits(flags: torch.Tensor, nonzero: torch.Tensor, n: int, kernels: boo
 
 
 class Elementwise(Strategy):
-    """Keep single elements: a packed 1-bit position mask plus the kept values.
-    ``positions="sparse_bits"`` stores the mask's non-zero bytes plus one bit per mask byte. A
-    subclass with ``stores_mask = False`` rebuilds its mask from the pack's state instead
-    (:meth:`_rebuild_mask`). One with ``exact_capacity = True`` keeps, by definition, at most its
-    :meth:`capacity` (mink: k; ties past it are left out by design, not counted as dropped)."""
+    """Keep single elements: a packed 1-bit position mask plus the kept values. A subclass with
+    ``stores_mask = False`` rebuilds its mask from the pack's state (:meth:`_rebuild_mask`); one
+    with ``exact_capacity = True`` keeps at most its :meth:`capacity` by design (mink: k), so
+    nothing past it counts as dropped."""
 
     stores_mask = True
     exact_capacity = False

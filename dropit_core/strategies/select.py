@@ -1,20 +1,12 @@
-"""The exact k-th largest magnitude of a large tensor, with small temporaries.
+"""The exact k-th largest magnitude of a large tensor, with small temporaries (the published
+DropIT's ``kthvalue`` over a dense ``|x|`` copy makes a full-size one).
 
-The published DropIT takes it with one ``kthvalue`` over a dense ``|x|`` copy: a full-size
-temporary (two for bf16, copied to fp32) and, on CUDA, one thread block for the whole tensor.
-
-On the CPU (:func:`select_superset`) a strided sample brackets the k-th value; one pass, slice by
-slice, gathers every value at or above the bracket's low end (a few percent of n more than the
-k largest), and sorting the few inside the bracket gives the exact value; min-k packs its kept
-values from that superset instead of reading the input a third time. Should the sample mislead
-(a miss is reported, not hidden), a radix select finds the value exactly.
-
-On an accelerator (:func:`kth_largest_abs`) the radix select (:func:`radix_kth_largest_abs`) runs
-alone: every size fixed by the shape, so the host never waits for the device and nothing can miss;
-with the Triton kernels each pass is one launch (:mod:`dropit_core.backends.triton.select`).
-
-Both return the value floored at the dtype's smallest normal number, so that keeping
-``|x| >= value`` never keeps exact zeros (they rebuild as zeros anyway).
+On the CPU (:func:`select_superset`) a strided sample brackets the k-th value; one pass gathers
+every value at or above the bracket's low end, and sorting the few inside it gives the exact
+value (min-k packs from that superset). Should the sample mislead, a radix select finds it. On an
+accelerator (:func:`kth_largest_abs`) the radix select (:func:`radix_kth_largest_abs`) runs
+alone: sizes fixed by the shape, no host wait. Both floor the value at the dtype's smallest
+normal, so that keeping ``|x| >= value`` never keeps exact zeros.
 """
 
 from __future__ import annotations
