@@ -1,8 +1,6 @@
-"""1-bit position and ReLU masks, the compaction of kept values, and their rebuild.
-
-A kept element costs its value (:mod:`dropit_core.formats.values`) and the position mask 1 bit per
-element of the whole tensor, so at gamma=0.8 an fp32 cache costs 0.2 * 4 + 1/8 = 0.925 bytes per
-element instead of the published (1 - gamma) * (4 + 4) = 1.6 (value + int32 index).
+"""The torch byte packer, 1-bit position and ReLU masks, the compaction of kept values, and their
+rebuild. A kept element costs its value and the position mask 1 bit per element of the tensor:
+at gamma=0.8 an fp32 cache costs 0.925 bytes per element, the paper's value + int32 index 1.6.
 """
 
 from __future__ import annotations
@@ -14,11 +12,10 @@ import torch
 
 
 def pack_low_bits(values: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack a flat uint8 tensor of ``bits``-bit values (1, 2, 4 or 8; each below ``2**bits``) into
-    bytes, ``8 // bits`` a byte, the first in the low bits; a last partial byte is padded with
-    zeros. ``out``: the bytes' buffer. The one way bytes are packed in torch (flags, quant's codes,
-    eager and traced alike): shifts and ORs of each byte's slots, which Inductor fuses into the
-    kernel that makes the values (a view of the bytes as wider words, faster eagerly, it cannot)."""
+    """Pack a flat uint8 tensor of ``bits``-bit values (1, 2, 4 or 8) into bytes, ``8 // bits`` a
+    byte, the first in the low bits, a last partial byte padded with zeros; ``out``: the buffer.
+    The one torch byte packer (flags, quant's codes, eager and traced): shifts and ORs of each
+    byte's slots, which Inductor fuses into the kernel that makes the values."""
     per_byte = 8 // bits
     if per_byte == 1:
         return values if out is None else out.copy_(values)
@@ -98,12 +95,10 @@ def zero_flagged_sliced(values: torch.Tensor, bits: torch.Tensor) -> torch.Tenso
 
 
 def zero_flagged(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """``values.masked_fill(flags, 0)`` for the flags packed in ``bits``, without a branch. A masked
-    fill branches on every element, and a ReLU's mask is random enough to defeat the branch
-    predictor: on the CPU it runs several times slower than a plain pass. Here each flag becomes an
-    integer of the values' width, all ones where the value passes and zero where it is flagged, and
-    one AND on the bit patterns applies it: passing NaN and inf stay as they are, flagged elements
-    become +0.0, exactly as ``masked_fill`` makes them."""
+    """``values.masked_fill(flags, 0)`` for the flags packed in ``bits``, without a branch (a
+    ReLU's random mask defeats the CPU's branch predictor): each flag becomes an integer of the
+    values' width, all ones where the value passes, and one AND on the bit patterns applies it
+    (NaN and inf pass as they are, flagged elements become +0.0)."""
     words = _flag_words(bits)
     words.bitwise_not_()  # high bit of each byte: the flag is clear (the value passes)
     words >>= 7
@@ -145,12 +140,10 @@ def bit_positions(
     bits: torch.Tensor, n: int, base: int | torch.Tensor = 0, total: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each of the first ``n`` flags in ``bits``: ``base`` + 1 + how many flags are set before
-    it when it is set, else 0. Indexing ``cat([0], kept)`` with it rebuilds the dense tensor. Also
-    returns ``base`` + the flags set (a 0-dim tensor): the next slice's base, which never leaves the
-    device (``base`` may be such a tensor). Computed per byte with two 256-entry tables and a prefix
-    sum over the bytes, not the flags: a prefix sum is serial, and eight times shorter is eight
-    times cheaper. ``total``, the largest index that can occur (default: ``base + n``; give it when
-    ``base`` is a tensor), picks int32 indices where they suffice."""
+    it when it is set, else 0 (indexing ``cat([0], kept)`` with it rebuilds the dense tensor), and
+    ``base`` + the flags set, a 0-dim tensor: the next slice's base, on the device. Per byte, with
+    two 256-entry tables and a prefix sum over the bytes (8x shorter than over the flags).
+    ``total``, the largest index that can occur (default ``base + n``), picks int32 or int64."""
     dtype = _index_dtype(base + n if total is None else total)
     as_index, per_byte = _set_per_byte(bits, dtype)
     start = torch.cumsum(per_byte, 0, dtype=dtype)
@@ -172,11 +165,9 @@ def _select_table(device: torch.device) -> torch.Tensor:
 
 
 def kept_indices(bits: torch.Tensor) -> torch.Tensor:
-    """The positions of the set flags in ``bits``, ascending: ``nonzero`` of the unpacked flags.
-    ``nonzero`` over the flags themselves branches on each one and is the slowest pass of a pack on
-    the CPU. Here it runs over the non-empty bytes only (8x fewer elements), and each kept flag's
-    position comes from gathers: which non-empty byte it falls in, and where in that byte (a table).
-    Indices are int32 when they fit, else int64 (``index_select`` takes either)."""
+    """The positions of the set flags in ``bits``, ascending (``nonzero`` of the unpacked flags):
+    ``nonzero`` over the non-empty bytes only (8x fewer elements), then each kept flag's position
+    by gathers (its byte, and a table of where in that byte). int32 where they fit, else int64."""
     dtype = _index_dtype(8 * bits.numel())
     as_index, per_byte = _set_per_byte(bits, dtype)
     nonempty = torch.nonzero(per_byte).squeeze(1)
@@ -206,13 +197,11 @@ def scatter_kept(
     slice_len: int,
     slice_bits: Callable[[int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The dense flat tensor of n elements whose set flags take ``kept`` in order, zeros elsewhere.
-    ``torch.zeros(n).masked_scatter_(mask, kept)`` branches on every flag (slow on a CPU for a
-    random mask) and needs the mask unpacked to bytes; here each slice of ``slice_len`` flags (a
-    multiple of 8) becomes gather indices (:func:`bit_positions`) and one ``index_select`` writes
-    it. Where a slice starts in ``kept`` is counted on the device: no host read. ``kept`` may end
-    with unused slots (a pack's capacity). ``slice_bits(start, length)``, when given, supplies each
-    slice's packed flags instead of ``bits`` (a mask rebuilt from a seed; past ``kept``: zeros)."""
+    """The dense flat tensor of n elements whose set flags take ``kept`` in order, zeros elsewhere
+    (``masked_scatter_`` without its branch per flag): each slice of ``slice_len`` flags becomes
+    gather indices (:func:`bit_positions`) and one ``index_select``, with no host read. ``kept``
+    may end with unused slots. ``slice_bits(start, length)``, when given, supplies each slice's
+    flags instead of ``bits`` (a mask rebuilt from a seed; flags past ``kept`` rebuild as zeros)."""
     slots = kept.numel()
     # Index 0, and slots + 1 (flags past the last slot, when flags are rebuilt), read a zero.
     zero = kept.new_zeros(1)
@@ -240,11 +229,9 @@ def compact_into(
     base: torch.Tensor,
     flags: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Write ``values[mask]`` (flat) into ``out`` from slot ``base`` (a 0-dim int64 tensor) on.
-    Nothing here depends on a data-dependent size, so on CUDA it never waits for the device.
-    ``out``'s last slot takes what does not fit (nothing there is read): values past the other slots
-    are not stored, the later ones in flat order. Returns (with ``flags``, which values were stored,
-    a bool tensor of ``values``' length; the next base; how many ``mask`` flagged)."""
+    """Write ``values[mask]`` (flat) into ``out`` from slot ``base`` (a 0-dim int64 tensor) on,
+    no size from the data (no host wait); what does not fit goes to ``out``'s last slot, unread.
+    Returns (with ``flags``, which values were stored; the next base; how many ``mask`` flagged)."""
     length, capacity, dev = values.numel(), out.numel() - 1, values.device
     # + a slot that the positions past the capacity set
     stored_flags = torch.zeros(length + 1, dtype=torch.bool, device=dev) if flags else None

@@ -69,10 +69,8 @@ PackMeta = ElementsMeta | UnitsMeta | BlocksMeta | PoolMeta | QuantMeta
 
 
 class Packed(NamedTuple):
-    """A packed layer input: its metadata, then its tensors by role (None where not kept). The
-    tensors travel through ``ctx.save_for_backward`` in field order (``packed[1:]``) and come
-    back as ``Packed(meta, *saved)``: autograd owns them, and saved-tensor hooks see every byte.
-    """
+    """A packed layer input: its metadata, then its tensors by role (None where not kept), saved
+    for backward in field order (``packed[1:]``) and read back as ``Packed(meta, *saved)``."""
 
     meta: PackMeta
     bits: torch.Tensor | None = None  # kept positions, 1 bit each (sparse_bits: 1 per mask byte)
@@ -95,8 +93,8 @@ class Packed(NamedTuple):
 
 
 def quant_packed(shape: tuple, dtype: torch.dtype, codes, scales, mins) -> Packed:
-    """``Packed(QuantMeta(shape, dtype), values=codes, scales=scales, mins=mins)``, made as the
-    tuples they are: a NamedTuple's constructor is Python, and every layer makes one (host time)."""
+    """``Packed(QuantMeta(shape, dtype), values=codes, scales=scales, mins=mins)``, made as plain
+    tuples (a NamedTuple's constructor is Python, and every layer makes one: host time)."""
     meta = tuple.__new__(QuantMeta, (shape, dtype))
     return tuple.__new__(Packed, (meta, None, None, None, codes, scales, mins, None, None, None))
 
@@ -119,16 +117,15 @@ PACK_TAG = "_dropit_pack"  # on a DropIT pack's float tensors: compress_saved le
 
 
 def tag_pack(packed: Packed) -> None:
-    """Mark the pack's float tensors, so that ``compress_saved`` does not compress them again
-    (needed for what a Function saves, not what a saved-tensor hook of ours returns)."""
+    """Mark the pack's float tensors, so that ``compress_saved`` does not compress them again."""
     for t in packed[4:]:  # bits, mask_bytes and index are integers
         if t is not None and t.is_floating_point():
             setattr(t, PACK_TAG, True)
 
 
 def pack_made(t: torch.Tensor, attr: str, key: tuple) -> Any:
-    """The pack made earlier of ``t`` under ``key`` (e.g. its forward and ``t._version``), or
-    None: a tensor read by several layers is packed once. Kept on the tensor, dying with it."""
+    """The pack made earlier of ``t`` under ``key`` (its forward and ``t._version``), or None: a
+    tensor read by several layers is packed once (kept on the tensor, dying with it)."""
     hit = getattr(t, attr, None)
     return hit[1] if hit is not None and hit[0] == key else None
 

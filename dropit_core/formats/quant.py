@@ -17,10 +17,8 @@ Code of element ``i``: ``floor(min((x - min) / step + u_i, 2**bits - 1))``, ``u_
 mix32(i >> 12 + k1)) >> 8``, ``(k0, k1) = seeds.hash_keys(seed)``; the constants are seeds.py's.
 Rebuilt: ``code * step + min`` in fp32, then cast to ``dtype``. No fused multiply-add anywhere.
 
-Implementations, each tested byte for byte against this module: :mod:`dropit_core.backends.native`
-(``native.c``: the CPU) and :mod:`dropit_core.backends.triton.quant` (Triton: CUDA); the traced pack
-that Inductor fuses under ``DROPIT_FUSE`` (:mod:`dropit_core.layers.library`) is :func:`quantize`
-itself. :mod:`dropit_core.backends.dispatch` chooses among them.
+The C loops and the Triton kernels are tested byte for byte against this module; the fused
+traced pack is :func:`quantize` itself.
 """
 
 from __future__ import annotations
@@ -32,9 +30,7 @@ from dropit_core.formats.bits import pack_low_bits
 from dropit_core.formats.packed import tiny
 from dropit_core.formats.seeds import UNIFORM_BITS, keyed_bits
 
-# Codes per byte -> the integer of that many bytes, and the shifts that spread its byte's codes
-# over its bytes for unpack_codes: a byte widened to a word and OR-ed with itself shifted left by
-# j * (8 - bits) holds code j in the low bits of byte j.
+# Codes per byte -> the integer of that many bytes, and unpack_codes' shifts.
 _WORDS = {2: (torch.int16, (4,)), 4: (torch.int32, (6, 12, 18))}
 
 
@@ -44,8 +40,7 @@ def code_bytes(elements: int, bits: int) -> int:
 
 
 def inv_levels(bits: int) -> float:
-    """1 / (2**bits - 1) rounded to fp32: quant's step is ``(max - min) * inv_levels(bits)`` on
-    every path (a multiply by the rounded reciprocal, the same on every device)."""
+    """1 / (2**bits - 1) rounded to fp32: quant's step is ``(max - min) * inv_levels(bits)``."""
     return _INV_LEVELS[bits]
 
 
@@ -66,8 +61,7 @@ def slice_len(group: int) -> int:
 def buffers(
     n: int, bits: int, group: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The final (codes, mins, scales) buffers of a pack of n values: every path writes its pack
-    into these, once (no concatenation, no second copy)."""
+    """The final (codes, mins, scales) buffers of a pack of n values: every path writes once."""
     groups = -(-n // group)
     return (
         torch.empty(code_bytes(n, bits), dtype=torch.uint8, device=device),
@@ -101,10 +95,8 @@ def pack_eager(
     cast: torch.dtype | None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> None:
-    """The reference pack of the flat ``flat`` (read as ``cast`` values where given) into the
-    final buffers ``out`` (codes, mins, scales), slice by slice (whole groups, a last partial
-    group at the end only): per slice a few temporaries, nothing of the whole size. ``keys``:
-    the draw's hash keys, ``seeds.hash_keys(seed)``."""
+    """The reference pack of ``flat`` (read as ``cast`` values where given) into the buffers
+    ``out`` (codes, mins, scales), slice by slice; ``keys``: ``seeds.hash_keys(seed)``."""
     codes, mins, scales = out
     step = slice_len(group)
     for start in range(0, flat.numel(), step):
@@ -137,9 +129,8 @@ def quantize(
     rows: torch.Tensor, noise: torch.Tensor, bits: int, cast: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the codes of ``rows``, one group a row, flat, a byte each; the groups' minima; their
-    steps), ``noise`` the rows' draws (``seeds.keyed_bits``, flat): the same fp32 operations, in
-    the same order, as the Triton kernel and the C loops, in plain torch ops that Inductor fuses
-    (the traced pack runs them too). ``cast``: the values are read as that dtype's."""
+    steps), ``noise`` the rows' draws (``seeds.keyed_bits``): the kernels' fp32 operations in
+    their order, as torch ops that Inductor fuses. ``cast``: read as that dtype's values."""
     g = (rows if cast is None else rows.to(cast)).float()
     # Two reductions, not aminmax: over rows of a group, torch's CPU aminmax was 9x slower.
     mins = g.amin(1)

@@ -1,14 +1,10 @@
 """Seeds for reproducible random packs: one integer hash of (strategy seed, step, pack, ...).
 
-A strategy that draws (random keeps, importance sampling, stochastic rounding) seeds each pack
-from its ``seed`` option and a key that :class:`dropit_core.layers.cache.InputCache` derives
-from the training step and the pack's position in that step's forward. Integers (Python ints, or
-int64 CPU tensors of many at once, the same values): no generator state to save in a checkpoint,
-nothing read from a device.
-
-:func:`hash_uniform` is the counter-based draw: a pure function of (seed, element index), the
-same numbers in eager torch (int64 arithmetic here) and in Triton (uint32, in
-:mod:`dropit_core.backends.triton`), whatever the slice or block an element falls in.
+A strategy that draws seeds each pack from its ``seed`` option and a key that
+:class:`dropit_core.layers.cache.InputCache` derives from the step and the pack's position in
+that step's forward: no generator state to save, nothing read from a device. :func:`hash_uniform`
+is the counter-based draw, a pure function of (seed, element index), the same numbers in eager
+torch, the C loops and Triton, whatever the slice or block an element falls in.
 """
 
 from __future__ import annotations
@@ -31,9 +27,8 @@ _MUL2 = _signed64(0x94D049BB133111EB)
 
 
 def _splitmix64(z: int | torch.Tensor, wrap: int = _MASK64) -> int | torch.Tensor:
-    """One step of SplitMix64 (Steele, Lea and Flood 2014), a bijective 64-bit mixer, of a
-    Python int in [0, 2**64) or, with ``wrap=-1``, element-wise of an int64 tensor of such bit
-    patterns (many keys at once). The masked shifts are logical on both."""
+    """One step of SplitMix64 (Steele, Lea and Flood 2014) of a Python int in [0, 2**64) or, with
+    ``wrap=-1``, of each element of an int64 tensor of such patterns (shifts logical on both)."""
     z = (z + _GOLDEN) & wrap
     z = ((z ^ (z >> 30 & (1 << 34) - 1)) * _MUL1) & wrap
     z = ((z ^ (z >> 27 & (1 << 37) - 1)) * _MUL2) & wrap
@@ -41,33 +36,28 @@ def _splitmix64(z: int | torch.Tensor, wrap: int = _MASK64) -> int | torch.Tenso
 
 
 def mix_seed(*parts: int) -> int:
-    """A seed in [0, 2**62) that depends on every part and on their order.
-
-    Below 2**62 so that a slice offset (a few billion at most) can be added and the sum still
-    fits ``torch.Generator.manual_seed``.
-    """
+    """A seed in [0, 2**62) that depends on every part and on their order (below 2**62: plus a
+    slice offset, it still fits ``torch.Generator.manual_seed``)."""
     return seed_of(mix_state(0, *parts))
 
 
 def mix_part(state: int, part: int | torch.Tensor) -> int | torch.Tensor:
-    """``mix_state(state, part)`` of one part in [0, 2**64), without the loop (each pack of each
-    layer folds in its position and its key: host time); of each element of an int64 tensor of
-    parts, as an int64 tensor of the 64-bit states' patterns."""
+    """``mix_state(state, part)`` of one part, without the loop (host time); of each element of
+    an int64 tensor of parts, as an int64 tensor of the states' bit patterns."""
     if isinstance(part, torch.Tensor):
         return _splitmix64(part ^ _signed64(state), -1)
     return _splitmix64(state ^ part)
 
 
 def seed_of(state: int | torch.Tensor) -> int | torch.Tensor:
-    """The seed in [0, 2**62) of a 64-bit state (``mix_seed``'s last step), of an int or, element
-    by element, of an int64 tensor of states."""
+    """The seed in [0, 2**62) of a 64-bit state (``mix_seed``'s last step), of an int or of each
+    element of an int64 tensor."""
     return state >> 2 & (1 << 62) - 1
 
 
 def mix_state(state: int, *parts: int) -> int:
     """The 64-bit state :func:`mix_seed` folds its parts into, from ``state`` on:
-    ``mix_seed(a, b, c) == mix_state(mix_state(0, a, b), c) >> 2``. A caller that mixes many
-    seeds with one prefix folds the prefix once (every layer's pack, every step: host time)."""
+    ``mix_seed(a, b, c) == mix_state(mix_state(0, a, b), c) >> 2`` (a prefix folded once)."""
     for part in parts:
         state = _splitmix64(state ^ (part & _MASK64))
     return state
@@ -86,8 +76,7 @@ TABLE_BITS = 12  # the draw XORs a hash of the index's low 12 bits with one of t
 
 def mix32(x: int | torch.Tensor) -> int | torch.Tensor:
     """The 32-bit mixer, a bijection of [0, 2**32), on a Python int or, in place, on an int64
-    tensor of such values (the caller's scratch: one temporary a step, no more): the one Python
-    form of the mixer that native.c and kernels/noise.py write in their languages."""
+    tensor of such values: the Python form of native.c's and triton/noise.py's."""
     x ^= x >> 16
     x *= MIX_MUL1
     x &= MASK32
@@ -99,11 +88,9 @@ def mix32(x: int | torch.Tensor) -> int | torch.Tensor:
 
 
 def hash_keys(seed: int) -> tuple[int, int]:
-    """The two 32-bit keys of a pack seed's draws (:func:`hash_bits`' k0 and k1): what every
-    path that hashes element indices itself (Triton, the C loops, the fused Inductor pack) takes.
-    ``k_j = mix32(mix32(hi ^ mix32(j + KEY_SALT)) ^ lo)`` for j = 0, 1, with ``lo`` and ``hi``
-    the seed's low and high 32 bits; the salted words ``mix32(j + KEY_SALT)`` are mixed once at
-    import (every pack of every layer asks: host time)."""
+    """The two 32-bit keys (k0, k1) of a pack seed's draws, which every path that hashes element
+    indices takes: ``k_j = mix32(mix32(hi ^ mix32(j + KEY_SALT)) ^ lo)``, ``lo`` and ``hi`` the
+    seed's low and high 32 bits (the salted words mixed once, at import)."""
     lo, hi = seed & MASK32, (seed >> 32) & MASK32
     return mix32(mix32(hi ^ _SALTED_0) ^ lo), mix32(mix32(hi ^ _SALTED_1) ^ lo)
 
@@ -121,12 +108,8 @@ def _table(key: int | torch.Tensor, first: int, count: int, device: torch.device
 def hash_bits(seed: int, start: int, length: int, device: torch.device) -> torch.Tensor:
     """The 24-bit integers (int32) behind :func:`hash_uniform`: element i of a pack seeded
     ``seed`` draws ``(mix32(i mod 4096 + k0) ^ mix32(i >> 12 + k1)) >> 8`` (sums modulo 2**32;
-    k0, k1 = hash_keys(seed)), for i below 2**44.
-
-    A pure function of (seed, i), which the Triton kernels compute per element. Here it is two
-    small tables (4096 entries, and one per 4096 elements) and one broadcast XOR: a single pass
-    over the output, where hashing every index would take a dozen int64 passes.
-    """
+    k0, k1 = hash_keys(seed)), for i below 2**44. Here two small tables and one broadcast XOR:
+    one pass over the output, where hashing every index would take a dozen."""
     return keyed_bits(hash_keys(seed), start, length, device)
 
 
@@ -136,9 +119,8 @@ def keyed_bits(
     length: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """:func:`hash_bits` from the seed's hash keys (k0, k1) = ``hash_keys(seed)``, ints or 0-dim
-    int64 tensors: what a pack drawn with keys read from device memory (a CUDA graph's, a
-    traced one's) computes."""
+    """:func:`hash_bits` from ``hash_keys(seed)``, ints or 0-dim int64 tensors (keys read from
+    device memory: a CUDA graph's, a traced pack's)."""
     if start + length > 1 << 44:
         raise ValueError("hash_bits draws for element indices below 2**44")
     key_low, key_high = keys

@@ -1,11 +1,8 @@
-"""The quant pack and rebuild, one Triton launch each (reference:
-``dropit_core.strategies.quant.Quant``).
+"""The quant pack and rebuild, one Triton launch each (reference: :mod:`dropit_core.formats.quant`).
 
-Each program owns whole groups (``ROWS`` of them, a [ROWS, group] tile), so its group minima and
-steps never leave registers, and each group's codes fill whole bytes (``group`` a multiple of
-``8 // bits``: :func:`dropit_core.formats.quant.kernels_take`), so no two programs share a byte.
-The fp32 operations are the eager path's, in its order, with no fused multiply-add
-(``enable_fp_fusion=False``): the codes, minima and steps are bit-identical to it.
+Each program owns whole groups (a [ROWS, group] tile), so its minima and steps stay in registers,
+and each group's codes fill whole bytes, so no two programs share a byte. The fp32 operations are
+the eager path's, in its order, with no fused multiply-add: the bytes are eager's.
 """
 
 from __future__ import annotations
@@ -105,13 +102,9 @@ def quant_pack(
     block: int = PACK_BLOCK,
     cast: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, mins, scales) of a flat float tensor: ``Quant``'s packed format, one launch.
-
-    Bytes per element: reads the input once (2 or 4), writes ``bits / 8`` of codes and
-    ``8 / group`` of minima and steps. ``block`` (elements per program) changes no byte.
-    ``cast`` (fp16 or bf16): pack ``flat.to(cast)``, bit for bit, from ``flat`` itself (each
-    value rounded in registers), so that autocast's copy of a layer input need not outlive the
-    layer for its pack.
+    """(codes, mins, scales) of a flat float tensor, one launch: reads the input once, writes
+    ``bits / 8`` bytes of codes and ``8 / group`` of minima and steps per element. ``block``
+    changes no byte. ``cast`` (fp16 or bf16): the pack of ``flat.to(cast)``, rounded in registers.
     """
     _check_pack(flat, bits, group, cast)
     keys = hash_keys(seed)
@@ -121,10 +114,8 @@ def quant_pack(
 def quant_pack_signed(
     flat: torch.Tensor, bits: int, group: int, seed: int, block: int = PACK_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`quant_pack`'s (codes, mins, scales), and the flags of ``flat == 0`` and
-    ``flat < 0`` packed as ``formats.bits.pack_bits`` packs them, in the same one launch
-    (``group`` a multiple of 8). Two more bits per element: what ``CompressSaved`` keeps so
-    that a rebuilt tensor has exactly the zeros and signs of the original."""
+    """:func:`quant_pack`'s (codes, mins, scales) and the flags of ``flat == 0`` and ``flat < 0``
+    (``pack_bits``' bytes) in the same launch (``group`` a multiple of 8): ``CompressSaved``'s."""
     if group % 8:
         raise ValueError(f"quant_pack_signed: group {group} is not whole bytes of flags")
     _check_pack(flat, bits, group, None)
@@ -151,17 +142,16 @@ def pack_contiguous(
     block: int = PACK_BLOCK,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`quant_pack`'s (codes, mins, scales), and with ``signs`` the two flag buffers, of a
-    contiguous float tensor of any shape read flat, without the argument checks: for a caller
-    that has made them (``Quant`` takes this path on every layer of every step, where the
-    checks and the reshape were host time a GPU step waits on). ``keys``: the draw's hash keys,
-    ``seeds.hash_keys(seed)``, as ints or as an int64 tensor ``(k0, k1, ...)`` on the device
-    that the kernel reads from memory (a CUDA graph's pack: the keys are data, not constants)."""
+    contiguous tensor of any shape read flat, without the checks (every layer of every step:
+    host time). ``keys``: ``seeds.hash_keys(seed)``, as ints or as an int64 tensor ``(k0, k1,
+    ...)`` on the device, read by the kernel (a CUDA graph's pack: keys as data)."""
     n = x.numel()
     if n > 1 << 44:
         raise ValueError("quant_pack draws for element indices below 2**44")
     codes, mins, scales = quant_buffers(n, bits, group, x.device)
-    if signs:
-        zero, negative = flag_buffer(n, x.device), flag_buffer(n, x.device)
+    if signs:  # n flags each, 8 to a byte
+        zero = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
+        negative = torch.empty_like(zero)
     else:  # the kernel never reads its flag pointers: the codes stand in for them
         zero, negative = codes, codes
     if n == 0:
@@ -188,11 +178,6 @@ def _pack_constants(
         "INV_LEVELS": inv_levels(bits), "TINY_F32": TINY, "ROUND": _ROUND.get(cast, 0),
         "SIGNS": signs, "KEYS_IN_MEMORY": keyed, "enable_fp_fusion": False,
     }  # fmt: skip
-
-
-def flag_buffer(n: int, device: torch.device) -> torch.Tensor:
-    """The bytes of n flags, 8 to a byte (``formats.bits.pack_bits``' size)."""
-    return torch.empty((n + 7) // 8, dtype=torch.uint8, device=device)
 
 
 # quant_pack's cast: the kernel's ROUND (0: values as they are, fp32 or already narrow).
@@ -272,14 +257,9 @@ def quant_rebuild(
     check: bool = True,
 ) -> torch.Tensor:
     """The ``dtype`` tensor of n values (flat, or of ``shape``) a quant pack rebuilds to, one
-    launch.
-
-    Bytes per element: reads ``bits / 8`` of codes and ``8 / group`` of minima and steps,
-    writes the output once (2 or 4). ``signs``: the (zero, negative) flag bytes of
-    :func:`quant_pack_signed`, restored in the same launch: flagged zeros are +0.0, every other
-    value has at least the magnitude of ``dtype``'s smallest normal and the flagged sign
-    (reference: ``Quant.unpack_signed``' eager path). ``check=False``: no argument checks, for a
-    pack :func:`pack_contiguous` made (``Quant``'s rebuild of every layer: host time).
+    launch: reads ``bits / 8`` bytes of codes and ``8 / group`` of minima and steps, writes the
+    output once. ``signs``: :func:`quant_pack_signed`'s (zero, negative) flags, restored as
+    ``strategies.quant.unpack_signed`` does. ``check=False``: no argument checks (host time).
     """
     if check:
         _check_rebuild(codes, mins, n, bits, group, dtype, signs)
