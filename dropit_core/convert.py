@@ -1,10 +1,7 @@
 """Convert the layers of any ``nn.Module`` to DropIT in place, by module-path patterns, and back.
 
-Conversion swaps the class of matching ``nn.Conv2d``, ``nn.ConvTranspose2d``, ``nn.Linear`` and
-``nn.ReLU`` modules (with ``norm=True`` also ``nn.BatchNorm2d``, ``nn.SyncBatchNorm`` and
-``nn.GroupNorm``: :mod:`dropit_core.layers.norm`; with ``pool=True`` ``nn.MaxPool2d``:
-:mod:`dropit_core.layers.pooling`) for a DropIT subclass: parameters, buffers, hooks and
-``state_dict()`` stay exactly as they were, so optimizers, checkpoints and DDP see the same model.
+Conversion swaps the class of each matching layer for its DropIT subclass: parameters, buffers,
+hooks and ``state_dict()`` stay as they were, so optimizers, checkpoints and DDP see one model.
 """
 
 from __future__ import annotations
@@ -122,24 +119,15 @@ def to_dropit(
     strict: bool = True,
     **options: Any,
 ) -> M:
-    """Convert matching conv/linear layers to DropIT, in place; with ``relu`` also the ReLUs whose
-    1-bit mask (exact) frees their output, as no plain layer reads it
-    (:mod:`dropit_core.readers`; ``relu="all"``: every ReLU selected), with ``norm`` BatchNorm2d,
-    SyncBatchNorm and GroupNorm (the input packed by a strategy that keeps every element, the
-    input gradient then approximate:
-    :mod:`dropit_core.layers.norm`), with ``pool`` MaxPool2d (one byte per output, exact).
+    """Convert matching conv/linear layers to DropIT, in place, and return ``model``; with
+    ``relu`` also the ReLUs whose 1-bit mask frees their output (:mod:`dropit_core.readers`;
+    ``"all"``: every ReLU selected), with ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm, with
+    ``pool`` MaxPool2d (docs/dropit.md, "Which modules convert").
 
-    ``include``/``exclude`` are fnmatch patterns on ``named_modules()`` paths; a pattern also
-    covers the modules below the one it names. ``options`` go to the strategy (e.g.
-    ``values="int8"``), checked against ``dropit_core.REGISTRY``. ``rules``: per-group settings,
-    e.g. ``[{"include": ["backbone"], "gamma": 0.8}, {"include": ["roi_heads"], "strategy":
-    "quant", "options": {"bits": 4}}]`` (:mod:`dropit_core.rules`), each packing through its own
-    cache. Layers inside a checkpointed module (:data:`CHECKPOINTED_ATTRIBUTE`) stay plain, listed
-    as ``skipped``. A pattern that matches no module is an error, unless ``strict=False`` (e.g.
-    ``exclude=PAPER_EXCLUDE`` on a Faster R-CNN, which has no mask branch).
-
-    Returns ``model`` itself, as torch's converters do; :func:`dropit_record` ``(model)`` says
-    what was converted and with which settings.
+    ``include``/``exclude``: fnmatch patterns on module paths, each covering the modules below
+    the one it names; one that matches nothing is an error unless ``strict=False``. ``options``
+    go to the strategy (checked against ``REGISTRY``); ``rules``: per-group settings
+    (:mod:`dropit_core.rules`). Layers inside a checkpointed module stay plain, as ``skipped``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"to_dropit takes an nn.Module, got {type(model).__name__}")
@@ -185,9 +173,7 @@ def _masks_that_free(
     model: nn.Module, chosen: list[tuple[str, nn.Module, Rule]], regions: list[str]
 ) -> list[tuple[str, nn.Module, Rule]]:
     """``chosen`` without the ReLUs (but of rules with ``relu="all"``) whose every call's output a
-    plain layer keeps whole: one the conversion leaves plain that keeps its input (a conv,
-    linear, norm or max-pool, or a subclass of one), or a checkpointed module (autograd keeps
-    its input)."""
+    layer left plain that keeps its input, or a checkpointed module, keeps whole."""
     modules = dict(model.named_modules())
     converted = {path for path, _, _ in chosen}
     units = frozenset(regions)
@@ -200,8 +186,7 @@ def _masks_that_free(
 
 
 def dropit_record(model: nn.Module) -> DropITRecord:
-    """What :func:`to_dropit` converted in ``model`` and is still converted: its layers in model
-    order and settings (a part turned back by :func:`from_dropit` is no longer counted)."""
+    """What :func:`to_dropit` converted in ``model`` and is still converted, with its settings."""
     record = model.__dict__.get(_RECORD_ATTRIBUTE)
     if record is None:
         raise ValueError(
@@ -265,9 +250,8 @@ def from_dropit(model: M) -> M:
 
 def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
     """Seed the random draws of ``model``'s DropIT layers (and its :func:`compress_saved` block)
-    for training step ``step``; call it before each training forward. Every pack that draws is
-    then seeded from the strategy's ``seed``, the step, ``rank`` (under DDP the process rank) and
-    the pack's place in the forward: a resumed run draws what the uninterrupted one did."""
+    for training step ``step`` on process ``rank``; call it before each training forward, so
+    that a resumed run draws what the uninterrupted one did."""
     for name, value in (("step", step), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"DropIT set_step {name}={value!r} is invalid: allowed integers >= 0")
@@ -280,10 +264,8 @@ def set_step(model: nn.Module, step: int, rank: int = 0) -> None:
 
 
 def dropped_values(model: nn.Module) -> int:
-    """How many values the DropIT layers of ``model`` chose to keep but could not store (they
-    rebuild as zeros): element-wise packs on a GPU hold a capacity sized from the input's shape
-    (:mod:`dropit_core.strategies.elementwise`). Counted on the device since conversion; reading
-    it is one host sync. Always 0 on the CPU."""
+    """How many values the DropIT layers of ``model`` chose to keep but could not store (packs
+    sized from the shape, on a GPU): one host sync; always 0 on the CPU."""
     counts = [c.dropped for c in _caches(model) if c.dropped is not None]
     return int(sum(counts)) if counts else 0
 

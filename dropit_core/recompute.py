@@ -1,9 +1,8 @@
 """Activation checkpointing of any ``nn.Module``'s submodules, chosen by module-path patterns.
 
-A chosen module's class is swapped for a generated subclass whose forward runs under
+A chosen module's class is swapped for a generated subclass whose training forward runs under
 ``torch.utils.checkpoint`` (non-reentrant; parameters, hooks and ``state_dict()`` unchanged):
-autograd keeps the module's inputs, and the backward recomputes the inside bit for bit (the RNG
-state replayed, BatchNorm running statistics updated by the forward only).
+the backward recomputes it bit for bit, BatchNorm running statistics updated once.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 class _ScratchRunningStats:
     """Context in which each training BatchNorm of a unit updates throwaway running statistics:
-    the recompute must run the forward's very ops (track_running_stats=False would save fewer
-    tensors), but the forward did the update. Reusable: a unit may be recomputed twice."""
+    the recompute runs the forward's very ops, but the forward did the update."""
 
     def __init__(self, unit: nn.Module) -> None:
         self.unit = unit

@@ -1,10 +1,6 @@
-"""The strategy registry: every strategy's name and typed options, declared once.
-
-A strategy class declares ``name``, ``options`` (a tuple of :class:`Option`), ``keeps`` and
-``cache_bytes`` (one line each, for the docs) and ``skips_common``; :class:`Registry` collects the
-classes in the order users see them. Option validation (:meth:`Registry.resolve`), the config
-schema's strategy list and the README's tables (:meth:`Registry.markdown`, printed by ``python -m
-dropit_core``) all derive from it. Everything here runs when a model is converted, never per step.
+"""The strategy registry: every strategy's name and typed options, declared once. Option checks
+(:meth:`Registry.resolve`), the config schema's strategy list and the docs' tables
+(:meth:`Registry.markdown`, ``python -m dropit_core``) derive from it; it runs at conversion.
 """
 
 from __future__ import annotations

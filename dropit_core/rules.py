@@ -1,10 +1,9 @@
 """Which layers get which DropIT setting: module-path patterns, per-group rules, and their checks.
 
-A rule is a dict with any of :data:`RULE_KEYS` (``options`` may hold ``relu``, ``norm`` and
-``pool`` too, as a config's ``dropit.options`` does); a key it leaves out falls back to
-``to_dropit``'s argument of the same name, and ``to_dropit``'s own ``exclude`` applies to every
-rule. Without rules, ``to_dropit``'s arguments are the one rule. :func:`check_rules` validates
-rules without a model (configs call it on load); :func:`assign_layers` matches them to a model.
+A rule is a dict with any of :data:`RULE_KEYS`; a key it leaves out falls back to ``to_dropit``'s
+argument of the same name, and ``to_dropit``'s own ``exclude`` applies to every rule.
+:func:`check_rules` validates rules without a model (configs call it on load);
+:func:`assign_layers` matches them to a model.
 """
 
 from __future__ import annotations
@@ -56,8 +55,8 @@ def check_options(
     pool: bool = False,
     **options: Any,
 ) -> Strategy:
-    """Validate what ``to_dropit`` takes besides the model and patterns; returns the built
-    strategy. Needs no model, so configs call it on load."""
+    """Validate what ``to_dropit`` takes besides the model and patterns (no model needed);
+    returns the built strategy."""
     built = build_strategy(strategy, gamma, **options)
     if not (isinstance(relu, bool) or (isinstance(relu, str) and relu == RELU_ALL)):
         raise ValueError(
@@ -188,10 +187,10 @@ def assign_layers(
     convertible: Collection[type],
     strict: bool = True,
 ) -> list[tuple[str, nn.Module, Rule]]:
-    """(path, module, rule) for every layer of ``named`` (``named_modules()`` order) whose type
-    is exactly one of ``convertible`` that a rule selects (a type in ``GATED`` only where the
-    rule's flag is set). Raises for two rules claiming one layer, a rule that selects no
-    conv/linear layer, and (``strict``) a pattern that matches no module."""
+    """(path, module, rule) for every layer of ``named`` whose type is exactly one of
+    ``convertible`` that a rule selects (a ``GATED`` type only under its flag). Raises for two
+    rules claiming one layer, a rule that selects no conv/linear layer, and (``strict``) a
+    pattern that matches no module."""
     paths = [p for p, _ in named]
     if strict:
         for rule in rules:

@@ -1,11 +1,7 @@
 """The DropIT convolution, plain and transposed: its module, its autograd Function (what runs
 eagerly) with the chunked backward that rebuilds the input, and its traced operator
-``dropit::conv`` (what ``torch.compile`` traces), whose backward is the Function's body,
-:func:`conv_grads`.
-
-The forward output is exactly the plain op's. The input gradient needs only the weight, and the
-bias gradient only the output gradient, so both are exact; only the weight gradient is computed
-from the rebuilt (dropped) input.
+``dropit::conv``, whose backward is the Function's body, :func:`conv_grads`. The output and the
+input and bias gradients are the plain op's; only the weight gradient reads the rebuilt input.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ from dropit_core.layers.casts import training_params
 
 
 class ConvArgs(NamedTuple):
-    """The arguments of ``aten.convolution`` besides input, weight and bias (lists or tuples:
-    aten takes either; the compiled path's operator takes lists)."""
+    """The arguments of ``aten.convolution`` besides input, weight and bias (lists or tuples)."""
 
     stride: Sequence[int]
     padding: Sequence[int]
@@ -42,12 +37,10 @@ class ConvArgs(NamedTuple):
 
 
 # Inputs of at least this many bytes have their conv's weight and input gradients made in turn
-# (conv_grads): one rebuilt map fewer at the peak, for one more call, which small layers skip.
+# (conv_grads): one rebuilt map fewer at the peak, for one more call.
 SPLIT_BYTES = 8 << 20
-# A split weight gradient takes its images in chunks of at least one image and at most this many
-# bytes of input, by device type: 64 MiB on an accelerator, so a layer's launches do not grow with
-# the batch while a chunk's rebuilt map stays small beside the peak (docs/results/chunk_bytes/);
-# 8 MiB on the CPU, where a call costs only its work, so the committed CPU runs keep their sums.
+# A split weight gradient's chunk of images: at most this many bytes of input (at least one
+# image), by device type (docs/results/chunk_bytes/; the CPU's keeps the committed runs' sums).
 CHUNK_BYTES: dict[str, int] = {"cpu": 8 << 20, "accelerator": 64 << 20}
 
 
@@ -83,13 +76,10 @@ def conv_grads(
     needs: Sequence[bool],
     rebuilt: Rebuilt | None,
 ) -> Grads:
-    """(input, weight, bias gradients) of a DropIT conv, the one body of the autograd Function's
-    backward and the traced operator's. ``rebuilt`` reads the packed input (None: no pack, the
-    weight does not train); ``needs`` the first three of ``ctx.needs_input_grad``.
-
-    A large input (at least SPLIT_BYTES) has its gradients made in turn: the weight's (and
-    bias's) first, over chunks of images (:func:`_weight_grad_by_images`), then the input
-    gradient, bit for bit the joint call's: one map fewer alive at the backward's peak."""
+    """(input, weight, bias gradients) of a DropIT conv, the one body of the Function's backward
+    and the traced operator's. ``rebuilt`` reads the packed input (None: the weight does not
+    train). A large input (SPLIT_BYTES) has the weight's (and bias's) made first, over chunks of
+    images, then the input gradient, bit for bit the joint call's."""
     need_x, need_w, need_b = needs[:3]
     need_w = need_w and rebuilt is not None
     out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
@@ -113,9 +103,8 @@ def _zeros_like_shape(ref: Tensor, shape: torch.Size) -> Tensor:
 
 
 def conv_input_grad(grad: Tensor, weight: Tensor, x_shape: torch.Size, args: ConvArgs) -> Tensor:
-    """A conv's input gradient without its input. On the CPU a 2-D conv's is the transposed
-    conv of ``grad``: the backward's kernel would first make its input argument contiguous (a
-    whole map of zeros for the zero-stride stand-in); the same values."""
+    """A conv's input gradient without its input; on the CPU a 2-D conv's by the transposed conv
+    of ``grad`` (the backward's kernel would make a whole map of zeros of the stand-in)."""
     if grad.device.type == "cpu" and not args.transposed and grad.dim() == 4:
         k = weight.shape[2:]
         pad = [
@@ -143,9 +132,7 @@ def _weight_grad_by_images(
     args: ConvArgs,
 ) -> tuple[Tensor, Tensor | None]:
     """The weight (and bias) gradient of a conv as a sum over chunks of images (CHUNK_BYTES of
-    input each, at least one image), images ``[i, j)`` read as ``rebuilt.images(i, j)``: the
-    rebuilt input and the kernel's copies are a chunk's, not the batch's. The parts are summed
-    in fp32 in image order: one call's value up to float rounding where there are several."""
+    input each), so that the rebuilt input is a chunk's, summed in fp32 in image order."""
     batch = x_shape[0]
     per_image = math.prod(x_shape[1:]) * grad.element_size()
     chunk = images_per_chunk(batch, per_image, grad.device)
@@ -240,8 +227,7 @@ class DropITConv2d(nn.Conv2d):
             padding = (0, 0)
         elif isinstance(padding, str):
             x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation), (0, 0)
-        # The module's tuples as they are: aten takes them so (a list of each per call was
-        # host time, on every layer of every step).
+        # The module's tuples as they are (a list of each per call was host time)
         args = ConvArgs(self.stride, padding, self.dilation, False, (0, 0), self.groups)
         return _run(x, weight, bias, self.dropit_cache, args)
 

@@ -1,7 +1,5 @@
-"""The DropIT linear layer: its module, its autograd Function (what runs eagerly) and its traced
-operator ``dropit::linear`` (what ``torch.compile`` traces), whose backward is the Function's body,
-:func:`linear_grads`. As the conv's (:mod:`.conv`): the output and the input and bias gradients
-are the plain layer's; only the weight gradient reads the rebuilt input.
+"""The DropIT linear layer: its module, its autograd Function and its traced operator
+``dropit::linear``, whose backward is the Function's body, :func:`linear_grads` (as :mod:`.conv`).
 """
 
 from __future__ import annotations

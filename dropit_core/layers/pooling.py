@@ -1,10 +1,6 @@
-"""A max-pool that keeps one byte per output for backward instead of its input and int64 indices.
-
-``nn.MaxPool2d`` saves its whole input (of which its backward reads only the shape) and an int64
-argmax per window: 1.5 times the input's fp32 bytes at the ResNet stem's 3x3, stride-2 pool. The
-backward needs only which element of each window won: one byte. :class:`DropITMaxPool2d` keeps
-it and rebuilds the indices for aten's own max-pool backward: the plain layer's gradient, bit for
-bit.
+"""A max-pool that keeps one byte per output for backward (which element of its window won), not
+its input and int64 indices: the backward rebuilds the indices for aten's own max-pool backward,
+bit for bit the plain layer's gradient.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The ReLU that keeps a 1-bit mask of its output instead of the output: its module, its autograd
-Function (what runs eagerly), its forward and backward bodies, which run the mask through the
-Triton kernels, the C loops or eager torch as :func:`dropit_core.backends.dispatch.choose` says,
-and its traced operators ``dropit::relu_mask`` and ``dropit::relu_mask_grad`` (what
-``torch.compile`` traces: the same bodies), or under ``DROPIT_FUSE`` plain torch ops.
+Function, the forward and backward bodies (the mask through the Triton kernels, the C loops or
+eager torch, as :func:`dropit_core.backends.dispatch.choose` says), and its traced operators
+``dropit::relu_mask`` and ``dropit::relu_mask_grad``, or under ``DROPIT_FUSE`` plain torch ops.
 """
 
 from __future__ import annotations
@@ -16,10 +15,8 @@ from dropit_core.formats.packed import refuse_double_backward
 
 
 class MaskedReLUFunction(torch.autograd.Function):
-    """ReLU that keeps one bit per element (output <= 0) for backward instead of the output.
-
-    Storing "blocked" rather than "passes" lets NaN through exactly as the plain ReLU backward.
-    """
+    """ReLU that keeps one bit per element, output <= 0 ("blocked", so that NaN passes as in
+    the plain backward), for backward instead of the output."""
 
     @staticmethod
     def forward(ctx, x, inplace: bool):
@@ -92,17 +89,14 @@ relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)
 
 
 def traced_relu(x: Tensor, inplace: bool) -> Tensor:
-    """The traced form of ``MaskedReLUFunction.apply``: :class:`_MaskedReLU`, which Inductor
-    fuses, or the opaque ``dropit::relu_mask`` (per ``dispatch.fused``). In place: copied into x,
-    which the compiler turns back into one buffer."""
+    """The traced ``MaskedReLUFunction.apply``: :class:`_MaskedReLU` (fused) or the opaque
+    ``dropit::relu_mask`` (per ``dispatch.fused``); in place, copied into x."""
     out = _MaskedReLU.apply(x) if dispatch.fused() else torch.ops.dropit.relu_mask(x)[0]
     return x.copy_(out) if inplace else out
 
 
 class _MaskedReLU(torch.autograd.Function):
-    """ReLU keeping the packed flags of ``output <= 0`` (eager's bytes: ``pack_bits``), in torch
-    ops that Dynamo traces into the graph; backward zeroes the flagged gradients (+0.0, as
-    eager's mask does; NaN passes)."""
+    """The masked ReLU in torch ops that Dynamo traces (eager's bytes: ``pack_bits``)."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
