@@ -1,6 +1,6 @@
 """What every strategy shares: the options every strategy takes and the :class:`Strategy` base,
 which owns how kept values are stored (a :class:`~dropit_core.formats.values.ValueCodec`) and the
-``rescale`` of the rebuilt input. The packed cache itself is :mod:`dropit_core.formats.packed`.
+``rescale`` of the rebuilt input.
 """
 
 from __future__ import annotations
@@ -58,22 +58,18 @@ def keep_count(gamma: float, n: int) -> int:
 
 class Strategy:
     """Base class: pick what to keep of a layer input and rebuild a dense tensor from it. A subclass
-    declares its ``name``, its ``options`` (``__init__`` keywords, defaults filled in), what it
-    ``keeps`` and its ``cache_bytes`` (for the docs), and implements :meth:`_pack` and
-    :meth:`_unpack`. ``draws``: a pack draws random numbers (from its ``key``);
-    ``reads_through_cast``: it implements :meth:`_pack_cast`."""
+    declares its ``name``, ``options`` (``__init__`` keywords), ``keeps`` and ``cache_bytes`` (the
+    docs' table), and implements :meth:`_pack` and :meth:`_unpack`."""
 
     name = ""
     options: tuple[Option, ...] = ()
     keeps = ""
     cache_bytes = ""
-    draws = False
+    draws = False  # a pack draws random numbers (from its key)
     uses_gamma = True  # whether gamma means anything to it
-    # Whether the rebuilt tensor estimates every element (nothing dropped): only such a strategy
-    # may pack a normalisation layer's input, whose backward reads all of it.
-    every_element = False
+    every_element = False  # nothing dropped: may pack a norm's input, whose backward reads all
     skips_common: tuple[str, ...] = ()  # common options that do not apply to it
-    reads_through_cast = False
+    reads_through_cast = False  # implements _pack_cast
     described: tuple[str, ...] = ()  # the attributes (options) describe() shows
 
     def __init__(self, gamma: float, codec: ValueCodec, rescale: str = RESCALES[0]) -> None:
@@ -84,9 +80,8 @@ class Strategy:
     def pack(
         self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None
     ) -> Packed:
-        """Compress ``x`` (a ``"conv"`` or ``"linear"`` input); the same ``key`` (and ``seed``)
-        draws the same pack. ``dtype``: the layer's (autocast's): the pack of ``x.to(dtype)``,
-        made without the copy by a strategy that reads through the cast (quant)."""
+        """Compress ``x`` (a ``"conv"`` or ``"linear"`` input), drawn with ``key``; ``dtype``: the
+        layer's (autocast's), the pack of ``x.to(dtype)``."""
         cast = dtype is not None and dtype != x.dtype
         if cast and self.reads_through_cast and self.rescale == RESCALES[0]:
             packed = self._pack_cast(x, layout, key, dtype)
@@ -99,7 +94,7 @@ class Strategy:
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         """Rebuild a dense tensor of the packed input's shape and dtype; with ``rescale="norm"``
-        scaled to the input's L2 norm (which dropping small elements shrinks)."""
+        scaled to the input's L2 norm."""
         x_hat = self._unpack(packed)
         if packed.norm is None:
             return x_hat
@@ -110,14 +105,12 @@ class Strategy:
         return x_hat * scale.to(x_hat.dtype)
 
     def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
-        """Elements ``[start, stop)`` of the flat rebuilt input, the same values as
-        ``unpack(packed).reshape(-1)[start:stop]`` without rebuilding the rest; None where
-        this strategy's pack cannot be read in parts there (the default: nowhere)."""
+        """``unpack(packed).reshape(-1)[start:stop]`` without rebuilding the rest; None where the
+        pack cannot be read in parts there (the default: nowhere)."""
         return None
 
     def remember_draws(self, keys: torch.Tensor) -> None:
-        """Told the keys of the next packs that draw (an int64 CPU tensor), made together: a
-        strategy that derives something per key can derive them together too (quant)."""
+        """Told the keys of the next packs that draw (an int64 CPU tensor), made together."""
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         raise NotImplementedError

@@ -1,7 +1,6 @@
 """``importance`` (Wangni et al. 2018): keep x_i with probability p_i = min(1, |x_i| / tau), tau
 set so that the expected kept fraction is 1 - gamma; a kept x_i rebuilds as x_i / p_i =
-sign(x_i) max(|x_i|, tau): unbiased, and so is the weight gradient, linear in it. The cache is
-min-k's (position bits, kept values) plus tau, a device tensor (no host sync).
+sign(x_i) max(|x_i|, tau): unbiased. The cache is min-k's plus tau, a device tensor.
 """
 
 from __future__ import annotations
@@ -26,13 +25,9 @@ from dropit_core.strategies.select import sample_size, sample_stride
 
 def water_level(magnitudes: torch.Tensor, budget: float) -> torch.Tensor:
     """The tau > 0 with ``sum(min(1, a / tau)) == budget`` over ``magnitudes`` a >= 0 (fp32,
-    0-dim, on their device; 0 when they are all zero), for 0 < budget <= len(magnitudes).
-
-    With the magnitudes sorted descending and the top j saturated (p = 1), tau_j =
-    sum(a[j:]) / (budget - j); the answer is the smallest j whose largest unsaturated value
-    a[j] <= tau_j (that test only turns true as j grows, and it holds at the last j < budget).
-    One sort and one cumulative sum of the sample; no host sync.
-    """
+    0-dim, on their device; 0 when all are zero), for 0 < budget <= len(magnitudes): sorted
+    descending, the top j saturated, tau_j = sum(a[j:]) / (budget - j) at the smallest j with
+    a[j] <= tau_j. One sort and one cumulative sum; no host sync."""
     a = torch.sort(magnitudes.float(), descending=True).values
     tail = a.double().flip(0).cumsum(0).flip(0)  # tail[j] = sum(a[j:]), in fp64
     room = budget - torch.arange(a.numel(), dtype=torch.float64, device=a.device)

@@ -1,7 +1,5 @@
 """The element-wise strategies that keep the large magnitudes or a random part: ``mink`` (the
-paper's), ``parallel_mink``, ``threshold`` and ``random``. Their costs are tabled in
-:mod:`dropit_core.strategies.catalog`; the slice-by-slice pack they share is
-:mod:`dropit_core.strategies.elementwise`.
+paper's), ``parallel_mink``, ``threshold`` and ``random``, on :mod:`.elementwise`'s pack.
 """
 
 from __future__ import annotations
@@ -98,9 +96,8 @@ class MinK(Elementwise):
         return KeepRule(AT_LEAST, state)
 
     def _pack_one_pass(self, flat: torch.Tensor, key: int):
-        """Select and pack in two passes (CPU): the first gathers a superset of the kept values,
-        which also gives the k-th value (:func:`~dropit_core.strategies.select.select_superset`);
-        the second writes the mask bits and filters the kept values from the superset."""
+        """Select and pack in two passes (CPU): a superset of the kept values, which gives the k-th
+        value (:func:`~.select.select_superset`), then the mask and the kept values from it."""
         n = flat.numel()
         k = keep_count(self.gamma, n)
         if k in (0, n) or n <= select_mod.DIRECT:

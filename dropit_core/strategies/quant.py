@@ -1,12 +1,7 @@
-"""``quant`` (ActNN, Chen et al. 2021): every value, in groups of ``group`` consecutive values,
-as a ``bits``-bit code of its place between the group's minimum and maximum, rounded up with
-probability equal to the remainder (stochastic rounding); rebuilt as minimum + code * step, so
-the rebuilt input equals the input in expectation (unbiased).
-
-The format (fields, sizes, group rule, the noise's hash) is :mod:`dropit_core.formats.quant`,
-with the eager reference; the C loops (:mod:`dropit_core.backends.native`, CPU) and the Triton
-kernels (:mod:`dropit_core.backends.triton.quant`, CUDA) write the same bytes; which one runs is
-:mod:`dropit_core.backends.dispatch`'s choice.
+"""``quant`` (ActNN, Chen et al. 2021): every value, in groups of ``group``, as a ``bits``-bit
+code of its place between the group's minimum and maximum, stochastically rounded: unbiased.
+The format and its eager reference are :mod:`dropit_core.formats.quant`; the C loops and the
+Triton kernels write the same bytes, as :mod:`dropit_core.backends.dispatch` chooses.
 """
 
 from __future__ import annotations
@@ -64,16 +59,13 @@ class Quant(Strategy):
         self._signed_fast = dispatch.quant_backends(bits, group, signs=True)
 
     def draw_keys(self, key: int | torch.Tensor) -> tuple[int, int] | tuple[torch.Tensor, ...]:
-        """The hash keys (k0, k1) of the pack drawn with ``key``: what every path that hashes
-        element indices itself reads; of each key of an int64 tensor of keys, two tensors.
-        The pack's seed is ``mix_seed(seed, key)``, the seed folded once."""
+        """The hash keys (k0, k1) of the pack drawn with ``key`` (seeded ``mix_seed(seed, key)``);
+        of each key of an int64 tensor of keys, two tensors."""
         return hash_keys(seed_of(mix_part(self._seed_state, key)))
 
     def remember_draws(self, keys: torch.Tensor) -> None:
-        """Derive the hash keys of these draw keys (a CPU int64 tensor: the next packs' keys)
-        together, so that each of those packs looks its own up: one pass over a tensor of keys
-        instead of a few dozen integer operations in Python per pack (host time on every
-        layer). Replaces what it remembered before."""
+        """Derive the hash keys of the next packs' draw keys together (a CPU int64 tensor), for
+        each pack to look its own up: one tensor pass, not Python per pack (host time)."""
         k0, k1 = self.draw_keys(keys)
         pairs = zip(k0.tolist(), k1.tolist(), strict=True)
         self._hashed = dict(zip(keys.tolist(), pairs, strict=True))
@@ -84,8 +76,7 @@ class Quant(Strategy):
     def pack(
         self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None
     ) -> Packed:
-        # Strategy.pack's cases, the usual one first without its calls (every layer, every step:
-        # host time); a pack read through a cast is that of the cast, bit for bit.
+        # Strategy.pack's cases, the usual one first without its calls (host time)
         if self.rescale == "none":
             return self._pack_as(x, key, x.dtype if dtype is None else dtype)
         return super().pack(x, layout, key, dtype)
@@ -94,8 +85,7 @@ class Quant(Strategy):
         return self._pack_as(x, key, x.dtype)
 
     def _pack_cast(self, x: torch.Tensor, layout: str, key: int, dtype: torch.dtype) -> Packed:
-        # Every path rounds each value to dtype as it reads it: the pack of x.to(dtype), bit for
-        # bit, and no copy of x in dtype is made for it.
+        # Every path rounds each value to dtype as it reads it: x.to(dtype)'s pack, no copy
         return self._pack_as(x, key, dtype)
 
     def _pack_as(
@@ -119,17 +109,15 @@ class Quant(Strategy):
         return quant_packed(tuple(x.shape), dtype, codes, scales, mins)
 
     def pack_keyed(self, x: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> Packed:
-        """The pack of ``x`` read as ``dtype`` with its draw's hash keys read from ``keys``
-        (int64 ``(k0, k1, ...)`` on ``x``'s device), bit for bit :meth:`pack`'s with those keys:
-        a CUDA graph replays this pack with the keys a new step wrote into the same memory. The
-        kernels read them there; the CPU's paths read them on the host."""
+        """The pack of ``x`` read as ``dtype`` with its draw's hash keys read from ``keys`` (int64
+        ``(k0, k1, ...)`` on ``x``'s device), bit for bit :meth:`pack`'s: a CUDA graph replays
+        it with the keys a new step wrote there."""
         return self._pack_as(x, 0, dtype, keys)
 
     def _pack_on_host(
         self, flat: torch.Tensor, keys: tuple[int, int], cast: torch.dtype | None, way: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, mins, scales) drawn with the hash ``keys``, written into the final buffers by
-        the C loops (``way`` "native") or the eager reference."""
+        """(codes, mins, scales) drawn with ``keys``, by the C loops (``way`` "native") or eager."""
         n, group, bits = flat.numel(), self.group, self.bits
         out = quant_format.buffers(n, bits, group, flat.device)
         if way == "native":
@@ -139,8 +127,7 @@ class Quant(Strategy):
         return out
 
     def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
-        # Every group is coded alone: a range of whole groups starting on a whole code byte is
-        # a pack of its own, rebuilt by the same kernels.
+        # A range of whole groups starting on a whole code byte is a pack of its own
         if packed.norm is not None or start % self.group or start * self.bits % 8:
             return None
         values, mins, scales = quant_format.fields(packed, start, stop, self.bits, self.group)
@@ -163,8 +150,8 @@ class Quant(Strategy):
 def _rebuild_on_host(
     packed: Packed, n: int, bits: int, group: int, step: int, way: str
 ) -> torch.Tensor:
-    """The rebuilt input of a quant pack off the kernels: the C loops (``way`` "native": fp32
-    whole, a narrower dtype a slice of ``step`` values at a time), else the eager reference."""
+    """The rebuilt input of a quant pack off the kernels: the C loops (``way`` "native"; a
+    narrower dtype than fp32 a slice of ``step`` values at a time), else the eager reference."""
     shape, dtype = packed.meta
     loops = way == "native"
     if loops and dtype == torch.float32:
@@ -174,10 +161,8 @@ def _rebuild_on_host(
     for start in range(0, n, step):  # slices hold whole groups and whole code bytes
         stop = min(start + step, n)
         if loops:
-            # A narrower dtype: the C loops' fp32 values, rounded by the same cast as the
-            # eager path's, a slice at a time (a whole map in fp32 beside its cast was the
-            # largest tensor of a bf16 backward on the CPU: tools/gpu_probe.py --what
-            # live-step).
+            # A narrower dtype: the loops' fp32 values cast a slice at a time (a whole map in
+            # fp32 beside its cast was a bf16 CPU backward's largest tensor)
             values, mins, scales = quant_format.fields(packed, start, stop, bits, group)
             dense[start:stop].copy_(
                 native.quant_rebuild(values, mins, scales, stop - start, bits, group)
@@ -191,10 +176,8 @@ def _rebuild_on_host(
 def pack_signed(
     quant: Quant, x: torch.Tensor, key: int
 ) -> tuple[Packed, torch.Tensor, torch.Tensor]:
-    """(``quant``'s pack of ``x``, bit for bit; the flags of its zeros; the flags of its
-    negative values), flags 1 bit each as ``pack_bits`` packs them: what
-    ``dropit_core.saved.CompressSaved`` keeps. One launch on the kernel path (a group of whole
-    flag bytes), else the pack and two flag passes."""
+    """(``quant``'s pack of ``x``; the flags of its zeros; of its negative values), as
+    ``pack_bits`` packs them: what ``CompressSaved`` keeps (one launch on the kernel path)."""
     if dispatch.choose("quant_signed", x, quant._signed_fast) == "triton":
         codes, mins, scales, zero, negative = dispatch.kernels("quant").pack_contiguous(
             x.contiguous(), quant.bits, quant.group, quant._keys_of(key), signs=True
@@ -207,9 +190,8 @@ def pack_signed(
 def unpack_signed(
     quant: Quant, packed: Packed, zero: torch.Tensor, negative: torch.Tensor
 ) -> torch.Tensor:
-    """The rebuilt tensor of :func:`pack_signed`, with the original's zeros (+0.0) and signs:
-    every other value has at least the magnitude of the dtype's smallest normal, so a rebuilt
-    value is zero where the original was and nowhere else (one launch on the kernel path)."""
+    """The rebuilt tensor of :func:`pack_signed`, with the original's zeros (+0.0) and signs
+    (every other value at least the dtype's smallest normal in magnitude)."""
     shape, dtype = packed.meta
     n = math.prod(shape)
     if dispatch.choose("quant_signed", packed.values, quant._signed_fast) == "triton":

@@ -19,8 +19,8 @@ from dropit_core.strategies.base import SEED, Strategy, decoded, encoded, keep_c
 
 
 def _fp32_norms(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """L2 norms over ``dims`` in fp32, a few million elements of ``t`` at a time: a bf16/fp16
-    input is never copied to fp32 whole (``vector_norm(dtype=...)`` copies it too)."""
+    """L2 norms over ``dims`` in fp32, a few million elements of ``t`` at a time (a bf16/fp16
+    input is never copied to fp32 whole)."""
     if t.shape[0] == 0:
         return torch.linalg.vector_norm(t.float(), dim=dims)
     step = max(1, base.SLICE // max(1, t[0].numel()))
