@@ -38,12 +38,12 @@ from dropit_core.convert import (
     set_step,
     to_dropit,
 )
-from dropit_core.detection.frozen_norm import (
+from dropit_core.detection import (
     FrozenBatchNorm2d,
     is_frozen_batchnorm,
+    lean_detector,
     lean_frozen_batchnorm,
 )
-from dropit_core.detection.lean import lean_detector
 from dropit_core.formats.packed import Packed
 from dropit_core.formats.values import VALUE_FORMATS
 from dropit_core.readers import relu_readers

@@ -1,12 +1,8 @@
-"""A torchvision R-CNN forward that holds only what it needs: each map goes after its last use.
-
-Most of a DropIT step's forward peak is what the detector's Python still holds, not what backward
-keeps (docs/results/archive/untrained_workload.md): C2-C5 through the whole FPN, its intermediate
-maps, P2-P6 through the mask head. The classes below are torchvision's own (same modules and
-``state_dict`` keys); only ``forward`` changes, computing the same ops in the same order, so
-outputs, gradients and DropIT's draws are torchvision's bit for bit in fp32. Only these forwards
-consume a dict (:class:`ConsumableMaps`); TorchScript is not supported. ``dropit_core`` imports this
-module (and torchvision) only for a model with torchvision's modules (``lean_detector``).
+"""A torchvision R-CNN forward that holds only what it needs: each map goes after its last use
+(most of a DropIT step's forward peak is what the detector's Python still holds:
+docs/results/archive/untrained_workload.md). The classes are torchvision's own, same modules and ``state_dict``
+keys; only ``forward`` changes, the same ops in the same order: bit for bit in fp32. Only these
+forwards consume a dict (:class:`ConsumableMaps`); TorchScript is not supported.
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ from dropit_core.layers.conv import ConvArgs
 
 
 class _AddUpsampled2x(torch.autograd.Function):
-    """``lateral += nearest_upsample(top, 2x)`` in place, without the upsampled map: the same
-    single add per sum, and the top map's gradient by the upsample's own backward kernel."""
+    """``lateral += nearest_upsample(top, 2x)`` in place, without the upsampled map (the top
+    map's gradient by the upsample's own backward kernel)."""
 
     @staticmethod
     def forward(ctx, lateral: Tensor, top: Tensor) -> Tensor:
@@ -56,9 +52,8 @@ def add_top_down(lateral: Tensor, top: Tensor) -> Tensor:
     ``lateral`` (a fresh map nothing else reads), in ``top``'s dtype outside autocast."""
     h, w = lateral.shape[-2:]
     if torch.compiler.is_compiling():
-        # The compiler fuses the upsample into the add (no map is made either way), and the
-        # in-place add into a strided view of the lateral broke Inductor's layout code under
-        # dynamic shapes (torch 2.14: "cannot determine truth value of Relational").
+        # Fused by the compiler (no map is made); the in-place add into a strided view broke
+        # Inductor's layout code under dynamic shapes (torch 2.14)
         with torch.autocast(lateral.device.type, enabled=False):
             return lateral + F.interpolate(top, size=(h, w), mode="nearest")
     exact_2x = top.dim() == 4 and (h, w) == (2 * top.shape[-2], 2 * top.shape[-1])
@@ -72,8 +67,8 @@ def add_top_down(lateral: Tensor, top: Tensor) -> Tensor:
 
 class LeanFeaturePyramidNetwork(FeaturePyramidNetwork):
     """torchvision's FPN; each input map goes once its lateral conv has read it, and the top-down
-    map is added into the lateral in place (:func:`add_top_down`): bit for bit torchvision's but
-    under CUDA autocast, where each sum stays fp16/bf16 (torchvision's upsample promotes it)."""
+    map is added into the lateral in place (bit for bit torchvision's but under CUDA autocast,
+    where each sum stays fp16/bf16)."""
 
     def forward(self, x: dict[str, Tensor]) -> dict[str, Tensor]:
         names = list(x)
@@ -105,9 +100,8 @@ class LeanBackboneWithFPN(BackboneWithFPN):
 
 
 class LeanRPNHead(RPNHead):
-    """torchvision's RPN head; each level's conv map goes once its two predictors have read it
-    (torchvision's keeps it until the next level's is made), and in the backward its gradient is
-    made once (:class:`_ReadersInputGrad`), not once per predictor and then summed."""
+    """torchvision's RPN head; each level's conv map goes once its two predictors have read it,
+    and its gradient is made once (:class:`_ReadersInputGrad`), not once per predictor."""
 
     def forward(self, x: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         logits, bbox_reg = [], []
@@ -133,8 +127,7 @@ class LeanRPNHead(RPNHead):
 
 def _one_input_grad(t: Tensor, readers: tuple[nn.Module, ...]) -> bool:
     """Whether :class:`_ReadersInputGrad` makes the readers' input gradient: eagerly, for 1x1
-    stride-1 convs (whose input gradient an image at a time is the batch's bit for bit), on a
-    map autocast does not cast (a cast's readers sum their gradients before its backward)."""
+    stride-1 convs (bit for bit an image at a time), on a map autocast does not cast."""
     if not (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return False
     device = t.device.type
@@ -153,13 +146,10 @@ def _conv_args(conv: nn.Conv2d) -> ConvArgs:
 
 
 class _ReadersInputGrad(torch.autograd.Function):
-    """The identity on the outputs of two convs that read one map ``t`` (through a detached alias);
-    its backward makes ``t``'s gradient into one map a chunk (at most ``ops.SPLIT_BYTES``) at a
-    time. Autograd would make each conv's whole input gradient and then add them: at P2 two maps of
-    the backward's largest size alive at once, the step's peak with DropIT. Each chunk gets the
-    first reader's term (:func:`ops.conv_input_grad`, in ``t``'s dtype), then the second's added
-    into it: with two terms autograd's sum bit for bit, whichever it adds first. The weights are
-    cast to the gradient's dtype here, as autocast cast them."""
+    """The identity on the outputs of two convs that read one map ``t`` (through a detached
+    alias); its backward makes ``t``'s gradient into one map a chunk (``ops.SPLIT_BYTES``) at a
+    time, where autograd would make each conv's and add them (at P2, the step's peak): the first
+    reader's term, then the second's added into it, autograd's sum bit for bit."""
 
     @staticmethod
     def forward(ctx, t: Tensor, weights: tuple[Tensor, ...], args: tuple, *outs: Tensor):
@@ -199,8 +189,8 @@ class _ReadersInputGrad(torch.autograd.Function):
 
 
 class LeanGeneralizedRCNN(GeneralizedRCNN):
-    """torchvision's R-CNN wrapper (Faster, Mask, Keypoint R-CNN keep their classes' own
-    ``__init__``); its forward hands the pyramid to the heads, whose last pooler lets it go."""
+    """torchvision's R-CNN wrapper; its forward hands the pyramid to the heads, whose last pooler
+    lets it go."""
 
     def forward(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None):
         if self.training:
@@ -290,8 +280,8 @@ def lean_fpn(model: nn.Module) -> nn.Module:
 
 def lean_forward(model: nn.Module, fpn: bool = True) -> nn.Module:
     """Give every torchvision detector, ResNet-FPN backbone, FPN, RPN head and RoI pooler of
-    ``model`` its lean forward, in place (only the class changes, to a subclass; a subclass of
-    your own keeps its class); returns ``model``. ``fpn=False`` leaves the FPNs torchvision's."""
+    ``model`` its lean forward, in place (its class to a subclass); returns ``model``.
+    ``fpn=False`` leaves the FPNs torchvision's."""
     for module in model.modules():
         cls = type(module)
         if cls in _LEAN and (fpn or cls is not FeaturePyramidNetwork):

@@ -1,10 +1,7 @@
-"""A FrozenBatchNorm2d that keeps its input's dtype under autocast.
-
-torchvision's ``FrozenBatchNorm2d`` computes ``x * scale + bias`` with fp32 ``scale`` and
-``bias``, so under autocast every backbone activation leaves the norm in fp32: the ReLU after it
-keeps that fp32 tensor and the next conv its own low-precision copy, about twice the memory
-needed. The lean form casts ``scale`` and ``bias`` to the input's dtype first, as detectron2's
-does: bit for bit torchvision's in fp32, with the same buffers and state_dict keys.
+"""A FrozenBatchNorm2d that keeps its input's dtype under autocast: torchvision's computes with
+fp32 scale and bias, so every backbone activation leaves it in fp32 (and the next conv keeps its
+own narrow copy). This one casts them to the input's dtype first, as detectron2's does: bit for
+bit torchvision's in fp32, with the same buffers and state_dict keys.
 """
 
 from __future__ import annotations

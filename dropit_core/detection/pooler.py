@@ -1,6 +1,5 @@
-"""The lean forward's RoI pooler (:mod:`.forward`): torchvision's, pooling under autocast a few
-images at a time, and the handed-over pyramid (:class:`ConsumableMaps`) it empties as its last
-reader.
+"""The lean forward's RoI pooler: torchvision's, pooling under autocast a few images at a time,
+and the handed-over pyramid (:class:`ConsumableMaps`) it empties as its last reader.
 """
 
 from __future__ import annotations
@@ -33,11 +32,9 @@ class ConsumableMaps(OrderedDict):
 
 
 class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
-    """torchvision's RoI pooler; as the last reader of handed-over maps, it empties them once it has
-    pooled. Autocast's ``roi_align`` casts the whole level it reads to fp32 (at the finest level,
-    the largest block at the forward peak) and makes its gradient in fp32: here each level is pooled
-    a few images at a time (:class:`_PoolByImage`), bit for bit torchvision's; without autocast
-    each level whole. Where :func:`_pools_here` says not, torchvision's forward runs."""
+    """torchvision's RoI pooler, which empties handed-over maps as their last reader. Under
+    autocast (whose ``roi_align`` casts a whole level to fp32) each level is pooled a few images
+    at a time (:class:`_PoolByImage`), bit for bit torchvision's."""
 
     def forward(
         self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]
@@ -87,10 +84,9 @@ class LeanMultiScaleRoIAlign(MultiScaleRoIAlign):
 
 
 class _PoolByImage(torch.autograd.Function):
-    """torchvision's multi-level ``roi_align``, under autocast a group of images at a time: each
-    group is cast, pooled and written in turn (one group's fp32 copy alive); the backward fills each
-    level's gradient, in its dtype, group by group. ``meta``: (scales, output size, sampling ratio,
-    per level its groups (lo, hi, start, end): images lo:hi, RoIs ``order[start:end]``; cast)."""
+    """torchvision's multi-level ``roi_align``, under autocast a group of images at a time (one
+    group's fp32 copy alive), backward alike. ``meta``: (scales, output size, sampling ratio, per
+    level its groups (lo, hi, start, end): images lo:hi, RoIs ``order[start:end]``; cast)."""
 
     @staticmethod
     def forward(ctx, meta, rois: Tensor, order: Tensor, *maps: Tensor) -> Tensor:

@@ -1,10 +1,6 @@
 """How an element-wise pack stores its kept values (``values`` option): as they are, fp16/bf16, or
-``int8``/``int4`` with one fp32 scale per chunk of kept values, rounded to the nearest of
-255 / 15 symmetric levels.
-
-This ``int4`` is not quant's 4-bit format (:mod:`dropit_core.formats.quant`: asymmetric group
-ranges, stochastic rounding, every element): it codes only the kept values of a sparse pack.
-Kept values are the large ones, so a chunk's range is narrow compared with the whole tensor's.
+``int8``/``int4`` with one fp32 scale per chunk of kept values, round to nearest, symmetric (not
+quant's 4-bit format: kept values are the large ones, so a chunk's range is narrow).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """What a layer keeps: the strategies, one module per family, and the one list of them.
 
-- :mod:`.catalog`: ``REGISTRY`` (every strategy in the order users see them), ``build_strategy``
-  and the table of what each one costs.
-- :mod:`.base`: the :class:`~.base.Strategy` base class and the options every strategy takes.
-- :mod:`.magnitude`: ``mink`` (the paper's), ``parallel_mink``, ``threshold``, ``random``.
-- :mod:`.importance`: ``importance``, unbiased sampling by magnitude.
-- :mod:`.quant`: ``quant``, every element as a stochastically rounded group code.
+- :mod:`.catalog`: ``REGISTRY`` and ``build_strategy``; :mod:`.base`: the ``Strategy`` base.
+- :mod:`.magnitude`: ``mink``, ``parallel_mink``, ``threshold``, ``random``.
+- :mod:`.importance`: ``importance``; :mod:`.quant`: ``quant``.
 - :mod:`.structured`: ``channel_mink``, ``channel_random``, ``block_mink``, ``pool``.
-- :mod:`.elementwise`: the slice-by-slice pack and rebuild the element-wise families share.
-- :mod:`.select`: the exact k-th largest magnitude, with small temporaries.
+- :mod:`.elementwise`: the pack the element-wise families share; :mod:`.select`: the exact
+  k-th largest magnitude.
 """
 
 from dropit_core.strategies.catalog import REGISTRY, STRATEGIES, build_strategy

@@ -1,13 +1,9 @@
-"""The element-wise packs' compaction and rebuild in Triton: the bytes of the fixed-capacity path
-of ``dropit_core.strategies.elementwise.Elementwise``, in two launches and a scan whatever the size.
-
-A pack counts each block's kept elements, takes an exclusive cumulative sum of the counts on the
-device (where each block's values start), and writes every block's kept values at those offsets
-with its 1-bit mask; the rebuild reads them back the same way. No size depends on the data, so the
-host never waits: a pack stores at most its capacity (the first kept values in flat order, its
-mask flagging exactly those) and returns how many its rule chose, for the overflow count. Which
-elements a block keeps is a :class:`~dropit_core.formats.keep_rule.KeepRule`; the draws are
-:func:`dropit_core.formats.seeds.hash_uniform`'s, per element.
+"""The element-wise packs' compaction and rebuild in Triton, the eager fixed-capacity path's bytes
+(:mod:`dropit_core.strategies.elementwise`): a count of each block's kept elements (its
+:class:`~dropit_core.formats.keep_rule.KeepRule`), their exclusive cumulative sum on the device,
+and one launch writing each block's values at those offsets with its mask; the rebuild the same
+way. No size depends on the data: a pack stores at most its capacity and returns how many its
+rule chose.
 """
 
 from __future__ import annotations

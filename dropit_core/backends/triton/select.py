@@ -1,10 +1,6 @@
-"""The histogram passes of mink's radix select in Triton (reference: the slice loop of
-``dropit_core.strategies.select.radix_kth_largest_abs``, whose counters these are, exactly).
-
-One launch per pass. Each element adds one to the counter of 16 bits of ``|x|``'s bit pattern
-with an atomic add, except where thousands would pile onto one counter: the zeros (half a ReLU's
-output) are summed per program first, and the second pass counts only the chosen bucket's
-elements.
+"""The histogram passes of mink's radix select in Triton, one launch each (reference: the slice
+loop of ``dropit_core.strategies.select.radix_kth_largest_abs``, the same counters). The zeros
+are summed per program first, not piled onto one counter by atomics.
 """
 
 from __future__ import annotations
