@@ -162,14 +162,10 @@ def _quiet_stderr() -> Iterator[None]:
 
 
 class PeakMeter:
-    """The peak of one call on one device: the most bytes its tensors held at once, what was alive
-    when it began included. On CUDA the allocator's ``max_memory_allocated`` after a reset. On the
-    CPU the bytes of ``held()`` (weights, gradients, optimizer state, the batch) plus the peak of
-    torch's allocations over the call, from the profiler's memory events (exact, unlike RSS).
-
-    The profiler misses frees of blocks made before it started: a call must not free what
-    ``held()`` counted (``zero_grad(set_to_none=True)`` first). ``mark()``, inside the call, notes
-    (alive, peak so far) in :attr:`marks`.
+    """The peak of one call on one device, what was alive when it began included: on CUDA the
+    allocator's; on the CPU the bytes of ``held()`` plus the peak of torch's allocations over the
+    call, from the profiler's memory events (which miss frees of blocks made before: the call
+    must not free what ``held()`` counted). ``mark()`` notes (alive, peak so far) in ``marks``.
     """
 
     def __init__(

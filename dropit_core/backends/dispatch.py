@@ -79,10 +79,8 @@ def quant_kernels_take(bits: int, group: int) -> bool:
 
 
 def quant_backends(bits: int, group: int, signs: bool = False) -> tuple[str, ...]:
-    """The backends besides eager that take this quant setting (:func:`choose`'s ``allowed``): the
-    C loops every group of whole code bytes, the kernels also one within their limit; with
-    ``signs`` (``CompressSaved``'s pack, two flag bytes of its own) the kernels alone, for groups
-    of whole flag bytes (a flag byte must not straddle two programs' groups)."""
+    """The backends besides eager that take this quant setting (:func:`choose`'s ``allowed``);
+    with ``signs`` (``CompressSaved``'s pack) the kernels alone, for groups of whole flag bytes."""
     if signs:
         return ("triton",) if quant_kernels_take(bits, group) and group % 8 == 0 else ()
     if quant_kernels_take(bits, group):
@@ -91,9 +89,8 @@ def quant_backends(bits: int, group: int, signs: bool = False) -> tuple[str, ...
 
 
 def fused(allowed: bool = True) -> bool:
-    """While compiling: whether a pack or a ReLU mask the op's setting ``allowed`` to be plain
-    torch ops is, so that Inductor fuses it (``settings.fuse``: default off, on the CPU a compile
-    several times longer and no faster step; docs/dropit.md), rather than an opaque operator."""
+    """While compiling: whether a pack or ReLU mask that ``allowed`` it is plain torch ops that
+    Inductor fuses (``settings.fuse``), rather than an opaque operator."""
     return allowed and settings.current().fuse
 
 
@@ -126,20 +123,15 @@ def triton_available() -> bool:
     return _has_triton
 
 
-def _find_triton() -> bool:
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):  # a broken install, or sys.modules["triton"] = None
-        return False
-
-
-_has_triton = _find_triton()
+try:
+    _has_triton = importlib.util.find_spec("triton") is not None
+except (ImportError, ValueError):  # a broken install, or sys.modules["triton"] = None
+    _has_triton = False
 
 
 def kernels(name: str) -> ModuleType:
     """The kernels module ``dropit_core.backends.triton.<name>``, imported on the first call (it
-    imports triton, which a CPU-only run never needs), then held: an import statement in each
-    layer's pack and rebuild was host time."""
+    imports triton), then held (an import statement per pack was host time)."""
     module = _MODULES.get(name)
     if module is None:
         module = _MODULES[name] = importlib.import_module(f"{__package__}.triton.{name}")

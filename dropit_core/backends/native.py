@@ -169,10 +169,8 @@ def quant_pack(
     scales: torch.Tensor,
     cast: torch.dtype | None = None,
 ) -> None:
-    """Pack the flat fp32 ``flat`` into the final buffers (``quant_format.buffers``) with draw keys
-    ``keys`` (``seeds.hash_keys(seed)``); element 0 is the pack's element 0. ``cast`` (bf16 or
-    fp16): each value read as its rounding to that dtype, the pack of ``flat.to(cast)`` bit for bit.
-    ``group`` must hold whole bytes of codes. Large inputs: a range of whole groups per thread."""
+    """Pack the flat fp32 ``flat`` into the buffers with ``keys`` (``seeds.hash_keys(seed)``);
+    ``cast`` (bf16 or fp16): the pack of ``flat.to(cast)``. ``group``: whole bytes of codes."""
     lib, n, per_byte = library(), flat.numel(), 8 // bits
     x, c, lo, st = flat.data_ptr(), codes.data_ptr(), mins.data_ptr(), scales.data_ptr()
     how = _CASTS[cast]

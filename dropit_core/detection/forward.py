@@ -113,7 +113,10 @@ class LeanRPNHead(RPNHead):
                 # gradients, the map's comes from the Function (one pack still: both read it).
                 seen = t.detach()
                 outs = [reader(seen) for reader in readers]
-                args = tuple(_conv_args(reader) for reader in readers)
+                args = tuple(
+                    ConvArgs(r.stride, r.padding, r.dilation, False, (0, 0), r.groups)
+                    for r in readers
+                )
                 weights = tuple(reader.weight for reader in readers)
                 cls, box = _ReadersInputGrad.apply(t, weights, args, *outs)
                 del seen, outs
@@ -139,10 +142,6 @@ def _one_input_grad(t: Tensor, readers: tuple[nn.Module, ...]) -> bool:
         and m.padding_mode == "zeros"
         for m in readers
     )
-
-
-def _conv_args(conv: nn.Conv2d) -> ConvArgs:
-    return ConvArgs(conv.stride, conv.padding, conv.dilation, False, (0, 0), conv.groups)
 
 
 class _ReadersInputGrad(torch.autograd.Function):

@@ -12,10 +12,9 @@ import torch
 
 
 def pack_low_bits(values: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack a flat uint8 tensor of ``bits``-bit values (1, 2, 4 or 8) into bytes, ``8 // bits`` a
-    byte, the first in the low bits, a last partial byte padded with zeros; ``out``: the buffer.
-    The one torch byte packer (flags, quant's codes, eager and traced): shifts and ORs of each
-    byte's slots, which Inductor fuses into the kernel that makes the values."""
+    """Pack a flat uint8 tensor of ``bits``-bit values (1, 2, 4 or 8) into bytes, the first in the
+    low bits, a last partial byte padded with zeros (``out``: the buffer): shifts and ORs, which
+    Inductor fuses into the kernel that makes the values."""
     per_byte = 8 // bits
     if per_byte == 1:
         return values if out is None else out.copy_(values)
@@ -96,9 +95,7 @@ def zero_flagged_sliced(values: torch.Tensor, bits: torch.Tensor) -> torch.Tenso
 
 def zero_flagged(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``values.masked_fill(flags, 0)`` for the flags packed in ``bits``, without a branch (a
-    ReLU's random mask defeats the CPU's branch predictor): each flag becomes an integer of the
-    values' width, all ones where the value passes, and one AND on the bit patterns applies it
-    (NaN and inf pass as they are, flagged elements become +0.0)."""
+    random mask defeats the CPU's predictor): one AND of the bit patterns with a mask per value."""
     words = _flag_words(bits)
     words.bitwise_not_()  # high bit of each byte: the flag is clear (the value passes)
     words >>= 7
@@ -139,11 +136,9 @@ def _set_per_byte(bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 def bit_positions(
     bits: torch.Tensor, n: int, base: int | torch.Tensor = 0, total: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each of the first ``n`` flags in ``bits``: ``base`` + 1 + how many flags are set before
-    it when it is set, else 0 (indexing ``cat([0], kept)`` with it rebuilds the dense tensor), and
-    ``base`` + the flags set, a 0-dim tensor: the next slice's base, on the device. Per byte, with
-    two 256-entry tables and a prefix sum over the bytes (8x shorter than over the flags).
-    ``total``, the largest index that can occur (default ``base + n``), picks int32 or int64."""
+    """For each of the first ``n`` flags in ``bits``: ``base`` + 1 + the flags set before it where
+    it is set, else 0 (indices into ``cat([0], kept)``), and the next slice's base on the device.
+    Per byte, by tables and a prefix sum over bytes; ``total`` (the largest index) picks int32."""
     dtype = _index_dtype(base + n if total is None else total)
     as_index, per_byte = _set_per_byte(bits, dtype)
     start = torch.cumsum(per_byte, 0, dtype=dtype)
@@ -165,9 +160,8 @@ def _select_table(device: torch.device) -> torch.Tensor:
 
 
 def kept_indices(bits: torch.Tensor) -> torch.Tensor:
-    """The positions of the set flags in ``bits``, ascending (``nonzero`` of the unpacked flags):
-    ``nonzero`` over the non-empty bytes only (8x fewer elements), then each kept flag's position
-    by gathers (its byte, and a table of where in that byte). int32 where they fit, else int64."""
+    """The positions of the set flags in ``bits``, ascending: ``nonzero`` over the non-empty bytes
+    only (8x fewer), then gathers; int32 where they fit."""
     dtype = _index_dtype(8 * bits.numel())
     as_index, per_byte = _set_per_byte(bits, dtype)
     nonempty = torch.nonzero(per_byte).squeeze(1)
@@ -197,11 +191,9 @@ def scatter_kept(
     slice_len: int,
     slice_bits: Callable[[int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The dense flat tensor of n elements whose set flags take ``kept`` in order, zeros elsewhere
-    (``masked_scatter_`` without its branch per flag): each slice of ``slice_len`` flags becomes
-    gather indices (:func:`bit_positions`) and one ``index_select``, with no host read. ``kept``
-    may end with unused slots. ``slice_bits(start, length)``, when given, supplies each slice's
-    flags instead of ``bits`` (a mask rebuilt from a seed; flags past ``kept`` rebuild as zeros)."""
+    """The dense flat tensor of n elements whose set flags take ``kept`` in order, zeros elsewhere,
+    a slice of flags at a time by one ``index_select``, no host read. ``slice_bits(start,
+    length)``: each slice's flags instead of ``bits`` (flags past ``kept`` rebuild as zeros)."""
     slots = kept.numel()
     # Index 0, and slots + 1 (flags past the last slot, when flags are rebuilt), read a zero.
     zero = kept.new_zeros(1)

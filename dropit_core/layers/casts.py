@@ -17,10 +17,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 def training_params(
     module: nn.Module, x: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``(module.weight, module.bias)`` where ``module``'s call keeps something for a backward;
-    None where it runs the plain op (eval, no_grad, a frozen layer fed a constant, an empty
-    batch): zero selection work. Read from ``_parameters`` where they are: ``module.weight``
-    runs ``nn.Module.__getattr__`` (0.7 µs, every layer and step); a parametrized one is not."""
+    """``(module.weight, module.bias)`` where ``module``'s call keeps something for a backward,
+    else None (the plain op); from ``_parameters``, not ``nn.Module.__getattr__`` (host time)."""
     params = module._parameters
     weight = params.get("weight")
     weight = module.weight if weight is None else weight
@@ -35,11 +33,8 @@ def training_params(
 
 
 class ParamCasts:
-    """``p.to(dtype)``, one copy per forward for a layer called many times (the RPN head runs
-    once per FPN level), as autocast's own weight cache does for the plain layer. Each cast is
-    held weakly: the autograd graph keeps it through the forward and lets it go with the graph,
-    so no copy of the weights outlives a step. (Weak dictionaries neither pickle nor copy: a
-    copied cache starts with none.)"""
+    """``p.to(dtype)``, one copy per forward for a layer called many times, as autocast's own
+    weight cache; held weakly, so no copy of the weights outlives the step's graph."""
 
     def __init__(self) -> None:
         self._casts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -66,13 +61,8 @@ def autocast_inputs(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: Any
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype | None]:
     """(weight, bias, the input's dtype) as autocast would cast them for conv/linear (the dtype
-    None without autocast): outputs identical to the plain layer's, narrow values in the cache.
-    The weight casts are made here, outside the Function, so that autograd sees them, shared by
-    the calls of one forward through ``cache``, the layer's
-    :class:`~dropit_core.layers.cache.InputCache` (None while tracing: the compiler shares them).
-    The input is cast inside the op (``forward_and_pack`` in :mod:`dropit_core.layers.cache`), so
-    that the cast can go as soon as the op has run; autograd casts its gradient back to
-    ``x``'s dtype, as autocast does."""
+    None without autocast). The weights are cast here, outside the Function, so that autograd
+    sees the casts, shared through ``cache`` (None while tracing); the input inside the op."""
     # One C call answers the usual fp32 case; the device's own flag only under some autocast.
     if not _any_autocast():
         return weight, bias, None

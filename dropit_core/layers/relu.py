@@ -88,13 +88,6 @@ def _relu_backward(ctx, grad, _bits_grad):
 relu_mask_op.register_autograd(_relu_backward, setup_context=_relu_setup)
 
 
-def traced_relu(x: Tensor, inplace: bool) -> Tensor:
-    """The traced ``MaskedReLUFunction.apply``: :class:`_MaskedReLU` (fused) or the opaque
-    ``dropit::relu_mask`` (per ``dispatch.fused``); in place, copied into x."""
-    out = _MaskedReLU.apply(x) if dispatch.fused() else torch.ops.dropit.relu_mask(x)[0]
-    return x.copy_(out) if inplace else out
-
-
 class _MaskedReLU(torch.autograd.Function):
     """The masked ReLU in torch ops that Dynamo traces (eager's bytes: ``pack_bits``)."""
 
@@ -118,6 +111,7 @@ class DropITReLU(nn.ReLU):
     def forward(self, x: Tensor) -> Tensor:
         if not (self.training and torch.is_grad_enabled() and x.requires_grad):
             return super().forward(x)
-        if torch.compiler.is_compiling():
-            return traced_relu(x, self.inplace)
+        if torch.compiler.is_compiling():  # _MaskedReLU (fused) or the opaque op; in place: a copy
+            out = _MaskedReLU.apply(x) if dispatch.fused() else torch.ops.dropit.relu_mask(x)[0]
+            return x.copy_(out) if self.inplace else out
         return MaskedReLUFunction.apply(x, self.inplace)

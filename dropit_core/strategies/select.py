@@ -42,9 +42,8 @@ def prime_at_least(n: int) -> int:
 
 
 def sample_stride(n: int, sample: int) -> int:
-    """Stride of a ~``sample``-element strided view of n elements: 1 or an odd prime. An odd prime
-    stride shares no factor with the power-of-two widths of CNN feature maps, so the sample does not
-    lock onto columns."""
+    """Stride of a ~``sample``-element strided view of n elements: 1 or an odd prime (no factor
+    shared with a feature map's power-of-two width: the sample does not lock onto columns)."""
     stride = n // sample
     return 1 if stride <= 1 else prime_at_least(max(3, stride))
 
@@ -55,9 +54,8 @@ def sample_size(n: int, sample: int) -> int:
 
 
 def largest(values: torch.Tensor, ranks: Sequence[int]) -> list[torch.Tensor]:
-    """The ``r``-th largest of a 1-D tensor (0-based, counted from the top) for each ``r``: on
-    the CPU one quickselect (``kthvalue``, O(m)) per rank, cheaper than a sort; on CUDA a sort,
-    as ``kthvalue`` runs one thread block for the whole tensor there."""
+    """The ``r``-th largest of a 1-D tensor (0-based) for each ``r``: on the CPU a ``kthvalue``
+    per rank, on CUDA a sort (its ``kthvalue`` runs one thread block)."""
     m = values.numel()
     if values.device.type == "cpu":
         return [torch.kthvalue(values, m - r).values for r in ranks]
@@ -185,11 +183,9 @@ def _abs_bits_histogram(
 
 
 def radix_kth_largest_abs(flat: torch.Tensor, k: int, slice_len: int) -> KthLargest:
-    """The k-th largest ``|flat|`` (1 <= k <= n), exactly, by radix select, with no host read.
-    Non-negative floats order as their bit patterns do, so histograms of the high then the low 16
-    bits pin the value down (one pass for 16-bit floats). Temporaries are one slice and 64Ki
-    counters; which bucket holds the k-th value is found on the device (a cumulative sum and a
-    binary search), and the second pass counts only the elements of that bucket."""
+    """The k-th largest ``|flat|`` (1 <= k <= n), exactly, with no host read: non-negative floats
+    order as their bit patterns, so histograms of the high then the low 16 bits pin it down, the
+    bucket found on the device. Temporaries: one slice and 64Ki counters."""
     dev = flat.device
     bits_dtype = _BITS.get(flat.dtype)
     if bits_dtype is None:  # float64: not used by detectors; a sort is exact

@@ -38,10 +38,8 @@ def relu_mask_kernel(x_ptr, out_ptr, bits_ptr, n, BLOCK: tl.constexpr, KEEP_NEG_
 def relu_mask(
     x: torch.Tensor, inplace: bool = False, check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(relu(x), the packed flags of ``relu(x) <= 0``) in one launch; ``inplace`` writes the output
-    into x (contiguous). Bytes per element: reads x once, writes the output once and 1/8 of mask.
-    ``check=False``: no argument checks, for a caller that made them (the masked ReLU of every
-    layer: host time)."""
+    """(relu(x), the packed flags of ``relu(x) <= 0``) in one launch (``inplace``: into x,
+    contiguous). ``check=False``: no argument checks (host time)."""
     if check and x.dtype not in FLOATS:
         raise ValueError(f"relu_mask takes a float tensor, got {x.dtype}")
     if check and inplace and not x.is_contiguous():
@@ -75,10 +73,8 @@ def relu_mask_grad_kernel(grad_ptr, bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def relu_mask_grad(grad: torch.Tensor, bits: torch.Tensor, check: bool = True) -> torch.Tensor:
-    """The input gradient: ``grad`` with the flagged elements +0.0 (NaN and inf elsewhere pass),
-    as ``formats.bits.zero_flagged``. Bytes per element: reads the gradient and 1/8 of mask, writes
-    the gradient once. ``check=False``: no argument checks, for a mask :func:`relu_mask` made of
-    the output whose gradient this is (the masked ReLU's backward)."""
+    """``grad`` with the flagged elements +0.0, as ``formats.bits.zero_flagged``, in one launch.
+    ``check=False``: no argument checks (host time)."""
     if check and (grad.dtype not in FLOATS or bits.dtype != torch.uint8):
         raise ValueError("relu_mask_grad takes a float gradient and uint8 mask bytes")
     if check and bits.numel() != (grad.numel() + 7) // 8:
