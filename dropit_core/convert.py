@@ -120,14 +120,11 @@ def to_dropit(
     **options: Any,
 ) -> M:
     """Convert matching conv/linear layers to DropIT, in place, and return ``model``; with
-    ``relu`` also the ReLUs whose 1-bit mask frees their output (:mod:`dropit_core.readers`;
-    ``"all"``: every ReLU selected), with ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm, with
-    ``pool`` MaxPool2d (docs/dropit.md, "Which modules convert").
-
-    ``include``/``exclude``: fnmatch patterns on module paths, each covering the modules below
-    the one it names; one that matches nothing is an error unless ``strict=False``. ``options``
-    go to the strategy (checked against ``REGISTRY``); ``rules``: per-group settings
-    (:mod:`dropit_core.rules`). Layers inside a checkpointed module stay plain, as ``skipped``.
+    ``relu`` also the ReLUs whose 1-bit mask frees their output (``"all"``: every one selected),
+    with ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm, with ``pool`` MaxPool2d.
+    ``include``/``exclude``: fnmatch patterns on module paths (one that matches nothing is an
+    error unless ``strict=False``); ``options``: the strategy's; ``rules``: per-group settings
+    (:mod:`dropit_core.rules`). docs/dropit.md, "Which modules convert", says the rest.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"to_dropit takes an nn.Module, got {type(model).__name__}")

@@ -40,12 +40,6 @@ KEY_ROWS = 256
 KEY_BLOCK, MAX_KEY_BLOCK = 32, 4096
 
 
-def _number(cache: InputCache) -> int:
-    number = next(_NUMBERS)
-    _CACHES[number] = cache
-    return number
-
-
 def cache_by_number(number: int) -> InputCache:
     """The live :class:`InputCache` numbered ``number`` (its ``number`` attribute)."""
     cache = _CACHES.get(number)
@@ -80,7 +74,8 @@ class InputCache:
         self._forward = next(_FORWARDS)  # names this cache's current forward on its packs
         self.casts = ParamCasts()  # autocast's weight casts, shared by the calls of a forward
         self.dropped: torch.Tensor | None = None
-        self.number = _number(self)  # how the torch.library operators name it (library.py)
+        self.number = next(_NUMBERS)  # how the torch.library operators name it (library.py)
+        _CACHES[self.number] = self
         self.keys = KeyTable(self)  # the step's draws as device data (draw_row)
 
     def set_step(self, step: int, rank: int = 0) -> None:

@@ -1,9 +1,5 @@
-"""Host-side arithmetic of a launch, in plain Python.
-
-``triton.cdiv`` and ``triton.next_power_of_2`` are jit functions: called from the host, each
-goes through Triton's ``JITFunction.__call__``, several microseconds apiece, and every layer's
-pack and rebuild asked for both (a CPU profile with the launches stubbed out). On a GPU the
-step waits on the host (docs/gpu.md), so these stay cheap integer operations.
+"""Host-side arithmetic of a launch, in plain Python: ``triton.cdiv`` and ``next_power_of_2`` are
+jit functions, several microseconds per host call, and a GPU step waits on the host.
 """
 
 from __future__ import annotations

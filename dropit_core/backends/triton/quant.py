@@ -169,7 +169,7 @@ def pack_contiguous(
 
 @cache
 def _pack_constants(
-    bits: int, group: int, block: int, cast: torch.dtype | None, signs: bool, keyed: bool = False
+    bits: int, group: int, block: int, cast: torch.dtype | None, signs: bool, keyed: bool
 ) -> tuple[int, dict]:
     """(groups per program, the pack kernel's compile-time arguments) of a setting: made once."""
     width, rows = tile(group, block)
