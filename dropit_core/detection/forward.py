@@ -1,8 +1,8 @@
 """A torchvision R-CNN forward that holds only what it needs: each map goes after its last use
 (most of a DropIT step's forward peak is what the detector's Python still holds:
-docs/results/archive/untrained_workload.md). The classes are torchvision's own, same modules and ``state_dict``
-keys; only ``forward`` changes, the same ops in the same order: bit for bit in fp32. Only these
-forwards consume a dict (:class:`ConsumableMaps`); TorchScript is not supported.
+docs/results/archive/untrained_workload.md). The classes are torchvision's own, same modules and
+``state_dict`` keys; only ``forward`` changes, the same ops in the same order: bit for bit in
+fp32. Only these forwards consume a dict (:class:`ConsumableMaps`); TorchScript is unsupported.
 """
 
 from __future__ import annotations
