@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
@@ -29,16 +28,6 @@ _M_MMAP_THRESHOLD = -3
 STEADY_MMAP_THRESHOLD = 32 << 20
 _STEADY_TRIM_THRESHOLD = 2 * STEADY_MMAP_THRESHOLD
 _DEFAULT_TRIM_THRESHOLD = 128 << 10
-
-
-def rss_mb() -> float | None:
-    """Resident memory of this process now (Linux), in MB: what the allocator's mode moves
-    (memory figures are dropit_core.memory.PeakMeter's, which no allocator mode changes)."""
-    try:
-        status = Path("/proc/self/status").read_text().splitlines()
-    except OSError:
-        return None
-    return next((int(ln.split()[1]) / 1024.0 for ln in status if ln.startswith("VmRSS:")), None)
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -166,8 +166,3 @@ def budget_check(
         if rows
         else None,
     }
-
-
-def is_budget_checks(data: Any) -> bool:
-    """Whether parsed JSON is what ``tools/gpu_checks.py budget --json`` writes."""
-    return isinstance(data, dict) and isinstance(data.get("checks"), list)

@@ -139,8 +139,3 @@ def deterministic_pair(
         "key_step_ratio": ratio,
         "runs": runs,
     }
-
-
-def is_pair(data: Any) -> bool:
-    """Whether parsed JSON is what ``tools/gpu_checks.py pair --json`` writes."""
-    return isinstance(data, dict) and isinstance(data.get("pair"), dict) and "runs" in data

@@ -209,8 +209,3 @@ def capture_rows(
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def is_capture_table(data: Any) -> bool:
-    """Whether parsed JSON is what ``tools/gpu_checks.py capture --json`` writes."""
-    return isinstance(data, dict) and isinstance(data.get("captures"), list)

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dropit_core import build_strategy
 from rcnn_dropit.config import Config, config_from_dict, with_overrides
 from rcnn_dropit.config_schema import dropit_rules
 from rcnn_dropit.engine.amp import autocast
@@ -122,15 +121,6 @@ def _option_value(text: str) -> Any:
     if text.lstrip("-").isdigit():
         return int(text)
     return {"true": True, "false": False}.get(text.lower(), text)
-
-
-def check_variants(variants: Sequence[Variant]) -> None:
-    """Raise a UsageError for a variant whose strategy, gamma or options dropit_core refuses."""
-    for v in variants:
-        try:
-            build_strategy(v.strategy, v.gamma, **v.options)
-        except ValueError as err:  # dropit_core's own type: the variant is the user's
-            raise UsageError(str(err)) from err
 
 
 def recipe_config(

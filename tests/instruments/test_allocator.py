@@ -20,9 +20,13 @@ from tests.helpers import REPO
 # after=16.0, not seen again in 45 runs of the probe alone).
 PROBE = """
 import json, torch
-from instruments.measure.allocator import rss_mb, training_allocator
+from instruments.measure.allocator import training_allocator
 
 torch.set_num_threads(1)
+
+def rss_mb():
+    status = open("/proc/self/status").read().splitlines()
+    return next(int(ln.split()[1]) / 1024.0 for ln in status if ln.startswith("VmRSS:"))
 
 def kept_after_free():
     before = rss_mb()
