@@ -151,6 +151,12 @@ def _where(t: Mapping[str, Any]) -> str:
     )
 
 
+def _head(first: str, numbers: list[str], text: str | None = None) -> list[str]:
+    """A table's header and rule: the first column, right-aligned ``numbers``, then ``text``."""
+    cells = [first, *numbers, *([text] if text else [])]
+    return ["| " + " | ".join(cells) + " |", "|---|" + "---:|" * len(numbers) + "---|" * bool(text)]
+
+
 def table_lines(p: GpuPass) -> list[str]:
     """The eager and graphed rows at each batch size, ratios to the eager baseline."""
     images = p.images
@@ -167,14 +173,12 @@ def table_lines(p: GpuPass) -> list[str]:
         "`train.compile_mode=reduce-overhead`). Peak as on every page (training.md#peak-memory) "
         f"above the model's own allocation. {_bucket_words(t)}",
         "",
-        "| method | "
-        + " | ".join(f"peak @{n}" for n in images)
-        + " | "
-        + " | ".join(f"step @{n}" for n in images)
-        + " | launches "
-        + " / ".join(f"@{n}" for n in images)
-        + " | positive RoIs / image |",
-        "|---|" + "---:|" * (2 * len(images) + 2),
+        *_head(
+            "method",
+            [f"peak @{n}" for n in images]
+            + [f"step @{n}" for n in images]
+            + ["launches " + " / ".join(f"@{n}" for n in images), "positive RoIs / image"],
+        ),
     ]
     for s in p.settings:
         rows = {n: p.row(s, n) for n in images}
@@ -251,16 +255,15 @@ def graphed_lines(p: GpuPass) -> list[str]:
     """Each graphed setting against its eager twin and the graphed baseline, and its capture."""
     images = p.images
     base_graphed = next((s for s in graphed(p) if s.startswith("baseline")), None)
-    lines = [
-        "| graphed | "
-        + " | ".join(f"step vs eager @{n}" for n in images)
-        + " | "
-        + " | ".join(f"vs graphed baseline @{n}" for n in images)
-        + " | "
-        + " | ".join(f"peak vs eager @{n}" for n in images)
-        + " | capture per batch and bucket: first steps beyond steady ones |",
-        "|---|" + "---:|" * (3 * len(images)) + "---|",
-    ]
+    lines = _head(
+        "graphed",
+        [
+            f"{what} @{n}"
+            for what in ("step vs eager", "vs graphed baseline", "peak vs eager")
+            for n in images
+        ],
+        "capture per batch and bucket: first steps beyond steady ones",
+    )
     for s in graphed(p):
         cells = []
         for n in images:
