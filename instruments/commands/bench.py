@@ -1,21 +1,7 @@
 """Benchmark DropIT settings against the baseline on Mask R-CNN R50-FPN; prints JSON lines.
 
-One subcommand per bench, each with its own flags (``tools/bench.py SUBCOMMAND --help``):
-
-python tools/bench.py steps                     # default variants, COCO recipe (FrozenBN, 3 stages)
-python tools/bench.py steps --scratch           # BatchNorm2d, all stages trainable
-python tools/bench.py steps --variants mink:0.9:values=int8 threshold:0.8 --json bench.json
-python tools/bench.py steps --settings baseline mink_0.8 quant_4bit checkpoint_stages \\
-    --methods-json methods.json       # settings of the study's plan, by name (--plan)
-python tools/bench.py markdown methods.json     # the Markdown table of such a file
-python tools/bench.py steps --device cuda --amp fp16   # GPU: allocator peaks, synchronised steps
-python tools/bench.py gpu-table --device cuda --amp fp16 --image-size 800 --images 2 8 \\
-    --settings baseline quant_4bit --json bench_gpu.json   # the GPU table (make bench-gpu)
-python tools/bench.py demo                      # make demo's step with and without DropIT
-python tools/bench.py ops                       # each pass of the pack and rebuild, one 4Mi slice
-python tools/bench.py host                      # host µs per DropIT layer, launches stubbed
-python tools/bench.py pooler --images 2 8       # the RoI poolers under autocast: bytes and ms
-python tools/bench.py fusion --image-size 128   # compiled packs, opaque and fused
+One subcommand per bench, each with its own flags (``tools/bench.py SUBCOMMAND --help``);
+docs/benchmark.md says how to run and read each.
 """
 
 from __future__ import annotations

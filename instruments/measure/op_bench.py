@@ -26,11 +26,10 @@ from instruments.measure.allocator import training_allocator
 from rcnn_dropit.errors import UsageError
 
 SLICE = 1 << 22
+GAMMA = 0.8  # the threshold strategy's fraction dropped
 
 
-def op_costs(
-    n: int = SLICE, gamma: float = 0.8, repeats: int = 15, device: str = "cpu"
-) -> list[dict[str, Any]]:
+def op_costs(n: int = SLICE, repeats: int = 15, device: str = "cpu") -> list[dict[str, Any]]:
     """One row per stage: ``{"op", "stage", "ms", "per_copy"}`` (time over a plain copy's)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -39,7 +38,7 @@ def op_costs(
     x = torch.randn(n, generator=gen).to(dev)
     relu_out = torch.relu(x)
     a = x.abs()
-    t = torch.quantile(a[:: max(1, n // 65536)], gamma)  # the threshold strategy's estimate
+    t = torch.quantile(a[:: max(1, n // 65536)], GAMMA)  # the threshold strategy's estimate
     mask = a >= t
     bits = pack_bits(mask)
     kept = x[mask]
@@ -70,7 +69,7 @@ def op_costs(
     for row in rows:
         row.update(
             elements=n,
-            gamma=gamma,
+            gamma=GAMMA,
             device=str(dev),
             threads=torch.get_num_threads(),
             per_copy=round(row["ms"] / copy_ms, 2) if copy_ms > 0 else None,

@@ -53,7 +53,7 @@ def rules_out_loss(state: str) -> bool:
     return state in (KEEPS, GAINS, f"{INCONCLUSIVE}, above 0") or state.startswith(NO_LOSS)
 
 
-def setting_verdict(states: Sequence[str], tolerance: float = TOLERANCE) -> str:
+def setting_verdict(states: Sequence[str]) -> str:
     """One word for a setting from its box and mask states."""
     if any(s == ONE_SEED for s in states):
         return ONE_SEED
@@ -65,7 +65,7 @@ def setting_verdict(states: Sequence[str], tolerance: float = TOLERANCE) -> str:
     if all(s in (KEEPS, GAINS) for s in states):
         return "keeps or gains AP"
     if all(rules_out_loss(s) for s in states):
-        return f"no loss beyond {tolerance:g} AP"
+        return f"no loss beyond {TOLERANCE:g} AP"
     return INCONCLUSIVE
 
 
@@ -85,7 +85,6 @@ def verdict_table(
     found: Found,
     settings: Sequence[str],
     planned: Callable[[str], int],
-    tolerance: float = TOLERANCE,
 ) -> list[str]:
     """A Markdown table: per setting, seeds, paired Δ and state for box and mask, verdict.
 
@@ -105,7 +104,7 @@ def verdict_table(
         n = len(set(mine) & set(base))
         of = f"{n} of {planned(setting)}" if planned(setting) else str(n)
         cells, states = [], []
-        for found_diff in family_diffs(mine, base, tolerance):
+        for found_diff in family_diffs(mine, base):
             if found_diff is None:
                 cells += ["-", "-"]
                 continue
