@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     markdown.add_argument(
         "--summary",
         action="store_true",
-        help="one line per memory method (the README's) instead of the table",
+        help="a GPU table's one line per setting (docs/gpu.md's) instead of its table",
     )
 
     demo = command(
@@ -428,16 +428,12 @@ def _command_line() -> str:
 
 def markdown_of(path: Path, summary: bool = False) -> str:
     """The table of a JSON file (the methods table's records, a GPU table, or the rows a
-    subcommand wrote with ``--json``, as the run printed them), or its one line per method
-    (``summary``)."""
+    subcommand wrote with ``--json``, as the run printed them), or a GPU table's one line per
+    setting (``summary``)."""
     from instruments.measure.fusion_bench import fusion_markdown, is_fusion_rows
     from instruments.measure.gpu_table import gpu_markdown, gpu_summary, is_gpu_table
     from instruments.measure.host_bench import host_markdown, is_host_rows
-    from instruments.measure.methods_table import (
-        methods_markdown,
-        methods_summary,
-        read_methods_json,
-    )
+    from instruments.measure.methods_table import methods_markdown, read_methods_json
     from instruments.measure.pooler_bench import is_pooler_rows, pooler_markdown
     from instruments.measure.step_bench import is_step_rows, markdown_table
 
@@ -460,8 +456,9 @@ def markdown_of(path: Path, summary: bool = False) -> str:
                     f"--summary: one line per method of a methods table, not {name} rows"
                 )
             return table(data)
-    records = read_methods_json(path)
-    return methods_summary(records) if summary else methods_markdown(records)
+    if summary:
+        raise UsageError("--summary: one line per setting of a GPU table, not of a methods table")
+    return methods_markdown(read_methods_json(path))
 
 
 def _markdown(args: argparse.Namespace) -> None:

@@ -241,8 +241,7 @@ def _workload(base: Mapping[str, Any]) -> str:
     return f"workload {name}, {_cell(base.get('positive_rois_per_image'), 1)} positive RoIs/image"
 
 
-# What each method is, in a few words, for the README's one line per method (settings the
-# methods table has but this does not name are left out of the summary).
+# What each method is, in a few words: the results page's GPU rows name it (tools/results_page.py).
 SUMMARY = {
     "quant_4bit": "4-bit stochastic rounding on every layer the paper converts (the study's pick)",
     "quant_2bit": "2-bit stochastic rounding, the same layers",
@@ -254,31 +253,6 @@ SUMMARY = {
     "baseline_torchvision_bn": "torchvision's FrozenBatchNorm2d instead of the lean one",
     "baseline_torchvision_forward": "torchvision's forward, each map held to its end (not lean)",
 }
-
-
-def methods_summary(records: Sequence[Mapping[str, Any]]) -> str:
-    """One line per method of :data:`SUMMARY` that the records hold: what it is and its
-    measured saved, peak and step ratios, then the run that measured them."""
-    lines = []
-    for r in records:
-        what = SUMMARY.get(r.get("setting"))
-        if what is None:
-            continue
-        lines.append(
-            f"- `{r['setting']}`: {what}; saved {_cell(r.get('saved_ratio'), 2)}x, peak "
-            f"{_cell(r.get('peak_ratio'), 2)}x, step {_cell(r.get('step_ratio'), 2)}x"
-        )
-    base = next((r for r in records if r.get("setting") == "baseline"), None)
-    if base is not None:
-        quiet = "quiet" if base["quiet"] else "not quiet"
-        lines += [
-            "",
-            f"Ratios to the baseline of the same run: Mask R-CNN R50-FPN, COCO recipe, "
-            f"{base['images']} images of {base['image_size']} px, {base['device']} (amp "
-            f"{base['amp']}), {base['date']}, machine {quiet}; the full table: "
-            "[docs/results/memory.md](docs/results/memory.md).",
-        ]
-    return "\n".join(lines)
 
 
 def _same_run(record: Mapping[str, Any], run: Mapping[str, Any]) -> bool:
