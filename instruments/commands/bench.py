@@ -305,13 +305,6 @@ def _model_arguments(p: argparse.ArgumentParser, images: str, repeats: str) -> N
         default=[int(n) for n in images.split()],
         help=f"images per step; several: the rows at each in turn (default: {images})",
     )
-    p.add_argument(
-        "--profile-steps",
-        type=int,
-        metavar="N",
-        help="steps per setting run under torch.profiler, for its kernel launches and host "
-        "syncs per step (default: 3 on CUDA, 0 on the CPU, where there are none)",
-    )
     p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     _quiet_argument(p)
 
@@ -353,11 +346,8 @@ def _steps(args: argparse.Namespace) -> None:
 
 
 def _profile_steps(args: argparse.Namespace) -> int:
-    """--profile-steps, by default 3 on a CUDA device and 0 elsewhere."""
-    if args.profile_steps is not None:
-        if args.profile_steps < 0:
-            raise UsageError(f"--profile-steps {args.profile_steps}: allowed integers >= 0")
-        return args.profile_steps
+    """Steps per setting run under torch.profiler for its launches and host syncs: 3 on a CUDA
+    device, none elsewhere (the CPU has neither)."""
     return 3 if args.device.startswith("cuda") else 0
 
 
