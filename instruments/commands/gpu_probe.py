@@ -1,23 +1,9 @@
-"""Where one GPU training step's host time and peak memory go, per bench setting (a diagnostic).
+"""Where one training step's host time and peak memory go, per bench setting (a diagnostic).
 
     python tools/gpu_probe.py --what memory --settings baseline quant_4bit --images 2 8
 
-For each setting and batch (the bench's R50-FPN Mask R-CNN, AMP fp16, 800 px; --scratch: with
-BatchNorm, every stage trainable): the allocations alive at the step's CUDA peak (--what
-memory) or the Python functions with the most time of their own (python); or, once, the host's
-cost of a launch: an aten op, a bare Triton launch and each DropIT wrapper (launch). Needs CUDA;
-prints text (instruments/measure/gpu_probe.py; docs/gpu.md says what a run of it showed on an
-H200).
-
-``--what live`` runs on any device (``--device cpu``, fp32 there): the tensors alive at the
-training forward's peak, by the line that made them, split into what backward keeps and the
-forward's working set (instruments/measure/live_probe.py):
-
-    python tools/gpu_probe.py --what live --device cpu --images 2 --settings baseline quant_4bit
-
-``--what live-step`` does the same for the whole training step, the backward too: where a step's
-peak falls once the forward holds little, with each tensor the backward makes named by the
-autograd node that made it.
+The bench's R50-FPN Mask R-CNN (instruments/measure/gpu_probe.py, live_probe.py); docs/gpu.md
+and docs/dropit.md say what runs of it showed. Every --what but live and live-step needs CUDA.
 """
 
 from __future__ import annotations
@@ -48,7 +34,7 @@ def _live(args: argparse.Namespace) -> None:
     setting and batch (any device)."""
     device = torch.device(args.device)
     amp = args.amp or ("fp16" if device.type == "cuda" else "none")
-    base = recipe_config(args.scratch, args.image_size)
+    base = recipe_config(False, args.image_size)
     for setting in plan_settings(args.plan, args.settings):
         model = detector(setting_config(base, setting)).to(device).train()
         for n in args.images:
@@ -76,7 +62,7 @@ def _probe(args: argparse.Namespace) -> None:
         for row in probe.launch_costs("cuda"):
             print(f"  {row['host_us']:8.2f}  {row['call']}")
         return
-    base = recipe_config(args.scratch, 800)
+    base = recipe_config(False, 800)
     for setting in settings:
         model = detector(setting_config(base, setting)).cuda().train()
         for n in args.images:
@@ -97,16 +83,22 @@ def _probe(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of tools/gpu_probe.py."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--settings", nargs="+", default=["baseline", "quant_4bit"])
     parser.add_argument("--plan", type=Path, default=Path("configs/study/plan.yaml"))
     parser.add_argument("--images", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--scratch", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="lines per list")
     parser.add_argument(
         "--what",
         choices=["memory", "python", "launch", "live", "live-step"],
         default="memory",
+        help="memory: the allocator's blocks alive at a step's CUDA peak, by the frame that asked "
+        "for them; python: the functions with the most time of their own (cProfile); launch: the "
+        "host's cost of one launch, once; live (any device): the tensors alive at the forward's "
+        "peak, by the line that made them, split into what backward keeps and the working set; "
+        "live-step: the same over the whole step, the backward's by the autograd node",
     )
     parser.add_argument("--device", default="cuda", help="with --what live(-step): any device")
     parser.add_argument("--image-size", type=int, default=800, help="with --what live(-step)")

@@ -1,12 +1,9 @@
 """Compiled DropIT with its packs and ReLU masks fused into Inductor's kernels, or opaque, and
-eager: what each costs to compile and to run (a benchmark).
+eager: what each costs to compile and to run (``tools/bench.py fusion``).
 
-Used by ``tools/bench.py fusion``. The model is what ``train.compile: backbone`` compiles: the
-lean ResNet-FPN body and FPN with 4-bit DropIT, Inductor, dynamic shapes. Each setting (eager,
-then compiled with ``DROPIT_FUSE`` off, then on) runs in a fresh process with an empty Inductor
-cache, so a compiled model's first training step includes the whole compile: that step's
-seconds, the kernels Inductor built (its C++ or Triton sources in the cache), and the median of
-the steps after it.
+The model is what ``train.compile: backbone`` compiles (the lean ResNet-FPN with 4-bit DropIT,
+dynamic shapes); each setting runs in a fresh process with an empty Inductor cache, so the first
+step's seconds include the whole compile.
 """
 
 from __future__ import annotations

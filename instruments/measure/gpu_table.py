@@ -1,17 +1,9 @@
-"""The GPU table (``make bench-gpu``): one row per setting with what a GPU user weighs.
-
-Per setting, at each batch size (2 and 8 images of 800 px): the step time, the peak memory
-(the CUDA allocator's on a GPU), the kernels launched and the host syncs per step
-(:mod:`instruments.measure.cuda_calls`), each with its ratio to the baseline of the same run
-(:func:`instruments.measure.step_bench.run_benchmark`); then the largest batch that trains
-within a memory budget (:func:`instruments.measure.max_batch.largest_batches`). Steps are timed
-in alternating rounds (every setting's model takes its steps, then the next round), a ratio
-being the median of the rounds' ratios with their lowest and highest; the rows that run the
-baseline's kernels say what differences the run resolves (:func:`step_resolution`). The file
-``tools/bench.py gpu-table --json`` writes holds these rows with the run's provenance: the
-command, the commit, the GPU's name and the torch, CUDA and triton versions. ``markdown``
-makes its table; ``tools/results_page.py`` reads the newest lease's file into the results
-page, docs/results/README.md.
+"""The GPU table (``tools/bench.py gpu-table``, ``make bench-gpu``): one row per setting with
+the step time, peak, kernel launches and host syncs per step at each batch size, each a ratio to
+the baseline of the same alternating rounds (:func:`instruments.measure.step_bench.run_benchmark`),
+and the largest batch within a memory budget (:mod:`instruments.measure.max_batch`).
+docs/benchmark.md says how to read it; ``tools/results_page.py`` puts the newest lease's table on
+the results page.
 """
 
 from __future__ import annotations
@@ -71,7 +63,6 @@ DESCRIPTION = (
     "memory_source",
     "converted_layers",
 )
-GPU_BLOCK = "bench-gpu"  # the name a GPU table's block has in a document (archive/memory_log.md)
 # Rows that run the baseline's kernels, give or take a few launches: their step ratios would be 1
 # on a noiseless machine, so how far they stray is what the run's timing cannot tell apart.
 SAME_KERNELS = ("baseline_torchvision_forward", "baseline_torchvision_fpn")

@@ -1,16 +1,9 @@
-"""Host time of a DropIT layer on the GPU path, measured on any machine (a benchmark).
+"""Host time of a DropIT layer on the GPU path, on any machine (``tools/bench.py host``).
 
-Used by ``tools/bench.py host``. On a GPU the training step waits on the host, not on the kernels
-(docs/gpu.md): what a DropIT layer costs there is mostly Python, its autograd Function, its pack's
-bookkeeping and the launch wrappers. This runs that very code with the Triton launches stubbed out:
-``dropit_core`` is told to use its kernels (``configure(kernels="triton")``), every wrapper computes
-its grid and buffers as it would, and the launch itself does nothing. Tiny tensors on the CPU then
-leave the host work alone: stacks of 3x3 convs on an 8x8 map (conv; conv + ReLU; conv + BatchNorm +
-ReLU, with DropIT norms or through saved-tensor hooks), forward and backward, against the plain
-layers, in microseconds per unit of the stack. Each row also counts the launches per unit: the aten
-ops that compute (not views, not allocations), each at least one kernel on a GPU, and the Triton
-launches. The launch's own cost, Triton's, is not in it: that needs a GPU (``tools/gpu_probe.py
---what python``).
+The layers' Python, pack bookkeeping and kernel wrappers run on tiny CPU tensors with the Triton
+launches stubbed out, against the plain layers; each row also counts the launches per unit.
+docs/benchmark.md says what the rows are; the launch's own cost needs a GPU
+(``tools/gpu_probe.py --what launch``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The RoI poolers under autocast, torchvision's and the lean one, side by side (a benchmark).
+"""The RoI poolers under autocast, torchvision's and the lean one, side by side
+(``tools/bench.py pooler``; docs/benchmark.md says what it measures).
 
-Used by ``tools/bench.py pooler``. Under autocast torchvision's ``roi_align`` pools in fp32 from
-an fp32 copy of the whole level it reads; the lean pooler (dropit_core.detection.forward) pools a
-few images at a time, so its copy is one image's finest level. This measures what that buys and what
-it costs, on the pooler alone: a pyramid P2-P5 of the COCO recipe's 256 channels for a batch of
-``images`` of ``image_size`` x 4/3 px, the box head's 512 RoIs per image (7x7) and 128 for the
-mask head (14x14), sized from 16 px to the image. Per pooler and batch: the bytes allocated above
-the start at the forward's and the backward's peak (CUDA's allocator; on the CPU, torch.profiler's
-allocation events), and the median milliseconds of a forward and backward, both poolers timed in
-alternating rounds (on the CPU with glibc's heap as in training: instruments.measure.allocator).
-Each lean row also says whether its pooled maps and gradients are torchvision's bits.
+The pyramid is the COCO recipe's (P2-P5, 256 channels, ``image_size`` x 4/3 px) with the box
+head's 512 RoIs per image (7x7) and the mask head's 128 (14x14); both poolers are timed in
+alternating rounds, on the CPU with glibc's heap as in training (instruments.measure.allocator).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """DropIT benchmark on Mask R-CNN R50-FPN: saved-activation bytes, real memory, time, gradients.
 
 Each setting (config overrides, as the accuracy study's plan writes them; a variant such as
-``mink:0.8`` is one) is compared with the baseline in one process. Memory comes first, measured
-above each model's own starting allocation (dropit_core.memory.PeakMeter: torch's CPU
-allocations, or the CUDA caching allocator's counters), and the row says whether the step's
-peak falls in the forward or the backward pass.
-Then the weight gradients: cosine and norm ratio of one step against the exact ones, and the
-bias over several draws for a setting that draws random numbers (grad_fidelity). Timings come
-last, in rounds of one step per model (baseline and every setting in turn), with the ratio of
-medians reported, so a noisy shared machine cancels out; or, with ``rounds`` (the GPU table),
-in rounds of several steps per model, a ratio being the median of the rounds' ratios, with
-their spread (:func:`alternating_rounds`, :func:`round_summary`). ``max_batch.largest_batches``
-finds the largest batch each setting trains within a memory budget, which is what a GPU user
-wants to know.
+``mink:0.8`` is one) is compared with the baseline in one process: memory first, above each
+model's own starting allocation (dropit_core.memory.PeakMeter); then the weight gradients against
+the exact ones (grad_fidelity); timings last, in alternating rounds so that a shared machine's
+noise cancels out (:func:`alternating_rounds`, :func:`round_summary`). docs/benchmark.md says
+what each column of a row means.
 """
 
 from __future__ import annotations

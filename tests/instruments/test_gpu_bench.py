@@ -330,7 +330,7 @@ def test_cli_gpu_table_prints_rows_and_writes_one_file(monkeypatch, tmp_path, ca
     assert written["command"].startswith("python ")  # this process's command line
     # --markdown knows the file, and writes its table into a document's block
     doc = tmp_path / "memory.md"
-    begin, end = markers(gpu.GPU_BLOCK)
+    begin, end = markers("bench-gpu")
     doc.write_text(f"{begin}\n{end}\n")
     assert bench_main(["markdown", str(out), "--into", str(doc), "--block", "bench-gpu"]) == 0
     assert "| mink_0.8 |" in doc.read_text()
