@@ -287,10 +287,7 @@ def make_batch(
     for _ in range(n_images):
         images.append(torch.rand(3, s, s, generator=gen).to(device))
         if w.proposals_per_object == 0:  # the first benches' three boxes, as they were
-            rel = torch.tensor(
-                [[0.1, 0.12, 0.4, 0.43], [0.5, 0.2, 0.8, 0.75], [0.06, 0.6, 0.35, 0.94]]
-            )
-            b = (rel * s).round()
+            b = (UNTRAINED_BOXES * s).round()
             labels = torch.tensor([1, 2, 3])
         else:
             side = torch.empty(w.objects).uniform_(math.log(16), math.log(0.6 * s), generator=gen)

@@ -16,7 +16,6 @@ from rcnn_dropit.report.runs import Run
 
 BASELINE = "baseline"
 FAMILY_OF_WORD = {"box": "bbox", "mask": "segm"}
-WORD_OF_FAMILY = {family: word for word, family in FAMILY_OF_WORD.items()}
 
 # seed -> run, for one setting of one regime
 Seeds = Mapping[int, Run]
