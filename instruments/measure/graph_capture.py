@@ -153,16 +153,12 @@ def capture_rows(
     image_size: int = 800,
     device: str = "cuda",
     amp: str = "fp16",
-    first_steps_count: int = 3,
     repeats: int = 5,
-    progress: Callable[[dict[str, Any]], None] | None = None,
     workload_name: str = workload.DEFAULT_WORKLOAD,
 ) -> Iterator[dict[str, Any]]:
     """One row per setting, batch size and bucket, in the order a run meets them."""
-    if first_steps_count < 1 or repeats < 1:
-        raise UsageError(
-            f"first steps {first_steps_count}, repeats {repeats}: allowed integers >= 1"
-        )
+    if repeats < 1:
+        raise UsageError(f"repeats {repeats}: allowed integers >= 1")
     workload.workload_named(workload_name)  # a bad name fails before any model is built
     base = bucket_config(image_size)
     dev = torch.device(device)
@@ -178,7 +174,7 @@ def capture_rows(
         for n in images:
             for bucket in buckets_for(image_size):
                 batch = bucket_batch(image_size, n, bucket, dev, workload_name)
-                first = first_steps(step, batch, dev, first_steps_count)
+                first = first_steps(step, batch, dev)
                 if counter is not None:
                     counter.take()  # the first steps'
                 steady = statistics.median(
@@ -203,8 +199,6 @@ def capture_rows(
                     # what the steady steps' RoI heads had, as the sampler kept them
                     "positive_rois_per_image": positives / counted if counted else None,
                 }
-                if progress:
-                    progress(row)
                 yield row
         del model
         if dev.type == "cuda":
