@@ -23,8 +23,6 @@ dmax TARGET FAMILY         the largest per-seed Δ in magnitude, unsigned       
 dhalf TARGET FAMILY N      half-width of a 95% interval at N seeds with the    ``0.9``
                            spread of TARGET's per-seed Δ
 nbelow TARGET FAMILY       seeds whose Δ is below zero, of those paired        ``3 of 3``
-nabove TARGET FAMILY       seeds whose Δ is above zero, of those paired        ``0 of 3``
-dat TARGET FAMILY ITER     mean paired Δ at one evaluated iteration            ``-8.5``
 dtrain TARGET FAMILY       mean paired Δ at every iteration both evaluated     ``-8.5, -3.6, -2.2``
 apat TARGET FAMILY ITER    AP mean over seeds at one evaluated iteration       ``82.7``
 gain TARGET FAMILY A B     AP gained from iteration A to B, mean over seeds    ``+0.6 [-1.3, +2.5]``
@@ -286,11 +284,6 @@ def _nbelow(sources: Sources, target: str, word: str) -> str:
     return f"{sum(v < 0 for v in diffs.values())} of {len(diffs)}"
 
 
-def _nabove(sources: Sources, target: str, word: str) -> str:
-    diffs = _diffs(sources, target, word)
-    return f"{sum(v > 0 for v in diffs.values())} of {len(diffs)}"
-
-
 def _evals_at(runs: Seeds, family: str) -> dict[int, dict[int, float]]:
     """iteration -> seed -> AP x100 of every evaluation during training."""
     out: dict[int, dict[int, float]] = {}
@@ -313,15 +306,6 @@ def _train_diffs(sources: Sources, target: str, word: str) -> dict[int, float]:
         if diffs:
             out[it] = statistics.fmean(diffs)
     return out
-
-
-def _dat(sources: Sources, target: str, word: str, iteration: str) -> str:
-    if not iteration.isdigit():
-        raise _Bad(f"iteration '{iteration}' is not a whole number")
-    diffs = _train_diffs(sources, target, word)
-    if int(iteration) not in diffs:
-        raise _Bad(f"no paired evaluation at iteration {iteration} (paired: {sorted(diffs)})")
-    return f"{diffs[int(iteration)]:+.1f}"
 
 
 def _dtrain(sources: Sources, target: str, word: str) -> str:
@@ -555,8 +539,6 @@ FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "dmax": (_dmax, ("TARGET", "FAMILY")),
     "dhalf": (_dhalf, ("TARGET", "FAMILY", "N")),
     "nbelow": (_nbelow, ("TARGET", "FAMILY")),
-    "nabove": (_nabove, ("TARGET", "FAMILY")),
-    "dat": (_dat, ("TARGET", "FAMILY", "ITER")),
     "dtrain": (_dtrain, ("TARGET", "FAMILY")),
     "apat": (_apat, ("TARGET", "FAMILY", "ITER")),
     "gain": (_gain, ("TARGET", "FAMILY", "A", "B")),

@@ -151,8 +151,6 @@ def sources(tmp_path: Path) -> Sources:
         ("dhalf ft/mink box 3", "1.2"),  # the interval's own half-width at its 3 seeds
         ("nbelow ft/mink box", "3 of 3"),
         ("nbelow ft/mink mask", "2 of 3"),
-        ("nabove ft/mink mask", "1 of 3"),
-        ("dat ft/mink box 100", "-8.3"),
         ("dtrain ft/mink box", "-8.3, +0.0"),
         ("apat ft/baseline box 100", "50.0"),
         # each seed against itself: 70 - 40, 70 - 50, 70 - 60 = 30, 20, 10; sd 10,
@@ -233,7 +231,7 @@ def test_a_step_ratio_comes_from_the_newest_timed_table_which_it_names(sources: 
 
 
 def test_every_function_is_tested() -> None:
-    tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow", "nabove", "dat"}
+    tested = {"ap", "mean", "d", "dmean", "dseeds", "dsd", "dmax", "nbelow"}
     tested |= {"dtrain", "vs", "saved", "n", "seeds", "grad", "bench", "same", "dhalf"}
     tested |= {"dlow", "dhigh", "seedlist", "apat", "gain", "gainseeds", "converged", "state"}
     tested |= {"meets", "margin", "step"}
@@ -264,8 +262,7 @@ def test_text_without_placeholders_is_unchanged(sources: Sources) -> None:
         ("{{same ft/mink_s1-2 ft/baseline_s1}}", "names 2 runs; name one"),
         ("{{d ft/mink bx}}", "family 'bx' is not one of box, mask"),
         ("{{d ft/baseline box}}", "'baseline' is a baseline"),
-        ("{{dat ft/mink box late}}", "iteration 'late' is not a whole number"),
-        ("{{dat ft/mink box 300}}", "no paired evaluation at iteration 300"),
+        ("{{apat ft/baseline box late}}", "iteration 'late' is not a whole number"),
         ("{{dsd ft/mink_s1 box}}", "needs 2 paired seeds"),
         ("{{apat ft/baseline box 300}}", "no box evaluation at iteration 300 ([100, 200])"),
         ("{{gain ft/baseline mask x 200}}", "iteration 'x' is not a whole number"),
