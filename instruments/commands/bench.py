@@ -10,11 +10,11 @@ import argparse
 import itertools
 import json
 import os
-import shlex
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from instruments.measure.methods_table import command_line
 from rcnn_dropit.cli import run_cli
 from rcnn_dropit.errors import UsageError
 
@@ -331,7 +331,7 @@ def _steps(args: argparse.Namespace) -> None:
     if args.methods_json and len(args.images) > 1:
         raise UsageError("--methods-json: one row per setting, so one --images value")
     settings = _settings(args)
-    header = provenance(_command_line(), args.quiet_machine, args.device)  # before minutes of work
+    header = provenance(command_line(), args.quiet_machine, args.device)  # before minutes of work
     produced = itertools.chain.from_iterable(
         run_benchmark(
             settings, args.scratch, args.image_size, args.repeats, args.device,
@@ -367,7 +367,7 @@ def _gpu_table(args: argparse.Namespace) -> None:
         "workload": args.workload,
         "size_buckets": _buckets(args.image_size) if args.size_buckets else None,
     }  # fmt: skip
-    header = gpu_header(_command_line(), args.device, args.quiet_machine, **run)
+    header = gpu_header(command_line(), args.device, args.quiet_machine, **run)
     produced = gpu_table(
         settings, args.images, args.max_batch, args.batch_limit, args.image_size, args.repeats,
         args.device, args.amp, args.draws, run["profile_steps"], args.scratch, heads=args.heads,
@@ -406,14 +406,6 @@ def _emit(
     if json_path:
         json_path.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
-
-
-def _command_line() -> str:
-    """This command as typed from the checkout (``python tools/bench.py ...``)."""
-    script = sys.argv[0]
-    if os.path.isabs(script) and Path(script).is_relative_to(Path.cwd()):
-        script = os.path.relpath(script)
-    return shlex.join(["python", script, *sys.argv[1:]])
 
 
 def markdown_of(path: Path, summary: bool = False) -> str:
@@ -471,7 +463,7 @@ def _demo(args: argparse.Namespace) -> None:
 
     rows = demo_rows(args.config, max(args.repeats, 5))
     for row in rows:
-        row.update(config=args.config, quiet=args.quiet_machine, command=_command_line())
+        row.update(config=args.config, quiet=args.quiet_machine, command=command_line())
     _emit(rows, args.json)
 
 
@@ -509,7 +501,7 @@ def _fusion(args: argparse.Namespace) -> None:
 
     rows = fusion_rows("resnet18", args.image_size, args.images, max(args.repeats, 1), args.device)
     for row in rows:
-        row.update(quiet=args.quiet_machine, command=_command_line())
+        row.update(quiet=args.quiet_machine, command=command_line())
     _emit(rows, args.json, fusion_markdown)
 
 
