@@ -359,8 +359,6 @@ def test_cli_refuses_what_the_gpu_table_does_not_take(capsys) -> None:
     with pytest.raises(SystemExit) as stopped:
         bench_main([*base, "--methods-json", "x.json"])  # a flag of steps, not of gpu-table
     assert stopped.value.code == 2 and "--methods-json" in capsys.readouterr().err
-    assert bench_main([*base, "--profile-steps", "-1"]) == 2
-    assert "--profile-steps -1" in capsys.readouterr().err
     steps = ["steps", "--settings", "baseline", "--images", "2", "8", "--methods-json", "x"]
     assert bench_main(steps) == 2
     assert "one --images value" in capsys.readouterr().err
