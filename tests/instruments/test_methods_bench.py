@@ -65,6 +65,7 @@ METHODS = [
     "importance_0.8",
     "quant_2bit",
     "quant_4bit",
+    "quant_4bit_predictors",
     "quant_8bit",
     "mink_0.8_backbone",
     "mink_0.8_backbone_quant_4bit_heads",
