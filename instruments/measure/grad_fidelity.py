@@ -1,17 +1,10 @@
 """Gradient fidelity: how close the weight gradients of a setting stay to the exact ones.
 
-The forward pass of a DropIT model is bit-identical to the plain one and the step re-seeds the
-proposal sampling (workload.step_loss), so the exact and the DropIT step see the same graph and
-only the weight gradients of the converted layers differ (and, under activation checkpointing,
-those of the recomputed layers, which should not differ at all). Cosine says whether the
-direction holds; the norm ratio catches a gradient that keeps its direction but shrinks (random
-dropping).
-
-Bias tells a systematic error from noise. A random estimator (random keeps, importance sampling,
-stochastic rounding) gives another gradient at every step; averaged over K draws, the error of
-an unbiased one shrinks like 1/sqrt(K), while a biased one (min-k, unscaled random) keeps its
-error however many draws are averaged. :func:`estimator_error` reports both: ``grad_bias``,
-``||mean of K draws - exact|| / ||exact||``, and ``grad_bias_single``, the same for one draw.
+The forward of a DropIT model is bit-identical to the plain one and the step re-seeds the
+proposal sampling (workload.step_loss), so only the weight gradients of the converted layers
+differ (and, under activation checkpointing, those of the recomputed layers, which should not).
+Cosine says whether the direction holds, the norm ratio whether it shrinks; the bias over K draws
+(:func:`estimator_error`) tells a biased estimator from noise, as docs/benchmark.md says.
 """
 
 from __future__ import annotations

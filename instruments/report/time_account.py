@@ -1,19 +1,7 @@
-"""What the study's runs cost in time, read from their own ``log.txt``.
-
-A run's log has a timestamp on every line the trainer writes: the start of training, each
-evaluation, each resume, the final evaluation. A run interrupted and resumed has several
-segments, each from its start line to the last timestamped line before the next start; the
-run's time is the sum of its segments (the gap while it was stopped is not counted). A segment
-that trained on past its last line, to the checkpoint the next segment resumes from, also counts
-those iterations, at the seconds per iteration its ``metrics.jsonl`` records (that file has no
-wall-clock timestamps). Not counted: work lost after the last checkpoint of an interrupted
-segment, and the seconds before a run's first line (building the model and the data). A run
-without a ``log.txt`` falls back to its records in the study's ``study_times.jsonl``.
-
-The machine's time divides each run's time by the runs that shared the machine with it: the
-``jobs`` its ``study_times.jsonl`` record names, or for a run it does not list the ``jobs`` most
-of its records name (how the study is run; the report's ``--jobs`` when there are none). That
-assumes the runs side by side shared the cores equally the whole time.
+"""What the study's runs cost in time, read from their own ``log.txt`` (or, without one, the
+study's ``study_times.jsonl``): each resumed segment from its start line to its last, plus the
+iterations it trained past that line up to the checkpoint the next segment resumed from. The
+report's time account (study_report.time_account) says the rule on the page, shapes.md.
 """
 
 from __future__ import annotations
