@@ -13,8 +13,7 @@ Where things are (each subpackage's docstring maps its modules):
   :mod:`.rules` (which layers get which setting), :mod:`.readers` (what reads each ReLU's
   output, so which ReLUs a mask frees), :mod:`.recompute` (checkpointing), :mod:`.saved`
   (``compress_saved``: every saved tensor as a 4-bit pack), :mod:`.settings` (the switches),
-  :mod:`.registry` (the strategy registry's types), :mod:`.memory` (what autograd keeps, peaks),
-  :mod:`.timing` (step timing).
+  :mod:`.registry` (the strategy registry's types), :mod:`.memory` (what autograd keeps, peaks).
 - :mod:`.strategies`: what a layer keeps, one module per family, and ``REGISTRY``.
 - :mod:`.formats`: each pack format specified once, the seeds' hash, the bit masks.
 - :mod:`.layers`: where it runs: one module per op, each with its autograd Function and its

@@ -320,7 +320,6 @@ DROPIT = REPO / "dropit_core"
 PUBLIC_SURFACES = {
     "dropit_core",
     "dropit_core.memory",
-    "dropit_core.timing",
     "dropit_core.settings",
     *(f"dropit_core.{p.parent.name}" for p in DROPIT.glob("*/__init__.py")),
 }

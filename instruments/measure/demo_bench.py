@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from dropit_core import configure, pack_backend, reset_settings
-from dropit_core.timing import timed_rounds
 from instruments.measure.allocator import training_allocator
+from instruments.measure.timing import timed_rounds
 
 
 def demo_rows(config: str, repeats: int) -> list[dict[str, Any]]:

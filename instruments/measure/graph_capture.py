@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch._dynamo.utils import compilation_time_metrics, counters
 
-from dropit_core.timing import timed
 from instruments.measure import workload
+from instruments.measure.timing import timed
 from rcnn_dropit.config import Config, with_overrides
 from rcnn_dropit.engine.probe import largest_batch
 from rcnn_dropit.errors import UsageError

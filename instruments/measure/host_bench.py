@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropit_core import compress_saved, configure, to_dropit
 from dropit_core.backends import kernels, triton_available
-from dropit_core.timing import timed_rounds
 from instruments.measure.rows import rows_with
+from instruments.measure.timing import timed_rounds
 from rcnn_dropit.errors import UsageError
 
 # The kernels whose launches are stubbed: every one a quant layer and a masked ReLU reach.

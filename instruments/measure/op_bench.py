@@ -21,8 +21,8 @@ from dropit_core.formats import (
     scatter_kept,
     zero_flagged,
 )
-from dropit_core.timing import timed_rounds
 from instruments.measure.allocator import training_allocator
+from instruments.measure.timing import timed_rounds
 from rcnn_dropit.errors import UsageError
 
 SLICE = 1 << 22

@@ -20,8 +20,8 @@ from torchvision.ops import MultiScaleRoIAlign
 
 from dropit_core.detection import LeanMultiScaleRoIAlign
 from dropit_core.memory import PeakMeter
-from dropit_core.timing import timed_rounds
 from instruments.measure.allocator import training_allocator
+from instruments.measure.timing import timed_rounds
 from rcnn_dropit.errors import UsageError
 
 CHANNELS = 256

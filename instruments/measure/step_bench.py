@@ -21,7 +21,6 @@ from torch import nn
 
 from dropit_core import from_dropit, is_dropit
 from dropit_core.memory import measure_step
-from dropit_core.timing import timed, timed_rounds
 from instruments.measure import graph_capture
 from instruments.measure.allocator import training_allocator
 from instruments.measure.cuda_calls import CudaCalls, profile_cuda_calls
@@ -33,6 +32,7 @@ from instruments.measure.grad_fidelity import (
     weight_grads,
 )
 from instruments.measure.rows import rows_with
+from instruments.measure.timing import timed, timed_rounds
 from instruments.measure.workload import (
     DEFAULT_WORKLOAD,
     Setting,

@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import memory, timing, to_dropit
+from dropit_core import memory, to_dropit
 from dropit_core.memory import MB, PeakMeter, measure_step, saved_activations
-from dropit_core.timing import timed, timed_rounds
 
 X_SHAPE = (2, 3, 6, 6)  # conv1 input: 216 elements
 H_SHAPE = (2, 4, 6, 6)  # conv1 output / ReLU output / conv2 input: 288 elements
@@ -150,20 +149,6 @@ def test_training_tensors_are_the_weights_gradients_state_and_batch() -> None:
     assert memory.storage_bytes(held) == 3 * (8 + 2) * 4 + (3 + 5) * 4
 
 
-def _clock(monkeypatch, durations: list[float]) -> None:
-    """perf_counter as timing sees it: each timed call takes the next of ``durations``."""
-    ticks, now = [], 100.0
-    for seconds in durations:
-        ticks += [now, now + seconds]
-        now += seconds + 1.0  # time between calls is not counted
-    monkeypatch.setattr(timing, "perf_counter", iter(ticks).__next__)
-
-
-def test_timed_returns_the_result_and_the_seconds_between_its_clock_reads(monkeypatch) -> None:
-    _clock(monkeypatch, [0.25])
-    assert timed(lambda: sum(range(1000))) == (499500, 0.25)
-
-
 def _fake_cuda(monkeypatch) -> list[tuple[str, object]]:
     """Pretend CUDA is there; record which device each statistics call is asked about."""
     calls: list[tuple[str, object]] = []
@@ -209,26 +194,6 @@ def test_the_meters_query_the_cuda_device_they_are_given(monkeypatch) -> None:
     assert [name for name, _ in calls] == ["reset", "now", "peak", "reset", "peak", "reset"]
     assert {device for _, device in calls[:3]} == {torch.device("cuda", 1)}
     assert calls[3][1] == torch.device("cuda")
-
-
-def test_timed_rounds_alternates_and_drops_the_warmup_rounds(monkeypatch) -> None:
-    calls: list[str] = []
-    fns = [lambda: calls.append("a"), lambda: calls.append("b")]
-    # one untimed round (a 9, b 8), then three timed ones
-    _clock(monkeypatch, [9.0, 8.0, 1.0, 2.0, 1.5, 2.5, 1.25, 2.25])
-    assert timed_rounds(fns, repeats=3) == [[1.0, 1.5, 1.25], [2.0, 2.5, 2.25]]
-    assert calls == ["a", "b"] * 4
-    calls.clear()
-    _clock(monkeypatch, [9.0, 8.0, 7.0, 6.0, 1.0, 2.0])
-    assert timed_rounds(fns, repeats=1, warmup=2) == [[1.0], [2.0]]
-    _clock(monkeypatch, [1.0, 2.0])
-    assert timed_rounds(fns, repeats=1, warmup=0) == [[1.0], [2.0]]
-    # `before`: an untimed call ahead of each call of its function, every round
-    calls.clear()
-    _clock(monkeypatch, [9.0, 8.0, 1.0, 2.0])
-    before = [lambda: calls.append("switch"), None]
-    assert timed_rounds(fns, repeats=1, before=before) == [[1.0], [2.0]]
-    assert calls == ["switch", "a", "b"] * 2
 
 
 def _fake_allocator(monkeypatch) -> dict[str, float]:

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from dropit_core import current_settings, is_dropit, timing
+from dropit_core import current_settings, is_dropit
 from dropit_core.memory import SavedReport, StepMemory
-from instruments.measure import max_batch, step_bench
+from instruments.measure import max_batch, step_bench, timing
 from instruments.measure.grad_fidelity import cosine, mean_fidelity, norm_ratio
 from instruments.measure.max_batch import largest_batches, largest_fitting
 from instruments.measure.step_bench import is_step_rows, markdown_table, run_benchmark

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from dropit_core import checkpoint_modules, is_dropit, timing, to_dropit
+from dropit_core import checkpoint_modules, is_dropit, to_dropit
 from dropit_core.memory import saved_activations
 from instruments.commands.bench import main as bench_main
-from instruments.measure import methods_table
+from instruments.measure import methods_table, timing
 from instruments.measure.grad_fidelity import (
     approximated_layers,
     estimator_error,
