@@ -6,6 +6,6 @@
 - :mod:`.triton`: the CUDA kernels, one Triton launch per pack and per rebuild.
 """
 
-from dropit_core.backends.dispatch import kernels, pack_backend, triton_available
+from dropit_core.backends.dispatch import kernels, triton_available
 
-__all__ = ["kernels", "pack_backend", "triton_available"]
+__all__ = ["kernels", "triton_available"]

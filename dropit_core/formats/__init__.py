@@ -13,22 +13,7 @@ from dropit_core.formats.bits import (
     compact_bits,
     pack_bits,
     scatter_kept,
-    unpack_bits,
     zero_flagged,
 )
-from dropit_core.formats.packed import Packed
-from dropit_core.formats.quant import buffers as quant_buffers
-from dropit_core.formats.values import VALUE_FORMATS, ValueCodec
 
-__all__ = [
-    "VALUE_FORMATS",
-    "Packed",
-    "ValueCodec",
-    "bit_positions",
-    "compact_bits",
-    "pack_bits",
-    "quant_buffers",
-    "scatter_kept",
-    "unpack_bits",
-    "zero_flagged",
-]
+__all__ = ["bit_positions", "compact_bits", "pack_bits", "scatter_kept", "zero_flagged"]

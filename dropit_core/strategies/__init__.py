@@ -7,25 +7,3 @@
 - :mod:`.elementwise`: the pack the element-wise families share; :mod:`.select`: the exact
   k-th largest magnitude.
 """
-
-from dropit_core.strategies.catalog import REGISTRY, STRATEGIES, build_strategy
-from dropit_core.strategies.importance import Importance
-from dropit_core.strategies.magnitude import MinK, ParallelMinK, RandomKeep, Threshold
-from dropit_core.strategies.quant import Quant
-from dropit_core.strategies.structured import BlockMinK, ChannelMinK, ChannelRandom, Pool
-
-__all__ = [
-    "REGISTRY",
-    "STRATEGIES",
-    "BlockMinK",
-    "ChannelMinK",
-    "ChannelRandom",
-    "Importance",
-    "MinK",
-    "ParallelMinK",
-    "Pool",
-    "Quant",
-    "RandomKeep",
-    "Threshold",
-    "build_strategy",
-]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dropit_core import REGISTRY, STRATEGIES, Option, Registry, build_strategy
-from dropit_core import strategies as strategies_mod
 from dropit_core.formats.packed import BlocksMeta, ElementsMeta, PoolMeta, QuantMeta, UnitsMeta
 from dropit_core.registry import DOCS_BEGIN, DOCS_END
 from dropit_core.strategies.base import COMMON_OPTIONS
+from dropit_core.strategies.magnitude import MinK
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/core/ is two below
 OPTIONS_DOC = ROOT / "docs" / "dropit.md"  # the generated strategy and option tables
@@ -155,23 +155,23 @@ def test_types_are_checked_before_values() -> None:
 
 
 def test_registry_rejects_inconsistent_declarations() -> None:
-    class A(strategies_mod.MinK):
+    class A(MinK):
         name = "a"
 
-    class B(strategies_mod.MinK):
+    class B(MinK):
         name = "a"
 
     with pytest.raises(ValueError, match="the name 'a' is taken"):
         Registry((A, B), COMMON_OPTIONS)
 
-    class C(strategies_mod.MinK):
+    class C(MinK):
         name = "c"
         options = (Option("values", str, "same", "clash"),)
 
     with pytest.raises(ValueError, match="'c': an option is declared twice"):
         Registry((C,), COMMON_OPTIONS)
 
-    class D(strategies_mod.MinK):
+    class D(MinK):
         name = "d"
         options = (Option("chunk", int, 0, "a default outside its own range", minimum=1),)
 
@@ -239,7 +239,7 @@ def test_a_strategy_refuses_the_common_options_it_skips() -> None:
     table = REGISTRY.markdown()
     assert "| `values` | all but `quant` |" in table and "| `rescale` | all |" in table
 
-    class E(strategies_mod.MinK):
+    class E(MinK):
         name = "e"
         skips_common = ("nope",)
 
