@@ -99,10 +99,6 @@ class Registry:
         self._classes[cls.name] = cls
         return cls
 
-    def unregister(self, name: str) -> None:
-        """Remove strategy ``name`` added by :meth:`register` (KeyError if it is not there)."""
-        del self._classes[name]
-
     @property
     def names(self) -> tuple[str, ...]:
         """Strategy names, in registration order."""
