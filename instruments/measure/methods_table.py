@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -164,23 +165,42 @@ def write_methods_json(path: str | Path, records: Sequence[Mapping[str, Any]]) -
 
 
 def read_methods_json(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a methods_bench.json file, checked to hold every key."""
+    """The records of a methods_bench.json file, checked to hold every key, a setting name and
+    saved and peak ratios > 0 (the study's goal judges by them)."""
     path = Path(path)
+    where = f"methods table '{path}'"
     try:
         records = json.loads(path.read_text())
     except (FileNotFoundError, IsADirectoryError):
         raise UsageError(f"methods table: file '{path}' does not exist") from None
     except json.JSONDecodeError as err:
-        raise UsageError(f"methods table '{path}': not JSON ({err})") from None
+        raise UsageError(f"{where}: not JSON ({err})") from None
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise UsageError(f"methods table '{path}': expected a JSON list of objects")
+        raise UsageError(f"{where}: expected a JSON list of objects")
     for i, record in enumerate(records):
+        if not isinstance(record.get("setting"), str):
+            raise UsageError(f"{where}: record {i} has no 'setting' name")
         lacking = [
             k for k in (*METHOD_KEYS, *PROVENANCE_KEYS) if k not in record and k not in LATER_KEYS
         ]
         if lacking:
-            raise UsageError(f"methods table '{path}': record {i} lacks {lacking}")
+            raise UsageError(f"{where}: record {i} lacks {lacking}")
+        for key in ("saved_ratio", "peak_ratio"):
+            value = record[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UsageError(
+                    f"{where}: record {i} ({record['setting']}): '{key}' must be a number"
+                )
+            if not math.isfinite(value) or value <= 0:
+                raise UsageError(
+                    f"{where}: record {i} ({record['setting']}): '{key}' {value} must be > 0"
+                )
     return [{**dict.fromkeys(LATER_KEYS), **record} for record in records]
+
+
+def methods_by_setting(path: Path) -> dict[str, dict[str, Any]] | None:
+    """setting -> its record of a methods_bench.json file, None when the file does not exist."""
+    return {r["setting"]: r for r in read_methods_json(path)} if path.is_file() else None
 
 
 def _cell(value: Any, decimals: int | None) -> str:

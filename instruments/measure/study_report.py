@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from instruments.measure.methods_table import methods_by_setting
 from instruments.measure.study_plan import PRETRAIN, TIMES_FILE, Plan, plan_runs
 from instruments.report.choice import choice_table, other_regime_lines, replace_block
 from instruments.report.goal import (
@@ -19,7 +20,6 @@ from instruments.report.goal import (
     Goal,
     covers_every_layer,
     goal_section,
-    read_bench,
     recommend,
     settings_meeting_goal,
     with_schedules,
@@ -307,7 +307,7 @@ def goal_lines(
     """The goal judged in its regime, with the Δ AP vs peak memory figure (drawn into
     ``figure_dir``, by default FIGURES beside the report)."""
     bench_path = plan.report.parent / BENCH_FILE
-    bench = read_bench(bench_path)
+    bench = methods_by_setting(bench_path)
     if goal.regime not in plan.regimes:
         return [f"The goal's regime `{goal.regime}` is not in this plan.", ""]
     order = regime_settings(found, plan, goal.regime)
@@ -350,7 +350,7 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL
     """The goal regime's settings with their AP cost by interval and their bench memory and time,
     ending with which setting (if any) meets the goal."""
     bench_path = plan.report.parent / BENCH_FILE
-    bench = read_bench(bench_path)
+    bench = methods_by_setting(bench_path)
     order = regime_settings(found, plan, goal.regime)
     bench = with_schedules(bench, order)
     layers = {s: _layers(next(iter(r.values())).config) for s, r in found.items() if r}

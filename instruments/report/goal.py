@@ -2,15 +2,13 @@
 converts that keeps box and mask AP by the paired interval at 5 fine-tune seeds, at <= 0.30x
 saved activations and <= 0.65x peak of the step on the R50-FPN bench.
 
-The bench figures come from ``docs/results/cpu_methods/methods.json`` (``tools/bench.py``): a
-list of objects with at least ``setting`` (a study plan setting name), ``saved_ratio`` and
-``peak_ratio``.
+The bench figures come from ``docs/results/cpu_methods/methods.json`` (``tools/bench.py``),
+read by :func:`instruments.measure.methods_table.methods_by_setting`: its ``setting`` names a study
+plan setting; its ``saved_ratio`` and ``peak_ratio`` are judged.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,6 @@ from instruments.report.seeded import (
     paired_text,
 )
 from instruments.report.verdict import FAMILIES, KEEPS, family_state
-from rcnn_dropit.errors import UsageError
 
 BENCH_FILE = "cpu_methods/methods.json"
 # The top-level modules of a torchvision detector: DropIT on all three covers every layer.
@@ -49,38 +46,6 @@ class Criterion:
 
     met: bool | None
     text: str
-
-
-class BenchFileError(UsageError):
-    """A methods_bench.json that cannot be read; the message names the file and the entry."""
-
-
-def read_bench(path: Path) -> dict[str, dict[str, float]] | None:
-    """setting -> its bench figures, None when the file does not exist."""
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise BenchFileError(f"{path}: not JSON ({err})") from None
-    if not isinstance(data, list):
-        raise BenchFileError(f"{path}: must be a list of objects, one per setting")
-    out = {}
-    for i, entry in enumerate(data):
-        if not isinstance(entry, dict) or not isinstance(entry.get("setting"), str):
-            raise BenchFileError(f"{path}: entry {i} has no 'setting' name")
-        for key in ("saved_ratio", "peak_ratio"):
-            value = entry.get(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise BenchFileError(
-                    f"{path}: entry {i} ({entry['setting']}): '{key}' must be a number"
-                )
-            if not math.isfinite(value) or value <= 0:
-                raise BenchFileError(
-                    f"{path}: entry {i} ({entry['setting']}): '{key}' {value} must be > 0"
-                )
-        out[entry["setting"]] = entry
-    return out
 
 
 def with_schedules(

@@ -62,7 +62,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from instruments.report.goal import BENCH_FILE, read_bench
+from instruments.measure.methods_table import methods_by_setting
+from instruments.report.goal import BENCH_FILE
 from instruments.report.seeded import (
     FAMILY_OF_WORD,
     Found,
@@ -508,7 +509,7 @@ def _bench_row(sources: Sources, name: str, setting: str) -> dict:
     if sources.grad_dir is None:
         raise _Bad("no results folder given")
     path = sources.grad_dir / name
-    bench = read_bench(path)
+    bench = methods_by_setting(path)
     if bench is None:
         raise _Bad(f"no file {path}")
     if setting not in bench:

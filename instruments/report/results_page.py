@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from instruments.measure.gpu_table import SAME_KERNELS, is_gpu_table
-from instruments.measure.methods_table import SUMMARY, read_methods_json, splice
+from instruments.measure.methods_table import SUMMARY, methods_by_setting, splice
 from instruments.report import gpu_pass
 from instruments.report.gpu_pass import GpuPass
 from rcnn_dropit.errors import UsageError
@@ -285,11 +285,7 @@ def timing_resolution(lease: Lease) -> float:
 
 def cpu_records() -> tuple[dict[str, Mapping[str, Any]], dict[str, Mapping[str, Any]]]:
     """The CPU methods table and the 8-image bf16 proxy, by setting ({} for a missing file)."""
-    table = {r["setting"]: r for r in read_methods_json(CPU_TABLE)} if CPU_TABLE.is_file() else {}
-    proxy = {}
-    if CPU_PROXY_8.is_file():
-        proxy = {r["setting"]: r for r in read_methods_json(CPU_PROXY_8)}
-    return table, proxy
+    return methods_by_setting(CPU_TABLE) or {}, methods_by_setting(CPU_PROXY_8) or {}
 
 
 def _run_words(r: Mapping[str, Any]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from instruments.measure.methods_table import (
     PROVENANCE_KEYS,
     markers,
     method_records,
+    methods_by_setting,
     methods_markdown,
     read_methods_json,
     splice,
@@ -332,7 +334,7 @@ def _record(setting: str, **values) -> dict:
     record = {key: None for key in METHOD_KEYS}
     record.update(
         setting=setting, command="python tools/bench.py --settings x", commit="0123abcd",
-        machine="a CPU", threads=2, quiet=True, date="2026-11-24",
+        machine="a CPU", threads=2, quiet=True, date="2026-11-24", saved_ratio=1.0, peak_ratio=1.0,
     )  # fmt: skip
     record.update(values)
     return record
@@ -386,7 +388,7 @@ def test_a_named_block_leaves_the_other_blocks_alone() -> None:
     assert (BEGIN, END) == markers()  # the default block is the methods table's
 
 
-def test_reading_a_methods_file_checks_its_keys(tmp_path) -> None:
+def test_reading_a_methods_file_checks_its_keys_and_ratios(tmp_path) -> None:
     path = tmp_path / "m.json"
     record = _record("mink_0.8")
     del record["bias"]
@@ -398,6 +400,23 @@ def test_reading_a_methods_file_checks_its_keys(tmp_path) -> None:
         read_methods_json(path)
     with pytest.raises(UsageError, match="does not exist"):
         read_methods_json(tmp_path / "none.json")
+    assert methods_by_setting(tmp_path / "none.json") is None
+    for bad, message in (
+        (
+            {**_record("q", saved_ratio=0.2, peak_ratio=0.6), "setting": None},
+            "record 0 has no 'setting'",
+        ),
+        (_record("q", saved_ratio="low", peak_ratio=1), "(q): 'saved_ratio' must be a number"),
+        (_record("q", saved_ratio=0.2, peak_ratio=-1), "(q): 'peak_ratio' -1 must be > 0"),
+    ):
+        path.write_text(json.dumps([bad]))
+        with pytest.raises(UsageError, match=re.escape(message)):
+            read_methods_json(path)
+    path.write_text(json.dumps([_record("q", saved_ratio=0.2, peak_ratio=0.6)]))
+    assert methods_by_setting(path)["q"]["peak_ratio"] == 0.6
+    path.write_text("[{")
+    with pytest.raises(UsageError, match="not JSON"):
+        read_methods_json(path)
 
 
 def test_cli_markdown_of_json_rows_is_the_table_the_run_printed(tmp_path, capsys) -> None:
@@ -442,7 +461,7 @@ def test_cli_markdown_into_a_document(tmp_path, capsys) -> None:
     doc = tmp_path / "memory.md"
     doc.write_text(f"before\n{BEGIN}\n{END}\n")
     assert bench_main(["markdown", str(path), "--into", str(doc)]) == 0
-    assert "| mink_0.8 | - | - | - | - | - | - | - | 0.930 |" in doc.read_text()
+    assert "| mink_0.8 | - | 1.000 | - | 1.000 | - | - | - | 0.930 |" in doc.read_text()
 
 
 def test_cli_unknown_setting_is_one_line(capsys) -> None:

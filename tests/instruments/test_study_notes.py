@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from instruments.measure.methods_table import METHOD_KEYS, PROVENANCE_KEYS
 from instruments.measure.study_plan import Group, Plan
 from instruments.measure.study_report import ap_table, write_study_report
 from instruments.report.goal import (
     BENCH_FILE,
-    BenchFileError,
     Goal,
     covers_every_layer,
     criteria,
     goal_section,
-    read_bench,
 )
 from instruments.report.notes import (
     FUNCTIONS,
@@ -107,6 +106,11 @@ FOUND = {
 }
 
 
+def bench_json(*entries: dict) -> str:
+    """A methods table file's text: each entry a record with every key (None unless given)."""
+    return json.dumps([{**dict.fromkeys((*METHOD_KEYS, *PROVENANCE_KEYS)), **e} for e in entries])
+
+
 @pytest.fixture
 def sources(tmp_path: Path) -> Sources:
     cell = {"cosine": 0.9744, "norm_ratio": 0.7561}
@@ -116,7 +120,7 @@ def sources(tmp_path: Path) -> Sources:
     bench = tmp_path / BENCH_FILE
     bench.parent.mkdir()
     bench.write_text(
-        json.dumps([{"setting": "mink_0.8", "saved_ratio": 0.2694, "peak_ratio": 0.6095}])
+        bench_json({"setting": "mink_0.8", "saved_ratio": 0.2694, "peak_ratio": 0.6095})
     )
     return Sources(FOUND, grad_dir=tmp_path)
 
@@ -204,28 +208,26 @@ def test_a_step_ratio_comes_from_the_newest_timed_table_which_it_names(sources: 
     timed = sources.grad_dir / TIMED_BENCH_FILE
     timed.parent.mkdir(parents=True)
     timed.write_text(
-        json.dumps(
-            [
-                {
-                    "setting": "mink_0.8",
-                    "saved_ratio": 0.27,
-                    "peak_ratio": 0.56,
-                    "step_ratio": 1.234,
-                    "date": "2026-11-27",
-                }
-            ]
+        bench_json(
+            {
+                "setting": "mink_0.8",
+                "saved_ratio": 0.27,
+                "peak_ratio": 0.56,
+                "step_ratio": 1.234,
+                "date": "2026-11-27",
+            }
         )
     )
     assert render("{{step mink_0.8}}", sources) == ("1.23x (untrained workload, timed 2026-11-27)")
     own = sources.grad_dir / BENCH_FILE
     own.write_text(
-        json.dumps(
-            [{"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6, "step_ratio": 1.1}]
+        bench_json(
+            {"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6, "step_ratio": 1.1}
         )
     )
     assert render("{{step mink_0.8}}", sources) == "1.10x"
-    own.write_text(json.dumps([{"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6}]))
-    timed.write_text(json.dumps([{"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6}]))
+    own.write_text(bench_json({"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6}))
+    timed.write_text(bench_json({"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6}))
     with pytest.raises(NotesError, match="'step_ratio' of 'mink_0.8' is not a number"):
         render("{{step mink_0.8}}", sources)
 
@@ -385,25 +387,6 @@ def five_seeds(box_diffs, mask_diffs, dropit=ALL_LAYERS) -> tuple[dict, dict]:
         for s, b, m in zip(range(1, 6), box_diffs, mask_diffs, strict=True)
     }
     return mine, base
-
-
-def test_bench_file_absent_or_bad(tmp_path: Path) -> None:
-    path = tmp_path / "methods_bench.json"
-    assert read_bench(path) is None
-    path.write_text(json.dumps([{"setting": "quant_4bit", "saved_ratio": 0.2, "peak_ratio": 0.6}]))
-    assert read_bench(path)["quant_4bit"]["peak_ratio"] == 0.6
-    for bad, message in (
-        ({"setting": "q"}, "must be a list"),
-        ([{"saved_ratio": 0.2}], "entry 0 has no 'setting'"),
-        ([{"setting": "q", "saved_ratio": "low", "peak_ratio": 1}], "'saved_ratio' must be"),
-        ([{"setting": "q", "saved_ratio": 0.2, "peak_ratio": -1}], "'peak_ratio' -1 must be > 0"),
-    ):
-        path.write_text(json.dumps(bad))
-        with pytest.raises(BenchFileError, match=re.escape(message)):
-            read_bench(path)
-    path.write_text("[{")
-    with pytest.raises(BenchFileError, match="not JSON"):
-        read_bench(path)
 
 
 @pytest.mark.parametrize(
@@ -633,7 +616,7 @@ def study_plan(tmp_path: Path) -> Plan:
     report.parent.mkdir()
     (report.parent / BENCH_FILE).parent.mkdir()
     (report.parent / BENCH_FILE).write_text(
-        json.dumps([{"setting": "mink_0.8", "saved_ratio": 0.25, "peak_ratio": 0.62}])
+        bench_json({"setting": "mink_0.8", "saved_ratio": 0.25, "peak_ratio": 0.62})
     )
     notes = tmp_path / "results" / "notes.template.md"
     notes.write_text(

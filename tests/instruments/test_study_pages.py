@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from instruments.measure.methods_table import methods_by_setting
 from instruments.measure.study_plan import load_plan
 from instruments.measure.study_report import render_study_report, rendered_notes_path
 from instruments.report.choice import BEGIN, END
-from instruments.report.goal import BENCH_FILE, read_bench, with_schedules
+from instruments.report.goal import BENCH_FILE, with_schedules
 from tests.helpers import REPO
 
 PLAN = "configs/study/plan.yaml"
@@ -92,7 +93,7 @@ def test_every_bench_ratio_of_the_choice_table_is_methods_bench_json(doc: str, m
     rows = _choice_ratios(text, doc)
     assert rows, f"{doc}: the choice table has no rows"
     plan = load_plan(PLAN)
-    bench = with_schedules(read_bench(BENCH), [*plan.settings, *rows]) or {}
+    bench = with_schedules(methods_by_setting(BENCH), [*plan.settings, *rows]) or {}
     wrong = []
     for setting, cells in rows.items():
         figures = bench.get(setting, {})
