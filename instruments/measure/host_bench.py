@@ -107,14 +107,16 @@ STACKS = (
     ("conv+relu", "bare Function"),
 )
 
+CHANNELS = 8  # of each conv; its maps are 8x8: host work, not arithmetic, is what is timed
 
-def _stack(layers: int, channels: int, stack: str) -> nn.Sequential:
+
+def _stack(layers: int, stack: str) -> nn.Sequential:
     torch.manual_seed(0)
     mods: list[nn.Module] = []
     for _ in range(layers):
-        mods.append(nn.Conv2d(channels, channels, 3, padding=1, bias="bn" not in stack))
+        mods.append(nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1, bias="bn" not in stack))
         if "bn" in stack:
-            mods.append(nn.BatchNorm2d(channels))
+            mods.append(nn.BatchNorm2d(CHANNELS))
         if "relu" in stack:
             mods.append(nn.ReLU())
     return nn.Sequential(*mods)
@@ -192,23 +194,21 @@ def _dropit(plain: nn.Module, dropit: str) -> nn.Module:
     return to_dropit(model, strategy="quant", bits=4, strict=False, norm=dropit == "layers+norm")
 
 
-def host_costs(
-    repeats: int = 15, layers: int = 20, channels: int = 8, size: int = 8, steps: int = 50
-) -> list[dict[str, Any]]:
+def host_costs(repeats: int = 15, layers: int = 20, steps: int = 50) -> list[dict[str, Any]]:
     """One row per stack of :data:`STACKS`: microseconds per unit (a conv and what follows it)
     of a forward and backward, plain and with quant 4-bit (launches stubbed), the fastest of
     ``repeats`` rounds of ``steps`` steps (noise on a shared machine only adds time), and the
     difference: DropIT's host time per unit; and the launches per unit of each."""
-    x0 = torch.randn(1, channels, size, size)  # BatchNorm's statistics: over 64 positions
+    x0 = torch.randn(1, CHANNELS, 8, 8)  # BatchNorm's statistics: over 64 positions
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # host work is one thread's; a pool on 8x8 maps adds only jitter
     try:
-        return _rows(x0, repeats, layers, channels, steps)
+        return _rows(x0, repeats, layers, steps)
     finally:
         torch.set_num_threads(threads)
 
 
-def _rows(x0: torch.Tensor, repeats: int, layers: int, channels: int, steps: int) -> list[dict]:
+def _rows(x0: torch.Tensor, repeats: int, layers: int, steps: int) -> list[dict]:
     def steps_of(model: nn.Module) -> Callable[[], None]:
         def run() -> None:
             for _ in range(steps):
@@ -223,7 +223,7 @@ def _rows(x0: torch.Tensor, repeats: int, layers: int, channels: int, steps: int
         by_stack.setdefault(stack, []).append(dropit)
     rows: dict[tuple[str, str], dict] = {}
     for stack, ways in by_stack.items():
-        plain = _stack(layers, channels, stack)
+        plain = _stack(layers, stack)
         models = [plain, *(_dropit(plain, way) for way in ways)]
         with stubbed_launches() as launches:
             times = timed_rounds([steps_of(m) for m in models], repeats)

@@ -75,7 +75,7 @@ def test_host_costs_rows_are_per_unit_microseconds_and_launches() -> None:
 
 def _input_and_weight_grads(models: tuple[nn.Module, ...]) -> list[list[torch.Tensor]]:
     """Each model's input and parameter gradients of one loss on the same input."""
-    x = torch.randn(2, 4, 6, 6)
+    x = torch.randn(2, host_bench.CHANNELS, 6, 6)
     grads = []
     for model in models:
         xi = x.clone().requires_grad_(True)
@@ -85,7 +85,7 @@ def _input_and_weight_grads(models: tuple[nn.Module, ...]) -> list[list[torch.Te
 
 
 def test_bare_functions_compute_the_plain_stacks_gradients() -> None:
-    plain = host_bench._stack(3, 4, "conv+relu")
+    plain = host_bench._stack(3, "conv+relu")
     bare = host_bench._dropit(plain, "bare Function")
     assert {type(m).__name__ for m in bare} == {"_BareConv", "_BareReLU"}
     for a, b in zip(*_input_and_weight_grads((plain, bare)), strict=True):
