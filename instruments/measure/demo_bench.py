@@ -46,7 +46,6 @@ def compare_step_time(
     variants: Sequence[tuple[str, Sequence[str]]],
     common: Sequence[str] = (),
     repeats: int = 10,
-    warmup: int = 2,
     setups: Mapping[str, Callable[[], None]] | None = None,
 ) -> list[dict[str, Any]]:
     """Median train-step seconds of each (label, overrides) model of ``config``; first = 1x.
@@ -85,7 +84,7 @@ def compare_step_time(
         rounds = timed_rounds(
             [lambda m=m, o=o: step(m, o) for *_, m, o in models],
             repeats,
-            warmup=warmup,
+            warmup=2,  # untimed rounds: the allocator's first sizes, lazy inits
             before=[(setups or {}).get(label) for label, *_ in models],
         )
     times = {label: t for (label, *_), t in zip(models, rounds, strict=True)}

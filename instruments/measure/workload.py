@@ -53,14 +53,11 @@ class Variant:
     strategy: str
     gamma: float
     options: dict[str, Any] = field(default_factory=dict)
-    include: tuple[str, ...] = ("*",)  # which layers are converted (to_dropit patterns)
 
     @property
     def label(self) -> str:
         """Short name for tables, e.g. ``mink 0.9 values=int8``."""
         opts = " ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
-        if self.include != ("*",):
-            opts = " ".join(filter(None, [opts, "include=" + "+".join(self.include)]))
         return f"{self.strategy} {self.gamma:g}" + (f" {opts}" if opts else "")
 
     @property
@@ -73,8 +70,6 @@ class Variant:
         ]
         if self.options:  # JSON is YAML's flow style, which the overrides parse
             overrides.append("dropit.options=" + json.dumps(self.options))
-        if self.include != ("*",):
-            overrides.append("dropit.include=" + json.dumps(list(self.include)))
         return Setting(self.label, tuple(overrides))
 
 
@@ -99,8 +94,8 @@ def plan_settings(plan: str | Path, names: Sequence[str]) -> list[Setting]:
 
 
 def parse_variant(text: str) -> Variant:
-    """Parse ``strategy:gamma[:key=value,...]``, e.g. ``mink:0.9:values=int8``;
-    ``include=backbone.*+rpn.*`` converts only the layers those patterns name."""
+    """Parse ``strategy:gamma[:key=value,...]``, e.g. ``mink:0.9:values=int8`` (a study plan's
+    settings convert part of the model: ``--settings mink_0.8_backbone``)."""
     parts = text.split(":")
     if len(parts) < 2:
         raise UsageError(f"variant {text!r}: expected strategy:gamma[:key=value,...]")
@@ -112,8 +107,7 @@ def parse_variant(text: str) -> Variant:
     for item in ":".join(parts[2:]).split(",") if len(parts) > 2 else []:
         key, _, value = item.partition("=")
         options[key] = _option_value(value)
-    include = options.pop("include", "*")
-    return Variant(parts[0], gamma, options, tuple(str(include).split("+")))
+    return Variant(parts[0], gamma, options)
 
 
 def _option_value(text: str) -> Any:

@@ -15,6 +15,7 @@ from instruments.measure.grad_fidelity import cosine, mean_fidelity, norm_ratio
 from instruments.measure.max_batch import largest_batches, largest_fitting
 from instruments.measure.step_bench import is_step_rows, markdown_table, run_benchmark
 from instruments.measure.workload import (
+    Setting,
     Variant,
     detector,
     make_batch,
@@ -88,9 +89,6 @@ def test_parse_variant_reads_strategy_gamma_and_typed_options() -> None:
     assert v.label == "parallel_mink 0.8 chunk=4096 values=int8"
     assert parse_variant("mink:0.9").options == {}
     assert parse_variant("mink:0.8:relu=false").options == {"relu": False}
-    part = parse_variant("mink:0.8:include=rpn.*+roi_heads.*,values=int8")
-    assert part == Variant("mink", 0.8, {"values": "int8"}, ("rpn.*", "roi_heads.*"))
-    assert part.label == "mink 0.8 values=int8 include=rpn.*+roi_heads.*"
 
 
 @pytest.mark.parametrize("text", ["mink", "mink:high"])
@@ -199,8 +197,10 @@ def test_timings_come_last_in_rounds_against_one_baseline(monkeypatch) -> None:
 @pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
 @pytest.mark.usefixtures("narrow_bench")
 def test_memory_only_rows_of_part_of_the_model() -> None:
-    # --repeats 0: no timing; include= converts only part of the model, which keeps more.
-    variants = [Variant("mink", 0.8), Variant("mink", 0.8, include=("roi_heads.*",))]
+    # --repeats 0: no timing; dropit.include converts only part of the model, which keeps more.
+    mink = Variant("mink", 0.8).setting
+    part = Setting("mink 0.8 heads", (*mink.overrides, "dropit.include=[roi_heads.*]"))
+    variants = [mink, part]
     base, whole, heads = run_benchmark(
         variants, image_size=64, repeats=0, rois_per_image=32, backbone="resnet18"
     )
@@ -209,7 +209,7 @@ def test_memory_only_rows_of_part_of_the_model() -> None:
     assert heads["include"] == ["roi_heads.*"] and whole["include"] == ["*"]
     assert heads["converted_layers"] == 7  # box fc6, fc7, four mask convs, the mask upsampling
     assert whole["saved_ratio"] < heads["saved_ratio"] < 1.0
-    assert "| mink 0.8 include=roi_heads.* |" in markdown_table([base, whole, heads])
+    assert "| mink 0.8 heads |" in markdown_table([base, whole, heads])
 
 
 @pytest.mark.slow  # a tiny bench of a whole model: seconds (test-fast < 90 s)
@@ -321,14 +321,13 @@ def test_step_time_comparison_of_widths(tiny_shapes, monkeypatch):
     from instruments.measure.demo_bench import compare_step_time
     from tests.helpers import tiny_opts
 
-    seconds = iter([2.0, 0.5, 3.0, 0.25])  # rounds of (torchvision widths, narrow)
+    seconds = iter([9.0] * 4 + [2.0, 0.5, 3.0, 0.25])  # rounds of (torchvision widths, narrow)
     monkeypatch.setattr(timing, "timed", lambda fn, device=None: (fn(), next(seconds)))
     rows = compare_step_time(
         "configs/demo/maskrcnn_shapes_baseline.yaml",
         [("torchvision widths", TORCHVISION_WIDTHS), ("narrow", ())],
         common=tiny_opts(tiny_shapes),
         repeats=2,
-        warmup=0,
     )
     assert [r["model"] for r in rows] == ["torchvision widths", "narrow"]
     assert [r["step_s"] for r in rows] == [2.5, 0.375]  # medians of the two rounds
