@@ -57,6 +57,12 @@ class GpuPass:
         rows = self.tables.get(n, {}).get("rows", [])
         return next((r for r in rows if r["setting"] == setting), None)
 
+    def twin(self, setting: str, n: int) -> Mapping[str, Any] | None:
+        """The row of ``setting``'s eager twin at ``n`` images (:func:`eager_twin`), or None."""
+        row = self.row(setting, n)
+        twin = eager_twin(row, self.tables[n]["rows"]) if row else None
+        return self.row(twin, n) if twin else None
+
     @property
     def settings(self) -> list[str]:
         """Every row's setting, in the order the tables list them (the smaller batch first)."""
@@ -265,20 +271,11 @@ def graphed_lines(p: GpuPass) -> list[str]:
         "capture per batch and bucket: first steps beyond steady ones",
     )
     for s in graphed(p):
-        cells = []
-        for n in images:
-            rows = p.tables[n]["rows"] if n in p.tables else []
-            row = p.row(s, n)
-            twin = eager_twin(row, rows) if row else None
-            cells.append(_spread(_quotient(row, p.row(twin, n) if twin else None, n)))
+        cells = [_spread(_quotient(p.row(s, n), p.twin(s, n), n)) for n in images]
         for n in images:
             other = p.row(base_graphed, n) if base_graphed and s != base_graphed else None
             cells.append(_spread(_quotient(p.row(s, n), other, n)))
-        for n in images:
-            rows = p.tables[n]["rows"] if n in p.tables else []
-            row = p.row(s, n)
-            twin = eager_twin(row, rows) if row else None
-            cells.append(_x(_peak_ratio(row, p.row(twin, n) if twin else None, n)))
+        cells += [_x(_peak_ratio(p.row(s, n), p.twin(s, n), n)) for n in images]
         lines.append(f"| `{s}` | {' | '.join(cells)} | {_captures(p, s)} |")
     if p.capture:
         c = p.capture
