@@ -6,13 +6,14 @@ report's time account (study_report.time_account) says the rule on the page, sha
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+from rcnn_dropit.metrics_file import read_metrics
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _RESUMED = " INFO resumed from "
@@ -117,30 +118,10 @@ def segments_seconds(segments: Sequence[Segment], records: Sequence[dict]) -> fl
     return total
 
 
-def _metrics_records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a stopped run
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
 def read_times_file(path: Path) -> dict[str, list[dict]]:
     """Run name -> its records in a study_times.jsonl (empty when there is none)."""
     records: dict[str, list[dict]] = {}
-    if not path.is_file():
-        return records
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a stopped study
+    for record in read_metrics(path):  # a line cut short by a stopped study is left out
         if isinstance(record, dict) and isinstance(record.get("run"), str):
             records.setdefault(record["run"], []).append(record)
     return records
@@ -159,7 +140,7 @@ def run_time(run_dir: Path, name: str, records: Sequence[dict], jobs: int) -> Ru
     if log.is_file():
         segments = log_segments(log.read_text(errors="replace"))
         if segments:
-            seconds = segments_seconds(segments, _metrics_records(run_dir / "metrics.jsonl"))
+            seconds = segments_seconds(segments, read_metrics(run_dir / "metrics.jsonl"))
             return RunTime(name, seconds, len(segments), "log.txt", shared)
     if records:
         seconds = sum(float(r.get("seconds", 0.0)) for r in records)
