@@ -257,11 +257,15 @@ def _dseeds(sources: Sources, target: str, word: str) -> str:
     return ", ".join(f"{v:+.1f}" for v in _diffs(sources, target, word).values())
 
 
-def _dsd(sources: Sources, target: str, word: str) -> str:
+def _sd(sources: Sources, target: str, word: str) -> float:
     diffs = _diffs(sources, target, word)
     if len(diffs) < 2:
         raise _Bad("a standard deviation needs 2 paired seeds or more")
-    return f"{statistics.stdev(diffs.values()):.1f}"
+    return statistics.stdev(diffs.values())
+
+
+def _dsd(sources: Sources, target: str, word: str) -> str:
+    return f"{_sd(sources, target, word):.1f}"
 
 
 def _dhalf(sources: Sources, target: str, word: str, seeds: str) -> str:
@@ -269,11 +273,8 @@ def _dhalf(sources: Sources, target: str, word: str, seeds: str) -> str:
     TARGET's per-seed Δ: what that many seeds can resolve."""
     if not seeds.isdigit() or int(seeds) < 2:
         raise _Bad(f"seed count '{seeds}' must be a whole number >= 2")
-    diffs = _diffs(sources, target, word)
-    if len(diffs) < 2:
-        raise _Bad("a standard deviation needs 2 paired seeds or more")
     n = int(seeds)
-    return f"{t95(n - 1) * statistics.stdev(diffs.values()) / math.sqrt(n):.1f}"
+    return f"{t95(n - 1) * _sd(sources, target, word) / math.sqrt(n):.1f}"
 
 
 def _dmax(sources: Sources, target: str, word: str) -> str:
@@ -497,10 +498,8 @@ def _step(sources: Sources, setting: str) -> str:
     ratio = _bench_row_value(sources, BENCH_FILE, setting, "step_ratio", required=False)
     if ratio is not None:
         return f"{ratio:.2f}x"
+    value = _bench_row_value(sources, TIMED_BENCH_FILE, setting, "step_ratio")
     row = _bench_row(sources, TIMED_BENCH_FILE, setting)
-    value = row.get("step_ratio")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _Bad(f"{TIMED_BENCH_FILE}: 'step_ratio' of '{setting}' is not a number")
     workload = row.get("workload") or "untrained"
     return f"{value:.2f}x ({workload} workload, timed {row.get('date')})"
 
