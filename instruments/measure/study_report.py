@@ -88,9 +88,7 @@ def _mean_std(runs: dict[int, Run], family: str) -> str:
 def _diff_text(d: PairedDiff | None) -> str:
     if d is None:
         return "-"
-    if d.low is None:
-        return f"{d.mean:+.1f} (1 seed)"
-    return f"{d.mean:+.1f} [{d.low:+.1f}, {d.high:+.1f}] (n={d.n})"
+    return paired_text(d) + (" (1 seed)" if d.low is None else f" (n={d.n})")
 
 
 def _saved_text(runs: dict[int, Run], base: dict[int, Run]) -> str:
