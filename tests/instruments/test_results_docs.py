@@ -17,6 +17,12 @@ from rcnn_dropit.errors import UsageError
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs/results"
 
+
+def _tables(doc: str, blocks: dict[str, str]) -> dict[tuple[str, str], tuple[str, bool]]:
+    """Each of ``doc``'s full tables (not summaries): (doc, block) -> (its JSON file, False)."""
+    return {(doc, block): (source, False) for block, source in blocks.items()}
+
+
 # (document, block) -> the JSON file under docs/results it is generated from, and whether it
 # is the one-line-per-method summary (`tools/bench.py markdown FILE [--summary] --into DOC
 # --block BLOCK`)
@@ -27,9 +33,9 @@ BENCH_BLOCKS: dict[tuple[str, str], tuple[str, bool]] = {
     ("docs/results/memory.md", "step-peak-bf16-trained"): ("cpu_proxy8/methods.json", False),
     ("docs/results/memory.md", "bench-fusion"): ("cpu_fusion/bench.json", False),
     ("docs/results/memory.md", "bench-host"): ("cpu_host/bench.json", False),
-    **{
-        ("docs/results/archive/untrained_workload.md", block): (source, False)
-        for block, source in {
+    **_tables(
+        "docs/results/archive/untrained_workload.md",
+        {
             "methods-bench-forward": "archive/untrained_forward_800/methods_bench_forward.json",
             "step-peak-bf16-rpn": "archive/rpn_head_grad/methods_rpn_head.json",
             "methods-bench-bf16": "archive/untrained_bf16_384/methods_bench_bf16.json",
@@ -38,17 +44,17 @@ BENCH_BLOCKS: dict[tuple[str, str], tuple[str, bool]] = {
             "bench-scratch-gpu": "gpu_h200_2026-11-26/bench_scratch_gpu.json",
             "methods-bench-speed": "archive/untrained_speed_512/methods_bench_speed.json",
             "methods-bench-compiled": "archive/untrained_compiled_800/methods_bench_compiled.json",
-        }.items()
-    },
+        },
+    ),
     ("docs/gpu.md", "gpu-scratch-summary"): ("gpu_h200_2026-11-26/bench_scratch_gpu.json", True),
     ("docs/results/archive/draws.md", "draws-generator"): (
         "archive/bench_draws_generator_cpu.json",
         False,
     ),
     ("docs/results/archive/draws.md", "draws-hash"): ("archive/bench_draws_hash_cpu.json", False),
-    **{
-        ("docs/results/archive/memory_log.md", block): (source, False)
-        for block, source in {
+    **_tables(
+        "docs/results/archive/memory_log.md",
+        {
             "methods-bench-backward": "archive/methods_bench_backward.json",
             "bench-pooler-cpu": "archive/bench_pooler_cpu.json",
             "memory-pooler-5606795": "archive/bench_memory_pooler_5606795.json",
@@ -80,8 +86,8 @@ BENCH_BLOCKS: dict[tuple[str, str], tuple[str, bool]] = {
             "memory-function": "archive/bench_memory_function_cpu.json",
             "bench-host-bfcf6e2": "archive/bench_host_cpu_bfcf6e2.json",
             "bench-host-db52677": "archive/bench_host_cpu_db52677.json",
-        }.items()
-    },
+        },
+    ),
 }
 # Blocks left empty until their make target runs on the trained workload (memory.md's "Not yet
 # measured on the trained workload"): (document, block) -> the JSON file the target writes. Once
