@@ -264,8 +264,11 @@ def run_benchmark(
         for i, m in enumerate(models):
             if rows[i].get("compile") not in (None, "none"):
                 firsts[i] = [
-                    graph_capture.first_steps(functools.partial(timed_step, m), b, dev)
-                    for b in batches
+                    {
+                        "bucket": list(shape),
+                        **graph_capture.first_steps(functools.partial(timed_step, m), b, dev),
+                    }
+                    for shape, b in zip(graph_capture.buckets_for(image_size), batches, strict=True)
                 ]
     turns = [itertools.cycle(batches) for _ in models]  # each model's batches in turn
     step_fns = [lambda m=m, t=t: timed_step(m, next(t)) for m, t in zip(models, turns, strict=True)]
@@ -289,22 +292,11 @@ def run_benchmark(
             eval_time_ratio=round(med(evals[i]) / med(evals[0]), 4),
             timing_allocator=allocator,
         )
-        if size_buckets:
-            row["size_buckets"] = [list(b) for b in graph_capture.buckets_for(image_size)]
-            row["bucket_steps"] = (
-                [
-                    {
-                        "bucket": list(bucket),
-                        **first,
-                        "capture_s": graph_capture.beyond_steady(first, row.get("step_s")),
-                    }
-                    for bucket, first in zip(
-                        graph_capture.buckets_for(image_size), firsts[i], strict=True
-                    )
-                ]
-                if i in firsts
-                else None
-            )
+        if i in firsts:  # the buckets themselves are the table header's (size_buckets)
+            step_s = row.get("step_s")
+            row["bucket_steps"] = [
+                {**f, "capture_s": graph_capture.beyond_steady(f, step_s)} for f in firsts[i]
+            ]
         if profile_steps > 0:  # untimed: the profiler slows the step it watches
             calls = profile_cuda_calls(lambda m=model: timed_step(m, batch), profile_steps, dev)
             row.update(calls.per_step(profile_steps), profiled_steps=profile_steps)
