@@ -50,8 +50,10 @@ def cache_by_number(number: int) -> InputCache:
 
 class InputCache:
     """Packs layer inputs with one strategy, sharing a pack between layers fed the same tensor (a
-    ResNet block's input feeds conv1 and the downsample conv): the pack rides on the tensor, so it
-    dies with it, and a backward or a new step makes it stale.
+    ResNet block's input feeds conv1 and the downsample conv: one pack's work and bytes instead
+    of two): the pack rides on the tensor, so it dies with it, and a backward or a new step makes
+    it stale (a tensor the caller keeps past the step keeps its last pack until it is packed
+    again: a fraction of its own bytes).
 
     Each pack that draws is keyed by (rank, ``stream``, step, its position among the step's
     packs): the forward order is deterministic, so :meth:`set_step` makes a resumed run draw what
