@@ -182,12 +182,6 @@ FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
     ("rcnn_dropit.models.buckets", "torchvision._is_tracing"): (
         "torchvision's own ONNX-tracing test, which its transform asks too"
     ),
-    ("instruments.measure.gpu_probe", "torch.cuda.memory._record_memory_history"): (
-        "CUDA allocator history, documented in torch's memory snapshot guide"
-    ),
-    ("instruments.measure.gpu_probe", "torch.cuda.memory._snapshot"): (
-        "CUDA allocator snapshot, documented in torch's memory snapshot guide"
-    ),
     ("instruments.measure.live_probe", "sys._getframe"): "the standard library's caller frame",
     ("instruments.measure.live_probe", "torch._C._current_autograd_node"): (
         "the autograd node running a saved-tensor hook: whose tensor it is"
@@ -263,7 +257,6 @@ INSTRUMENTS = (
     "bench",
     "study",
     "grad_groups",
-    "gpu_probe",
     "gpu_checks",
     "results_page",
 )  # tools/ that run instruments

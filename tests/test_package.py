@@ -133,7 +133,7 @@ def test_the_license_file_is_the_one_pyproject_names() -> None:
 def test_bench_restarts_itself_measuring_as_it_was_started(monkeypatch) -> None:
     from instruments.commands import bench
 
-    started = ["/usr/bin/python3", "-m", "instruments.commands.bench", "ops"]
+    started = ["/usr/bin/python3", "-m", "instruments.commands.bench", "host"]
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.setattr(sys, "orig_argv", started)
     calls = []

@@ -24,10 +24,8 @@
 #   deterministic_pair 150 s  train.deterministic: two short runs of one seed, losses compared,
 #                          and one without the key for its step cost
 # then the GPU test tier and the kernels compiled for the GPU (side by side), and the rest as
-# before: the live tensors at a step's peak, the RoI poolers, issue 39's table with its largest
-# batch (with DROPIT_KERNELS=eager if it fails within a minute), the compiled rows, the table's
-# other rows, the fused packs, a launch's
-# host cost, the from-scratch rows, per-pass op costs, the peak's blocks, a quant step's Python,
+# before: issue 39's table with its largest batch (with DROPIT_KERNELS=eager if it fails within
+# a minute), the compiled rows, the table's other rows, the fused packs, the from-scratch rows,
 # the v2 heads. --from STAGE starts there (a second call on a warm machine, when the first ran
 # out of time; a device call may not run longer than 10 minutes), --until STAGE stops before it.
 #
@@ -44,10 +42,9 @@
 # images, one round of one step, two training steps, limits x10; every bench model ResNet-18 and
 # narrow through tests/instruments/rehearse_stage.py; torch.compile off; the later tables
 # memory-only; pytest collects instead of running), so a flag, a setting's name, a file or a
-# writer that would fail on the GPU fails there first. The stages that only run on CUDA
-# (probe_launch, probe_memory, probe_python) must end with their CUDA refusal there. One
-# interpreter imports torch once and runs each command in a fork of itself, as python would run
-# it (rehearse_stage.py --serve): the rehearsal pays for the stages' work, not for 40 imports.
+# writer that would fail on the GPU fails there first. One interpreter imports torch once and
+# runs each command in a fork of itself, as python would run it (rehearse_stage.py --serve):
+# the rehearsal pays for the stages' work, not for 40 imports.
 set -u
 rehearse=0
 from=""
@@ -199,19 +196,9 @@ grep -h -E "^(=+ )?[0-9]+ (passed|failed)|^FAILED|^ERROR" "$OUT"/tests_*.log >>"
   2>/dev/null
 keep tests_gpu tests_kernels
 
-# 4. The rest, as on the earlier leases. The floor (issue 39): the tensors alive at a training
-# step's peak by the line (or, in the backward, the autograd node) that made them (the forward
-# alone when the probe cannot follow CUDA's backward), then the RoI poolers alone.
-stage probe_live "$(cap 90)" $RUN tools/gpu_probe.py --what live-step --device $DEVICE \
-  --image-size $SIZE --images $MANY --top 25 \
-  --settings baseline quant_4bit checkpoint_stages_quant_4bit ||
-  stage probe_live_forward "$(cap 60)" $RUN tools/gpu_probe.py --what live --device $DEVICE \
-    --image-size $SIZE --images $MANY --top 25 \
-    --settings baseline quant_4bit checkpoint_stages_quant_4bit
-keep probe_live probe_live_forward
-stage bench_pooler_gpu "$(cap 60)" $RUN tools/bench.py pooler --device $DEVICE \
-  --images $SIZES --image-size $SIZE --repeats $TIMES --json "$WORK/bench_pooler_gpu.json"
-keep bench_pooler_gpu
+# 4. The tables of the earlier leases. Their one-off probes (the blocks and tensors alive at the
+# peak, a quant step's Python, a launch's host cost, per-pass op costs) were answered there
+# (docs/results/gpu_h200_2026-11-26/, gpu_h200_2026-11-28/) and went with issue 68.
 # Issue 39's rows with their largest batch; a table that fails within a minute (a kernel that
 # does not compile) runs again with DROPIT_KERNELS=eager.
 first="baseline quant_4bit checkpoint_stages checkpoint_stages_quant_4bit quant_2bit"
@@ -246,25 +233,11 @@ stage bench_fusion_gpu $(($(left) * 20 / 100)) $RUN tools/bench.py fusion --devi
   --image-size $SIZE --images $MANY --repeats $TIMES --quiet-machine \
   --json "$WORK/bench_fusion_gpu.json"
 keep bench_fusion_gpu
-# The host's cost of one launch: an aten op, a bare Triton launch, each DropIT wrapper (CUDA).
-stage probe_launch "$(cap 90)" $RUN tools/gpu_probe.py --what launch
-keep probe_launch
 # From scratch (BatchNorm, issue 28's coverage).
-stage bench_scratch_gpu $(($(left) - 40)) "${more[@]}" --scratch --images $MID \
+stage bench_scratch_gpu $(($(left) * 60 / 100)) "${more[@]}" --scratch --images $MID \
   --settings baseline quant_4bit quant_4bit_all saved_hooks_4bit checkpoint_stages \
   --json "$WORK/bench_scratch_gpu.json"
 keep bench_scratch_gpu
-# What each pass of an element-wise pack costs on this device.
-stage ops $(($(left) - 60)) $RUN tools/bench.py ops --device $DEVICE
-keep ops
-# Where the peak and the host time go (CUDA): the blocks alive at the peak with the toolkit's
-# FPN and torchvision's, and the Python a quant step spends.
-stage probe_memory $(($(left) - 30)) $RUN tools/gpu_probe.py --images $MANY --what memory \
-  --settings baseline baseline_torchvision_fpn quant_4bit
-keep probe_memory
-stage probe_python $(($(left) - 90)) $RUN tools/gpu_probe.py --images $FEW --what python \
-  --settings quant_4bit --top 40
-keep probe_python
 # torchvision's v2 heads (a BatchNorm after every FPN and head conv) on the COCO recipe's body.
 stage bench_v2_gpu $(($(left) - 5)) "${more[@]}" --heads v2 --images $MID \
   --settings baseline quant_4bit quant_4bit_all checkpoint_stages --json "$WORK/bench_v2_gpu.json"

@@ -129,16 +129,6 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("config", nargs="?", default=DEMO_CONFIG, metavar="CONFIG")
     _timing_arguments(demo, repeats=5, quiet=True)
 
-    ops = command(
-        "ops",
-        _ops,
-        "each pass of an element-wise pack and rebuild",
-        "milliseconds of each pass of an element-wise pack and rebuild on one 4Mi slice "
-        "(compare, bit packing, compaction, positions, gather, ReLU mask)",
-    )
-    _device_argument(ops)
-    _timing_arguments(ops, repeats=5)
-
     host = command(
         "host",
         _host,
@@ -150,23 +140,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     _timing_arguments(host, repeats=5)
 
-    pooler = command(
-        "pooler",
-        _pooler,
-        "the RoI poolers under autocast: bytes and ms",
-        "the RoI poolers under autocast, torchvision's and the lean one, on a pyramid of "
-        "--images batches of --image-size px: the bytes at the forward's and the backward's "
-        "peak, the milliseconds of both, and whether the lean one's bits are torchvision's",
+    live = command(
+        "live",
+        _live,
+        "the tensors alive at a step's peak, by the line that made them",
+        "the tensors alive at the forward's peak (or, with --step, the whole training step's), "
+        "each by the line of code that made it (in the backward: the autograd node), split "
+        "into what the backward keeps and the working set; any device",
     )
-    _device_argument(pooler)
-    pooler.add_argument("--image-size", type=int, default=512)
-    pooler.add_argument("--images", type=int, nargs="+", default=[2, 8])
-    pooler.add_argument(
+    live.add_argument("--settings", nargs="+", default=["baseline", "quant_4bit"])
+    live.add_argument("--plan", type=Path, default=Path("configs/study/plan.yaml"))
+    live.add_argument("--images", type=int, nargs="+", default=[2])
+    live.add_argument("--image-size", type=int, default=800)
+    live.add_argument("--step", action="store_true", help="follow the backward too")
+    live.add_argument("--top", type=int, default=15, help="lines per list")
+    _device_argument(live)
+    live.add_argument(
         "--amp",
-        choices=["fp16", "bf16"],
-        help="autocast dtype (default: fp16 on CUDA, bf16 on the CPU)",
+        choices=["none", "fp16", "bf16"],
+        help="autocast dtype (default: fp16 on CUDA, none elsewhere)",
     )
-    _timing_arguments(pooler, repeats=3)
 
     fusion = command(
         "fusion",
@@ -416,7 +409,6 @@ def markdown_of(path: Path, summary: bool = False) -> str:
     from instruments.measure.gpu_table import gpu_markdown, gpu_summary, is_gpu_table
     from instruments.measure.host_bench import host_markdown, is_host_rows
     from instruments.measure.methods_table import methods_markdown, read_methods_json
-    from instruments.measure.pooler_bench import is_pooler_rows, pooler_markdown
     from instruments.measure.step_bench import is_step_rows, markdown_table
 
     try:
@@ -428,7 +420,6 @@ def markdown_of(path: Path, summary: bool = False) -> str:
     tables = {
         "fusion": (is_fusion_rows, fusion_markdown),
         "host": (is_host_rows, host_markdown),
-        "pooler": (is_pooler_rows, pooler_markdown),
         "steps": (is_step_rows, markdown_table),
     }
     for name, (is_rows, table) in tables.items():
@@ -467,13 +458,6 @@ def _demo(args: argparse.Namespace) -> None:
     _emit(rows, args.json)
 
 
-def _ops(args: argparse.Namespace) -> None:
-    """Per-pass costs of the element-wise ops on one slice: JSON lines."""
-    from instruments.measure.op_bench import op_costs
-
-    _emit(op_costs(repeats=max(args.repeats, 5), device=args.device), args.json)
-
-
 def _host(args: argparse.Namespace) -> None:
     """Host microseconds and launches per DropIT layer with the launches stubbed: JSON lines."""
     from instruments.measure.host_bench import host_costs
@@ -481,18 +465,30 @@ def _host(args: argparse.Namespace) -> None:
     _emit(host_costs(repeats=max(args.repeats, 5)), args.json)
 
 
-def _pooler(args: argparse.Namespace) -> None:
-    """The RoI poolers under autocast, torchvision's and the lean one: JSON lines."""
-    from instruments.measure.pooler_bench import pooler_costs, pooler_markdown
+def _live(args: argparse.Namespace) -> None:
+    """The live tensors at the forward's (or with --step the step's) peak, per setting and
+    batch (instruments.measure.live_probe): text."""
+    import torch
 
-    rows = pooler_costs(
-        images=tuple(args.images),
-        image_size=args.image_size,
-        device=args.device,
-        amp=args.amp,
-        repeats=max(args.repeats, 3),
-    )
-    _emit(rows, args.json, pooler_markdown)
+    from instruments.measure import live_probe
+    from instruments.measure import workload as wl
+
+    settings = wl.plan_settings(args.plan, args.settings)  # a bad name fails before any model
+    device = torch.device(args.device)
+    amp = args.amp or ("fp16" if device.type == "cuda" else "none")
+    base = wl.recipe_config(False, args.image_size)
+    for setting in settings:
+        model = wl.detector(wl.setting_config(base, setting)).to(device).train()
+        for n in args.images:
+            batch = wl.make_batch(args.image_size, device, n)
+            print(f"== {setting.name}, {n} images of {args.image_size} px, {device} amp {amp}")
+            wl.step_loss(model, batch, amp).backward()  # warm: lazy state, compiled packs
+            model.zero_grad(set_to_none=True)
+            report = (live_probe.step_report if args.step else live_probe.forward_report)(
+                model, batch, amp
+            )
+            print("\n".join(report.lines(args.top)), flush=True)
+        del model
 
 
 def _fusion(args: argparse.Namespace) -> None:

@@ -2,8 +2,8 @@
 
 The layers' Python, pack bookkeeping and kernel wrappers run on tiny CPU tensors with the Triton
 launches stubbed out, against the plain layers; each row also counts the launches per unit.
-docs/benchmark.md says what the rows are; the launch's own cost needs a GPU
-(``tools/gpu_probe.py --what launch``).
+docs/benchmark.md says what the rows are; the launch's own cost needs a GPU (an H200's:
+docs/results/gpu_h200_2026-11-28/probe_launch.log).
 """
 
 from __future__ import annotations

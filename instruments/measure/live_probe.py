@@ -26,11 +26,8 @@ reference to each, so under the probe that sum is made out of place (an ``add`` 
 step makes an ``add_``): a backward peak at such an ``add`` counts one gradient too many.
 
 Cost: a few microseconds of Python per op, a few seconds for an R50-FPN forward on the CPU (the
-profiler's allocation events took about two minutes for one step at 384 px).
-
-The peak and what is alive at it are read off the lives by :func:`peak_of`, which the CUDA
-allocator's trace goes through too (:func:`trace_lives`: its blocks, by the frame that asked
-for each; ``tools/gpu_probe.py --what memory``).
+profiler's allocation events took about two minutes for one step at 384 px). ``tools/bench.py
+live`` prints the reports of the bench's detector.
 """
 
 from __future__ import annotations
@@ -77,34 +74,19 @@ def making_line(skip: int = 2) -> str:
     return f"{line} [{node.name()}]".lstrip()
 
 
-def _ours(path: str) -> str | None:
-    """The path from its package folder on (``torchvision/ops/...``); None outside them."""
+def _short(path: str) -> str:
+    """The path from its package folder on (``torchvision/ops/...``), else its last two parts."""
     parts = path.split(os.sep)
     for i, part in enumerate(parts):
         if part in ("torchvision", "dropit_core", "rcnn_dropit", "instruments", "tests"):
             return "/".join(parts[i:])
-    return None
-
-
-def _short(path: str) -> str:
-    """The path from its package folder on, else its last two parts."""
-    return _ours(path) or "/".join(path.split(os.sep)[-2:])
-
-
-def frame_of(frames: Sequence[Mapping[str, Any]]) -> str:
-    """``path:line function`` of the innermost frame of an allocator trace's event that is in
-    our code or torchvision's (the frame that asked for the memory)."""
-    for f in frames:
-        short = _ours(f.get("filename", ""))
-        if short is not None:
-            return f"{short}:{f.get('line')} {f.get('name')}"
-    return "(no frame of ours)"
+    return "/".join(parts[-2:])
 
 
 @dataclass
 class Life:
-    """One storage (or allocator block): its bytes, the line that made it, the index of the op
-    (or event) after which it exists, and the first at which it is gone (None: never)."""
+    """One storage: its bytes, the line that made it, the index of the op after which it exists,
+    and the first at which it is gone (None: never)."""
 
     nbytes: int
     where: str
@@ -132,21 +114,6 @@ def peak_of(lives: Iterable[Life]) -> tuple[int, int, list[Life]]:
     return peak, at, alive
 
 
-def trace_lives(trace: Iterable[Mapping[str, Any]]) -> list[Life]:
-    """The blocks of a CUDA allocator trace (``torch.cuda.memory._snapshot``'s device trace) as
-    lives, indexed by event, each named by :func:`frame_of`; a block freed in the trace but
-    allocated before it is not one."""
-    lives: list[Life] = []
-    alive: dict[int, Life] = {}
-    for i, ev in enumerate(trace):
-        if ev["action"] == "alloc":
-            alive[ev["addr"]] = Life(ev["size"], frame_of(ev.get("frames", [])), i)
-            lives.append(alive[ev["addr"]])
-        elif ev["action"] == "free_requested" and ev["addr"] in alive:
-            alive.pop(ev["addr"]).died = i
-    return lives
-
-
 @dataclass
 class LiveGroup:
     """The storages alive at the peak that one line made."""
@@ -168,7 +135,7 @@ class LiveReport:
     ops: int  # ops the forward ran
     op_name: str  # the op that reached it
     op_where: str  # and the line that called it
-    saved_mb: float | None  # alive at the peak and kept for backward (None: not known)
+    saved_mb: float  # alive at the peak and kept for backward
     held_mb: float  # alive at the peak and at the end, not kept by autograd (outputs, losses)
     transient_mb: float  # alive at the peak, freed before the forward ends: the working set
     end_mb: float  # recorded storages alive when the forward ends
@@ -188,13 +155,14 @@ class LiveReport:
             f"{self.scope} peak {self.peak_mb:.1f} MB{where} after op {self.peak_op} of "
             f"{self.ops} ({self.op_name} at {self.op_where}); "
             f"alive at the end {self.end_mb:.1f} MB",
-            f"  at the peak: saved for backward {_mb(self.saved_mb)}, held otherwise "
+            f"  at the peak: saved for backward {self.saved_mb:.1f} MB, held otherwise "
             f"{self.held_mb:.1f} MB, {self._freed_name} {self.transient_mb:.1f} MB",
             f"  {'MB':>8} {'saved':>8} {'freed':>8} {'count':>6}  line that made them",
         ]
         for g in self.groups[:top]:
-            saved = "-" if self.saved_mb is None else f"{g.saved_mb:.1f}"
-            out.append(f"  {g.mb:8.1f} {saved:>8} {g.transient_mb:8.1f} {g.count:6d}  {g.where}")
+            out.append(
+                f"  {g.mb:8.1f} {g.saved_mb:8.1f} {g.transient_mb:8.1f} {g.count:6d}  {g.where}"
+            )
         return out
 
     @property
@@ -202,10 +170,6 @@ class LiveReport:
         if self.scope == "step":  # a step's end: what is left is the weights' gradients
             return "freed before the step ends"
         return "working set (freed before the end)"
-
-
-def _mb(mb: float | None) -> str:
-    return "not known" if mb is None else f"{mb:.1f} MB"
 
 
 class _Tracker(TorchDispatchMode):
@@ -312,13 +276,8 @@ def live_through_step(
     return report
 
 
-def report_of(
-    lives: Sequence[Life],
-    ops: int,
-    made: Mapping[int, tuple[str, str]],
-    saved_known: bool = True,
-) -> LiveReport:
-    """The report of ``lives`` over ``ops`` ops (or events): :func:`peak_of`, the split of what
+def report_of(lives: Sequence[Life], ops: int, made: Mapping[int, tuple[str, str]]) -> LiveReport:
+    """The report of ``lives`` over ``ops`` ops: :func:`peak_of`, the split of what
     is alive at the peak, and its lives grouped by line; ``made``: the op and the line of each
     index where lives were born (the peak's)."""
     peak, peak_op, at_peak = peak_of(lives)
@@ -345,7 +304,7 @@ def report_of(
         ops=ops,
         op_name=op_name,
         op_where=op_where,
-        saved_mb=saved / MB if saved_known else None,
+        saved_mb=saved / MB,
         held_mb=held / MB,
         transient_mb=transient / MB,
         end_mb=end / MB,

@@ -55,7 +55,7 @@ def narrow_sizes() -> None:
     """Every bench model small (the module's docstring), before the command imports anything
     that reads the recipe by name."""
     sys.path.insert(0, str(REPO))
-    from instruments.measure import pooler_bench, workload
+    from instruments.measure import workload
     from rcnn_dropit.config import with_overrides
 
     recipe = workload.recipe_config
@@ -66,8 +66,6 @@ def narrow_sizes() -> None:
         return with_overrides(small, WIDTHS, source="rehearsal")
 
     workload.recipe_config = narrow
-    pooler_bench.CHANNELS = 16
-    pooler_bench.POOLERS = {"box": (7, 16), "mask": (14, 4)}
 
 
 def run(argv: list[str]) -> None:

@@ -390,30 +390,6 @@ def test_bench_tool_says_when_cuda_is_missing() -> None:
     assert "--device cuda: CUDA is not available on this machine" in done.stderr
 
 
-def test_op_costs_rows_name_every_pass_in_order(monkeypatch) -> None:
-    from instruments.measure.op_bench import op_costs
-
-    # pass i takes (i + 1) ms in the timed round; the untimed first round says 50 ms each
-    seconds = iter([0.05] * 11 + [(i + 1) / 1000 for i in range(11)])
-    monkeypatch.setattr(timing, "timed", lambda fn, device=None: (fn(), next(seconds)))
-    rows = op_costs(n=1 << 12, repeats=1)
-    ops = [r["op"] for r in rows]
-    assert ops[:3] == ["copy (yardstick)", "relu (yardstick)", "abs and compare"]
-    assert len(rows) == 11 and {r["stage"] for r in rows} == {"-", "forward", "backward"}
-    assert [r["ms"] for r in rows] == [float(i + 1) for i in range(11)]
-    assert [r["per_copy"] for r in rows] == [float(i + 1) for i in range(11)]  # copy is 1 ms
-    assert all(r["elements"] == 4096 and r["device"] == "cpu" for r in rows)
-
-
-def test_op_costs_on_a_missing_gpu_is_a_clear_error() -> None:
-    from instruments.measure.op_bench import op_costs
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
-        op_costs(n=64, device="cuda")
-
-
 def test_memory_only_rows_make_a_table_of_megabytes() -> None:
     # --repeats 0 rows have no step times: their table gives the bytes themselves.
     row = {

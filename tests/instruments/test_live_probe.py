@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from instruments.measure.live_probe import MB, live_at_peak, live_through_step
+from instruments.measure.live_probe import MB, Life, live_at_peak, live_through_step, peak_of
 from tests.toolkit.test_lean_forward import QUANT, _batch, _models
 
 N = 1 << 18  # floats: 1 MiB each
@@ -105,3 +105,29 @@ def test_the_lean_forward_holds_less_than_torchvisions_at_its_peak() -> None:
     assert lean.transient_mb < 0.8 * plain.transient_mb, (lean.lines(), plain.lines())
     assert lean.peak_mb < plain.peak_mb
     assert plain.groups[0].mb * MB > 0
+
+
+def test_the_peak_of_lives_keeps_those_alive_at_its_first_highest_point() -> None:
+    lives = [Life(10, "a", 0, died=2), Life(20, "b", 1), Life(5, "c", 3), Life(15, "d", 4, 5)]
+    lives.append(Life(9, "e", 6))  # after d is gone: 20 + 5 + 9 is less than 40
+    peak, at, alive = peak_of(lives)
+    assert (peak, at) == (40, 4) and [x.where for x in alive] == ["b", "c", "d"]
+
+
+def test_bench_live_prints_a_report_per_setting_and_batch(monkeypatch, capsys) -> None:
+    from instruments.commands import bench
+    from instruments.measure import workload
+    from rcnn_dropit.config import with_overrides
+    from tests.instruments.rehearse_stage import WIDTHS
+
+    recipe = workload.recipe_config
+
+    def narrow(scratch, image_size, *args, **kwargs):
+        return with_overrides(recipe(scratch, image_size, 16, "resnet18"), WIDTHS, source="test")
+
+    monkeypatch.setattr(workload, "recipe_config", narrow)
+    argv = ["live", "--device", "cpu", "--image-size", "64", "--images", "1", "2", "--step"]
+    assert bench.main([*argv, "--settings", "baseline", "quant_4bit", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("== ") == 4 and out.count("step peak") == 4
+    assert "== quant_4bit, 2 images of 64 px, cpu amp none" in out

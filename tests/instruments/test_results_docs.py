@@ -56,7 +56,6 @@ BENCH_BLOCKS: dict[tuple[str, str], tuple[str, bool]] = {
         "docs/results/archive/memory_log.md",
         {
             "methods-bench-backward": "archive/methods_bench_backward.json",
-            "bench-pooler-cpu": "archive/bench_pooler_cpu.json",
             "memory-pooler-5606795": "archive/bench_memory_pooler_5606795.json",
             "memory-pooler-45eaa61": "archive/bench_memory_pooler_45eaa61.json",
             "memory-pooler-a373cab": "archive/bench_memory_pooler_a373cab.json",
