@@ -203,7 +203,7 @@ def verdict(found: dict[str, dict[int, Run]], regime: str, plan: Plan) -> list[s
     return [
         f"### {regime}",
         "",
-        *verdict_table(regime, {regime: found}, settings, lambda s: planned_seeds(plan, regime, s)),
+        *verdict_table(found, settings, lambda s: planned_seeds(plan, regime, s)),
         "",
     ]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from instruments.report.seeded import Seeds, baseline_of, is_reference, paired_text
+from instruments.report.seeded import Seeds, baseline_of, baseline_runs, is_reference, paired_text
 from instruments.report.verdict import family_diffs, setting_verdict
 from rcnn_dropit.errors import UsageError
 
@@ -70,7 +70,7 @@ def other_regime_lines(
         if regime == goal_regime:
             continue
         for setting, runs in settings.items():
-            base = settings.get(baseline_of(setting, settings) or "", {})
+            base = baseline_runs(settings, setting)
             n = len(set(runs) & set(base))
             if is_reference(setting) or n < min_seeds:
                 continue

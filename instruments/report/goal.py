@@ -18,6 +18,7 @@ from instruments.report.seeded import (
     BASELINE,
     Seeds,
     baseline_of,
+    baseline_runs,
     is_reference,
     paired,
     paired_text,
@@ -113,15 +114,15 @@ def _cell(c: Criterion) -> str:
 
 def goal_candidates(found: Mapping[str, Seeds], order: Sequence[str]) -> list[str]:
     """The settings in ``order`` with runs whose DropIT covers every layer the paper converts."""
-    return [s for s in order if found.get(s) and covers_every_layer(_config(found[s]))]
+    runs = {s: found[s] for s in order if found.get(s)}
+    return [s for s, r in runs.items() if covers_every_layer(next(iter(r.values())).config)]
 
 
 def setting_criteria(
     found: Mapping[str, Seeds], setting: str, bench: Mapping[str, Any] | None, goal: Goal
 ) -> list[Criterion]:
     """:func:`criteria` of one setting against the baseline of its schedule."""
-    base = found.get(baseline_of(setting, found) or "", {})
-    return criteria(found[setting], base, bench, setting, goal)
+    return criteria(found[setting], baseline_runs(found, setting), bench, setting, goal)
 
 
 def settings_meeting_goal(
@@ -148,7 +149,8 @@ class Recommendation:
     worst_low: float
 
 
-def _worst_low(runs: Seeds, base: Seeds) -> float | None:
+def _worst_low(found: Mapping[str, Seeds], setting: str) -> float | None:
+    runs, base = found[setting], baseline_runs(found, setting)
     lows = [d.low if d is not None else None for d in (paired(runs, base, f) for f, _ in FAMILIES)]
     return None if any(low is None for low in lows) else min(lows)  # type: ignore[type-var]
 
@@ -171,14 +173,12 @@ def recommend(
     if met:
         assert bench is not None  # meeting the goal needs the bench figures
         best = min(met, key=lambda s: (bench[s]["peak_ratio"], bench[s]["saved_ratio"]))
-        base = found.get(baseline_of(best, found) or "", {})
-        return Recommendation(best, True, _worst_low(found[best], base) or 0.0)
+        return Recommendation(best, True, _worst_low(found, best) or 0.0)
     pool: list[tuple[float, str]] = []
     for setting in goal_candidates(found, order):
         crit = setting_criteria(found, setting, bench, goal)
         seeds, memory = crit[0], crit[-2:]  # criteria: seeds, box, mask, saved, peak
-        base = found.get(baseline_of(setting, found) or "", {})
-        worst = _worst_low(found[setting], base)
+        worst = _worst_low(found, setting)
         if seeds.met and all(c.met for c in memory) and worst is not None:
             pool.append((worst, setting))
     if not pool:
@@ -243,7 +243,3 @@ def goal_section(
             "Not candidates (DropIT not on every layer, or none): " + ", ".join(others) + ".",
         ]
     return lines
-
-
-def _config(runs: Seeds) -> Mapping[str, Any]:
-    return next(iter(runs.values())).config

@@ -47,15 +47,14 @@ def baseline_of(setting: str, settings: Iterable[str]) -> str | None:
     return BASELINE
 
 
-def ap_value(run: Run, family: str) -> float | None:
-    """AP x100 of one run (family 'bbox' or 'segm'), None when it has none."""
-    value = run.metric(family, "AP")
-    return None if value is None else value * 100
+def baseline_runs(found: Mapping[str, Seeds], setting: str) -> Seeds:
+    """The runs of the reference ``setting`` pairs with among ``found`` (empty when none)."""
+    return found.get(baseline_of(setting, found) or "", {})
 
 
 def ap_values(runs: Seeds, family: str) -> dict[int, float]:
-    """seed -> AP x100 of the runs that have one."""
-    return {seed: v for seed, run in runs.items() if (v := ap_value(run, family)) is not None}
+    """seed -> AP x100 (family 'bbox' or 'segm') of the runs that have one."""
+    return {s: v * 100 for s, run in runs.items() if (v := run.metric(family, "AP")) is not None}
 
 
 def paired(runs: Seeds, base: Seeds, family: str) -> PairedDiff | None:

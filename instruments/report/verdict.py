@@ -14,9 +14,9 @@ Per family (box, mask), a setting's paired difference to its baseline is in one 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from instruments.report.seeded import Found, Seeds, baseline_of, paired, paired_text
+from instruments.report.seeded import Seeds, baseline_of, paired, paired_text
 from rcnn_dropit.report.paired import PairedDiff
 
 TOLERANCE = 1.0  # AP points: "keeps AP" means the interval lies within this of the baseline
@@ -57,8 +57,7 @@ def setting_verdict(states: Sequence[str]) -> str:
     """One word for a setting from its box and mask states."""
     if any(s == ONE_SEED for s in states):
         return ONE_SEED
-    losing = [s for s in states if s == LOSES]
-    if losing:
+    if LOSES in states:
         return "loses AP"
     if all(s == KEEPS for s in states):
         return "keeps AP"
@@ -69,29 +68,20 @@ def setting_verdict(states: Sequence[str]) -> str:
     return INCONCLUSIVE
 
 
-def family_diffs(
-    mine: Seeds, base: Seeds, tolerance: float = TOLERANCE
-) -> list[tuple[PairedDiff, str] | None]:
+def family_diffs(mine: Seeds, base: Seeds) -> list[tuple[PairedDiff, str] | None]:
     """Per family (box, then mask): the paired difference and its state, None without a pair."""
-    out: list[tuple[PairedDiff, str] | None] = []
-    for family, _ in FAMILIES:
-        d = paired(mine, base, family) if mine and base else None
-        out.append(None if d is None else (d, family_state(d, tolerance)))
-    return out
+    diffs = [paired(mine, base, family) if mine and base else None for family, _ in FAMILIES]
+    return [None if d is None else (d, family_state(d)) for d in diffs]
 
 
 def verdict_table(
-    regime: str,
-    found: Found,
-    settings: Sequence[str],
-    planned: Callable[[str], int],
+    runs: Mapping[str, Seeds], settings: Sequence[str], planned: Callable[[str], int]
 ) -> list[str]:
     """A Markdown table: per setting, seeds, paired Δ and state for box and mask, verdict.
 
-    ``settings`` are the regime's settings in report order (baselines are left out);
-    ``planned(setting)`` is how many seeds the plan trains of it.
+    ``runs`` are one regime's (setting -> seed -> run); ``settings`` its settings in report
+    order (baselines are left out); ``planned(setting)`` is how many seeds the plan trains of it.
     """
-    runs = found.get(regime, {})
     lines = [
         "| setting | seeds paired | Δ box [95% CI] | box | Δ mask [95% CI] | mask | verdict |",
         "|---|---|---|---|---|---|---|",

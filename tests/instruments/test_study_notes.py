@@ -356,9 +356,8 @@ def test_setting_verdict_needs_both_families(states, verdict) -> None:
 
 def test_verdict_table_covers_every_setting_with_its_seeds() -> None:
     planned = {"mink": 5, "mink_2x": 1, "quant_4bit": 3}
-    lines = verdict_table(
-        "ft", FOUND, ["baseline", "mink", "baseline_2x", "mink_2x", "quant_4bit"], planned.get
-    )
+    settings = ["baseline", "mink", "baseline_2x", "mink_2x", "quant_4bit"]
+    lines = verdict_table(FOUND["ft"], settings, planned.get)
     assert len(lines) == 5  # header, rule, and a row per non-baseline setting
     assert lines[2] == (
         "| mink | 3 of 5 | -1.5 [-2.7, -0.3] | **inconclusive, below 0** | -0.3 [-2.2, +1.6] "
@@ -372,8 +371,8 @@ def test_verdict_table_covers_every_setting_with_its_seeds() -> None:
 
 
 def test_verdict_says_when_a_setting_has_no_baseline_of_its_seed() -> None:
-    found = {"ft": {"baseline": {1: run(80, 70)}, "mink": {2: run(79, 69)}}}
-    lines = verdict_table("ft", found, ["mink"], lambda s: 1)
+    found = {"baseline": {1: run(80, 70)}, "mink": {2: run(79, 69)}}
+    lines = verdict_table(found, ["mink"], lambda s: 1)
     assert lines[2] == "| mink | 0 of 1 | - | - | - | - | no baseline run paired by seed |"
 
 
