@@ -29,6 +29,7 @@ from instruments.report.seeded import (
     BASELINE,
     ap_values,
     baseline_of,
+    baseline_runs,
     is_reference,
     paired,
     paired_text,
@@ -91,11 +92,6 @@ def _diff_text(d: PairedDiff | None) -> str:
     return paired_text(d) + (" (1 seed)" if d.low is None else f" (n={d.n})")
 
 
-def _saved_text(runs: dict[int, Run], base: dict[int, Run]) -> str:
-    ratio = saved_ratio(runs, base)
-    return "-" if ratio is None else f"{ratio:.2f}x"
-
-
 def _order(settings: Sequence[str], plan: Plan) -> list[str]:
     """Baseline first, then plan order, then anything else found on disk."""
     known = [s for s in plan.settings if s in settings]
@@ -116,15 +112,14 @@ def ap_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
         seeds = ",".join(str(s) for s in sorted(runs))
         ref = baseline_of(setting, [*plan.settings, *found])
         base = found.get(ref, {}) if ref else runs
+        saved = "-" if (ratio := saved_ratio(runs, base)) is None else f"{ratio:.2f}x"
         if ref is None:
-            diffs, saved = ["", ""], _saved_text(runs, runs)
-        elif not set(runs) & set(base):
+            diffs = ["", ""]
+        elif not set(runs) & set(base):  # no ratio either: it pairs by seed too
             diffs = [f"- (no {ref} run of the same seed)"] * 2
-            saved = "-"
         else:
             diffs = [_diff_text(paired(runs, base, fam)) for fam, _ in FAMILIES]
             diffs = [d if ref == BASELINE else f"{d} vs {ref}" for d in diffs]
-            saved = _saved_text(runs, base)
         lines.append(
             f"| {setting} | {seeds} | {_mean_std(runs, 'bbox')} | {_mean_std(runs, 'segm')} "
             f"| {diffs[0]} | {diffs[1]} | {saved} |"
@@ -296,41 +291,42 @@ def found_runs(plan: Plan) -> dict[str, dict[str, dict[int, Run]]]:
     return found
 
 
-def goal_lines(
-    found: dict[str, dict[int, Run]],
-    plan: Plan,
-    goal: Goal = GOAL,
-    figure_dir: Path | None = None,
-) -> list[str]:
-    """The goal judged in its regime, with the Δ AP vs peak memory figure (drawn into
-    ``figure_dir``, by default FIGURES beside the report)."""
+def _goal_bench(
+    found: dict[str, dict[int, Run]], plan: Plan
+) -> tuple[Path, list[str], dict[str, dict] | None]:
+    """The R50-FPN bench's path, the goal regime's settings in report order, and the bench's
+    figures with an entry for each longer schedule."""
     bench_path = plan.report.parent / BENCH_FILE
-    bench = methods_by_setting(bench_path)
-    if goal.regime not in plan.regimes:
-        return [f"The goal's regime `{goal.regime}` is not in this plan.", ""]
-    order = regime_settings(found, plan, goal.regime)
-    bench = with_schedules(bench, order)
-    lines = [*goal_section(found, order, bench, bench_path, goal), ""]
+    order = regime_settings(found, plan, GOAL.regime)
+    return bench_path, order, with_schedules(methods_by_setting(bench_path), order)
+
+
+def goal_lines(found: dict[str, dict[int, Run]], plan: Plan, figure_dir: Path) -> list[str]:
+    """The goal judged in its regime, with the Δ AP vs peak memory figure (into ``figure_dir``)."""
+    bench_path, order, bench = _goal_bench(found, plan)
+    if GOAL.regime not in plan.regimes:
+        return [f"The goal's regime `{GOAL.regime}` is not in this plan.", ""]
+    lines = [*goal_section(found, order, bench, bench_path, GOAL), ""]
+    if bench is None:
+        return lines
     points = []
     for setting in order:
         ref = baseline_of(setting, [*plan.settings, *found])
-        if bench is None or setting not in bench or ref is None or setting not in found:
+        if setting not in bench or ref is None or setting not in found:
             continue
         diffs = {
             fam: d for fam, _ in FAMILIES if (d := paired(found[setting], found.get(ref, {}), fam))
         }
         if diffs:
             points.append((setting, float(bench[setting]["peak_ratio"]), diffs))
-    png = (figure_dir or plan.report.parent / FIGURES) / f"shapes_{goal.regime}_peak_vs_ap.png"
-    if bench is None:
-        return lines
+    png = figure_dir / f"shapes_{GOAL.regime}_peak_vs_ap.png"
     if not points:
         return [*lines, "No Δ AP vs peak memory figure: no benched setting has paired runs.", ""]
     if not figures.matplotlib_available():
         return [*lines, "Δ AP vs peak memory not drawn: matplotlib is not installed.", ""]
     png.parent.mkdir(parents=True, exist_ok=True)
-    figures.plot_peak_vs_ap(points, png, goal.tolerance, goal.peak)
-    return [*lines, f"![{goal.regime}: Δ AP vs peak memory]({FIGURES}/{png.name})", ""]
+    figures.plot_peak_vs_ap(points, png, GOAL.tolerance, GOAL.peak)
+    return [*lines, f"![{GOAL.regime}: Δ AP vs peak memory]({FIGURES}/{png.name})", ""]
 
 
 def _layers(config: dict) -> str:
@@ -344,28 +340,25 @@ def _layers(config: dict) -> str:
     return "some"
 
 
-def choice_lines(found: dict[str, dict[int, Run]], plan: Plan, goal: Goal = GOAL) -> list[str]:
+def choice_lines(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
     """The goal regime's settings with their AP cost by interval and their bench memory and time,
     ending with which setting (if any) meets the goal."""
-    bench_path = plan.report.parent / BENCH_FILE
-    bench = methods_by_setting(bench_path)
-    order = regime_settings(found, plan, goal.regime)
-    bench = with_schedules(bench, order)
+    goal = GOAL
+    bench_path, order, bench = _goal_bench(found, plan)
     layers = {s: _layers(next(iter(r.values())).config) for s, r in found.items() if r}
     met = settings_meeting_goal(found, order, bench, goal)
     seeds = max((len(r) for s, r in found.items() if not is_reference(s)), default=0)
+    criteria = (
+        f"every layer, box and mask intervals inside ±{goal.tolerance:g} AP at {goal.seeds} "
+        f"seeds, <= {goal.saved:.2f}x saved, <= {goal.peak:.2f}x peak"
+    )
     answer = (
-        f"**Meets the goal** (every layer, box and mask intervals inside ±{goal.tolerance:g} AP "
-        f"at {goal.seeds} seeds, <= {goal.saved:.2f}x saved, <= {goal.peak:.2f}x peak): "
-        + ", ".join(met)
-        + "."
+        f"**Meets the goal** ({criteria}): {', '.join(met)}."
         if met
-        else f"**No setting meets the goal** (every layer, box and mask intervals inside "
-        f"±{goal.tolerance:g} AP at {goal.seeds} seeds, <= {goal.saved:.2f}x saved, "
-        f"<= {goal.peak:.2f}x peak of the R50-FPN step)."
+        else f"**No setting meets the goal** ({criteria} of the R50-FPN step)."
     )
     return [
-        *_recommendation_lines(found, order, bench, plan, goal),
+        *_recommendation_lines(found, order, bench, plan),
         f"Regime `{goal.regime}` of the accuracy study (Mask R-CNN fine-tuned on generated "
         f"shapes, up to {seeds} seeds, each paired with the baseline of its seed); `layers`: "
         "`all` when the method reaches every layer the paper converts, `recomputed` for "
@@ -402,9 +395,9 @@ def _recommendation_lines(
     order: Sequence[str],
     bench: dict[str, dict[str, float]] | None,
     plan: Plan,
-    goal: Goal,
 ) -> list[str]:
     """What the study recommends (``goal.recommend``'s rule) and the config that trains it."""
+    goal = GOAL
     rec = recommend(found, order, bench, goal)
     if rec is None:
         return [
@@ -419,7 +412,7 @@ def _recommendation_lines(
         if config
         else "no config trains it yet (name one under `configs:` in the study plan)"
     )
-    base = found.get(baseline_of(rec.setting, found) or "", {})
+    base = baseline_runs(found, rec.setting)
     cells = ", ".join(
         f"{word} {paired_text(d)}"
         for family, word in FAMILIES
@@ -455,23 +448,6 @@ def rendered_notes_path(plan: Plan) -> Path | None:
     if plan.notes is None or not plan.notes.name.endswith(TEMPLATE_SUFFIX):
         return None
     return plan.notes.with_name(plan.notes.name[: -len(TEMPLATE_SUFFIX)] + ".md")
-
-
-def render_notes(plan: Plan, found: dict[str, dict[str, dict[int, Run]]]) -> str:
-    """The findings, their placeholders filled from the runs."""
-    assert plan.notes is not None
-    text = render(
-        plan.notes.read_text(), Sources(found, grad_dir=plan.report.parent), str(plan.notes)
-    )
-    return text.strip()
-
-
-def notes_file_text(plan: Plan, notes: str, command: str) -> str:
-    """The rendered notes file: a line naming what generated it, then the rendered notes."""
-    return (
-        f"_Generated by `{command}` from `{plan.notes}` and the runs under `{plan.out}`: "
-        "edit the template, not this file._\n\n" + notes + "\n"
-    )
 
 
 def finished_runs_sentence(plan: Plan) -> str:
@@ -575,7 +551,7 @@ def render_study_report(
     lines += [
         "## Goal: a DropIT setting on every layer that keeps AP",
         "",
-        *goal_lines(found.get(GOAL.regime, {}), plan, figure_dir=figure_dir),
+        *goal_lines(found.get(GOAL.regime, {}), plan, figure_dir),
     ]
     choice = choice_lines(found.get(GOAL.regime, {}), plan)
     others = other_regime_lines(found, GOAL.regime, GOAL.seeds)
@@ -583,10 +559,14 @@ def render_study_report(
     lines += ["## Choosing a method", "", *choice, ""]
     notes_file = None
     if plan.notes is not None and plan.notes.is_file():  # the analysis a person wrote
-        notes = render_notes(plan, found)
+        sources = Sources(found, grad_dir=plan.report.parent)
+        notes = render(plan.notes.read_text(), sources, str(plan.notes)).strip()
         lines += [notes, ""]
         if rendered_notes_path(plan) is not None:
-            notes_file = notes_file_text(plan, notes, f"{command} --report-only")
+            notes_file = (
+                f"_Generated by `{command} --report-only` from `{plan.notes}` and the runs under "
+                f"`{plan.out}`: edit the template, not this file._\n\n{notes}\n"
+            )
     markdown = "\n".join([*lines, "", *body]).rstrip("\n") + "\n"
     return StudyPages(markdown, readme_with_choice(plan, choice), notes_file)
 
