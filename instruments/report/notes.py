@@ -60,6 +60,7 @@ import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from instruments.measure.methods_table import methods_by_setting
@@ -89,13 +90,11 @@ from rcnn_dropit.report.runs import Run
 PLACEHOLDER = re.compile(r"\{\{([^{}]*)\}\}")
 _SEEDED = re.compile(r"(?P<setting>.+)_s(?P<first>\d+)(?:-(?P<last>\d+))?")
 GRAD_MEASURES = {"cos": "cosine", "norm": "norm_ratio"}
-# tools/grad_groups.py's tables, one file per name, under the results folder
-GRAD_GROUPS_DIR = "shapes_grad_groups"
 
 
 def grad_groups_file(results: Path, name: str) -> Path:
-    """The gradient-group file ``name`` (a regime, or a sweep's name) under ``results``."""
-    return results / GRAD_GROUPS_DIR / f"{name}.json"
+    """tools/grad_groups.py's table ``name`` (a regime, or a sweep's name) under ``results``."""
+    return results / "shapes_grad_groups" / f"{name}.json"
 
 
 class NotesError(UsageError):
@@ -179,18 +178,21 @@ def _target(text: str, found: Found) -> Target:
     raise _Bad(f"no finished run or setting '{setting}' in regime '{regime}'")
 
 
-def _runs(found: Found, t: Target) -> Seeds:
-    runs = found[t.regime][t.setting]
+def _runs(sources: Sources, target: str) -> Seeds:
+    t = _target(target, sources.found)
+    runs = sources.found[t.regime][t.setting]
     return runs if t.seeds is None else {s: runs[s] for s in t.seeds}
 
 
-def _base(found: Found, t: Target) -> Seeds:
-    ref = baseline_of(t.setting, found[t.regime])
+def _pair(sources: Sources, target: str) -> tuple[Seeds, Seeds]:
+    """The target's runs and its baseline's, to pair seed by seed."""
+    runs, t = _runs(sources, target), _target(target, sources.found)
+    ref = baseline_of(t.setting, sources.found[t.regime])
     if ref is None:
         raise _Bad(f"'{t.setting}' is a baseline: it has no Δ")
-    if ref not in found[t.regime]:
+    if ref not in sources.found[t.regime]:
         raise _Bad(f"no finished run of '{ref}', the baseline of '{t.setting}'")
-    return found[t.regime][ref]
+    return runs, sources.found[t.regime][ref]
 
 
 def _family(word: str) -> str:
@@ -200,41 +202,25 @@ def _family(word: str) -> str:
 
 
 def _diffs(sources: Sources, target: str, word: str) -> dict[int, float]:
-    t = _target(target, sources.found)
-    diffs = seed_diffs(_runs(sources.found, t), _base(sources.found, t), _family(word))
+    diffs = seed_diffs(*_pair(sources, target), _family(word))
     if not diffs:
         raise _Bad(f"no {word} AP of '{target}' paired with its baseline")
     return diffs
 
 
 def _ap(sources: Sources, target: str, word: str, with_std: bool = True) -> str:
-    t = _target(target, sources.found)
-    values = ap_values(_runs(sources.found, t), _family(word))
-    s = spread(list(values.values()))
+    s = spread(list(ap_values(_runs(sources, target), _family(word)).values()))
     if s is None:
         raise _Bad(f"'{target}' has no {word} AP")
     std = f" ± {s.std:.1f}" if with_std and s.std is not None else ""
     return f"{s.mean:.1f}{std}"
 
 
-def _mean(sources: Sources, target: str, word: str) -> str:
-    return _ap(sources, target, word, with_std=False)
-
-
 def _paired(sources: Sources, target: str, word: str) -> PairedDiff:
-    t = _target(target, sources.found)
-    d = paired(_runs(sources.found, t), _base(sources.found, t), _family(word))
+    d = paired(*_pair(sources, target), _family(word))
     if d is None:
         raise _Bad(f"no {word} AP of '{target}' paired with its baseline")
     return d
-
-
-def _d(sources: Sources, target: str, word: str) -> str:
-    return paired_text(_paired(sources, target, word))
-
-
-def _dmean(sources: Sources, target: str, word: str) -> str:
-    return f"{_paired(sources, target, word).mean:+.1f}"
 
 
 def _dend(sources: Sources, target: str, word: str, end: str) -> str:
@@ -243,14 +229,6 @@ def _dend(sources: Sources, target: str, word: str, end: str) -> str:
     if value is None:
         raise _Bad("an interval needs 2 paired seeds or more")
     return f"{value:+.1f}"
-
-
-def _dlow(sources: Sources, target: str, word: str) -> str:
-    return _dend(sources, target, word, "low")
-
-
-def _dhigh(sources: Sources, target: str, word: str) -> str:
-    return _dend(sources, target, word, "high")
 
 
 def _dseeds(sources: Sources, target: str, word: str) -> str:
@@ -262,10 +240,6 @@ def _sd(sources: Sources, target: str, word: str) -> float:
     if len(diffs) < 2:
         raise _Bad("a standard deviation needs 2 paired seeds or more")
     return statistics.stdev(diffs.values())
-
-
-def _dsd(sources: Sources, target: str, word: str) -> str:
-    return f"{_sd(sources, target, word):.1f}"
 
 
 def _dhalf(sources: Sources, target: str, word: str, seeds: str) -> str:
@@ -296,42 +270,29 @@ def _evals_at(runs: Seeds, family: str) -> dict[int, dict[int, float]]:
     return out
 
 
-def _train_diffs(sources: Sources, target: str, word: str) -> dict[int, float]:
-    """iteration -> mean over seeds of the paired Δ, where both evaluated."""
-    t = _target(target, sources.found)
-    family = _family(word)
-    mine = _evals_at(_runs(sources.found, t), family)
-    base = _evals_at(_base(sources.found, t), family)
-    out = {}
-    for it in sorted(set(mine) & set(base)):
-        diffs = [v - base[it][s] for s, v in mine[it].items() if s in base[it]]
-        if diffs:
-            out[it] = statistics.fmean(diffs)
-    return out
-
-
 def _dtrain(sources: Sources, target: str, word: str) -> str:
-    diffs = _train_diffs(sources, target, word)
+    """The mean over seeds of the paired Δ at every iteration both evaluated."""
+    mine, base = (_evals_at(runs, _family(word)) for runs in _pair(sources, target))
+    diffs = []
+    for it in sorted(set(mine) & set(base)):
+        paired_at = [v - base[it][s] for s, v in mine[it].items() if s in base[it]]
+        if paired_at:
+            diffs.append(statistics.fmean(paired_at))
     if not diffs:
         raise _Bad(f"no evaluation of '{target}' paired with its baseline's")
-    return ", ".join(f"{v:+.1f}" for v in diffs.values())
+    return ", ".join(f"{v:+.1f}" for v in diffs)
 
 
 def _at(sources: Sources, target: str, word: str, iteration: str) -> dict[int, float]:
     """seed -> AP x100 at one evaluation during training, for every seed evaluated there."""
     if not iteration.isdigit():
         raise _Bad(f"iteration '{iteration}' is not a whole number")
-    t = _target(target, sources.found)
-    evals = _evals_at(_runs(sources.found, t), _family(word))
+    evals = _evals_at(_runs(sources, target), _family(word))
     if int(iteration) not in evals:
         raise _Bad(
             f"'{target}' has no {word} evaluation at iteration {iteration} ({sorted(evals)})"
         )
     return evals[int(iteration)]
-
-
-def _apat(sources: Sources, target: str, word: str, iteration: str) -> str:
-    return f"{statistics.fmean(_at(sources, target, word, iteration).values()):.1f}"
 
 
 def _gains(sources: Sources, target: str, word: str, start: str, end: str) -> PairedDiff:
@@ -341,10 +302,6 @@ def _gains(sources: Sources, target: str, word: str, start: str, end: str) -> Pa
     if d is None:
         raise _Bad(f"no seed of '{target}' evaluated at both {start} and {end}")
     return d
-
-
-def _gain(sources: Sources, target: str, word: str, start: str, end: str) -> str:
-    return paired_text(_gains(sources, target, word, start, end))
 
 
 def _gainseeds(sources: Sources, target: str, word: str, start: str, end: str) -> str:
@@ -364,13 +321,9 @@ def _converged(sources: Sources, target: str, word: str, start: str, end: str) -
     return "not converged" if d.low >= CONVERGED_GAIN else "not shown"
 
 
-def _state(sources: Sources, target: str, word: str) -> str:
-    return family_state(_paired(sources, target, word))
-
-
 def _meets(sources: Sources, target: str, word: str) -> str:
     """The study's target: AP kept when the interval rules out a loss beyond the tolerance."""
-    state = _state(sources, target, word)
+    state = family_state(_paired(sources, target, word))
     if state == ONE_SEED:
         return f"cannot say ({ONE_SEED})"
     return "meets" if rules_out_loss(state) else "misses"
@@ -385,8 +338,7 @@ def _margin(sources: Sources, target: str, word: str) -> str:
 
 
 def _vs(sources: Sources, target: str, other: str, word: str) -> str:
-    t, o = _target(target, sources.found), _target(other, sources.found)
-    d = paired(_runs(sources.found, t), _runs(sources.found, o), _family(word))
+    d = paired(_runs(sources, target), _runs(sources, other), _family(word))
     if d is None:
         raise _Bad(f"'{target}' and '{other}' share no seed with {word} AP")
     return paired_text(d)
@@ -428,21 +380,19 @@ def _same(sources: Sources, target: str, other: str) -> str:
 
 
 def _saved(sources: Sources, target: str) -> str:
-    t = _target(target, sources.found)
-    ratio = saved_ratio(_runs(sources.found, t), _base(sources.found, t))
+    ratio = saved_ratio(*_pair(sources, target))
     if ratio is None:
         raise _Bad(f"no saved-activation figure of '{target}' paired with its baseline's")
     return f"{ratio:.2f}x"
 
 
 def _n(sources: Sources, target: str) -> str:
-    t = _target(target, sources.found)
-    return str(len(set(_runs(sources.found, t)) & set(_base(sources.found, t))))
+    runs, base = _pair(sources, target)
+    return str(len(set(runs) & set(base)))
 
 
 def _seeds(sources: Sources, target: str) -> str:
-    t = _target(target, sources.found)
-    return ", ".join(str(s) for s in sorted(_runs(sources.found, t)))
+    return ", ".join(str(s) for s in sorted(_runs(sources, target)))
 
 
 def _seedlist(sources: Sources, regime: str) -> str:
@@ -529,22 +479,22 @@ def _bench_row_value(
 
 FUNCTIONS: dict[str, tuple[Callable[..., str], tuple[str, ...]]] = {
     "ap": (_ap, ("TARGET", "FAMILY")),
-    "mean": (_mean, ("TARGET", "FAMILY")),
-    "d": (_d, ("TARGET", "FAMILY")),
-    "dmean": (_dmean, ("TARGET", "FAMILY")),
-    "dlow": (_dlow, ("TARGET", "FAMILY")),
-    "dhigh": (_dhigh, ("TARGET", "FAMILY")),
+    "mean": (partial(_ap, with_std=False), ("TARGET", "FAMILY")),
+    "d": (lambda *a: paired_text(_paired(*a)), ("TARGET", "FAMILY")),
+    "dmean": (lambda *a: f"{_paired(*a).mean:+.1f}", ("TARGET", "FAMILY")),
+    "dlow": (partial(_dend, end="low"), ("TARGET", "FAMILY")),
+    "dhigh": (partial(_dend, end="high"), ("TARGET", "FAMILY")),
     "dseeds": (_dseeds, ("TARGET", "FAMILY")),
-    "dsd": (_dsd, ("TARGET", "FAMILY")),
+    "dsd": (lambda *a: f"{_sd(*a):.1f}", ("TARGET", "FAMILY")),
     "dmax": (_dmax, ("TARGET", "FAMILY")),
     "dhalf": (_dhalf, ("TARGET", "FAMILY", "N")),
     "nbelow": (_nbelow, ("TARGET", "FAMILY")),
     "dtrain": (_dtrain, ("TARGET", "FAMILY")),
-    "apat": (_apat, ("TARGET", "FAMILY", "ITER")),
-    "gain": (_gain, ("TARGET", "FAMILY", "A", "B")),
+    "apat": (lambda *a: f"{statistics.fmean(_at(*a).values()):.1f}", ("TARGET", "FAMILY", "ITER")),
+    "gain": (lambda *a: paired_text(_gains(*a)), ("TARGET", "FAMILY", "A", "B")),
     "gainseeds": (_gainseeds, ("TARGET", "FAMILY", "A", "B")),
     "converged": (_converged, ("TARGET", "FAMILY", "A", "B")),
-    "state": (_state, ("TARGET", "FAMILY")),
+    "state": (lambda *a: family_state(_paired(*a)), ("TARGET", "FAMILY")),
     "meets": (_meets, ("TARGET", "FAMILY")),
     "margin": (_margin, ("TARGET", "FAMILY")),
     "vs": (_vs, ("TARGET", "OTHER", "FAMILY")),
