@@ -39,11 +39,9 @@ class Segment:
 
 @dataclass(frozen=True)
 class RunTime:
-    """One finished run's time: seconds, how many segments, where read, runs sharing."""
+    """One finished run's time: seconds, where read, how many runs shared the machine."""
 
-    name: str
     seconds: float
-    segments: int
     source: str  # "log.txt" or "study_times.jsonl"
     jobs: int
 
@@ -127,13 +125,13 @@ def read_times_file(path: Path) -> dict[str, list[dict]]:
     return records
 
 
-def usual_jobs(times: dict[str, list[dict]], default: int = 1) -> int:
+def usual_jobs(times: dict[str, list[dict]], default: int) -> int:
     """The ``jobs`` most records name (``default`` without records): the study's usual --jobs."""
     counts = Counter(int(r["jobs"]) for rs in times.values() for r in rs if r.get("jobs"))
     return counts.most_common(1)[0][0] if counts else default
 
 
-def run_time(run_dir: Path, name: str, records: Sequence[dict], jobs: int) -> RunTime | None:
+def run_time(run_dir: Path, records: Sequence[dict], jobs: int) -> RunTime | None:
     """A finished run's time from its log (or its study_times records); None with neither."""
     shared = next((int(r["jobs"]) for r in reversed(records) if r.get("jobs")), jobs)
     log = run_dir / "log.txt"
@@ -141,10 +139,10 @@ def run_time(run_dir: Path, name: str, records: Sequence[dict], jobs: int) -> Ru
         segments = log_segments(log.read_text(errors="replace"))
         if segments:
             seconds = segments_seconds(segments, read_metrics(run_dir / "metrics.jsonl"))
-            return RunTime(name, seconds, len(segments), "log.txt", shared)
+            return RunTime(seconds, "log.txt", shared)
     if records:
         seconds = sum(float(r.get("seconds", 0.0)) for r in records)
-        return RunTime(name, seconds, len(records), "study_times.jsonl", shared)
+        return RunTime(seconds, "study_times.jsonl", shared)
     return None
 
 
@@ -161,7 +159,7 @@ def regime_time(out: Path, regime: str, times: dict[str, list[dict]], jobs: int)
     timed, untimed = [], []
     for run_dir in finished_run_dirs(out, regime):
         name = f"{regime}/{run_dir.name}"
-        found = run_time(run_dir, name, times.get(name, []), jobs)
+        found = run_time(run_dir, times.get(name, []), jobs)
         if found is None:
             untimed.append(name)
         else:
@@ -176,7 +174,12 @@ def time_table(rows: Sequence[RegimeTime]) -> list[str]:
         "| hours, summed over runs | hours of the machine |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for row in [*rows, _total(rows)]:
+    total = RegimeTime(
+        "all",
+        tuple(r for row in rows for r in row.runs),
+        tuple(u for row in rows for u in row.untimed),
+    )
+    for row in [*rows, total]:
         n_log = sum(r.source == "log.txt" for r in row.runs)
         label = f"**{row.regime}**" if row.regime == "all" else row.regime
         lines.append(
@@ -184,11 +187,3 @@ def time_table(rows: Sequence[RegimeTime]) -> list[str]:
             f"| {len(row.runs) - n_log} | {row.hours:.1f} | {row.machine_hours:.1f} |"
         )
     return lines
-
-
-def _total(rows: Sequence[RegimeTime]) -> RegimeTime:
-    return RegimeTime(
-        "all",
-        tuple(r for row in rows for r in row.runs),
-        tuple(u for row in rows for u in row.untimed),
-    )
