@@ -54,9 +54,7 @@ class Plan:
     groups: tuple[Group, ...]
     pretrain_config: str | None = None
     pretrain_for: tuple[str, ...] = field(default_factory=tuple)  # regimes using its backbone
-    notes: Path | None = (
-        None  # hand-written findings (placeholders read from the runs: report.notes)
-    )
+    notes: Path | None = None  # hand-written findings (placeholders: report.notes)
     readme: Path | None = None  # a file whose study-choice block the report rewrites
     # setting -> the COCO config that trains it on R50-FPN (what the report recommends points here)
     configs: dict[str, Path] = field(default_factory=dict)
@@ -66,6 +64,10 @@ class Plan:
 
 class PlanError(UsageError):
     """A study plan file that cannot be used; the message names the key and what is allowed."""
+
+
+KEYS = "out report notes readme regimes settings groups pretrain configs pairs".split()
+GROUP = ("regimes", "settings", "seeds")  # a group's keys, in Group's order
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -79,33 +81,26 @@ def load_plan(path: str | Path) -> Plan:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise PlanError(f"study plan '{path}'{where}: invalid YAML ({one_line(err)})") from None
+    try:
+        return _plan(data)
+    except PlanError as err:  # each check says what is wrong; the file is named here once
+        raise PlanError(f"study plan '{path}': {err}") from None
+
+
+def _plan(data: Any) -> Plan:
     if not isinstance(data, dict):
-        raise PlanError(f"study plan '{path}': must be a mapping")
-    known = {
-        "out",
-        "report",
-        "notes",
-        "readme",
-        "regimes",
-        "settings",
-        "groups",
-        "pretrain",
-        "configs",
-        "pairs",
-    }
-    unknown = sorted(set(data) - known)
+        raise PlanError("must be a mapping")
+    unknown = sorted(set(data) - set(KEYS))
     if unknown:
-        raise PlanError(f"study plan '{path}': unknown key(s) {unknown}; allowed: {sorted(known)}")
-    regimes = _mapping(data, "regimes", path)
-    settings = {k: tuple(map(str, v or ())) for k, v in _mapping(data, "settings", path).items()}
+        raise PlanError(f"unknown key(s) {unknown}; allowed: {sorted(KEYS)}")
+    regimes = _mapping(data, "regimes")
+    settings = {k: tuple(map(str, v or ())) for k, v in _mapping(data, "settings").items()}
     groups = []
     listed = data.get("groups") or []
     if not isinstance(listed, list):
-        raise PlanError(
-            f"study plan '{path}': groups must be a list of mappings ({', '.join(GROUP)})"
-        )
+        raise PlanError(f"groups must be a list of mappings ({', '.join(GROUP)})")
     for i, g in enumerate(listed):
-        group = Group(*(_group_list(g, key, f"study plan '{path}': groups[{i}]") for key in GROUP))
+        group = Group(*(_group_list(g, key, f"groups[{i}]") for key in GROUP))
         for kind, names, allowed in (
             ("regime", group.regimes, regimes),
             ("setting", group.settings, settings),
@@ -113,33 +108,24 @@ def load_plan(path: str | Path) -> Plan:
             bad = [n for n in names if n not in allowed]
             if bad or not names:
                 raise PlanError(
-                    f"study plan '{path}': groups[{i}] {kind}s {list(names)}: "
-                    f"each must be one of {sorted(allowed)}"
+                    f"groups[{i}] {kind}s {list(names)}: each must be one of {sorted(allowed)}"
                 )
         if not group.seeds or not all(isinstance(s, int) and s >= 0 for s in group.seeds):
-            raise PlanError(f"study plan '{path}': groups[{i}] seeds must be integers >= 0")
+            raise PlanError(f"groups[{i}] seeds must be integers >= 0")
         groups.append(group)
     pre = data.get("pretrain") or {}
     pretrain_for = tuple(pre.get("for", ()))
     if any(r not in regimes for r in pretrain_for):
-        raise PlanError(f"study plan '{path}': pretrain.for {list(pretrain_for)}: unknown regime")
+        raise PlanError(f"pretrain.for {list(pretrain_for)}: unknown regime")
     for regime, config in regimes.items():
         if not Path(str(config)).is_file():
-            raise PlanError(
-                f"study plan '{path}': regimes.{regime}: file '{config}' does not exist"
-            )
+            raise PlanError(f"regimes.{regime}: file '{config}' does not exist")
     configs = {str(k): Path(str(v)) for k, v in (data.get("configs") or {}).items()}
     for setting, config in configs.items():
         if setting not in settings:
-            raise PlanError(
-                f"study plan '{path}': configs: '{setting}' is not a setting; "
-                f"allowed: {sorted(settings)}"
-            )
+            raise PlanError(f"configs: '{setting}' is not a setting; allowed: {sorted(settings)}")
         if not config.is_file():
-            raise PlanError(
-                f"study plan '{path}': configs.{setting}: file '{config}' does not exist"
-            )
-    pairs = _pairs(data.get("pairs") or [], settings, path)
+            raise PlanError(f"configs.{setting}: file '{config}' does not exist")
     return Plan(
         out=Path(data.get("out", "docs/results/shapes_runs")),
         report=Path(data.get("report", "docs/results/shapes.md")),
@@ -151,26 +137,20 @@ def load_plan(path: str | Path) -> Plan:
         notes=Path(data["notes"]) if data.get("notes") else None,
         readme=Path(data["readme"]) if data.get("readme") else None,
         configs=configs,
-        pairs=pairs,
+        pairs=_pairs(data.get("pairs") or [], settings),
     )
 
 
-def _pairs(listed: Any, settings: dict, path: Path) -> tuple[tuple[str, str], ...]:
+def _pairs(listed: Any, settings: dict) -> tuple[tuple[str, str], ...]:
     """``pairs``: a list of ``[setting, other]``, both settings of the plan."""
     if not isinstance(listed, list):
-        raise PlanError(f"study plan '{path}': pairs must be a list of [setting, other]")
-    pairs = []
+        raise PlanError("pairs must be a list of [setting, other]")
     for i, pair in enumerate(listed):
         if not (isinstance(pair, list) and len(pair) == 2 and all(p in settings for p in pair)):
             raise PlanError(
-                f"study plan '{path}': pairs[{i}] {pair!r}: must be [setting, other], "
-                f"each one of {sorted(settings)}"
+                f"pairs[{i}] {pair!r}: must be [setting, other], each one of {sorted(settings)}"
             )
-        pairs.append((str(pair[0]), str(pair[1])))
-    return tuple(pairs)
-
-
-GROUP = ("regimes", "settings", "seeds")  # a group's keys, in Group's order
+    return tuple((str(a), str(b)) for a, b in listed)
 
 
 def _group_list(group: Any, key: str, label: str) -> tuple:
@@ -180,6 +160,13 @@ def _group_list(group: Any, key: str, label: str) -> tuple:
     if not isinstance(value, (list, tuple)):
         raise PlanError(f"{label} {key}: must be a list, got {value!r}")
     return tuple(value)
+
+
+def _mapping(data: dict, key: str) -> dict:
+    value = data.get(key)
+    if not isinstance(value, dict) or not value:
+        raise PlanError(f"'{key}' must be a non-empty mapping")
+    return value
 
 
 def check_runs(runs: Sequence[StudyRun]) -> None:
@@ -192,13 +179,6 @@ def check_runs(runs: Sequence[StudyRun]) -> None:
             load_config(run.config, run.overrides)
         except UsageError as err:
             raise PlanError(f"study run {run.name}: {one_line(err)}") from None
-
-
-def _mapping(data: dict, key: str, path: Path) -> dict:
-    value = data.get(key)
-    if not isinstance(value, dict) or not value:
-        raise PlanError(f"study plan '{path}': '{key}' must be a non-empty mapping")
-    return value
 
 
 def backbone_file(plan: Plan) -> str | None:
