@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # `kill` (make study runs in the background) stops the study like Ctrl-C: its trainings
     # are terminated too and resume from their last checkpoints next time.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     def go() -> None:
         if args.list:
@@ -55,10 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         print(run_study(args.plan, args.jobs, args.regimes, args.threads))
 
     return run_cli(go)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

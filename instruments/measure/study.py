@@ -266,7 +266,7 @@ def _child_train(
     run_dir: str,
     log: str,
     threads: int,
-    gpu: int | None = None,
+    gpu: int | None,
 ) -> None:
     """Child-process body: send output to the log, limit threads, train; exit 1 on error."""
     if gpu is not None:  # before anything initialises CUDA in this process

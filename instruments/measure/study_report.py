@@ -64,10 +64,7 @@ PAPER = (
 def regime_runs(out: Path, regime: str) -> dict[str, dict[int, Run]]:
     """Finished runs of a regime: setting -> seed -> run (unfinished ones left out)."""
     found: dict[str, dict[int, Run]] = {}
-    folder = out / regime
-    if not folder.is_dir():
-        return found
-    for run_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
+    for run_dir in finished_run_dirs(out, regime):
         setting, sep, seed = run_dir.name.rpartition("_s")
         if not sep or not seed.isdigit():
             continue
