@@ -27,7 +27,7 @@ from instruments.report.goal import (
 from instruments.report.notes import Sources, grad_groups_file, render
 from instruments.report.seeded import (
     BASELINE,
-    ap_values,
+    ap_text,
     baseline_of,
     baseline_runs,
     is_reference,
@@ -46,7 +46,7 @@ from instruments.report.verdict import FAMILIES, TOLERANCE, family_state, verdic
 from rcnn_dropit.atomic import write_atomic
 from rcnn_dropit.report import figures
 from rcnn_dropit.report.groups import Row
-from rcnn_dropit.report.paired import PairedDiff, spread
+from rcnn_dropit.report.paired import PairedDiff
 from rcnn_dropit.report.runs import Run, RunNotUsable, load_run
 
 GOAL = Goal()
@@ -74,13 +74,6 @@ def regime_runs(out: Path, regime: str) -> dict[str, dict[int, Run]]:
             continue
         found.setdefault(setting, {})[int(seed)] = run
     return found
-
-
-def _mean_std(runs: dict[int, Run], family: str) -> str:
-    s = spread(list(ap_values(runs, family).values()))
-    if s is None:
-        return "-"
-    return f"{s.mean:.1f}" + (f" ± {s.std:.1f}" if s.std is not None else "")
 
 
 def _diff_text(d: PairedDiff | None) -> str:
@@ -117,10 +110,8 @@ def ap_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
         else:
             diffs = [_diff_text(paired(runs, base, fam)) for fam, _ in FAMILIES]
             diffs = [d if ref == BASELINE else f"{d} vs {ref}" for d in diffs]
-        lines.append(
-            f"| {setting} | {seeds} | {_mean_std(runs, 'bbox')} | {_mean_std(runs, 'segm')} "
-            f"| {diffs[0]} | {diffs[1]} | {saved} |"
-        )
+        aps = [ap_text(runs, family) or "-" for family, _ in FAMILIES]
+        lines.append(f"| {setting} | {seeds} | {' | '.join([*aps, *diffs, saved])} |")
     return lines
 
 

@@ -69,7 +69,7 @@ from instruments.report.seeded import (
     FAMILY_OF_WORD,
     Found,
     Seeds,
-    ap_values,
+    ap_text,
     baseline_of,
     paired,
     paired_text,
@@ -84,7 +84,7 @@ from instruments.report.verdict import (
     rules_out_loss,
 )
 from rcnn_dropit.errors import UsageError
-from rcnn_dropit.report.paired import PairedDiff, paired_diff, spread, t95
+from rcnn_dropit.report.paired import PairedDiff, paired_diff, t95
 from rcnn_dropit.report.runs import Run
 
 PLACEHOLDER = re.compile(r"\{\{([^{}]*)\}\}")
@@ -209,11 +209,10 @@ def _diffs(sources: Sources, target: str, word: str) -> dict[int, float]:
 
 
 def _ap(sources: Sources, target: str, word: str, with_std: bool = True) -> str:
-    s = spread(list(ap_values(_runs(sources, target), _family(word)).values()))
-    if s is None:
+    text = ap_text(_runs(sources, target), _family(word), with_std)
+    if text is None:
         raise _Bad(f"'{target}' has no {word} AP")
-    std = f" ± {s.std:.1f}" if with_std and s.std is not None else ""
-    return f"{s.mean:.1f}{std}"
+    return text
 
 
 def _paired(sources: Sources, target: str, word: str) -> PairedDiff:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Mapping
 
-from rcnn_dropit.report.paired import PairedDiff, paired_diff
+from rcnn_dropit.report.paired import PairedDiff, paired_diff, spread
 from rcnn_dropit.report.runs import Run
 
 BASELINE = "baseline"
@@ -55,6 +55,14 @@ def baseline_runs(found: Mapping[str, Seeds], setting: str) -> Seeds:
 def ap_values(runs: Seeds, family: str) -> dict[int, float]:
     """seed -> AP x100 (family 'bbox' or 'segm') of the runs that have one."""
     return {s: v * 100 for s, run in runs.items() if (v := run.metric(family, "AP")) is not None}
+
+
+def ap_text(runs: Seeds, family: str, with_std: bool = True) -> str | None:
+    """``82.6 ± 0.3``: the mean AP over seeds and its std (none of one seed); None without AP."""
+    s = spread(list(ap_values(runs, family).values()))
+    if s is None:
+        return None
+    return f"{s.mean:.1f}" + (f" ± {s.std:.1f}" if with_std and s.std is not None else "")
 
 
 def paired(runs: Seeds, base: Seeds, family: str) -> PairedDiff | None:
