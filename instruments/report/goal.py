@@ -84,9 +84,11 @@ def covers_every_layer(config: Mapping[str, Any]) -> bool:
 
 
 def criteria(
-    runs: Seeds, base: Seeds, bench: Mapping[str, Any] | None, setting: str, goal: Goal
+    found: Mapping[str, Seeds], setting: str, bench: Mapping[str, Any] | None, goal: Goal
 ) -> list[Criterion]:
-    """Seeds, box, mask, saved and peak criteria of one candidate setting."""
+    """Seeds, box, mask, saved and peak criteria of one candidate setting, paired with the
+    baseline of its schedule."""
+    runs, base = found[setting], baseline_runs(found, setting)
     n = len(set(runs) & set(base))
     out = [Criterion(n >= goal.seeds, f"{n} seed{'' if n == 1 else 's'}")]
     for family, word in FAMILIES:
@@ -118,13 +120,6 @@ def goal_candidates(found: Mapping[str, Seeds], order: Sequence[str]) -> list[st
     return [s for s, r in runs.items() if covers_every_layer(next(iter(r.values())).config)]
 
 
-def setting_criteria(
-    found: Mapping[str, Seeds], setting: str, bench: Mapping[str, Any] | None, goal: Goal
-) -> list[Criterion]:
-    """:func:`criteria` of one setting against the baseline of its schedule."""
-    return criteria(found[setting], baseline_runs(found, setting), bench, setting, goal)
-
-
 def settings_meeting_goal(
     found: Mapping[str, Seeds],
     order: Sequence[str],
@@ -135,7 +130,7 @@ def settings_meeting_goal(
     return [
         s
         for s in goal_candidates(found, order)
-        if all(c.met for c in setting_criteria(found, s, bench, goal))
+        if all(c.met for c in criteria(found, s, bench, goal))
     ]
 
 
@@ -176,7 +171,7 @@ def recommend(
         return Recommendation(best, True, _worst_low(found, best) or 0.0)
     pool: list[tuple[float, str]] = []
     for setting in goal_candidates(found, order):
-        crit = setting_criteria(found, setting, bench, goal)
+        crit = criteria(found, setting, bench, goal)
         seeds, memory = crit[0], crit[-2:]  # criteria: seeds, box, mask, saved, peak
         worst = _worst_low(found, setting)
         if seeds.met and all(c.met for c in memory) and worst is not None:
@@ -222,7 +217,7 @@ def goal_section(
     ]
     met = []
     for setting in candidates:
-        crit = setting_criteria(found, setting, bench, goal)
+        crit = criteria(found, setting, bench, goal)
         verdict = all(c.met for c in crit)
         if verdict:
             met.append(setting)

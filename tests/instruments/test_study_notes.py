@@ -426,13 +426,14 @@ def test_a_longer_schedule_takes_the_bench_figures_of_its_one_step() -> None:
 def test_criteria_name_each_figure() -> None:
     mine, base = five_seeds([-0.2, 0.1, -0.3, 0.0, 0.2], [-0.1, 0.2, -0.2, 0.1, 0.0])
     bench = {"q": {"saved_ratio": 0.25, "peak_ratio": 0.7}}
-    crit = criteria(mine, base, bench, "q", Goal())
+    found = {"baseline": base, "q": mine}
+    crit = criteria(found, "q", bench, Goal())
     assert [c.met for c in crit] == [True, True, True, True, False]
     assert crit[0].text == "5 seeds" and crit[4].text == "0.70x"
     assert crit[1].text.startswith("-0.0 [") and crit[1].text.endswith("(keeps)")
-    missing = criteria(mine, base, None, "q", Goal())
+    missing = criteria(found, "q", None, Goal())
     assert [c.met for c in missing[3:]] == [None, None]
-    assert criteria(mine, base, {}, "q", Goal())[3].text == "not benched"
+    assert criteria(found, "q", {}, Goal())[3].text == "not benched"
 
 
 def test_goal_section_states_which_setting_meets_it(tmp_path: Path) -> None:
