@@ -191,12 +191,9 @@ def verdict(found: dict[str, dict[int, Run]], regime: str, plan: Plan) -> list[s
     ]
 
 
-def _rows(found: dict[str, dict[int, Run]], plan: Plan, keep: Sequence[str] = ()) -> list[Row]:
-    return [
-        Row(s, tuple(found[s][seed] for seed in sorted(found[s])))
-        for s in _order(list(found), plan)
-        if not keep or s in keep
-    ]
+def _rows(found: dict[str, dict[int, Run]], plan: Plan, keep: Sequence[str]) -> list[Row]:
+    order = [s for s in _order(list(found), plan) if s in keep]
+    return [Row(s, tuple(found[s][seed] for seed in sorted(found[s]))) for s in order]
 
 
 def _figures(
@@ -331,14 +328,13 @@ def _layers(config: dict) -> str:
 def choice_lines(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
     """The goal regime's settings with their AP cost by interval and their bench memory and time,
     ending with which setting (if any) meets the goal."""
-    goal = GOAL
     bench_path, order, bench = _goal_bench(found, plan)
     layers = {s: _layers(next(iter(r.values())).config) for s, r in found.items() if r}
-    met = settings_meeting_goal(found, order, bench, goal)
+    met = settings_meeting_goal(found, order, bench, GOAL)
     seeds = max((len(r) for s, r in found.items() if not is_reference(s)), default=0)
     criteria = (
-        f"every layer, box and mask intervals inside ±{goal.tolerance:g} AP at {goal.seeds} "
-        f"seeds, <= {goal.saved:.2f}x saved, <= {goal.peak:.2f}x peak"
+        f"every layer, box and mask intervals inside ±{GOAL.tolerance:g} AP at {GOAL.seeds} "
+        f"seeds, <= {GOAL.saved:.2f}x saved, <= {GOAL.peak:.2f}x peak"
     )
     answer = (
         f"**Meets the goal** ({criteria}): {', '.join(met)}."
@@ -347,13 +343,13 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
     )
     return [
         *_recommendation_lines(found, order, bench, plan),
-        f"Regime `{goal.regime}` of the accuracy study (Mask R-CNN fine-tuned on generated "
+        f"Regime `{GOAL.regime}` of the accuracy study (Mask R-CNN fine-tuned on generated "
         f"shapes, up to {seeds} seeds, each paired with the baseline of its seed); `layers`: "
         "`all` when the method reaches every layer the paper converts, `recomputed` for "
         "checkpointed ResNet stages. The verdict reads the 95% "
-        f"interval: **keeps** AP when it lies inside ±{goal.tolerance:g}; **no loss beyond "
-        f"{goal.tolerance:g} AP** when every lower end is above -{goal.tolerance:g} but an upper "
-        f"end passes +{goal.tolerance:g}. Saved, peak and step "
+        f"interval: **keeps** AP when it lies inside ±{GOAL.tolerance:g}; **no loss beyond "
+        f"{GOAL.tolerance:g} AP** when every lower end is above -{GOAL.tolerance:g} but an upper "
+        f"end passes +{GOAL.tolerance:g}. Saved, peak and step "
         f"time are ratios to the baseline on the R50-FPN bench (`{bench_path}`"
         + (", not measured yet" if bench is None else _baseline_words(bench))
         + ").",
@@ -385,12 +381,11 @@ def _recommendation_lines(
     plan: Plan,
 ) -> list[str]:
     """What the study recommends (``goal.recommend``'s rule) and the config that trains it."""
-    goal = GOAL
-    rec = recommend(found, order, bench, goal)
+    rec = recommend(found, order, bench, GOAL)
     if rec is None:
         return [
-            f"**No recommendation yet:** no setting that covers every layer has {goal.seeds} "
-            f"seeds at <= {goal.saved:.2f}x saved and <= {goal.peak:.2f}x peak.",
+            f"**No recommendation yet:** no setting that covers every layer has {GOAL.seeds} "
+            f"seeds at <= {GOAL.saved:.2f}x saved and <= {GOAL.peak:.2f}x peak.",
             "",
         ]
     config = plan.configs.get(rec.setting)
@@ -409,7 +404,7 @@ def _recommendation_lines(
     why = (
         "it meets the goal, and of the settings that do, it has the lowest peak"
         if rec.meets_goal
-        else f"no setting meets the goal; of those that cover every layer with {goal.seeds} "
+        else f"no setting meets the goal; of those that cover every layer with {GOAL.seeds} "
         f"seeds within the memory bounds, its intervals leave open the smallest AP loss "
         f"({cells}: at worst {rec.worst_low:+.1f})"
     )
