@@ -117,7 +117,7 @@ class Sources:
     and the methods bench, BENCH_FILE)."""
 
     found: Found
-    grad_dir: Path | None = None
+    grad_dir: Path
 
 
 class _Bad(Exception):
@@ -406,8 +406,6 @@ def _seedlist(sources: Sources, regime: str) -> str:
 
 
 def _grad(sources: Sources, name: str, state: str, setting: str, group: str, measure: str) -> str:
-    if sources.grad_dir is None:
-        raise _Bad("no folder of gradient-group files given")
     path = grad_groups_file(sources.grad_dir, name)
     where = path.relative_to(sources.grad_dir).as_posix()
     if not path.is_file():
@@ -454,8 +452,6 @@ def _step(sources: Sources, setting: str) -> str:
 
 
 def _bench_row(sources: Sources, name: str, setting: str) -> dict:
-    if sources.grad_dir is None:
-        raise _Bad("no results folder given")
     path = sources.grad_dir / name
     bench = methods_by_setting(path)
     if bench is None:
