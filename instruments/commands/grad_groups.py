@@ -30,7 +30,7 @@ DEFAULT_SETTINGS = [name for name in SETTINGS if "_0.8" in name]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (``dropit-grad-groups``)."""
+    """Entry point of tools/grad_groups.py."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run", required=True, help="a run directory (config.yaml, checkpoints/)")
     parser.add_argument("--batches", type=int, default=4, help="training batches averaged over")

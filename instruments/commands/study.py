@@ -16,7 +16,7 @@ from rcnn_dropit.cli import run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (``dropit-study``)."""
+    """Entry point of tools/study.py."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--plan", default="configs/study/plan.yaml")
     parser.add_argument(

@@ -87,7 +87,8 @@ def run_study(
 def _schedule(
     plan: Plan, todo: list[tuple[int, StudyRun]], total: int, jobs: int, threads: int
 ) -> list[str]:
-    """Train the runs, up to ``jobs`` child processes at once; returns the names that failed."""
+    """Train the runs, up to ``jobs`` child processes at once, each once the file it needs
+    exists; returns the names that failed."""
     if not todo:
         return []
     from rcnn_dropit.config import load_config
@@ -98,72 +99,57 @@ def _schedule(
         ensure_dataset(load_config(config))
     plan.out.mkdir(parents=True, exist_ok=True)
     pending, running, failed = list(todo), [], []
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    slot = 0
     try:
-        _run_queue(plan, pending, running, failed, total, jobs, threads)
+        while pending or running:
+            ready = [e for e in pending if e[1].needs is None or Path(e[1].needs).is_file()]
+            if not ready and not running:  # what they wait for will not come: its run failed
+                failed += [run.name for _, run in pending]
+                for i, run in pending:
+                    print(f"[{i}/{total}] {run.name}: NOT RUN ({run.needs} missing)", flush=True)
+                break
+            while ready and len(running) < jobs:
+                entry = ready.pop(0)
+                pending.remove(entry)
+                i, run = entry
+                run_dir = plan.out / run.name
+                resume = _resume_flag(run_dir, run)
+                log = run_dir.parent / f"{run_dir.name}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                gpu = slot % gpus if gpus else None  # round-robin: children do not share cuda:0
+                # the pretraining runs on one thread: a machine that lost the exported backbone
+                # retrains it, and one thread sums in the same order, so it gets the same weights
+                n_threads = 1 if run.exports else threads
+                slot += 1
+                print(
+                    f"[{i}/{total}] {run.name}: {'resuming' if resume else 'training'} "
+                    f"({n_threads} thread(s){'' if gpu is None else f', GPU {gpu}'}, log {log})",
+                    flush=True,
+                )
+                proc = _start_run(run, resume, run_dir, log, n_threads, gpu)
+                running.append((i, run, proc, time.time(), resume == "auto"))
+            time.sleep(_POLL_SECONDS)
+            for entry in list(running):
+                i, run, proc, start, resumed = entry
+                if proc.is_alive():
+                    continue
+                proc.join()
+                running.remove(entry)
+                took = time.time() - start
+                ok = proc.exitcode == 0
+                if ok and run.exports:
+                    ok = _export(plan.out / run.name, run.exports)
+                _record_time(plan.out, run.name, took, ok, jobs, threads, resumed)
+                if ok:
+                    print(f"[{i}/{total}] {run.name}: done in {took:.0f} s", flush=True)
+                else:
+                    failed.append(run.name)
+                    end = f"FAILED (exit {proc.exitcode}) after {took:.0f} s"
+                    print(f"[{i}/{total}] {run.name}: {end}", flush=True)
     finally:  # stopped (Ctrl-C, kill): take the children down too, not leave them orphaned
         _stop_children([proc for _, _, proc, _, _ in running])
     return failed
-
-
-def _run_queue(
-    plan: Plan,
-    pending: list[tuple[int, StudyRun]],
-    running: list,
-    failed: list[str],
-    total: int,
-    jobs: int,
-    threads: int,
-) -> None:
-    """Start ready runs while fewer than ``jobs`` run; record each as it ends."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    slot = 0
-    while pending or running:
-        ready = [e for e in pending if e[1].needs is None or Path(e[1].needs).is_file()]
-        if not ready and not running:  # what they wait for will not come: its run failed
-            failed += [run.name for _, run in pending]
-            for i, run in pending:
-                print(f"[{i}/{total}] {run.name}: NOT RUN ({run.needs} missing)", flush=True)
-            break
-        while ready and len(running) < jobs:
-            entry = ready.pop(0)
-            pending.remove(entry)
-            i, run = entry
-            run_dir = plan.out / run.name
-            resume = _resume_flag(run_dir, run)
-            log = run_dir.parent / f"{run_dir.name}.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
-            gpu = slot % gpus if gpus else None  # round-robin: children do not share cuda:0
-            # the pretraining runs on one thread: a machine that lost the exported backbone
-            # retrains it, and one thread sums in the same order, so it gets the same weights
-            n_threads = 1 if run.exports else threads
-            slot += 1
-            print(
-                f"[{i}/{total}] {run.name}: {'resuming' if resume else 'training'} "
-                f"({n_threads} thread(s){'' if gpu is None else f', GPU {gpu}'}, log {log})",
-                flush=True,
-            )
-            proc = _start_run(run, resume, run_dir, log, n_threads, gpu)
-            running.append((i, run, proc, time.time(), resume == "auto"))
-        time.sleep(_POLL_SECONDS)
-        for entry in list(running):
-            i, run, proc, start, resumed = entry
-            if proc.is_alive():
-                continue
-            proc.join()
-            running.remove(entry)
-            took = time.time() - start
-            ok = proc.exitcode == 0
-            if ok and run.exports:
-                ok = _export(plan.out / run.name, run.exports)
-            _record_time(plan.out, run.name, took, ok, jobs, threads, resumed)
-            if ok:
-                print(f"[{i}/{total}] {run.name}: done in {took:.0f} s", flush=True)
-            else:
-                failed.append(run.name)
-                print(
-                    f"[{i}/{total}] {run.name}: FAILED (exit {proc.exitcode}) after {took:.0f} s",
-                    flush=True,
-                )
 
 
 def _stop_children(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
