@@ -91,27 +91,22 @@ def verdict_table(
         if ref is None:
             continue
         mine, base = runs.get(setting, {}), runs.get(ref, {})
-        n = len(set(mine) & set(base))
-        of = f"{n} of {planned(setting)}" if planned(setting) else str(n)
-        cells, states = [], []
-        for found_diff in family_diffs(mine, base):
-            if found_diff is None:
-                cells += ["-", "-"]
-                continue
-            d, state = found_diff
-            states.append(state)
-            cells += [paired_text(d), f"**{state}**"]
+        n, plan = len(set(mine) & set(base)), planned(setting)
+        of = f"{n} of {plan}" if plan else str(n)
+        diffs = family_diffs(mine, base)
+        states = [f[1] for f in diffs if f is not None]
+        cells = [f"{paired_text(f[0])} | **{f[1]}**" if f else "- | -" for f in diffs]
         if not mine:
             answer = "not measured yet"
         elif not base or not states:
             answer = f"no {ref} run paired by seed"
         else:
             answer = setting_verdict(states)
-            if n < planned(setting):
+            if n < plan:
                 answer += (
-                    f" ({planned(setting)} planned)"
+                    f" ({plan} planned)"
                     if answer == ONE_SEED
-                    else f" (provisional: {n} of {planned(setting)} seeds)"
+                    else f" (provisional: {n} of {plan} seeds)"
                 )
         lines.append(f"| {setting} | {of} | {' | '.join(cells)} | {answer} |")
     return lines
