@@ -66,7 +66,6 @@ from pathlib import Path
 from instruments.measure.methods_table import methods_by_setting
 from instruments.report.goal import BENCH_FILE
 from instruments.report.seeded import (
-    FAMILY_OF_WORD,
     Found,
     Seeds,
     ap_text,
@@ -78,6 +77,7 @@ from instruments.report.seeded import (
 )
 from instruments.report.verdict import (
     CONVERGED_GAIN,
+    FAMILIES,
     ONE_SEED,
     TOLERANCE,
     family_state,
@@ -90,6 +90,7 @@ from rcnn_dropit.report.runs import Run
 PLACEHOLDER = re.compile(r"\{\{([^{}]*)\}\}")
 _SEEDED = re.compile(r"(?P<setting>.+)_s(?P<first>\d+)(?:-(?P<last>\d+))?")
 GRAD_MEASURES = {"cos": "cosine", "norm": "norm_ratio"}
+FAMILY_OF_WORD = {word: family for family, word in FAMILIES}  # "box" -> "bbox"
 
 
 def grad_groups_file(results: Path, name: str) -> Path:

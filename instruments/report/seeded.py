@@ -15,7 +15,6 @@ from rcnn_dropit.report.paired import PairedDiff, paired_diff, spread
 from rcnn_dropit.report.runs import Run
 
 BASELINE = "baseline"
-FAMILY_OF_WORD = {"box": "bbox", "mask": "segm"}
 
 # seed -> run, for one setting of one regime
 Seeds = Mapping[int, Run]
