@@ -124,10 +124,8 @@ def pairs_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
         if not set(runs) & set(ref):
             continue
         seeds = ",".join(str(s) for s in sorted(set(runs) & set(ref)))
-        cells = []
-        for family, _ in FAMILIES:
-            d = paired(runs, ref, family)
-            cells.append(f"{_diff_text(d)} ({family_state(d)})" if d else "-")
+        diffs = [paired(runs, ref, family) for family, _ in FAMILIES]
+        cells = [f"{_diff_text(d)} ({family_state(d)})" if d else "-" for d in diffs]
         rows.append(f"| {setting} | {other} | {seeds} | {cells[0]} | {cells[1]} |")
     if not rows:
         return []
@@ -557,8 +555,7 @@ def render_study_report(
 def write_study_report(plan: Plan, plan_path: str | Path, jobs: int) -> str:
     """Write plan.report (and its figures, the readme's study-choice block and the rendered
     notes next to the template); returns the report's Markdown."""
-    plan.report.parent.mkdir(parents=True, exist_ok=True)
-    pages = render_study_report(plan, plan_path, jobs)
+    pages = render_study_report(plan, plan_path, jobs)  # makes the report's folder (figures/)
     plan.report.write_text(pages.report)
     target = rendered_notes_path(plan)
     if target is not None and pages.notes is not None:
