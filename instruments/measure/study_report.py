@@ -17,6 +17,7 @@ from instruments.measure.study_plan import PRETRAIN, TIMES_FILE, Plan, plan_runs
 from instruments.report.choice import choice_table, other_regime_lines, replace_block
 from instruments.report.goal import (
     BENCH_FILE,
+    Bench,
     Goal,
     covers_every_layer,
     goal_section,
@@ -27,6 +28,7 @@ from instruments.report.goal import (
 from instruments.report.notes import Sources, grad_groups_file, render
 from instruments.report.seeded import (
     BASELINE,
+    Regime,
     ap_text,
     baseline_of,
     baseline_runs,
@@ -89,7 +91,7 @@ def _order(settings: Sequence[str], plan: Plan) -> list[str]:
     return sorted(known, key=lambda s: s != BASELINE) + rest
 
 
-def ap_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
+def ap_table(found: Regime, plan: Plan) -> list[str]:
     """Mean ± std over seeds and the paired difference to the setting's baseline, box and mask;
     saved activations as the mean over seeds of each seed's ratio to its baseline's."""
     lines = [
@@ -115,7 +117,7 @@ def ap_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
     return lines
 
 
-def pairs_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
+def pairs_table(found: Regime, plan: Plan) -> list[str]:
     """The plan's head-to-head pairs found in a regime: each setting against the other setting
     of the same seed (not the baseline), box and mask, with the verdict's states."""
     rows = []
@@ -140,7 +142,7 @@ def pairs_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
     ]
 
 
-def training_table(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
+def training_table(found: Regime, plan: Plan) -> list[str]:
     """Box / mask AP (mean over seeds) at every evaluated iteration, per setting."""
     iters = sorted({it for runs in found.values() for r in runs.values() for it, _ in r.evals})
     if len(iters) < 2:
@@ -170,13 +172,13 @@ def planned_seeds(plan: Plan, regime: str, setting: str) -> int:
     return len(seeds)
 
 
-def regime_settings(found: dict[str, dict[int, Run]], plan: Plan, regime: str) -> list[str]:
+def regime_settings(found: Regime, plan: Plan, regime: str) -> list[str]:
     """The settings the plan trains in a regime or that have runs there, in report order."""
     planned = [s for s in plan.settings if planned_seeds(plan, regime, s)]
     return _order(list(dict.fromkeys([*planned, *found])), plan)
 
 
-def verdict(found: dict[str, dict[int, Run]], regime: str, plan: Plan) -> list[str]:
+def verdict(found: Regime, regime: str, plan: Plan) -> list[str]:
     """The regime's verdict table: every setting's box and mask state by its paired interval."""
     settings = regime_settings(found, plan, regime)
     if not any(not is_reference(s) for s in settings):
@@ -189,14 +191,12 @@ def verdict(found: dict[str, dict[int, Run]], regime: str, plan: Plan) -> list[s
     ]
 
 
-def _rows(found: dict[str, dict[int, Run]], plan: Plan, keep: Sequence[str]) -> list[Row]:
+def _rows(found: Regime, plan: Plan, keep: Sequence[str]) -> list[Row]:
     order = [s for s in _order(list(found), plan) if s in keep]
     return [Row(s, tuple(found[s][seed] for seed in sorted(found[s]))) for s in order]
 
 
-def _figures(
-    found: dict[str, dict[int, Run]], plan: Plan, regime: str, figure_dir: Path
-) -> list[str]:
+def _figures(found: Regime, plan: Plan, regime: str, figure_dir: Path) -> list[str]:
     if not figures.matplotlib_available():
         return ["Figures not drawn: matplotlib is not installed (`pip install .[plot]`).", ""]
     lines = []
@@ -263,7 +263,7 @@ def time_account(plan: Plan, jobs: int) -> list[str]:
     ]
 
 
-def found_runs(plan: Plan) -> dict[str, dict[str, dict[int, Run]]]:
+def found_runs(plan: Plan) -> dict[str, Regime]:
     """Every regime's finished runs, and the study's pretraining as regime and setting
     ``pretrain`` (seed 0), for the notes' placeholders."""
     found = {regime: regime_runs(plan.out, regime) for regime in plan.regimes}
@@ -274,9 +274,7 @@ def found_runs(plan: Plan) -> dict[str, dict[str, dict[int, Run]]]:
     return found
 
 
-def _goal_bench(
-    found: dict[str, dict[int, Run]], plan: Plan
-) -> tuple[Path, list[str], dict[str, dict] | None]:
+def _goal_bench(found: Regime, plan: Plan) -> tuple[Path, list[str], Bench | None]:
     """The R50-FPN bench's path, the goal regime's settings in report order, and the bench's
     figures with an entry for each longer schedule."""
     bench_path = plan.report.parent / BENCH_FILE
@@ -284,7 +282,7 @@ def _goal_bench(
     return bench_path, order, with_schedules(methods_by_setting(bench_path), order)
 
 
-def goal_lines(found: dict[str, dict[int, Run]], plan: Plan, figure_dir: Path) -> list[str]:
+def goal_lines(found: Regime, plan: Plan, figure_dir: Path) -> list[str]:
     """The goal judged in its regime, with the Δ AP vs peak memory figure (into ``figure_dir``)."""
     bench_path, order, bench = _goal_bench(found, plan)
     if GOAL.regime not in plan.regimes:
@@ -323,7 +321,7 @@ def _layers(config: dict) -> str:
     return "some"
 
 
-def choice_lines(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
+def choice_lines(found: Regime, plan: Plan) -> list[str]:
     """The goal regime's settings with their AP cost by interval and their bench memory and time,
     ending with which setting (if any) meets the goal."""
     bench_path, order, bench = _goal_bench(found, plan)
@@ -358,7 +356,7 @@ def choice_lines(found: dict[str, dict[int, Run]], plan: Plan) -> list[str]:
     ]
 
 
-def _baseline_words(bench: dict[str, dict]) -> str:
+def _baseline_words(bench: Bench) -> str:
     """Which baseline the bench's ratios are against, from the bench's own records."""
     amp = (bench.get("baseline") or {}).get("amp", "none")
     if amp in (None, "none"):
@@ -373,10 +371,7 @@ def _baseline_words(bench: dict[str, dict]) -> str:
 
 
 def _recommendation_lines(
-    found: dict[str, dict[int, Run]],
-    order: Sequence[str],
-    bench: dict[str, dict[str, float]] | None,
-    plan: Plan,
+    found: Regime, order: Sequence[str], bench: Bench | None, plan: Plan
 ) -> list[str]:
     """What the study recommends (``goal.recommend``'s rule) and the config that trains it."""
     rec = recommend(found, order, bench, GOAL)

@@ -16,7 +16,7 @@ from typing import Any
 
 from instruments.report.seeded import (
     BASELINE,
-    Seeds,
+    Regime,
     baseline_of,
     baseline_runs,
     is_reference,
@@ -26,6 +26,7 @@ from instruments.report.seeded import (
 from instruments.report.verdict import FAMILIES, KEEPS, family_state
 
 BENCH_FILE = "cpu_methods/methods.json"
+Bench = Mapping[str, Mapping[str, Any]]  # setting -> its record in BENCH_FILE
 # The top-level modules of a torchvision detector: DropIT on all three covers every layer.
 TOP_MODULES = ("backbone.*", "rpn.*", "roi_heads.*")
 
@@ -50,7 +51,7 @@ class Criterion:
 
 
 def with_schedules(
-    bench: Mapping[str, Mapping[str, Any]] | None, settings: Sequence[str]
+    bench: Bench | None, settings: Sequence[str]
 ) -> dict[str, Mapping[str, Any]] | None:
     """``bench`` with an entry for each longer-schedule setting (``mink_0.8_2x``, paired with
     ``baseline_2x``) not benched itself: its 1x setting's figures, since the bench measures one
@@ -83,9 +84,7 @@ def covers_every_layer(config: Mapping[str, Any]) -> bool:
     return reaches and excludes <= set(PAPER_EXCLUDE)
 
 
-def criteria(
-    found: Mapping[str, Seeds], setting: str, bench: Mapping[str, Any] | None, goal: Goal
-) -> list[Criterion]:
+def criteria(found: Regime, setting: str, bench: Bench | None, goal: Goal) -> list[Criterion]:
     """Seeds, box, mask, saved and peak criteria of one candidate setting, paired with the
     baseline of its schedule."""
     runs, base = found[setting], baseline_runs(found, setting)
@@ -114,17 +113,14 @@ def _cell(c: Criterion) -> str:
     return f"{mark}: {c.text}"
 
 
-def goal_candidates(found: Mapping[str, Seeds], order: Sequence[str]) -> list[str]:
+def goal_candidates(found: Regime, order: Sequence[str]) -> list[str]:
     """The settings in ``order`` with runs whose DropIT covers every layer the paper converts."""
     runs = {s: found[s] for s in order if found.get(s)}
     return [s for s, r in runs.items() if covers_every_layer(next(iter(r.values())).config)]
 
 
 def settings_meeting_goal(
-    found: Mapping[str, Seeds],
-    order: Sequence[str],
-    bench: Mapping[str, Any] | None,
-    goal: Goal,
+    found: Regime, order: Sequence[str], bench: Bench | None, goal: Goal
 ) -> list[str]:
     """The candidates that meet every criterion of the goal."""
     return [
@@ -144,17 +140,14 @@ class Recommendation:
     worst_low: float
 
 
-def _worst_low(found: Mapping[str, Seeds], setting: str) -> float | None:
+def _worst_low(found: Regime, setting: str) -> float | None:
     runs, base = found[setting], baseline_runs(found, setting)
     lows = [d.low if d is not None else None for d in (paired(runs, base, f) for f, _ in FAMILIES)]
     return None if any(low is None for low in lows) else min(lows)  # type: ignore[type-var]
 
 
 def recommend(
-    found: Mapping[str, Seeds],
-    order: Sequence[str],
-    bench: Mapping[str, Any] | None,
-    goal: Goal,
+    found: Regime, order: Sequence[str], bench: Bench | None, goal: Goal
 ) -> Recommendation | None:
     """The setting users get: among the settings that meet the goal, the one with the lowest
     bench peak. When none does, among the candidates with ``goal.seeds`` seeds that meet both
@@ -183,11 +176,7 @@ def recommend(
 
 
 def goal_section(
-    found: Mapping[str, Seeds],
-    order: Sequence[str],
-    bench: Mapping[str, Any] | None,
-    bench_path: Path,
-    goal: Goal,
+    found: Regime, order: Sequence[str], bench: Bench | None, bench_path: Path, goal: Goal
 ) -> list[str]:
     """The goal's table for the candidate settings of ``goal.regime`` and a plain answer."""
     lines = [

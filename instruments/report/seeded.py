@@ -18,8 +18,10 @@ BASELINE = "baseline"
 
 # seed -> run, for one setting of one regime
 Seeds = Mapping[int, Run]
+# setting -> seed -> run, for one regime
+Regime = Mapping[str, Seeds]
 # regime -> setting -> seed -> run
-Found = Mapping[str, Mapping[str, Seeds]]
+Found = Mapping[str, Regime]
 
 
 def is_reference(setting: str) -> bool:
@@ -46,7 +48,7 @@ def baseline_of(setting: str, settings: Iterable[str]) -> str | None:
     return BASELINE
 
 
-def baseline_runs(found: Mapping[str, Seeds], setting: str) -> Seeds:
+def baseline_runs(found: Regime, setting: str) -> Seeds:
     """The runs of the reference ``setting`` pairs with among ``found`` (empty when none)."""
     return found.get(baseline_of(setting, found) or "", {})
 

@@ -14,9 +14,9 @@ Per family (box, mask), a setting's paired difference to its baseline is in one 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
-from instruments.report.seeded import Seeds, baseline_of, paired, paired_text
+from instruments.report.seeded import Regime, Seeds, baseline_of, paired, paired_text
 from rcnn_dropit.report.paired import PairedDiff
 
 TOLERANCE = 1.0  # AP points: "keeps AP" means the interval lies within this of the baseline
@@ -75,7 +75,7 @@ def family_diffs(mine: Seeds, base: Seeds) -> list[tuple[PairedDiff, str] | None
 
 
 def verdict_table(
-    runs: Mapping[str, Seeds], settings: Sequence[str], planned: Callable[[str], int]
+    runs: Regime, settings: Sequence[str], planned: Callable[[str], int]
 ) -> list[str]:
     """A Markdown table: per setting, seeds, paired Δ and state for box and mask, verdict.
 
