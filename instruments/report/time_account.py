@@ -33,7 +33,6 @@ class Segment:
 
     @property
     def seconds(self) -> float:
-        """Wall-clock seconds between its first and last line."""
         return (self.end - self.start).total_seconds()
 
 
@@ -56,7 +55,6 @@ class RegimeTime:
 
     @property
     def hours(self) -> float:
-        """Hours summed over runs."""
         return sum(r.seconds for r in self.runs) / 3600
 
     @property
