@@ -74,7 +74,7 @@ def saved_activations(model: nn.Module, forward: Callable[[], Any]) -> tuple[Any
         owner = stack[-1] if stack else model
         cls = type(owner)
         if is_dropit(owner) or is_checkpointed(owner):  # the plain class the user knows
-            cls = cls.__mro__[1]
+            cls = next(c for c in cls.__mro__[1:] if issubclass(c, nn.Module))
         kind, name = cls.__name__, names.get(owner, "?")
         report.by_type[kind] = report.by_type.get(kind, 0) + nbytes
         report.by_module[name] = report.by_module.get(name, 0) + nbytes

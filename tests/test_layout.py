@@ -151,9 +151,6 @@ FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
     ("dropit_core.layers.casts", "torch._C._is_any_autocast_enabled"): (
         "whether any device's autocast is on, in one call (torch >= 2.4): no public equivalent"
     ),
-    ("dropit_core.layers.casts", "module._parameters"): (
-        "a layer's weight and bias without nn.Module.__getattr__ (host time per layer and step)"
-    ),
     ("dropit_core.layers.norm", "nn.modules.batchnorm._BatchNorm"): (
         "the base class of every BatchNorm, as an annotation"
     ),

@@ -1,5 +1,5 @@
 """What a DropIT conv or linear layer hands its op: its weight and bias where its call is a
-training step (:func:`training_params`), cast as autocast would cast them, one copy per forward
+training step (:class:`WeightLayer`), cast as autocast would cast them, one copy per forward
 for a layer called many times (:class:`ParamCasts`, which the layer's input cache holds), and the
 dtype the op casts its input to (:func:`autocast_inputs`).
 """
@@ -10,26 +10,29 @@ import weakref
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 
-def training_params(
-    module: nn.Module, x: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``(module.weight, module.bias)`` where ``module``'s call keeps something for a backward,
-    else None (the plain op); from ``_parameters``, not ``nn.Module.__getattr__`` (host time)."""
-    params = module._parameters
-    weight = params.get("weight")
-    weight = module.weight if weight is None else weight
-    if not (
-        module.training
-        and torch.is_grad_enabled()
-        and (weight.requires_grad or x.requires_grad)
-        and x.numel() > 0
-    ):
-        return None
-    return weight, params["bias"] if "bias" in params else module.bias
+class WeightLayer:
+    """The forward of a DropIT conv or linear layer, a base before its plain class: the plain op
+    unless the call keeps something for a backward, else ``dropit_forward(x, weight, bias, *args)``
+    (the parameters from ``_parameters``, not ``nn.Module.__getattr__``: host time)."""
+
+    dropit_cache: Any  # its InputCache
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = self._parameters
+        weight = params.get("weight")
+        weight = self.weight if weight is None else weight
+        if not (
+            self.training
+            and torch.is_grad_enabled()
+            and (weight.requires_grad or x.requires_grad)
+            and x.numel() > 0
+        ):
+            return super().forward(x, *args, **kwargs)
+        bias = params["bias"] if "bias" in params else self.bias
+        return self.dropit_forward(x, weight, bias, *args, **kwargs)
 
 
 class ParamCasts:

@@ -22,7 +22,7 @@ from dropit_core.layers.cache import (
     forward_and_pack,
     weight_and_input,
 )
-from dropit_core.layers.casts import training_params
+from dropit_core.layers.casts import WeightLayer
 
 
 class ConvArgs(NamedTuple):
@@ -202,25 +202,12 @@ def _traced(x, weight, bias, fields, cache: int, args: ConvArgs) -> Tensor:
 # The modules --------------------------------------------------------------------------------
 
 
-def _run(x: Tensor, weight: Tensor, bias: Tensor | None, cache: InputCache, args) -> Tensor:
-    """The DropIT convolution of ``x``: eagerly the Function, while compiling the operator."""
-    if torch.compiler.is_compiling():
-        return library.compiled(DropITConvFunction, _traced, "conv", x, weight, bias, cache, args)
-    return library.eager(DropITConvFunction, x, weight, bias, cache, args)
-
-
-class DropITConv2d(nn.Conv2d):
+class DropITConv2d(WeightLayer, nn.Conv2d):
     """``nn.Conv2d`` whose weight gradient is computed from a dropped input cache."""
 
-    dropit_cache: InputCache
-
-    def forward(self, x: Tensor) -> Tensor:
-        params = training_params(self, x)
-        if params is None:
-            return super().forward(x)
-        weight, bias = params
+    def dropit_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.Conv2d takes
-            return self.forward(x.unsqueeze(0)).squeeze(0)
+            return self.dropit_forward(x.unsqueeze(0), weight, bias).squeeze(0)
         padding = self.padding
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
@@ -229,7 +216,9 @@ class DropITConv2d(nn.Conv2d):
             x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation), (0, 0)
         # The module's tuples as they are (a list of each per call was host time)
         args = ConvArgs(self.stride, padding, self.dilation, False, (0, 0), self.groups)
-        return _run(x, weight, bias, self.dropit_cache, args)
+        return library.run(
+            DropITConvFunction, _traced, "conv", x, weight, bias, self.dropit_cache, args
+        )
 
 
 def _explicit_padding(x, padding: str, kernel_size, dilation) -> Tensor:
@@ -243,20 +232,18 @@ def _explicit_padding(x, padding: str, kernel_size, dilation) -> Tensor:
     return F.pad(x, pads)
 
 
-class DropITConvTranspose2d(nn.ConvTranspose2d):
+class DropITConvTranspose2d(WeightLayer, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` whose weight gradient is computed from a dropped input cache."""
 
-    dropit_cache: InputCache
-
-    def forward(self, x: Tensor, output_size: list[int] | None = None) -> Tensor:
-        params = training_params(self, x)
-        if params is None:
-            return super().forward(x, output_size)
-        weight, bias = params
+    def dropit_forward(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, output_size: list[int] | None = None
+    ) -> Tensor:
         if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.ConvTranspose2d takes
-            return self.forward(x.unsqueeze(0), output_size).squeeze(0)
+            return self.dropit_forward(x.unsqueeze(0), weight, bias, output_size).squeeze(0)
         stride, padding, dilation = list(self.stride), list(self.padding), list(self.dilation)
         kernel = list(self.kernel_size)
         output_padding = self._output_padding(x, output_size, stride, padding, kernel, 2, dilation)
         args = ConvArgs(stride, padding, dilation, True, list(output_padding), self.groups)
-        return _run(x, weight, bias, self.dropit_cache, args)
+        return library.run(
+            DropITConvFunction, _traced, "conv", x, weight, bias, self.dropit_cache, args
+        )

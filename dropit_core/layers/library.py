@@ -163,6 +163,14 @@ def eager(function, x: Tensor, weight: Tensor, bias: Tensor | None, cache, *args
 _behind_break = torch.compiler.disable(eager)
 
 
+def run(function, traced, layout: str, x: Tensor, weight, bias, cache: InputCache, *args) -> Tensor:
+    """A conv or linear layer's DropIT call: eagerly its autograd ``function`` (:func:`eager`),
+    while compiling :func:`compiled`."""
+    if torch.compiler.is_compiling():
+        return compiled(function, traced, layout, x, weight, bias, cache, *args)
+    return eager(function, x, weight, bias, cache, *args)
+
+
 def compiled(
     function,
     traced: Callable[..., Tensor],

@@ -18,7 +18,7 @@ from dropit_core.layers.cache import (
     forward_and_pack,
     weight_and_input,
 )
-from dropit_core.layers.casts import training_params
+from dropit_core.layers.casts import WeightLayer
 
 
 class DropITLinearFunction(torch.autograd.Function):
@@ -78,19 +78,13 @@ def _linear_backward(ctx, grad):
 linear_op.register_autograd(_linear_backward, setup_context=library.save_layer)
 
 
-class DropITLinear(nn.Linear):
+def _traced(x, weight, bias, fields, cache: int) -> Tensor:
+    return torch.ops.dropit.linear(x, weight, bias, fields, cache)
+
+
+class DropITLinear(WeightLayer, nn.Linear):
     """``nn.Linear`` whose weight gradient is computed from a dropped input cache."""
 
-    dropit_cache: InputCache
-
-    def forward(self, x: Tensor) -> Tensor:
-        params = training_params(self, x)
-        if params is None:
-            return super().forward(x)
-        weight, bias = params
-        if torch.compiler.is_compiling():
-            traced = torch.ops.dropit.linear
-            return library.compiled(
-                DropITLinearFunction, traced, "linear", x, weight, bias, self.dropit_cache
-            )
-        return library.eager(DropITLinearFunction, x, weight, bias, self.dropit_cache)
+    def dropit_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        cache = self.dropit_cache
+        return library.run(DropITLinearFunction, _traced, "linear", x, weight, bias, cache)
