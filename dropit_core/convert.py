@@ -6,6 +6,7 @@ hooks and ``state_dict()`` stay as they were, so optimizers, checkpoints and DDP
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -108,22 +109,18 @@ class DropITRecord(list):
 
 def to_dropit(
     model: M,
-    strategy: str = "mink",
-    gamma: float = 0.8,
-    include: Sequence[str] = ("*",),
-    exclude: Sequence[str] = (),
-    relu: bool | str = True,
+    *args: Any,
     rules: Sequence[Mapping[str, Any]] | None = None,
-    norm: bool = False,
-    pool: bool = False,
     strict: bool = True,
-    **options: Any,
+    **settings: Any,
 ) -> M:
-    """Convert matching conv/linear layers to DropIT, in place, and return ``model``; with
-    ``relu`` also the ReLUs whose 1-bit mask frees their output (``"all"``: every one selected),
-    with ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm, with ``pool`` MaxPool2d.
-    ``include``/``exclude``: fnmatch patterns on module paths (one that matches nothing is an
-    error unless ``strict=False``); ``options``: the strategy's; ``rules``: per-group settings
+    """Convert matching conv/linear layers to DropIT, in place, and return ``model``. ``args`` and
+    ``settings``: :func:`~dropit_core.rules.check_rules`'s after ``rules`` (``strategy="mink",
+    gamma=0.8, include=("*",), exclude=(), relu=True, norm=False, pool=False``, then the
+    strategy's options). With ``relu`` also the ReLUs whose 1-bit mask frees their output
+    (``"all"``: every one selected), with ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm, with
+    ``pool`` MaxPool2d. ``include``/``exclude``: fnmatch patterns on module paths (one that
+    matches nothing is an error unless ``strict=False``); ``rules``: per-group settings
     (:mod:`dropit_core.rules`). docs/dropit.md, "Which modules convert", says the rest.
     """
     if not isinstance(model, nn.Module):
@@ -135,12 +132,14 @@ def to_dropit(
             f"to_dropit converts the layers inside a model, not the model itself: wrap this "
             f"{type(model).__name__}, e.g. nn.Sequential(layer)"
         )
-    checked = check_rules(rules, strategy, gamma, include, exclude, relu, norm, pool, **options)
+    checked = check_rules(rules, *args, **settings)
+    given = inspect.signature(check_rules).bind(rules, *args, **settings)
+    given.apply_defaults()  # the call's exclude, which every rule's includes
     named = [(p, m) for p, m in model.named_modules() if p]
     already = [p for p, m in named if type(m) in _PLAIN_CLASS]
     if already:
         raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")
-    chosen = assign_layers(named, checked, tuple(exclude), _DROPIT_CLASS, strict)
+    chosen = assign_layers(named, checked, tuple(given.arguments["exclude"]), _DROPIT_CLASS, strict)
     # Under checkpointing a layer's forward runs twice and its saved tensors are dropped anyway:
     # leave the layers of checkpointed modules plain (the patterns were checked above).
     regions = [p for p, m in [("", model), *named] if is_checkpointed(m)]
