@@ -26,7 +26,6 @@ Where things are (each subpackage's docstring maps its modules):
 
 from dropit_core.backends.dispatch import pack_backend
 from dropit_core.convert import (
-    CHECKPOINTED_ATTRIBUTE,
     AppliedSetting,
     ConvertedLayer,
     DropITRecord,
@@ -39,7 +38,6 @@ from dropit_core.convert import (
 )
 from dropit_core.detection import (
     FrozenBatchNorm2d,
-    is_frozen_batchnorm,
     lean_detector,
     lean_frozen_batchnorm,
 )
@@ -48,8 +46,8 @@ from dropit_core.formats.values import VALUE_FORMATS
 from dropit_core.readers import relu_readers
 from dropit_core.recompute import checkpoint_modules, is_checkpointed, uncheckpoint_modules
 from dropit_core.registry import Option, Registry
-from dropit_core.rules import PAPER_EXCLUDE, Rule, check_options, check_rules
-from dropit_core.saved import CompressSaved, SavedCompression, compress_saved, saved_compression
+from dropit_core.rules import PAPER_EXCLUDE, Rule, check_rules
+from dropit_core.saved import CompressSaved, compress_saved, saved_compression
 from dropit_core.settings import Settings, configure, override_settings, reset_settings
 from dropit_core.settings import current as current_settings
 from dropit_core.strategies.base import Strategy
@@ -58,7 +56,6 @@ from dropit_core.strategies.catalog import REGISTRY, STRATEGIES, build_strategy
 register_strategy = REGISTRY.register  # a strategy of your own, by name or class to to_dropit
 
 __all__ = [
-    "CHECKPOINTED_ATTRIBUTE",
     "CompressSaved",
     "PAPER_EXCLUDE",
     "REGISTRY",
@@ -72,11 +69,9 @@ __all__ = [
     "Packed",
     "Registry",
     "Rule",
-    "SavedCompression",
     "Settings",
     "Strategy",
     "build_strategy",
-    "check_options",
     "checkpoint_modules",
     "compress_saved",
     "configure",
@@ -87,7 +82,6 @@ __all__ = [
     "from_dropit",
     "is_checkpointed",
     "is_dropit",
-    "is_frozen_batchnorm",
     "lean_detector",
     "lean_frozen_batchnorm",
     "override_settings",

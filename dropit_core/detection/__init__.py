@@ -7,11 +7,7 @@
 
 from torch import nn
 
-from dropit_core.detection.frozen_norm import (
-    FrozenBatchNorm2d,
-    is_frozen_batchnorm,
-    lean_frozen_batchnorm,
-)
+from dropit_core.detection.frozen_norm import FrozenBatchNorm2d, lean_frozen_batchnorm
 
 _FORWARD = ("LeanFeaturePyramidNetwork", "LeanMultiScaleRoIAlign", "lean_forward", "lean_fpn")
 
@@ -41,7 +37,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "FrozenBatchNorm2d",
-    "is_frozen_batchnorm",
     "lean_detector",
     "lean_frozen_batchnorm",
     *_FORWARD,
