@@ -69,7 +69,6 @@ class Bracket(NamedTuple):
     lo: torch.Tensor  # floored at the smallest normal number
     hi: torch.Tensor  # +inf when the bracket reaches the largest sampled value
     floored: torch.Tensor  # lo was raised to the smallest normal: "t <= tiny" is an answer
-    share: float  # the fraction of elements expected inside
 
 
 def bracket(flat: torch.Tensor, k: int) -> Bracket:
@@ -85,8 +84,7 @@ def bracket(flat: torch.Tensor, k: int) -> Bracket:
     picked = dict(zip(ranks, largest(sample, ranks), strict=True))
     hi = picked.get(r_hi, torch.full((), math.inf, dtype=flat.dtype, device=dev))
     lo_raw = picked.get(r_lo, torch.zeros((), dtype=flat.dtype, device=dev))
-    share = (min(r_lo, m - 1) - max(r_hi, -1) + 1) / m
-    return Bracket(lo_raw.clamp_min(floor), hi, lo_raw <= floor, share)
+    return Bracket(lo_raw.clamp_min(floor), hi, lo_raw <= floor)
 
 
 def kth_from_candidates(
