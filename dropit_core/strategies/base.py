@@ -5,6 +5,8 @@ which owns how kept values are stored (a :class:`~dropit_core.formats.values.Val
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dropit_core.formats.packed import Packed, tiny
@@ -58,8 +60,8 @@ def keep_count(gamma: float, n: int) -> int:
 
 class Strategy:
     """Base class: pick what to keep of a layer input and rebuild a dense tensor from it. A subclass
-    declares its ``name``, ``options`` (``__init__`` keywords), ``keeps`` and ``cache_bytes`` (the
-    docs' table), and implements :meth:`_pack` and :meth:`_unpack`."""
+    declares its ``name``, ``options`` (each value an attribute of its name), ``keeps`` and
+    ``cache_bytes`` (the docs' table), and implements :meth:`_pack` and :meth:`_unpack`."""
 
     name = ""
     options: tuple[Option, ...] = ()
@@ -72,10 +74,14 @@ class Strategy:
     reads_through_cast = False  # implements _pack_cast
     described: tuple[str, ...] = ()  # the attributes (options) describe() shows
 
-    def __init__(self, gamma: float, codec: ValueCodec, rescale: str = RESCALES[0]) -> None:
+    def __init__(
+        self, gamma: float, codec: ValueCodec, rescale: str = RESCALES[0], **options: Any
+    ) -> None:
         self.gamma = gamma
         self.codec = codec
         self.rescale = rescale
+        for name, value in options.items():
+            setattr(self, name, value)
 
     def pack(
         self, x: torch.Tensor, layout: str, key: int = 0, dtype: torch.dtype | None = None

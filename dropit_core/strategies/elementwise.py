@@ -21,7 +21,6 @@ from dropit_core.formats import packed as base
 from dropit_core.formats.bits import compact_bits, compact_into, pack_bits, scatter_kept
 from dropit_core.formats.keep_rule import KeepRule
 from dropit_core.formats.packed import ElementsMeta, Packed
-from dropit_core.formats.values import ValueCodec
 from dropit_core.registry import Option
 from dropit_core.strategies.base import Strategy, decoded, encoded
 
@@ -102,16 +101,11 @@ class Elementwise(Strategy):
     # kernels pack where it states its rule in their terms (_kernel_rule), and rebuild where they
     # need no rule (a stored mask) or it states one.
     pack_backends: tuple[str, ...] = ()
+    positions = POSITIONS[0]  # the option, where the class takes it
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.pack_backends = ("triton",) if cls._kernel_rule is not Elementwise._kernel_rule else ()
-
-    def __init__(
-        self, gamma: float, codec: ValueCodec, rescale: str, *, positions: str = POSITIONS[0]
-    ) -> None:
-        super().__init__(gamma, codec, rescale)
-        self.positions = positions
 
     def capacity(self, n: int) -> int:
         """Value slots of a pack of n elements sized from the shape (on an accelerator); by

@@ -12,7 +12,6 @@ import torch
 from dropit_core.formats.keep_rule import IMPORTANCE, KeepRule
 from dropit_core.formats.packed import Packed, tiny
 from dropit_core.formats.seeds import hash_uniform, mix_seed
-from dropit_core.formats.values import ValueCodec
 from dropit_core.strategies.base import SEED
 from dropit_core.strategies.elementwise import (
     POSITIONS_OPTION,
@@ -59,19 +58,6 @@ class Importance(Elementwise):
     draws = True
     # A kept value below tau rebuilds as +-tau by its sign, which an integer code of 0 lacks.
     signed_values = True
-
-    def __init__(
-        self,
-        gamma: float,
-        codec: ValueCodec,
-        rescale: str,
-        *,
-        positions: str,
-        sample: int,
-        seed: int,
-    ) -> None:
-        super().__init__(gamma, codec, rescale, positions=positions)
-        self.sample, self.seed = sample, seed
 
     def capacity(self, n: int) -> int:
         sample = sample_size(n, self.sample)

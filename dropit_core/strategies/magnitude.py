@@ -123,12 +123,6 @@ class ParallelMinK(Elementwise):
     cache_bytes = "n/8 + kept v; GPU: n/8 + k v"
     exact_capacity = True
 
-    def __init__(
-        self, gamma: float, codec: ValueCodec, rescale: str, *, chunk: int, positions: str
-    ) -> None:
-        super().__init__(gamma, codec, rescale, positions=positions)
-        self.chunk = chunk
-
     def slice_len(self) -> int:
         # A multiple of both the chunk (chunks never straddle slices) and 8 (whole mask bytes).
         return self.chunk * 8 * max(1, base.SLICE // (self.chunk * 8))
@@ -177,12 +171,6 @@ class Threshold(Elementwise):
     described = ("sample",)
     keeps = "magnitudes above a gamma-quantile estimated from a 64Ki sample: no sort, O(n)"
     cache_bytes = "n/8 + kept v; GPU: n/8 + cap v + 8"
-
-    def __init__(
-        self, gamma: float, codec: ValueCodec, rescale: str, *, sample: int, positions: str
-    ) -> None:
-        super().__init__(gamma, codec, rescale, positions=positions)
-        self.sample = sample
 
     def capacity(self, n: int) -> int:
         return expected_capacity(n, 1.0 - self.gamma, sample=sample_size(n, self.sample))

@@ -81,10 +81,6 @@ class ChannelRandom(_ChannelBase):
     cache_bytes = "as `channel_mink`"
     draws = True
 
-    def __init__(self, gamma: float, codec: ValueCodec, rescale: str, *, seed: int) -> None:
-        super().__init__(gamma, codec, rescale)
-        self.seed = seed
-
     def _choose(self, units: torch.Tensor, k: int, key: int) -> torch.Tensor:
         # A generator on the planes' device, so the permutation is drawn where they are: a CPU
         # permutation copied to the GPU would be a blocking host-to-device copy per layer.
@@ -100,10 +96,6 @@ class BlockMinK(Strategy):
     options = (Option("block", int, 4, "side of the square blocks", minimum=1),)
     keeps = "the `block x block` tiles of each plane with the largest L2 norm (BSR-style)"
     cache_bytes = "kept tiles v + 4 per tile"
-
-    def __init__(self, gamma: float, codec: ValueCodec, rescale: str, *, block: int) -> None:
-        super().__init__(gamma, codec, rescale)
-        self.block = block
 
     def _pack(self, x: torch.Tensor, layout: str, key: int) -> Packed:
         b = self.block
