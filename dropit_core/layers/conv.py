@@ -177,20 +177,13 @@ def _convolution(
     )
 
 
-conv_op = torch.library.custom_op("dropit::conv", _convolution, mutates_args=())
-conv_op.register_fake(_convolution)
-
-
-def _conv_backward(ctx, grad):
-    weight, *fields = ctx.saved_tensors
-    args = ConvArgs(*ctx.args)
-    rebuilt = library.rebuilt(ctx, fields)
-    grads = conv_grads(grad, weight, ctx.x_shape, args, ctx.needs_input_grad, rebuilt)
-    # a gradient per input: the pack's list gets a list of Nones
-    return *grads, [None] * len(fields), None, None, None, None, None, None, None
-
-
-conv_op.register_autograd(_conv_backward, setup_context=library.save_layer)
+library.layer_op(
+    "conv",
+    _convolution,
+    lambda grad, weight, ctx, rebuilt: conv_grads(
+        grad, weight, ctx.x_shape, ConvArgs(*ctx.args), ctx.needs_input_grad, rebuilt
+    ),
+)
 
 
 def _traced(x, weight, bias, fields, cache: int, args: ConvArgs) -> Tensor:

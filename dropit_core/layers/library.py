@@ -141,16 +141,29 @@ class TracedRebuilt(Rebuilt):
 
 def rebuilt(ctx, fields: list[Tensor]) -> TracedRebuilt | None:
     """A traced backward's reader of the pack ``fields`` (None: no pack) of the input whose shape
-    and dtype its setup kept (:func:`save_layer`)."""
+    and dtype its setup kept."""
     return TracedRebuilt(ctx.x_shape, ctx.cache, fields, ctx.x_dtype) if fields else None
 
 
-def save_layer(ctx, inputs, output) -> None:
-    """Setup of ``dropit::conv`` and ``dropit::linear``: inputs ``(x, weight, bias, fields,
-    *args, cache)`` (``args``: the conv's; none); the weight and the pack kept."""
-    x, weight, bias, fields, *args, cache = inputs
-    ctx.args, ctx.cache, ctx.x_shape, ctx.x_dtype = args, cache, list(x.shape), x.dtype
-    ctx.save_for_backward(weight, *fields)
+def layer_op(name: str, forward: Callable[..., Tensor], grads: Callable[..., tuple]) -> None:
+    """Define ``dropit::<name>``, a conv or linear layer's operator: ``forward(x, weight, bias,
+    fields, *args, cache)`` (its own fake too), whose backward is ``grads(grad, weight, ctx,
+    rebuilt)`` on the kept weight and pack ``fields`` (``args``: the conv's; none)."""
+    op = torch.library.custom_op(f"dropit::{name}", forward, mutates_args=())
+    op.register_fake(forward)
+
+    def setup(ctx, inputs, output) -> None:
+        x, weight, bias, fields, *args, cache = inputs
+        ctx.args, ctx.cache, ctx.x_shape, ctx.x_dtype = args, cache, list(x.shape), x.dtype
+        ctx.save_for_backward(weight, *fields)
+
+    def backward(ctx, grad):
+        weight, *fields = ctx.saved_tensors
+        out = grads(grad, weight, ctx, rebuilt(ctx, fields))
+        # a gradient per input: the pack's list gets a list of Nones, the args and cache None
+        return *out, [None] * len(fields), *[None] * (len(ctx.args) + 1)
+
+    op.register_autograd(backward, setup_context=setup)
 
 
 def eager(function, x: Tensor, weight: Tensor, bias: Tensor | None, cache, *args) -> Tensor:

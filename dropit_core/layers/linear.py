@@ -64,18 +64,13 @@ def _linear(
     return F.linear(x, weight, bias)
 
 
-linear_op = torch.library.custom_op("dropit::linear", _linear, mutates_args=())
-linear_op.register_fake(_linear)
-
-
-def _linear_backward(ctx, grad):
-    weight, *fields = ctx.saved_tensors
-    rebuilt = library.rebuilt(ctx, fields)
-    grads = linear_grads(grad, weight, ctx.x_shape, ctx.needs_input_grad, rebuilt)
-    return *grads, [None] * len(fields), None
-
-
-linear_op.register_autograd(_linear_backward, setup_context=library.save_layer)
+library.layer_op(
+    "linear",
+    _linear,
+    lambda grad, weight, ctx, rebuilt: linear_grads(
+        grad, weight, ctx.x_shape, ctx.needs_input_grad, rebuilt
+    ),
+)
 
 
 def _traced(x, weight, bias, fields, cache: int) -> Tensor:
