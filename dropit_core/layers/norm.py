@@ -19,12 +19,6 @@ from dropit_core.layers import library
 from dropit_core.layers.cache import Grads, InputCache, keep_packed, kept_packed
 
 
-def _training_step(module: nn.Module, x: torch.Tensor) -> bool:
-    # Batch statistics with a graph to keep: otherwise the plain layer, untouched (an empty
-    # batch, e.g. a mask head without positive RoIs, keeps nothing either way).
-    return module.training and torch.is_grad_enabled() and x.requires_grad and x.numel() > 0
-
-
 def _batch_norm_forward(x, weight, bias, running_mean, running_var, momentum, eps):
     """(output, mean, invstd, reserve) of training-mode batch norm, the op ``F.batch_norm`` runs
     (running statistics updated in place); without them the native op, and no reserve (None)."""
@@ -146,28 +140,34 @@ def _batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> tor
     return run(x, module.weight, module.bias, *stats, factor, module.eps, module.dropit_cache)
 
 
-class DropITBatchNorm2d(nn.BatchNorm2d):
+class _NormLayer:
+    """The forward of a DropIT norm, a base before its plain class."""
+
+    dropit_cache: InputCache
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Batch statistics with a graph to keep: otherwise the plain layer, untouched (an empty
+        # batch, e.g. a mask head without positive RoIs, keeps nothing either way).
+        if self.training and torch.is_grad_enabled() and x.requires_grad and x.numel() > 0:
+            return self.dropit_forward(x)
+        return super().forward(x)
+
+
+class DropITBatchNorm2d(_NormLayer, nn.BatchNorm2d):
     """``nn.BatchNorm2d`` that keeps a packed copy of its input for backward."""
 
-    dropit_cache: InputCache
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _batch_norm(self, x) if _training_step(self, x) else super().forward(x)
+    dropit_forward = _batch_norm
 
 
-class DropITSyncBatchNorm(nn.SyncBatchNorm):
+class DropITSyncBatchNorm(_NormLayer, nn.SyncBatchNorm):
     """``nn.SyncBatchNorm`` that keeps a packed copy of its input for backward."""
 
-    dropit_cache: InputCache
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _training_step(self, x):
-            return super().forward(x)
+    def dropit_forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _synchronised(self):
             return _batch_norm(self, x)
         # Across processes: torch's own function (its backward all-reduces), its input packed.
         with _pack_saved(self.dropit_cache, x):
-            return super().forward(x)
+            return nn.SyncBatchNorm.forward(self, x)
 
 
 def _synchronised(module: nn.SyncBatchNorm) -> bool:
@@ -194,14 +194,10 @@ class _pack_saved(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-class DropITGroupNorm(nn.GroupNorm):
+class DropITGroupNorm(_NormLayer, nn.GroupNorm):
     """``nn.GroupNorm`` that keeps a packed copy of its input for backward."""
 
-    dropit_cache: InputCache
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _training_step(self, x):
-            return super().forward(x)
+    def dropit_forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
             # CUDA autocast runs group_norm in fp32 (the plain layer's output dtype): cast outside
             # the Function, as autocast would, so that autograd sees the cast.
