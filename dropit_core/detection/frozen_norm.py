@@ -47,14 +47,13 @@ class FrozenBatchNorm2d(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def is_frozen_batchnorm(module: nn.Module) -> bool:
-    """Whether ``module`` is a frozen batch norm: torchvision's (recognised without importing
-    torchvision: its class name and buffers) or this module's."""
-    if isinstance(module, FrozenBatchNorm2d):
-        return True
+def _torchvision_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is torchvision's frozen batch norm (recognised without importing
+    torchvision: its class name and buffers), not this module's."""
     buffers = dict(module.named_buffers(recurse=False))
     return (
         type(module).__name__ == "FrozenBatchNorm2d"
+        and not isinstance(module, FrozenBatchNorm2d)
         and all(name in buffers for name in _BUFFERS)
         and not any(True for _ in module.parameters(recurse=False))
     )
@@ -65,10 +64,10 @@ def lean_frozen_batchnorm(model: nn.Module) -> nn.Module:
     in place, sharing its buffers; returns ``model`` (a new module if it is itself one)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"lean_frozen_batchnorm takes an nn.Module, got {type(model).__name__}")
-    if is_frozen_batchnorm(model) and not isinstance(model, FrozenBatchNorm2d):
+    if _torchvision_norm(model):
         return _lean(model)
     for name, child in list(model.named_children()):
-        if is_frozen_batchnorm(child) and not isinstance(child, FrozenBatchNorm2d):
+        if _torchvision_norm(child):
             setattr(model, name, _lean(child))
         else:
             lean_frozen_batchnorm(child)
