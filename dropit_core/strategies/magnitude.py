@@ -5,6 +5,7 @@ paper's), ``parallel_mink``, ``threshold`` and ``random``, on :mod:`.elementwise
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -212,11 +213,8 @@ class RandomKeep(Elementwise):
     stores_mask = False
     draws = True
 
-    def __init__(
-        self, gamma: float, codec: ValueCodec, rescale: str, *, seed: int, scale: bool
-    ) -> None:
-        super().__init__(gamma, codec, rescale)
-        self.seed, self.scale = seed, scale
+    def __init__(self, gamma: float, codec: ValueCodec, rescale: str, **options: Any) -> None:
+        super().__init__(gamma, codec, rescale, **options)  # seed, scale
         self._factor = 1.0 / (1.0 - gamma)
 
     def capacity(self, n: int) -> int:

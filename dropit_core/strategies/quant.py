@@ -44,19 +44,14 @@ class Quant(Strategy):
     described = ("bits", "group")
     reads_through_cast = True  # codes are the same bytes whatever dtype they were read from
 
-    def __init__(
-        self, gamma: float, codec: ValueCodec, rescale: str, *, bits: int, group: int, seed: int
-    ) -> None:
-        super().__init__(gamma, codec, rescale)
-        self.bits = bits
-        self.group = group
-        self.seed = seed
-        self._inv_levels = inv_levels(bits)
-        self._seed_state = mix_state(0, seed)  # mix_seed(seed, key) per pack, seed folded once
+    def __init__(self, gamma: float, codec: ValueCodec, rescale: str, **options: int) -> None:
+        super().__init__(gamma, codec, rescale, **options)  # bits, group, seed
+        self._inv_levels = inv_levels(self.bits)
+        self._seed_state = mix_state(0, self.seed)  # mix_seed(seed, key) per pack, folded once
         self._hashed: dict[int, tuple[int, int]] = {}  # draw_keys of the keys remember_draws saw
         # what this setting allows besides eager, asked per pack and rebuild: answered once
-        self._fast = dispatch.quant_backends(bits, group)
-        self._signed_fast = dispatch.quant_backends(bits, group, signs=True)
+        self._fast = dispatch.quant_backends(self.bits, self.group)
+        self._signed_fast = dispatch.quant_backends(self.bits, self.group, signs=True)
 
     def draw_keys(self, key: int | torch.Tensor) -> tuple[int, int] | tuple[torch.Tensor, ...]:
         """The hash keys (k0, k1) of the pack drawn with ``key`` (seeded ``mix_seed(seed, key)``);
