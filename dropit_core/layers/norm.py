@@ -261,17 +261,9 @@ def _batch_norm_backward(ctx, grad, *_):
 batch_norm_op.register_autograd(_batch_norm_backward, setup_context=_batch_norm_setup)
 
 
-def batch_norm(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    momentum: float,
-    eps: float,
-    cache: InputCache,
-) -> Tensor:
-    """The traced form of ``norm._BatchNormFunction.apply`` (running statistics updated alike)."""
+def batch_norm(x, weight, bias, running_mean, running_var, momentum, eps, cache) -> Tensor:
+    """The traced form of ``_BatchNormFunction.apply`` (running statistics updated alike), its
+    arguments typed by ``dropit::batch_norm``."""
     fields = library.pack(cache, x, "conv", x.dtype)
     out, _, _, _, new_mean, new_var = torch.ops.dropit.batch_norm(
         x, weight, bias, running_mean, running_var, fields, momentum, eps, cache.number
@@ -320,10 +312,8 @@ def _group_norm_backward(ctx, grad, *_):
 group_norm_op.register_autograd(_group_norm_backward, setup_context=_group_norm_setup)
 
 
-def group_norm(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int, eps: float, cache
-) -> Tensor:
-    """The traced form of ``norm._GroupNormFunction.apply``."""
+def group_norm(x, weight, bias, groups, eps, cache) -> Tensor:
+    """The traced form of ``_GroupNormFunction.apply``, its arguments typed by the operator."""
     fields = library.pack(cache, x, "conv", x.dtype)
     return torch.ops.dropit.group_norm(x, weight, bias, fields, groups, eps, cache.number)[0]
 
