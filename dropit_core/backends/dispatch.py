@@ -10,6 +10,7 @@ on each pack and rebuild (host time). :func:`fused` says whether a traced pack i
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import warnings
@@ -129,13 +130,8 @@ except (ImportError, ValueError):  # a broken install, or sys.modules["triton"] 
     _has_triton = False
 
 
+@functools.cache
 def kernels(name: str) -> ModuleType:
     """The kernels module ``dropit_core.backends.triton.<name>``, imported on the first call (it
     imports triton), then held (an import statement per pack was host time)."""
-    module = _MODULES.get(name)
-    if module is None:
-        module = _MODULES[name] = importlib.import_module(f"{__package__}.triton.{name}")
-    return module
-
-
-_MODULES: dict[str, ModuleType] = {}
+    return importlib.import_module(f"{__package__}.triton.{name}")
