@@ -14,14 +14,9 @@ Where things are (each subpackage's docstring maps its modules):
   output, so which ReLUs a mask frees), :mod:`.recompute` (checkpointing), :mod:`.saved`
   (``compress_saved``: every saved tensor as a 4-bit pack), :mod:`.settings` (the switches),
   :mod:`.registry` (the strategy registry's types), :mod:`.memory` (what autograd keeps, peaks).
-- :mod:`.strategies`: what a layer keeps, one module per family, and ``REGISTRY``.
-- :mod:`.formats`: each pack format specified once, the seeds' hash, the bit masks.
-- :mod:`.layers`: where it runs: one module per op, each with its autograd Function and its
-  ``torch.library`` operator, and the input cache.
-- :mod:`.backends`: how fast: the choice (:mod:`.backends.dispatch`), the C loops, the Triton
-  kernels.
-- :mod:`.detection`: the torchvision-specific lean forward and frozen norm (the only part that
-  imports torchvision).
+- :mod:`.strategies` (what a layer keeps), :mod:`.formats` (each pack format, specified once),
+  :mod:`.layers` (where it runs: a module per op), :mod:`.backends` (how fast: the C loops, the
+  Triton kernels) and :mod:`.detection` (the only part that imports torchvision).
 """
 
 from dropit_core.backends.dispatch import pack_backend
