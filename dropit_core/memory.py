@@ -184,7 +184,6 @@ class PeakMeter:
         return "cuda" if self.cuda else "cpu"
 
     def measure(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` and take its figures; returns what ``fn`` returns."""
         self.marks = []
         gc.collect()  # earlier garbage freed inside the call would count as the call's frees
         if self.cuda:

@@ -20,9 +20,7 @@ from typing import Any
 from torch import nn
 
 INPUT, OUTPUT = "<input>", "<output>"
-# A module's flow: child name (or INPUT) -> per call of that child, the names of the children
-# (dotted paths below the module allowed; or OUTPUT) that read that call's output.
-Flow = dict[str, tuple[tuple[str, ...], ...]]
+Flow = dict[str, tuple[tuple[str, ...], ...]]  # as above; readers may be dotted paths below
 
 
 def sequential_flow(module: nn.Module) -> Flow:
@@ -130,7 +128,6 @@ def relu_readers(model: nn.Module, units: Collection[str] = ()) -> dict[str, Cal
         return f"{parent}.{name}" if parent else name
 
     def entries(path: str) -> frozenset[str] | None:
-        """The layers that read the input of the module at ``path``."""
         module = modules[path]
         if path in units or next(module.children(), None) is None:
             return frozenset((path,))
@@ -140,7 +137,6 @@ def relu_readers(model: nn.Module, units: Collection[str] = ()) -> dict[str, Cal
         return gather(path, [name for call in own[INPUT] for name in call])
 
     def outputs(path: str) -> frozenset[str] | None:
-        """The layers that read the output of the module at ``path`` (every call's)."""
         if not path:
             return None  # the model's output: its readers are the caller's
         parent, _, name = path.rpartition(".")

@@ -7,9 +7,7 @@
 - ``fuse`` (``DROPIT_FUSE``, default off): under ``torch.compile``, quant packs and ReLU masks as
   plain torch ops that Inductor fuses (read while tracing: set it before the first compiled call).
 
-:func:`reset_settings` reads the environment again; :func:`configure` changes fields in code (it
-returns the settings it replaced) and :func:`override_settings` for a ``with`` block. Every path
-asks :func:`current`, so a change takes effect at the next layer.
+Every path asks :func:`current`, so a change (:func:`configure`) takes effect at the next layer.
 """
 
 from __future__ import annotations
@@ -72,7 +70,6 @@ _current = Settings.from_environment()
 
 
 def current() -> Settings:
-    """The settings in force."""
     return _current
 
 

@@ -5,7 +5,7 @@ faster implementations, ``triton`` and ``native`` (the CPU's C loops), each with
 the tensor; :func:`choose` picks by the settings (:mod:`dropit_core.settings`), the tensor's
 device and dtype, and the backends the op's own setting allows (:func:`quant_backends`). Every
 implementation writes the same bytes. No sync and no environment read per call: every layer asks,
-on each pack and rebuild (host time). :func:`fused` says whether a traced pack is plain torch ops.
+on each pack and rebuild (host time).
 """
 
 from __future__ import annotations

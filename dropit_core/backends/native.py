@@ -5,9 +5,8 @@ Each of quant's pack and rebuild and the ReLU mask's pack and apply is one C cal
 value once, where eager torch makes a pass over memory per operation; the loops compute the eager
 path's fp32 operations in the same order (no fused multiply-add), so their bytes are eager's.
 Built on first use with ``$CC`` into ``$DROPIT_CACHE_DIR`` (default ``~/.cache/dropit_core``),
-loaded with ctypes; where no compiler works, one warning and the eager path. A call over at least
-:data:`PARALLEL_MIN` values per thread is split into ranges of whole groups (or flag bytes) run
-on up to ``torch.get_num_threads()`` threads; the bytes do not depend on it.
+loaded with ctypes; where no compiler works, one warning and the eager path. A large call is split
+over threads (:data:`PARALLEL_MIN`); the bytes do not depend on it.
 """
 
 from __future__ import annotations

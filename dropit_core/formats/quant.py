@@ -13,9 +13,8 @@ tensors, in this order in :class:`dropit_core.formats.packed.Packed` (``values, 
 - ``mins``: fp32[groups], the group's minimum.
 
 Code of element ``i``: ``floor(min((x - min) / step + u_i, 2**bits - 1))``, ``u_i`` its draw,
-:func:`dropit_core.formats.seeds.hash_bits` ``(seed, i) * 2**-24``: ``(mix32(i mod 4096 + k0) ^
-mix32(i >> 12 + k1)) >> 8``, ``(k0, k1) = seeds.hash_keys(seed)``; the constants are seeds.py's.
-Rebuilt: ``code * step + min`` in fp32, then cast to ``dtype``. No fused multiply-add anywhere.
+:func:`dropit_core.formats.seeds.hash_bits` ``(seed, i) * 2**-24``. Rebuilt: ``code * step + min``
+in fp32, then cast to ``dtype``. No fused multiply-add anywhere.
 
 The C loops and the Triton kernels are tested byte for byte against this module; the fused
 traced pack is :func:`quantize` itself.

@@ -1,7 +1,5 @@
-"""The input cache of a DropIT layer: it packs the layer's input with the layer's strategy, shares
-a pack between the layers fed one tensor, and keys each pack's draws (also as a device table, for a
-CUDA graph's replay). A layer's Function keeps its pack (:func:`keep_packed`) and reads it back
-(:func:`kept_packed`, :class:`Rebuilt`).
+"""A DropIT layer's input cache (:class:`InputCache`; its draws as device data, :class:`KeyTable`);
+a layer's Function keeps its pack (:func:`keep_packed`) and reads it back (:func:`kept_packed`).
 """
 
 from __future__ import annotations
@@ -157,12 +155,10 @@ class InputCache:
         return strategy.reads_through_cast and strategy.rescale == "none"
 
     def unpack(self, packed: Packed) -> torch.Tensor:
-        """Rebuild the dense (dropped) input."""
         return self.strategy.unpack(packed)
 
     def unpack_part(self, packed: Packed, start: int, stop: int) -> torch.Tensor | None:
-        """Elements ``[start, stop)`` of the flat rebuilt input, or None where the strategy
-        cannot rebuild them alone (``Strategy.unpack_part``)."""
+        """``Strategy.unpack_part``: elements ``[start, stop)`` of the rebuilt input, or None."""
         return self.strategy.unpack_part(packed, start, stop)
 
     # A copy starts with no packs and no casts, at the same place in the random streams.
@@ -194,7 +190,6 @@ class KeyTable:
         self.fresh = self.read
 
     def row(self, position: int, device: torch.device) -> torch.Tensor:
-        """Row ``position`` of the table on ``device`` (a view)."""
         table = self.table
         if table is None or table.device != device or position >= len(table):
             # Sized once, before a graph records (its first forwards run eagerly): a table
@@ -285,7 +280,6 @@ class Rebuilt:
         self._batch: torch.Tensor | None = None
 
     def read_whole(self) -> torch.Tensor:
-        """One rebuild of the whole input."""
         return self.cache.unpack(self.packed)
 
     def read_part(self, start: int, stop: int) -> torch.Tensor | None:
@@ -293,11 +287,9 @@ class Rebuilt:
         return self.cache.unpack_part(self.packed, start, stop)
 
     def whole(self) -> torch.Tensor:
-        """The whole rebuilt input."""
         return self.read_whole() if self._batch is None else self._batch
 
     def images(self, i: int, j: int) -> torch.Tensor:
-        """Images ``[i, j)`` of the rebuilt input."""
         if self._batch is None:
             per_image = math.prod(self.shape[1:])
             part = self.read_part(i * per_image, j * per_image)

@@ -1,7 +1,5 @@
-"""What a DropIT conv or linear layer hands its op: its weight and bias where its call is a
-training step (:class:`WeightLayer`), cast as autocast would cast them, one copy per forward
-for a layer called many times (:class:`ParamCasts`, which the layer's input cache holds), and the
-dtype the op casts its input to (:func:`autocast_inputs`).
+"""What a DropIT conv or linear layer hands its op: its weight and bias where its call trains
+(:class:`WeightLayer`), cast as autocast casts them (:func:`autocast_inputs`, :class:`ParamCasts`).
 """
 
 from __future__ import annotations

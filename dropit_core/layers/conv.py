@@ -45,8 +45,7 @@ CHUNK_BYTES: dict[str, int] = {"cpu": 8 << 20, "accelerator": 64 << 20}
 
 
 def images_per_chunk(batch: int, image_bytes: int, device: torch.device) -> int:
-    """How many images of ``image_bytes`` each a backward's chunk takes on ``device``: as many
-    as its CHUNK_BYTES holds, at least one, at most the batch."""
+    """Images of ``image_bytes`` a backward's chunk on ``device`` takes: 1 to ``batch``."""
     budget = CHUNK_BYTES["cpu" if device.type == "cpu" else "accelerator"]
     return max(1, min(batch, budget // max(image_bytes, 1)))
 
@@ -78,8 +77,7 @@ def conv_grads(
 ) -> Grads:
     """(input, weight, bias gradients) of a DropIT conv, the one body of the Function's backward
     and the traced operator's. ``rebuilt`` reads the packed input (None: the weight does not
-    train). A large input (SPLIT_BYTES) has the weight's (and bias's) made first, over chunks of
-    images, then the input gradient, bit for bit the joint call's."""
+    train). A large input (SPLIT_BYTES) has them made in turn, bit for bit the joint call's."""
     need_x, need_w, need_b = needs[:3]
     need_w = need_w and rebuilt is not None
     out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
@@ -190,9 +188,6 @@ def _traced(x, weight, bias, fields, cache: int, args: ConvArgs) -> Tensor:
     # the operator takes lists (a module's tuples, as eager aten takes them, are lists here)
     lists = [list(a) if isinstance(a, tuple) else a for a in args]
     return torch.ops.dropit.conv(x, weight, bias, fields, *lists, cache)
-
-
-# The modules --------------------------------------------------------------------------------
 
 
 class DropITConv2d(WeightLayer, nn.Conv2d):

@@ -1,7 +1,6 @@
 """The DropIT layers while compiling (docs/dropit.md, "Under torch.compile"): the ``torch.library``
-operators they share, ``dropit::pack`` (the eager strategy code, drawn with ``dropit::draw``: the
-cache's next key, as device data) and ``dropit::unpack``, and how a conv or linear layer runs its
-Function eagerly (:func:`eager`) and its traced operator while compiling (:func:`compiled`).
+operators they share (``dropit::pack``, ``dropit::draw``, ``dropit::unpack``, :func:`layer_op`) and
+a conv or linear layer's call (:func:`run`).
 
 Dynamo cannot trace the Functions (packs shared through Python state on tensors, seeds up to
 2**64): each layer calls an opaque operator of its own, with a fake and an autograd formula (its

@@ -1,7 +1,6 @@
 """The ReLU that keeps a 1-bit mask of its output instead of the output: its module, its autograd
-Function, the forward and backward bodies (the mask through the Triton kernels, the C loops or
-eager torch, as :func:`dropit_core.backends.dispatch.choose` says), and its traced operators
-``dropit::relu_mask`` and ``dropit::relu_mask_grad``, or under ``DROPIT_FUSE`` plain torch ops.
+Function, the forward and backward bodies, its traced operators, or under ``DROPIT_FUSE`` plain
+torch ops.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The one list of strategies, ``REGISTRY``, and ``build_strategy``.
 
-Every strategy packs a layer input ``x`` into a :class:`~dropit_core.formats.packed.Packed`
-(:meth:`Strategy.pack`) and rebuilds a dense tensor of ``x``'s shape from it in backward
-(:meth:`Strategy.unpack`); dropped elements come back as zeros (pooling: as block means). What
-each keeps and what it costs: its ``keeps`` and ``cache_bytes``, tabled in docs/dropit.md.
+Dropped elements rebuild as zeros (pooling: as block means); what each strategy keeps and costs,
+its ``keeps`` and ``cache_bytes``, is tabled in docs/dropit.md.
 
 Layouts: ``"conv"`` inputs are ``(..., H, W)``; a *plane* is one ``H x W`` map of one sample
 and channel. ``"linear"`` inputs are ``(..., F)``, seen as an ``R x F`` matrix; a *channel* is

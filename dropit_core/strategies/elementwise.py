@@ -48,8 +48,7 @@ CAPACITY_SLACK = 64
 
 
 def fixed_capacity(device: torch.device) -> bool:
-    """Whether packs on ``device`` are sized from the shape instead of their kept count: on an
-    accelerator, reading a count would make the host wait for the device, once per layer."""
+    """Whether packs on ``device`` are sized from the shape: on an accelerator (no host wait)."""
     return device.type != "cpu"
 
 
@@ -97,9 +96,7 @@ class Elementwise(Strategy):
     exact_capacity = False
     # True: integer value codes never code a non-zero kept value as 0 (its sign is kept)
     signed_values = False
-    # What the class allows besides eager torch (dispatch.choose's ``allowed``): the Triton
-    # kernels pack where it states its rule in their terms (_kernel_rule), and rebuild where they
-    # need no rule (a stored mask) or it states one.
+    # Besides eager torch (dispatch.choose's ``allowed``): the kernels where _kernel_rule is stated
     pack_backends: tuple[str, ...] = ()
     positions = POSITIONS[0]  # the option, where the class takes it
 

@@ -45,7 +45,6 @@ class _TieBudget:
         self.value, self.left = kth
 
     def mask(self, piece: torch.Tensor) -> torch.Tensor:
-        """Which elements of the next slice to keep."""
         a = piece.abs()
         tie = a == self.value
         rank = torch.cumsum(tie, 0, dtype=torch.int32)  # 1-based among this slice's ties

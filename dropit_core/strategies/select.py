@@ -134,8 +134,7 @@ class Superset(NamedTuple):
 
 
 def select_superset(flat: torch.Tensor, k: int, slice_len: int) -> Superset:
-    """Bracket the k-th largest ``|flat|``, gather the values at or above the bracket slice by
-    slice, and find the exact k-th value among them (the CPU path: host-side counts)."""
+    """The CPU path of the module's docstring (host-side counts): the k-th value and superset."""
     b = bracket(flat, k)
     values = [
         compact_bits(flat[i * slice_len : (i + 1) * slice_len], pack_bits(a >= b.lo))
