@@ -114,14 +114,11 @@ def to_dropit(
     strict: bool = True,
     **settings: Any,
 ) -> M:
-    """Convert matching conv/linear layers to DropIT, in place, and return ``model``. ``args`` and
-    ``settings``: :func:`~dropit_core.rules.check_rules`'s after ``rules`` (``strategy="mink",
-    gamma=0.8, include=("*",), exclude=(), relu=True, norm=False, pool=False``, then the
-    strategy's options). With ``relu`` also the ReLUs whose 1-bit mask frees their output
-    (``"all"``: every one selected), with ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm, with
-    ``pool`` MaxPool2d. ``include``/``exclude``: fnmatch patterns on module paths (one that
-    matches nothing is an error unless ``strict=False``); ``rules``: per-group settings
-    (:mod:`dropit_core.rules`). docs/dropit.md, "Which modules convert", says the rest.
+    """Convert matching conv/linear layers to DropIT, in place, and return ``model``; ``args`` and
+    ``settings`` as :func:`~dropit_core.rules.check_rules` takes them after ``rules``. With ``relu``
+    also the ReLUs whose 1-bit mask frees their output (``"all"``: every one selected), with
+    ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm, with ``pool`` MaxPool2d. A pattern that
+    matches no module is an error unless ``strict=False``; docs/dropit.md says the rest.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"to_dropit takes an nn.Module, got {type(model).__name__}")

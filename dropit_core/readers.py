@@ -14,6 +14,7 @@ has a reader that keeps it whole (a needless mask costs 1 bit an element, a whol
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -117,33 +118,30 @@ def relu_readers(model: nn.Module, units: Collection[str] = ()) -> dict[str, Cal
     keeps their input, whatever is inside them)."""
     modules = dict(model.named_modules())
     units = frozenset(units)
-    flows: dict[str, Flow | None] = {}
 
+    @functools.cache
     def flow(path: str) -> Flow | None:
-        if path not in flows:
-            flows[path] = flow_of(modules[path])
-        return flows[path]
+        return flow_of(modules[path])
+
+    def calls(parent: str, name: str) -> tuple[tuple[str, ...], ...] | None:
+        own = flow(parent)  # per call of the child ``name`` (or INPUT), the names reading it
+        return None if own is None or name not in own else own[name]
 
     def child(parent: str, name: str) -> str:
         return f"{parent}.{name}" if parent else name
 
     def entries(path: str) -> frozenset[str] | None:
-        module = modules[path]
-        if path in units or next(module.children(), None) is None:
+        if path in units or next(modules[path].children(), None) is None:
             return frozenset((path,))
-        own = flow(path)
-        if own is None or INPUT not in own:
-            return None
-        return gather(path, [name for call in own[INPUT] for name in call])
+        inputs = calls(path, INPUT)
+        return None if inputs is None else gather(path, [n for call in inputs for n in call])
 
     def outputs(path: str) -> frozenset[str] | None:
         if not path:
             return None  # the model's output: its readers are the caller's
         parent, _, name = path.rpartition(".")
-        own = flow(parent)
-        if own is None or name not in own:
-            return None
-        return gather(parent, [reader for call in own[name] for reader in call])
+        readers = calls(parent, name)
+        return None if readers is None else gather(parent, [r for call in readers for r in call])
 
     def gather(parent: str, names: list[str]) -> frozenset[str] | None:
         found: set[str] = set()
@@ -164,11 +162,8 @@ def relu_readers(model: nn.Module, units: Collection[str] = ()) -> dict[str, Cal
         if not path or not isinstance(module, nn.ReLU):
             continue
         parent, _, name = path.rpartition(".")
-        own = flow(parent)
-        if own is None or name not in own:
-            result[path] = None
-        else:
-            result[path] = tuple(gather(parent, list(call)) for call in own[name])
+        readers = calls(parent, name)
+        result[path] = None if readers is None else tuple(gather(parent, list(c)) for c in readers)
     return result
 
 

@@ -127,8 +127,7 @@ def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
 
 
 def uncheckpoint_modules(model: nn.Module) -> list[str]:
-    """Turn every checkpointed unit of ``model`` back into its plain class, in place; returns
-    their paths."""
+    """Turn ``model``'s checkpointed units back into their plain classes; returns their paths."""
     restored = []
     for path, module in model.named_modules():
         if is_checkpointed(module):

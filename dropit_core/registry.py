@@ -64,8 +64,7 @@ def _literal(value: Any) -> str:
 
 
 class Registry:
-    """The strategies, in the order users see them, each with its own options plus the
-    options every strategy takes (``common``)."""
+    """The strategies in the order users see them, each with its options and the ``common`` ones."""
 
     def __init__(self, strategies: Sequence[type], common: Sequence[Option]) -> None:
         self._classes: dict[str, type] = {}

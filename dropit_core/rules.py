@@ -28,8 +28,7 @@ RELU_ALL = "all"
 
 @dataclass(frozen=True)
 class Rule:
-    """One checked rule: its patterns (the call's exclude included), its settings as given, and
-    the strategy they build."""
+    """One checked rule: its patterns (the call's exclude included), settings and built strategy."""
 
     index: int | None  # its place in ``rules``; None for to_dropit's own arguments
     include: tuple[str, ...]
@@ -48,15 +47,9 @@ class Rule:
 
 
 def check_options(
-    strategy: str,
-    gamma: float,
-    relu: bool | str = True,
-    norm: bool = False,
-    pool: bool = False,
-    **options: Any,
+    strategy: str, gamma: float, relu: bool | str, norm: bool, pool: bool, **options: Any
 ) -> Strategy:
-    """Validate what ``to_dropit`` takes besides the model and patterns (no model needed);
-    returns the built strategy."""
+    """Validate a rule's settings but its patterns (no model needed); returns the built strategy."""
     built = build_strategy(strategy, gamma, **options)
     if not (isinstance(relu, bool) or (isinstance(relu, str) and relu == RELU_ALL)):
         raise ValueError(

@@ -51,8 +51,7 @@ TABLE: dict[str, dict[str, Callable[[torch.Tensor], bool]]] = {
 
 
 def choose(op: str, t: torch.Tensor, allowed: tuple[str, ...] = FAST) -> str:
-    """``"triton"``, ``"native"`` or ``"eager"``: what runs ``op`` on ``t``, among the backends
-    ``allowed`` by the op's setting, by :data:`TABLE` and the settings."""
+    """``"triton"``, ``"native"`` or ``"eager"``: what runs ``op`` on ``t``, of the ``allowed``."""
     mode = settings.current()
     kernels = mode.kernels
     if kernels == "eager":
@@ -90,8 +89,7 @@ def quant_backends(bits: int, group: int, signs: bool = False) -> tuple[str, ...
 
 
 def fused(allowed: bool = True) -> bool:
-    """While compiling: whether a pack or ReLU mask that ``allowed`` it is plain torch ops that
-    Inductor fuses (``settings.fuse``), rather than an opaque operator."""
+    """While compiling: whether a pack or mask that ``allowed`` it is fused torch ops (``fuse``)."""
     return allowed and settings.current().fuse
 
 

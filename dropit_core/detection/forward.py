@@ -188,8 +188,7 @@ class _ReadersInputGrad(torch.autograd.Function):
 
 
 class LeanGeneralizedRCNN(GeneralizedRCNN):
-    """torchvision's R-CNN wrapper; its forward hands the pyramid to the heads, whose last pooler
-    lets it go."""
+    """torchvision's R-CNN wrapper; it hands the pyramid to the heads (the last pooler drops it)."""
 
     def forward(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None):
         if self.training:

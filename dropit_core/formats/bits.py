@@ -29,8 +29,7 @@ def pack_low_bits(values: torch.Tensor, bits: int, out: torch.Tensor | None = No
 
 
 def pack_bits(mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack a flat bool tensor into uint8, 8 flags per byte (little-endian bit order); ``out``:
-    the bytes' buffer (a slice of a pack's final one)."""
+    """Pack a flat bool tensor into uint8, 8 flags per byte, little-endian (``out``: the buffer)."""
     return pack_low_bits(mask.view(torch.uint8), 1, out)
 
 

@@ -50,8 +50,7 @@ def mix_part(state: int, part: int | torch.Tensor) -> int | torch.Tensor:
 
 
 def seed_of(state: int | torch.Tensor) -> int | torch.Tensor:
-    """The seed in [0, 2**62) of a 64-bit state (``mix_seed``'s last step), of an int or of each
-    element of an int64 tensor."""
+    """The seed in [0, 2**62) of a 64-bit state (``mix_seed``'s last step), of an int or tensor."""
     return state >> 2 & (1 << 62) - 1
 
 

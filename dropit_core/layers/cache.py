@@ -115,8 +115,7 @@ class InputCache:
         self.strategy.remember_draws(keys)
 
     def key_at(self, position: int | torch.Tensor) -> int | torch.Tensor:
-        """mix_seed(rank, stream, step, position), the first three folded in set_step; of each
-        position of an int64 tensor of them, as a tensor."""
+        """``mix_seed(rank, stream, step, position)`` (three folded in set_step), int or tensor."""
         return seed_of(mix_part(self._prefix, position))
 
     def pack(

@@ -139,8 +139,7 @@ class TracedRebuilt(Rebuilt):
 
 
 def rebuilt(ctx, fields: list[Tensor]) -> TracedRebuilt | None:
-    """A traced backward's reader of the pack ``fields`` (None: no pack) of the input whose shape
-    and dtype its setup kept."""
+    """A traced backward's reader of the pack ``fields`` (None: no pack) of ``ctx``'s input."""
     return TracedRebuilt(ctx.x_shape, ctx.cache, fields, ctx.x_dtype) if fields else None
 
 
@@ -176,8 +175,7 @@ _behind_break = torch.compiler.disable(eager)
 
 
 def run(function, traced, layout: str, x: Tensor, weight, bias, cache: InputCache, *args) -> Tensor:
-    """A conv or linear layer's DropIT call: eagerly its autograd ``function`` (:func:`eager`),
-    while compiling :func:`compiled`."""
+    """A conv or linear layer's DropIT call: :func:`eager`, or :func:`compiled` while compiling."""
     if torch.compiler.is_compiling():
         return compiled(function, traced, layout, x, weight, bias, cache, *args)
     return eager(function, x, weight, bias, cache, *args)

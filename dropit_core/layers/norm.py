@@ -262,8 +262,7 @@ batch_norm_op.register_autograd(_batch_norm_backward, setup_context=_batch_norm_
 
 
 def batch_norm(x, weight, bias, running_mean, running_var, momentum, eps, cache) -> Tensor:
-    """The traced form of ``_BatchNormFunction.apply`` (running statistics updated alike), its
-    arguments typed by ``dropit::batch_norm``."""
+    """The traced ``_BatchNormFunction.apply`` (running statistics alike), typed by its operator."""
     fields = library.pack(cache, x, "conv", x.dtype)
     out, _, _, _, new_mean, new_var = torch.ops.dropit.batch_norm(
         x, weight, bias, running_mean, running_var, fields, momentum, eps, cache.number

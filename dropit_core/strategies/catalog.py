@@ -41,8 +41,7 @@ STRATEGIES: tuple[str, ...] = REGISTRY.names
 
 
 def build_strategy(name: str | type, gamma: float, **options: Any) -> Strategy:
-    """Validate a strategy (a registered name, or a strategy class), gamma and options against
-    ``REGISTRY``; return the strategy."""
+    """Validate a strategy (a registered name or class), gamma and options; return the strategy."""
     cls = REGISTRY.get(name)
     name = cls.name
     if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):  # numpy floats too

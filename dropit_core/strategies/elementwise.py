@@ -1,12 +1,9 @@
 """The slice-by-slice pack and rebuild shared by the strategies that keep single elements: a
 1-bit position mask (or a mask drawn again from a seed) plus the kept values, in flat order.
 
-The values' buffer is sized to the kept count on the CPU (read on the host, free there), and from
-the shape on an accelerator (:func:`fixed_capacity`), so that the host never waits: a pack that
-chooses more than its capacity stores the first ones, masks exactly those and counts the rest in
-``Packed.dropped`` (docs/dropit.md, "What a layer stores"). Where dispatch gives it the Triton
-kernels, a strategy that states its choice as a :class:`KeepRule` packs and rebuilds there, the
-same fixed-capacity bytes.
+The values' buffer is sized to the kept count on the CPU, and from the shape on an accelerator
+(:func:`fixed_capacity`): a pack that chooses more than its capacity stores the first ones, masks
+exactly those and counts the rest in ``Packed.dropped`` (docs/dropit.md, "What a layer stores").
 """
 
 from __future__ import annotations
@@ -105,8 +102,7 @@ class Elementwise(Strategy):
         cls.pack_backends = ("triton",) if cls._kernel_rule is not Elementwise._kernel_rule else ()
 
     def capacity(self, n: int) -> int:
-        """Value slots of a pack of n elements sized from the shape (on an accelerator); by
-        default n, which always holds them."""
+        """Value slots of a pack of n elements sized from the shape; by default n (all of them)."""
         return n
 
     def _begin(self, flat: torch.Tensor, static: bool, key: int) -> Any:

@@ -1,9 +1,7 @@
 """The element-wise packs' compaction and rebuild in Triton, the eager fixed-capacity path's bytes
 (:mod:`dropit_core.strategies.elementwise`): a count of each block's kept elements (its
 :class:`~dropit_core.formats.keep_rule.KeepRule`), their exclusive cumulative sum on the device,
-and one launch writing each block's values at those offsets with its mask; the rebuild the same
-way. No size depends on the data: a pack stores at most its capacity and returns how many its
-rule chose.
+and one launch writing each block's values at those offsets with its mask; the rebuild alike.
 """
 
 from __future__ import annotations

@@ -102,8 +102,7 @@ def quant_pack(
     block: int = PACK_BLOCK,
     cast: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, mins, scales) of a flat float tensor, one launch: reads the input once, writes
-    ``bits / 8`` bytes of codes and ``8 / group`` of minima and steps per element. ``block``
+    """(codes, mins, scales) of a flat float tensor, one launch reading the input once; ``block``
     changes no byte. ``cast`` (fp16 or bf16): the pack of ``flat.to(cast)``, rounded in registers.
     """
     _check_pack(flat, bits, group, cast)
@@ -257,8 +256,7 @@ def quant_rebuild(
     check: bool = True,
 ) -> torch.Tensor:
     """The ``dtype`` tensor of n values (flat, or of ``shape``) a quant pack rebuilds to, one
-    launch: reads ``bits / 8`` bytes of codes and ``8 / group`` of minima and steps, writes the
-    output once. ``signs``: :func:`quant_pack_signed`'s (zero, negative) flags, restored as
+    launch. ``signs``: :func:`quant_pack_signed`'s (zero, negative) flags, restored as
     ``strategies.quant.unpack_signed`` does. ``check=False``: no argument checks (host time).
     """
     if check:
