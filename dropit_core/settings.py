@@ -19,11 +19,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 KERNELS = ("auto", "triton", "eager")
-ENVIRONMENT = {
-    "kernels": "DROPIT_KERNELS",
-    "native": "DROPIT_NATIVE",
-    "fuse": "DROPIT_FUSE",
-}
 _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
@@ -66,6 +61,7 @@ class Settings:
         return self.native and self.kernels == "auto"
 
 
+ENVIRONMENT = {f.name: f"DROPIT_{f.name.upper()}" for f in dataclasses.fields(Settings)}
 _current = Settings.from_environment()
 
 
