@@ -64,8 +64,7 @@ def batch_norm_grads(
     eps: float,
     needs: Sequence[bool],
 ) -> Grads:
-    """(input, weight, bias gradients) of training-mode batch norm from its rebuilt input, for
-    the Function and the traced operator. ``stats``: (mean, invstd, reserve or None)."""
+    """(input, weight, bias gradients) of training-mode batch norm from its rebuilt input."""
     mean, invstd, reserve = stats
     need = list(needs[:3])
     grad = grad.contiguous()
@@ -204,9 +203,6 @@ class DropITGroupNorm(_NormLayer, nn.GroupNorm):
             x = x.float()
         run = group_norm if _traced(self.dropit_cache) else _GroupNormFunction.apply
         return run(x, self.weight, self.bias, self.num_groups, self.eps, self.dropit_cache)
-
-
-# The traced operators (torch.compile: dropit_core.layers.library) ---------------------------
 
 
 @torch.library.custom_op("dropit::batch_norm", mutates_args=())

@@ -51,12 +51,8 @@ def relu_mask_grad(grad: Tensor, bits: Tensor) -> Tensor:
     return native.relu_apply(grad, bits) if way == "native" else zero_flagged_sliced(grad, bits)
 
 
-# The traced operators (torch.compile: dropit_core.layers.library) ---------------------------
-
-
 @torch.library.custom_op("dropit::relu_mask", mutates_args=())
 def relu_mask_op(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(relu(x), the packed flags of ``relu(x) <= 0``), as ``MaskedReLUFunction`` keeps them."""
     return relu_and_mask(x, False)
 
 
@@ -65,15 +61,8 @@ def _(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x), x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
 
 
-@torch.library.custom_op("dropit::relu_mask_grad", mutates_args=())
-def relu_mask_grad_op(grad: Tensor, bits: Tensor) -> Tensor:
-    """The ReLU's input gradient from its output gradient and mask."""
-    return relu_mask_grad(grad, bits)
-
-
-@relu_mask_grad_op.register_fake
-def _(grad: Tensor, bits: Tensor) -> Tensor:
-    return torch.empty_like(grad)
+relu_grad_op = torch.library.custom_op("dropit::relu_mask_grad", relu_mask_grad, mutates_args=())
+relu_grad_op.register_fake(lambda grad, bits: torch.empty_like(grad))
 
 
 def _relu_setup(ctx, inputs, output) -> None:
