@@ -1,7 +1,6 @@
-"""The DropIT convolution, plain and transposed: its module, its autograd Function (what runs
-eagerly) with the chunked backward that rebuilds the input, and its traced operator
-``dropit::conv``, whose backward is the Function's body, :func:`conv_grads`. The output and the
-input and bias gradients are the plain op's; only the weight gradient reads the rebuilt input.
+"""The DropIT convolution, plain and transposed (the parts the package names; the backward body
+:func:`conv_grads`, chunked for a large input). The output and the input and bias gradients are
+the plain op's; only the weight gradient reads the rebuilt input.
 """
 
 from __future__ import annotations
@@ -75,9 +74,8 @@ def conv_grads(
     needs: Sequence[bool],
     rebuilt: Rebuilt | None,
 ) -> Grads:
-    """(input, weight, bias gradients) of a DropIT conv, the one body of the Function's backward
-    and the traced operator's. ``rebuilt`` reads the packed input (None: the weight does not
-    train). A large input (SPLIT_BYTES) has them made in turn, bit for bit the joint call's."""
+    """(input, weight, bias gradients) of a DropIT conv; ``rebuilt`` reads the packed input (None:
+    the weight does not train). A large input (SPLIT_BYTES) has them made in turn, bit for bit."""
     need_x, need_w, need_b = needs[:3]
     need_w = need_w and rebuilt is not None
     out_channels = weight.shape[1] * args.groups if args.transposed else weight.shape[0]
@@ -153,9 +151,6 @@ def _weight_grad_by_images(
     return gw.to(weight.dtype), (None if gb is None else gb.to(weight.dtype))
 
 
-# The traced operator (torch.compile: dropit_core.layers.library) ----------------------------
-
-
 def _convolution(
     x: Tensor,
     weight: Tensor,
@@ -197,27 +192,16 @@ class DropITConv2d(WeightLayer, nn.Conv2d):
         if x.dim() == 3:  # an unbatched (C, H, W) input, as nn.Conv2d takes
             return self.dropit_forward(x.unsqueeze(0), weight, bias).squeeze(0)
         padding = self.padding
-        if self.padding_mode != "zeros":
-            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+        if self.padding_mode != "zeros" or padding == "same":  # the pads nn.Conv2d worked out
+            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+            x, padding = F.pad(x, self._reversed_padding_repeated_twice, mode=mode), (0, 0)
+        elif padding == "valid":
             padding = (0, 0)
-        elif isinstance(padding, str):
-            x, padding = _explicit_padding(x, padding, self.kernel_size, self.dilation), (0, 0)
         # The module's tuples as they are (a list of each per call was host time)
         args = ConvArgs(self.stride, padding, self.dilation, False, (0, 0), self.groups)
         return library.run(
             DropITConvFunction, _traced, "conv", x, weight, bias, self.dropit_cache, args
         )
-
-
-def _explicit_padding(x, padding: str, kernel_size, dilation) -> Tensor:
-    """``x`` padded as a ``"same"`` or ``"valid"`` conv pads it."""
-    if padding == "valid":
-        return x
-    pads = []
-    for k, d in zip(reversed(kernel_size), reversed(dilation), strict=True):
-        total = d * (k - 1)
-        pads += [total // 2, total - total // 2]
-    return F.pad(x, pads)
 
 
 class DropITConvTranspose2d(WeightLayer, nn.ConvTranspose2d):
