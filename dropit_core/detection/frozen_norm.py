@@ -22,14 +22,10 @@ class FrozenBatchNorm2d(nn.Module):
         for name, fill in zip(_BUFFERS, (1.0, 0.0, 0.0, 1.0), strict=True):  # torchvision's init
             self.register_buffer(name, torch.full((num_features,), fill))
 
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ) -> None:
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
         # ImageNet files of BatchNorm models carry a counter a frozen norm has no use for
         state_dict.pop(prefix + "num_batches_tracked", None)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x * scale + bias`` per channel in ``x``'s dtype; scale and bias are torchvision's fp32
