@@ -39,7 +39,6 @@ KEY_BLOCK, MAX_KEY_BLOCK = 32, 4096
 
 
 def cache_by_number(number: int) -> InputCache:
-    """The live :class:`InputCache` numbered ``number`` (its ``number`` attribute)."""
     cache = _CACHES.get(number)
     if cache is None:
         raise RuntimeError(f"DropIT: the input cache #{number} of a compiled graph is gone")
@@ -148,11 +147,6 @@ class InputCache:
         with a new draw, even without ``set_step``."""
         self._forward = next(_FORWARDS)
 
-    def reads_through_cast(self) -> bool:
-        """Whether a pack of an autocast input is made from the uncast tensor."""
-        strategy = self.strategy
-        return strategy.reads_through_cast and strategy.rescale == "none"
-
     def unpack(self, packed: Packed) -> torch.Tensor:
         return self.strategy.unpack(packed)
 
@@ -254,7 +248,7 @@ def forward_and_pack(
     if not weight.requires_grad:
         keep_packed(ctx, cache, None, weight)
         return out
-    if used is not x and cache.reads_through_cast():
+    if used is not x and cache.strategy.packs_uncast():
         used = x
     keep_packed(ctx, cache, cache.pack(used, layout, x, dtype or used.dtype), weight)
     return out

@@ -17,8 +17,7 @@ from dropit_core.registry import Option
 def encoded(
     codec: ValueCodec, values: torch.Tensor, keep_sign: bool = False
 ) -> dict[str, torch.Tensor | None]:
-    """The ``values``/``scales`` fields of a pack whose kept values ``codec`` stores
-    (``keep_sign``: see :meth:`ValueCodec.encode`)."""
+    """The ``values``/``scales`` fields of a pack whose kept ``values`` ``codec`` encodes."""
     parts = codec.encode(values, keep_sign)
     return {"values": parts[0], "scales": parts[1] if len(parts) > 1 else None}
 
@@ -89,7 +88,7 @@ class Strategy:
         """Compress ``x`` (a ``"conv"`` or ``"linear"`` input), drawn with ``key``; ``dtype``: the
         layer's (autocast's), the pack of ``x.to(dtype)``."""
         cast = dtype is not None and dtype != x.dtype
-        if cast and self.reads_through_cast and self.rescale == RESCALES[0]:
+        if cast and self.packs_uncast():
             packed = self._pack_cast(x, layout, key, dtype)
         else:  # the norm below is the cast's
             x = x.to(dtype) if cast else x
@@ -97,6 +96,10 @@ class Strategy:
         if self.rescale == "norm":  # one more pass over x; the norm rides with the pack
             packed = packed._replace(norm=torch.linalg.vector_norm(x, dtype=torch.float32))
         return packed
+
+    def packs_uncast(self) -> bool:
+        """Whether a pack of ``x.to(dtype)`` is read from ``x`` itself (:meth:`_pack_cast`)."""
+        return self.reads_through_cast and self.rescale == RESCALES[0]
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         """Rebuild a dense tensor of the packed input's shape and dtype; with ``rescale="norm"``
