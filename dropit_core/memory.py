@@ -165,8 +165,7 @@ class PeakMeter:
     """The peak of one call on one device, what was alive when it began included: on CUDA the
     allocator's; on the CPU the bytes of ``held()`` plus the peak of torch's allocations over the
     call, from the profiler's memory events (which miss frees of blocks made before: the call
-    must not free what ``held()`` counted). ``mark()`` notes (alive, peak so far) in ``marks``.
-    """
+    must not free what ``held()`` counted)."""
 
     def __init__(
         self, device: torch.device | str, held: Callable[[], Iterable[torch.Tensor]] = tuple

@@ -46,11 +46,9 @@ class Option:
             raise ValueError(f"DropIT option {self.name}={value!r} is invalid: allowed {allowed}")
 
     def default_text(self) -> str:
-        """The default as the docs show it."""
         return self.default_doc if self.default_doc is not None else f"`{_literal(self.default)}`"
 
     def allowed_text(self) -> str:
-        """The allowed values or range as the docs show them."""
         if self.choices is not None:
             return ", ".join(f"`{_literal(c)}`" for c in self.choices)
         if self.minimum is not None:

@@ -84,11 +84,9 @@ class Packed(NamedTuple):
     dropped: torch.Tensor | None = None  # chosen values a fixed capacity could not hold (int64)
 
     def stored(self) -> tuple[torch.Tensor, ...]:
-        """The tensors this pack keeps."""
         return tuple(t for t in self[1:] if t is not None)
 
     def nbytes(self) -> int:
-        """Bytes of the tensors this pack keeps."""
         return sum(t.nbytes for t in self.stored())
 
 

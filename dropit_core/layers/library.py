@@ -65,7 +65,6 @@ def _(x: Tensor, keys: Tensor, cache: int, layout: str, dtype: torch.dtype) -> l
 
 @torch.library.custom_op("dropit::unpack", mutates_args=())
 def unpack_op(fields: list[Tensor], cache: int, shape: list[int], dtype: torch.dtype) -> Tensor:
-    """The input rebuilt from a traced pack's tensors."""
     owner = cache_by_number(cache)
     names = [name for name, _, _ in _static_fields(owner, tuple(shape), dtype)]
     packed = Packed(QuantMeta(tuple(shape), dtype), **dict(zip(names, fields, strict=True)))

@@ -41,8 +41,7 @@ def linear_grads(
     needs: Sequence[bool],
     rebuilt: Rebuilt | None,
 ) -> Grads:
-    """(input, weight, bias gradients) of a DropIT linear layer over any leading dims: the one
-    body of the autograd Function's backward and the traced operator's."""
+    """(input, weight, bias gradients) of a DropIT linear layer over any leading dims."""
     need_x, need_w, need_b = needs[:3]
     g2 = grad.reshape(-1, grad.shape[-1])
     gx = gw = gb = None

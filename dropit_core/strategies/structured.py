@@ -126,9 +126,8 @@ class BlockMinK(Strategy):
 
 
 class Pool(Strategy):
-    """Cache an f x f average pool of each plane; backward upsamples it (Barley & Froening). f
-    defaults to round(1/sqrt(1-gamma)), keeping about 1-gamma of the input (gamma=0.75 -> 2, 0.9
-    -> 3); linear inputs are pooled by f*f along the features."""
+    """Cache an f x f average pool of each plane; backward upsamples it (Barley & Froening). The
+    default f keeps about 1-gamma of the input (gamma=0.75 -> 2, 0.9 -> 3): see ``factor``."""
 
     name = "pool"
     options = (
