@@ -7,13 +7,3 @@
 - :mod:`.keep_rule`: which elements an element-wise pack keeps, for every backend.
 - :mod:`.values`: how sparse packs store their kept values (``same`` to ``int4``).
 """
-
-from dropit_core.formats.bits import (
-    bit_positions,
-    compact_bits,
-    pack_bits,
-    scatter_kept,
-    zero_flagged,
-)
-
-__all__ = ["bit_positions", "compact_bits", "pack_bits", "scatter_kept", "zero_flagged"]
