@@ -49,17 +49,10 @@ def relu_mask(
     n = src.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
     if n:
-        relu_mask_launch(src, out, bits)
+        relu_mask_kernel[(cdiv(n, RELU_BLOCK),)](
+            src, out, bits, n, BLOCK=RELU_BLOCK, KEEP_NEG_ZERO=not x.is_cuda
+        )
     return out, bits
-
-
-def relu_mask_launch(x: torch.Tensor, out: torch.Tensor, bits: torch.Tensor) -> None:
-    """Only :func:`relu_mask`'s launch, into buffers the caller made (contiguous, no checks):
-    what a launch costs the host in Triton's launcher (``tools/gpu_probe.py --what launch``)."""
-    n = x.numel()
-    relu_mask_kernel[(cdiv(n, RELU_BLOCK),)](
-        x, out, bits, n, BLOCK=RELU_BLOCK, KEEP_NEG_ZERO=not x.is_cuda
-    )
 
 
 @triton.jit
