@@ -6,7 +6,6 @@ hooks and ``state_dict()`` stay as they were, so optimizers, checkpoints and DDP
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -109,16 +108,23 @@ class DropITRecord(list):
 
 def to_dropit(
     model: M,
-    *args: Any,
+    strategy: str = "mink",
+    gamma: float = 0.8,
+    include: Sequence[str] = ("*",),
+    exclude: Sequence[str] = (),
+    relu: bool | str = True,
     rules: Sequence[Mapping[str, Any]] | None = None,
+    norm: bool = False,
+    pool: bool = False,
     strict: bool = True,
-    **settings: Any,
+    **options: Any,
 ) -> M:
-    """Convert matching conv/linear layers to DropIT, in place, and return ``model``; ``args`` and
-    ``settings`` as :func:`~dropit_core.rules.check_rules` takes them after ``rules``. With ``relu``
-    also the ReLUs whose 1-bit mask frees their output (``"all"``: every one selected), with
-    ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm, with ``pool`` MaxPool2d. A pattern that
-    matches no module is an error unless ``strict=False``; docs/dropit.md says the rest.
+    """Convert matching conv/linear layers to DropIT, in place, and return ``model``; with
+    ``relu`` also the ReLUs whose 1-bit mask frees their output (``"all"``: every one selected),
+    with ``norm`` BatchNorm2d, SyncBatchNorm and GroupNorm, with ``pool`` MaxPool2d.
+    ``include``/``exclude``: fnmatch patterns on module paths (one that matches nothing is an
+    error unless ``strict=False``); ``options``: the strategy's; ``rules``: per-group settings
+    (:mod:`dropit_core.rules`). docs/dropit.md, "Which modules convert", says the rest.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"to_dropit takes an nn.Module, got {type(model).__name__}")
@@ -129,14 +135,12 @@ def to_dropit(
             f"to_dropit converts the layers inside a model, not the model itself: wrap this "
             f"{type(model).__name__}, e.g. nn.Sequential(layer)"
         )
-    checked = check_rules(rules, *args, **settings)
-    given = inspect.signature(check_rules).bind(rules, *args, **settings)
-    given.apply_defaults()  # the call's exclude, which every rule's includes
+    checked = check_rules(rules, strategy, gamma, include, exclude, relu, norm, pool, **options)
     named = [(p, m) for p, m in model.named_modules() if p]
     already = [p for p, m in named if type(m) in _PLAIN_CLASS]
     if already:
         raise ValueError(f"model already has DropIT layers (e.g. {already[0]}); call from_dropit")
-    chosen = assign_layers(named, checked, tuple(given.arguments["exclude"]), _DROPIT_CLASS, strict)
+    chosen = assign_layers(named, checked, tuple(exclude), _DROPIT_CLASS, strict)
     # Under checkpointing a layer's forward runs twice and its saved tensors are dropped anyway:
     # leave the layers of checkpointed modules plain (the patterns were checked above).
     regions = [p for p, m in [("", model), *named] if is_checkpointed(m)]
