@@ -114,25 +114,23 @@ def graphed(p: GpuPass) -> list[str]:
     ]
 
 
+def _graphed_baseline(p: GpuPass) -> str | None:
+    return next((s for s in graphed(p) if s.startswith("baseline")), None)
+
+
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _quotient(a: Mapping | None, b: Mapping | None, n: int) -> tuple[float, float, float] | None:
-    """(median, lowest, highest) over the rounds of row ``a``'s step over row ``b``'s in the
-    same round at ``n`` images; None without both rows' rounds."""
+def _quotient(a: Mapping | None, b: Mapping | None, n: int) -> str:
+    """Row ``a``'s step over row ``b``'s in the same round at ``n`` images: the median over the
+    rounds, then the lowest and highest; "-" without both rows' rounds."""
     key = f"step_s_rounds_{n}img"
     if not a or not b or not a.get(key) or not b.get(key) or len(a[key]) != len(b[key]):
-        return None
-    ratios = [x / y for x, y in zip(a[key], b[key], strict=True)]
-    return statistics.median(ratios), min(ratios), max(ratios)
-
-
-def _spread(q: tuple[float, float, float] | None) -> str:
-    if q is None:
         return "-"
-    median, low, high = q
-    return f"{median:.2f}x" + ("" if low == high else f" ({low:.2f}-{high:.2f})")
+    ratios = [x / y for x, y in zip(a[key], b[key], strict=True)]
+    low, high = min(ratios), max(ratios)
+    return f"{statistics.median(ratios):.2f}x" + ("" if low == high else f" ({low:.2f}-{high:.2f})")
 
 
 def _step_cell(row: Mapping | None, n: int) -> str:
@@ -146,6 +144,12 @@ def _step_cell(row: Mapping | None, n: int) -> str:
 def _peak_ratio(a: Mapping | None, b: Mapping | None, n: int) -> float | None:
     key = f"peak_mb_{n}img"
     return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
+
+
+def _fewest_positives(records: Sequence[Mapping[str, Any]]) -> str:
+    """ ", 3.0 positive RoIs per image": the fewest any record counted ("" where none did)."""
+    counted = [v for r in records if (v := r.get("positive_rois_per_image")) is not None]
+    return f", {min(counted):.1f} positive RoIs per image" if counted else ""
 
 
 def _where(t: Mapping[str, Any]) -> str:
@@ -194,16 +198,8 @@ def table_lines(p: GpuPass) -> list[str]:
         else:
             peaks = [_x((rows[n] or {}).get(f"peak_ratio_{n}img")) for n in images]
             steps = [_step_cell(rows[n], n) for n in images]
-        launches = " / ".join(
-            "-" if (v := (rows[n] or {}).get(f"launches_per_step_{n}img")) is None else f"{v:.0f}"
-            for n in images
-        )
-        positives = " / ".join(
-            "-"
-            if (v := (rows[n] or {}).get(f"positive_rois_per_image_{n}img")) is None
-            else f"{v:.1f}"
-            for n in images
-        )
+        launches = _each_batch(rows, "launches_per_step", 0)
+        positives = _each_batch(rows, "positive_rois_per_image", 1)
         lines.append(
             f"| `{s}` | {' | '.join(peaks)} | {' | '.join(steps)} | {launches} | {positives} |"
         )
@@ -215,6 +211,12 @@ def table_lines(p: GpuPass) -> list[str]:
     if notes:
         lines += ["", "What the timing resolves: " + "; ".join(notes) + "."]
     return lines
+
+
+def _each_batch(rows: Mapping[int, Mapping | None], key: str, digits: int) -> str:
+    """A column's value at each batch size, "4012 / 3998"."""
+    values = [(row or {}).get(f"{key}_{n}img") for n, row in rows.items()]
+    return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
 
 
 def _size(bucket: Sequence[int]) -> str:
@@ -260,7 +262,7 @@ def _captures(p: GpuPass, setting: str) -> str:
 def graphed_lines(p: GpuPass) -> list[str]:
     """Each graphed setting against its eager twin and the graphed baseline, and its capture."""
     images = p.images
-    base_graphed = next((s for s in graphed(p) if s.startswith("baseline")), None)
+    base_graphed = _graphed_baseline(p)
     lines = _head(
         "graphed",
         [
@@ -271,17 +273,15 @@ def graphed_lines(p: GpuPass) -> list[str]:
         "capture per batch and bucket: first steps beyond steady ones",
     )
     for s in graphed(p):
-        cells = [_spread(_quotient(p.row(s, n), p.twin(s, n), n)) for n in images]
+        cells = [_quotient(p.row(s, n), p.twin(s, n), n) for n in images]
         for n in images:
             other = p.row(base_graphed, n) if base_graphed and s != base_graphed else None
-            cells.append(_spread(_quotient(p.row(s, n), other, n)))
+            cells.append(_quotient(p.row(s, n), other, n))
         cells += [_x(_peak_ratio(p.row(s, n), p.twin(s, n), n)) for n in images]
         lines.append(f"| `{s}` | {' | '.join(cells)} | {_captures(p, s)} |")
     if p.capture:
         c = p.capture
-        counted = [r.get("positive_rois_per_image") for r in c["captures"]]
-        counted = [v for v in counted if v is not None]
-        positives = f", {min(counted):.1f} positive RoIs per image" if counted else ""
+        positives = _fewest_positives(c["captures"])
         lines += ["", f"Capture: workload {c.get('workload', 'untrained')}{positives}."]
     return [*lines, *table_bucket_lines(p)]
 
@@ -373,8 +373,7 @@ def pair_lines(p: GpuPass) -> list[str]:
             f"loss term {c['largest_difference']:.3g})"
         )
 
-    counted = [r["positive_rois_per_image"] for r in d["runs"] if r.get("positive_rois_per_image")]
-    positives = f", {min(counted):.1f} positive RoIs per image" if counted else ""
+    positives = _fewest_positives([r for r in d["runs"] if r.get("positive_rois_per_image")])
     text = (
         f"`train.deterministic` ({d['config']}, {d['iters']} iterations, {d['device']}, AMP "
         f"{d['amp']}, workload {d.get('workload', 'its training data')}{positives}): two runs "
@@ -412,7 +411,7 @@ def verdict_lines(p: GpuPass | None) -> list[str]:
         return []
     gpu = p.head.get("gpu") or "no GPU"
     lines = []
-    base_graphed = next((s for s in graphed(p) if s.startswith("baseline")), None)
+    base_graphed = _graphed_baseline(p)
     for n in p.images:
         parts = []
         for s in graphed(p):
@@ -420,9 +419,9 @@ def verdict_lines(p: GpuPass | None) -> list[str]:
             if row is None:
                 continue
             twin = eager_twin(row, p.tables[n]["rows"])
-            text = f"`{s}` steps {_spread(_quotient(row, p.row(twin, n), n))} of eager `{twin}`"
+            text = f"`{s}` steps {_quotient(row, p.row(twin, n), n)} of eager `{twin}`"
             if base_graphed and s != base_graphed:
-                vs = _spread(_quotient(row, p.row(base_graphed, n), n))
+                vs = _quotient(row, p.row(base_graphed, n), n)
                 text += f", {vs} of `{base_graphed}`"
             text += f", at {_x(_peak_ratio(row, p.row(twin, n), n))} its peak"
             parts.append(text)

@@ -80,25 +80,21 @@ class Lease:
     def rows(self) -> dict[str, Mapping[str, Any]]:
         return {r["setting"]: r for r in self.table["rows"]}
 
-    @property
-    def date(self) -> str:
-        return LEASE_NAME.match(self.folder.name).group(2)
+
+def _date(folder: Path) -> str:
+    return LEASE_NAME.match(folder.name).group(2)
 
 
 def newest_lease(results: Path = RESULTS) -> Path | None:
     """The lease folder (``gpu_<gpu>_<date>``) with a GPU table and the latest date."""
-    leases = [
-        p
-        for p in results.iterdir()
-        if p.is_dir() and LEASE_NAME.match(p.name) and (p / "bench_gpu.json").is_file()
-    ]
-    return max(leases, key=lambda p: LEASE_NAME.match(p.name).group(2), default=None)
+    leases = [p for p in results.iterdir() if LEASE_NAME.match(p.name)]
+    return max((p for p in leases if (p / "bench_gpu.json").is_file()), key=_date, default=None)
 
 
 def newest_pass(results: Path = RESULTS) -> Path | None:
     """The lease folder with the first stages' graphed tables and the latest date."""
     found = [p for p in results.iterdir() if LEASE_NAME.match(p.name) and gpu_pass.has_pass(p)]
-    return max(found, key=lambda p: LEASE_NAME.match(p.name).group(2), default=None)
+    return max(found, key=_date, default=None)
 
 
 def lease_folder(gpu_name: str, date: str) -> Path:
@@ -144,7 +140,7 @@ def study_accuracy(plan_path: Path = PLAN) -> dict[str, str]:
     ("" for a setting the study has no pair for); empty without the study's runs."""
     from instruments.measure.study_plan import load_plan
     from instruments.measure.study_report import GOAL, found_runs
-    from instruments.report.seeded import baseline_of, paired_text
+    from instruments.report.seeded import baseline_runs, paired_text
     from instruments.report.verdict import family_diffs
 
     if not plan_path.is_file():
@@ -152,7 +148,7 @@ def study_accuracy(plan_path: Path = PLAN) -> dict[str, str]:
     runs = found_runs(load_plan(plan_path)).get(GOAL.regime, {})
     out = {}
     for setting, seeds in runs.items():
-        base = runs.get(baseline_of(setting, runs) or "", {})
+        base = baseline_runs(runs, setting)
         diffs = family_diffs(seeds, base)
         if any(d is None for d in diffs):
             continue
@@ -168,8 +164,8 @@ def _accuracy_cell(setting: str, accuracy: Mapping[str, str]) -> str:
     return "exact" if setting in EXACT else "not in the study"
 
 
-def _x(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}x"
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _gpu_ratio(row: Mapping[str, Any], base: Mapping[str, Any], key: str, n: int) -> float | None:
@@ -581,7 +577,7 @@ def gpu_status_block(lease: Lease | None, graphed: GpuPass | None = None) -> str
     if lease is None and graphed is None:
         return "Nothing has run on a GPU yet."
     folders = [x.folder for x in (lease, graphed) if x is not None]
-    newest = max(folders, key=lambda f: LEASE_NAME.match(f.name).group(2))
+    newest = max(folders, key=_date)
     t = lease.table if lease is not None and newest == lease.folder else graphed.head
     summary = newest / gpu_pass.SESSION_SUMMARY
     stages = gpu_pass.stages(summary.read_text()) if summary.is_file() else []
