@@ -73,11 +73,6 @@ class Variant:
         return Setting(self.label, tuple(overrides))
 
 
-def as_setting(item: Setting | Variant) -> Setting:
-    """A setting, whichever way it was written."""
-    return item.setting if isinstance(item, Variant) else item
-
-
 def plan_settings(plan: str | Path, names: Sequence[str]) -> list[Setting]:
     """The settings ``names`` of a study plan (its ``settings:`` overrides), in the given order."""
     from instruments.measure.study_plan import load_plan
@@ -163,7 +158,10 @@ def resolve_settings(
     of model building, so a bad override fails at once), the baseline's apart: its setting (the
     first given one whose config is ``base`` itself, e.g. the plan's ``baseline``; else one
     named so) and the settings left to compare with it."""
-    resolved = [(s, setting_config(base, s)) for s in map(as_setting, settings)]
+    resolved = [
+        (s, setting_config(base, s))
+        for s in (x.setting if isinstance(x, Variant) else x for x in settings)
+    ]
     for i, (setting, cfg) in enumerate(resolved):
         if cfg == base:
             return setting, [*resolved[:i], *resolved[i + 1 :]]
@@ -221,7 +219,6 @@ class Workload:
     name: str
     objects: int
     proposals_per_object: int
-    about: str
 
 
 # COCO train2017 holds 7.3 objects per image (860k instances in 118k images); a trained R50-FPN
@@ -229,27 +226,14 @@ class Workload:
 WORKLOADS = {
     w.name: w
     for w in (
-        Workload(
-            "trained",
-            7,
-            12,
-            "a trained detector's RoIs: 7 COCO-like objects per image (16 px to 0.6 of the "
-            "image, aspect 1:2 to 2:1), 12 trained-RPN proposals around each",
-        ),
-        Workload(
-            "cap",
-            7,
-            24,
-            "the sampler's cap: 7 objects per image with 24 proposals around each, more "
-            "positives than the sampler keeps (box_batch_size_per_image x 0.25 = 128)",
-        ),
-        Workload(
-            "untrained",
-            3,
-            0,
-            "an untrained detector (random weights, the RPN's proposals nowhere near): 3 fixed "
-            "boxes per image, whose ground truth is the heads' only positives",
-        ),
+        # a trained detector's RoIs: COCO-like objects (16 px to 0.6 of the image, aspect 1:2
+        # to 2:1), trained-RPN proposals around each
+        Workload("trained", 7, 12),
+        # the sampler's cap: more positives than it keeps (box_batch_size_per_image x 0.25)
+        Workload("cap", 7, 24),
+        # an untrained detector (random weights, the RPN's proposals nowhere near): 3 fixed
+        # boxes per image, whose ground truth is the heads' only positives
+        Workload("untrained", 3, 0),
     )
 }
 DEFAULT_WORKLOAD = "trained"
