@@ -4,7 +4,7 @@
 writes a list of records (:data:`METHOD_KEYS`, plus the provenance fields of :func:`provenance`
 in every record, so that rows of several runs can sit in one file and each still says where it
 comes from); ``tools/bench.py markdown FILE`` prints the Markdown table made from such a file, and
-``--into`` writes it into a document between :data:`BEGIN` and :data:`END`. The report of the
+``--into`` writes it into a document between the lines of :func:`markers`. The report of the
 accuracy study reads the same file, by the same keys.
 """
 
@@ -73,8 +73,6 @@ def markers(block: str = BLOCK, tool: str = "tools/bench.py markdown") -> tuple[
         f"<!-- end {block} -->",
     )
 
-
-BEGIN, END = markers()
 
 # The table's columns: (record key, header, decimals); None decimals: as it is.
 _COLUMNS: tuple[tuple[str, str, int | None], ...] = (
@@ -232,9 +230,8 @@ def methods_markdown(records: Sequence[Mapping[str, Any]]) -> str:
             runs.append(run)
     lines.append("")
     for run in runs:
-        base = next(
-            (r for r in records if r.get("setting") == "baseline" and _same_run(r, run)), None
-        )
+        same = (r for r in records if all(r.get(k) == v for k, v in run.items()))
+        base = next((r for r in same if r.get("setting") == "baseline"), None)
         setup = ""
         if base is not None:
             setup = (
@@ -261,22 +258,15 @@ def _workload(base: Mapping[str, Any]) -> str:
     return f"workload {name}, {_cell(base.get('positive_rois_per_image'), 1)} positive RoIs/image"
 
 
-# What each method is, in a few words: the results page's GPU rows name it (tools/results_page.py).
+# What each method is, in a few words: README's rows name it (tools/results_page.py).
 SUMMARY = {
     "quant_4bit": "4-bit stochastic rounding on every layer the paper converts (the study's pick)",
     "quant_2bit": "2-bit stochastic rounding, the same layers",
     "mink_0.8": "the paper's min-k at gamma 0.8 (biased: it always drops the small values)",
-    "importance_0.8": "importance-sampled min-k at 0.8 (unbiased)",
     "checkpoint_stages": "activation checkpointing of ResNet stages 2-4 (exact)",
     "checkpoint_stages_quant_4bit": "checkpointed stages 2-4 and 4-bit on the layers outside them",
     "accumulate_2": "gradient accumulation, two micro-batches (exact for frozen norms)",
-    "baseline_torchvision_bn": "torchvision's FrozenBatchNorm2d instead of the lean one",
-    "baseline_torchvision_forward": "torchvision's forward, each map held to its end (not lean)",
 }
-
-
-def _same_run(record: Mapping[str, Any], run: Mapping[str, Any]) -> bool:
-    return all(record.get(k) == v for k, v in run.items())
 
 
 def splice(

@@ -24,8 +24,6 @@ from instruments.measure.grad_fidelity import (
     relative_error,
 )
 from instruments.measure.methods_table import (
-    BEGIN,
-    END,
     METHOD_KEYS,
     PROVENANCE_KEYS,
     markers,
@@ -371,6 +369,9 @@ def test_methods_markdown_rows_and_the_run_behind_them() -> None:
     )
 
 
+BEGIN, END = markers()  # the default block, the methods table's
+
+
 def test_the_table_goes_between_the_markers_only() -> None:
     doc = f"# Title\n\ntext before\n{BEGIN}\nold table\n{END}\ntext after\n"
     out = splice(doc, "| new |")
@@ -385,7 +386,6 @@ def test_a_named_block_leaves_the_other_blocks_alone() -> None:
     doc = f"{BEGIN}\nfp32\n{END}\n{bf16_begin}\nold\n{bf16_end}\n"
     out = splice(doc, "| bf16 |", block="methods-bench-bf16")
     assert out == f"{BEGIN}\nfp32\n{END}\n{bf16_begin}\n\n| bf16 |\n\n{bf16_end}\n"
-    assert (BEGIN, END) == markers()  # the default block is the methods table's
 
 
 def test_reading_a_methods_file_checks_its_keys_and_ratios(tmp_path) -> None:
