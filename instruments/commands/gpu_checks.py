@@ -109,7 +109,6 @@ def _pair(args: argparse.Namespace) -> None:
         records = train_records(args.workdir / run["name"])
         counts = [r["num_fg_samples"] for r in records if r.get("num_fg_samples") is not None]
         run["positive_rois_per_image"] = round(sum(counts) / len(counts), 2) if counts else None
-    for run in pair["runs"]:
         _print({k: v for k, v in run.items() if k != "losses"})
     _print({k: pair[k] for k in ("pair", "without_key", "key_step_ratio")})
     _write(args.json, {**header, **pair})

@@ -133,11 +133,11 @@ def budget_check(
     started = time.perf_counter()
     choice = fit_budget(cfg, DistInfo(0, 1, 0, dev, False), BenchLoader(*batch))
     wall = time.perf_counter() - started
-    rows = table_rows(table)
-    counted = [m["positive_rois_per_image"] for m in choice.as_dict()["methods"]]
-    counted = [c for c in counted if c is not None]  # the probe's positives, as it counted them
+    rows, probed = table_rows(table), choice.as_dict()
+    # the probe's positives, as it counted them
+    counted = [c for m in probed["methods"] if (c := m["positive_rois_per_image"]) is not None]
     methods = []
-    for m in choice.as_dict()["methods"]:
+    for m in probed["methods"]:
         mine = m["peak_mb"]
         theirs = rows.get(m["method"], {}).get(f"peak_mb_{images}img")
         above = None if mine is None else mine - held / MB
@@ -150,7 +150,7 @@ def budget_check(
             }
         )
     return {
-        **choice.as_dict(),
+        **probed,
         "methods": methods,
         "images": images,
         "image_size": image_size,

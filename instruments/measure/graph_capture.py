@@ -60,11 +60,6 @@ def with_buckets(cfg: Config, image_size: int) -> Config:
     )
 
 
-def bucket_config(image_size: int) -> Config:
-    """The bench's recipe with the two buckets."""
-    return with_buckets(workload.recipe_config(False, image_size), image_size)
-
-
 def _turned(images: list[torch.Tensor], targets: list[dict]) -> tuple[list, list]:
     """The batch with height and width swapped: images and masks transposed, and every
     (x, y, x, y)-ordered tensor of a target (its boxes, a workload's proposal jitter: its last
@@ -160,7 +155,7 @@ def capture_rows(
     if repeats < 1:
         raise UsageError(f"repeats {repeats}: allowed integers >= 1")
     workload.workload_named(workload_name)  # a bad name fails before any model is built
-    base = bucket_config(image_size)
+    base = with_buckets(workload.recipe_config(False, image_size), image_size)
     dev = torch.device(device)
     resolved = [(s, workload.setting_config(base, s)) for s in settings]
     for setting, cfg in resolved:

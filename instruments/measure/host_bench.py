@@ -34,13 +34,10 @@ KERNELS = (
 
 class Launches:
     """Counts what would launch a kernel on a GPU: Triton launches (stubbed) and, inside
-    :meth:`counting`, the aten ops that compute (views and allocations launch nothing)."""
+    :class:`_CountOps`, the aten ops that compute (views and allocations launch nothing)."""
 
     def __init__(self) -> None:
         self.count = 0
-
-    def counting(self) -> TorchDispatchMode:
-        return _CountOps(self)
 
 
 # Ops that allocate or alias without a kernel and are not marked as views in their schema.
@@ -248,7 +245,7 @@ def _launches_per_step(model: nn.Module, x0: torch.Tensor, launches: Launches) -
     """Launches of one forward and backward (the input's copy and the loss included, as in the
     timed steps)."""
     launches.count = 0
-    with launches.counting():
+    with _CountOps(launches):
         model(x0.clone().requires_grad_(True)).sum().backward()
     return launches.count
 

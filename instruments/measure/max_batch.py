@@ -94,12 +94,8 @@ def _step_peak_mb(
 
     try:
         meter.measure(step)
-        # on CUDA above the floor, on the CPU above the start (see the docstring)
-        peak = (
-            meter.peak_bytes / MB - floor
-            if meter.cuda
-            else ((meter.peak_bytes - meter.start_bytes) / MB)
-        )
+        top = meter.peak_bytes
+        peak = top / MB - floor if meter.cuda else (top - meter.start_bytes) / MB
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not _is_oom(err):
             raise
@@ -144,9 +140,7 @@ def _max_batch_row(
     return {
         "setting": name,
         "variant": name,
-        "strategy": info["strategy"],
-        "gamma": info["gamma"],
-        "options": info["options"],
+        **{key: info[key] for key in ("strategy", "gamma", "options")},
         "budget_mb": budget_mb,
         "max_batch": best,
         "peak_mb_at_max": peaks.get(best),
@@ -193,10 +187,12 @@ def largest_batches(
 @contextlib.contextmanager
 def _fresh_allocation(device: torch.device):
     """Free cached blocks before and after, so one setting's leftovers do not count for the next."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
     yield
+    _free(device)
+
+
+def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
