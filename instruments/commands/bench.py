@@ -47,13 +47,11 @@ def cli() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the arguments and run the subcommand they name."""
     args = _parser().parse_args(argv)
     return run_cli(lambda: args.run(args))
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The command's subcommands, each with its own arguments."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -182,8 +180,7 @@ def _device_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _timing_arguments(p: argparse.ArgumentParser, repeats: int, quiet: bool = False) -> None:
-    """--repeats (at least ``repeats`` are timed), --json, and --quiet-machine where rows
-    record it."""
+    """--repeats (at least ``repeats``), --json, and --quiet-machine where rows record it."""
     p.add_argument(
         "--repeats",
         type=int,
@@ -316,8 +313,6 @@ def _settings(args: argparse.Namespace) -> list:
 
 
 def _steps(args: argparse.Namespace) -> None:
-    """Memory, gradient fidelity and step time of the baseline and each setting, at each
-    --images in turn."""
     from instruments.measure.methods_table import method_records, provenance, write_methods_json
     from instruments.measure.step_bench import markdown_table, run_benchmark
 
@@ -449,7 +444,6 @@ def _markdown(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    """Step time of the demo with DropIT against the demo without (demo_bench): JSON lines."""
     from instruments.measure.demo_bench import demo_rows
 
     rows = demo_rows(args.config, max(args.repeats, 5))
@@ -459,15 +453,12 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _host(args: argparse.Namespace) -> None:
-    """Host microseconds and launches per DropIT layer with the launches stubbed: JSON lines."""
     from instruments.measure.host_bench import host_costs
 
     _emit(host_costs(repeats=max(args.repeats, 5)), args.json)
 
 
 def _live(args: argparse.Namespace) -> None:
-    """The live tensors at the forward's (or with --step the step's) peak, per setting and
-    batch (instruments.measure.live_probe): text."""
     import torch
 
     from instruments.measure import live_probe
@@ -492,7 +483,6 @@ def _live(args: argparse.Namespace) -> None:
 
 
 def _fusion(args: argparse.Namespace) -> None:
-    """Compile and step time of the compiled backbone, packs opaque and fused: JSON lines."""
     from instruments.measure.fusion_bench import fusion_markdown, fusion_rows
 
     rows = fusion_rows("resnet18", args.image_size, args.images, max(args.repeats, 1), args.device)
