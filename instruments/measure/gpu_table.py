@@ -244,7 +244,7 @@ def _cell(value: Any, fmt: str, unit: str = "", ratio: Any = None) -> str:
     return text if ratio is None else f"{text} ({ratio:.2f}x)"
 
 
-def _ratio(row: Mapping[str, Any], key: str, n: int, base: Mapping[str, Any]) -> float | None:
+def ratio_at(row: Mapping[str, Any], key: str, n: int, base: Mapping[str, Any]) -> float | None:
     """A row's ratio to the baseline at ``n`` images: the step's and peak's as the run measured
     them; the saved bytes' from the two rows (the step rows hold no saved ratio)."""
     if key != "saved":
@@ -255,7 +255,7 @@ def _ratio(row: Mapping[str, Any], key: str, n: int, base: Mapping[str, Any]) ->
 
 def _ratios(row: Mapping[str, Any], key: str, images: Sequence[int], base) -> str:
     """A row's ratios at each batch size, "1.86x, 1.20x"."""
-    values = (_ratio(row, key, n, base) for n in images)
+    values = (ratio_at(row, key, n, base) for n in images)
     return ", ".join("-" if v is None else f"{v:.2f}x" for v in values)
 
 
@@ -353,7 +353,7 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
             cells.append(_cell(r.get(f"peak_mb_{n}img"), ".0f", " MB", r.get(f"peak_ratio_{n}img")))
         for n in images:
             saved = r.get(f"saved_mb_{n}img")
-            cells.append(_cell(saved, ".0f", " MB", _ratio(r, "saved", n, base)))
+            cells.append(_cell(saved, ".0f", " MB", ratio_at(r, "saved", n, base)))
         if forward:
             cells += [_forward_cell(r, n) for n in images]
         if searched:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from instruments.measure.gpu_table import SAME_KERNELS, is_gpu_table
+from instruments.measure.gpu_table import SAME_KERNELS, is_gpu_table, ratio_at
 from instruments.measure.methods_table import SUMMARY, methods_by_setting, splice
 from instruments.report import gpu_pass
 from instruments.report.gpu_pass import GpuPass
@@ -168,13 +168,6 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _gpu_ratio(row: Mapping[str, Any], base: Mapping[str, Any], key: str, n: int) -> float | None:
-    if key == "saved":
-        mine, ref = row.get(f"saved_mb_{n}img"), base.get(f"saved_mb_{n}img")
-        return mine / ref if mine is not None and ref else None
-    return row.get(f"{key}_ratio_{n}img")
-
-
 def _batch_cell(lease: Lease, setting: str) -> str:
     limit = lease.table.get("batch_limit") or 0
     if setting in lease.batches:
@@ -216,9 +209,9 @@ def gpu_table_lines(lease: Lease, accuracy: Mapping[str, str]) -> list[str]:
             steps = [f"{base[f'step_s_{n}img'] * 1000:.1f} ms" for n in (images[0], images[-1])]
             saved = f"{base[f'saved_mb_{images[-1]}img']:.0f} MB"
         else:
-            peaks = [_x(_gpu_ratio(r, base, "peak", n)) for n in (images[0], images[-1])]
-            steps = [_x(_gpu_ratio(r, base, "step", n)) for n in (images[0], images[-1])]
-            saved = _x(_gpu_ratio(r, base, "saved", images[-1]))
+            peaks = [_x(ratio_at(r, "peak", n, base)) for n in (images[0], images[-1])]
+            steps = [_x(ratio_at(r, "step", n, base)) for n in (images[0], images[-1])]
+            saved = _x(ratio_at(r, "saved", images[-1], base))
         launches = " / ".join(
             f"{r.get(f'launches_per_step_{n}img') or 0:.0f}" for n in (images[0], images[-1])
         )
