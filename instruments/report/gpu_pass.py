@@ -259,10 +259,17 @@ def _captures(p: GpuPass, setting: str) -> str:
     return "; ".join(parts) or "not measured"
 
 
+def _against(p: GpuPass, s: str, n: int) -> tuple[str, str, str]:
+    """``s``'s step at ``n`` images over its eager twin's and over the graphed baseline's, and
+    its peak over the twin's."""
+    row, twin, base = p.row(s, n), p.twin(s, n), _graphed_baseline(p)
+    other = p.row(base, n) if base and s != base else None
+    return _quotient(row, twin, n), _quotient(row, other, n), _x(_peak_ratio(row, twin, n))
+
+
 def graphed_lines(p: GpuPass) -> list[str]:
     """Each graphed setting against its eager twin and the graphed baseline, and its capture."""
     images = p.images
-    base_graphed = _graphed_baseline(p)
     lines = _head(
         "graphed",
         [
@@ -273,11 +280,8 @@ def graphed_lines(p: GpuPass) -> list[str]:
         "capture per batch and bucket: first steps beyond steady ones",
     )
     for s in graphed(p):
-        cells = [_quotient(p.row(s, n), p.twin(s, n), n) for n in images]
-        for n in images:
-            other = p.row(base_graphed, n) if base_graphed and s != base_graphed else None
-            cells.append(_quotient(p.row(s, n), other, n))
-        cells += [_x(_peak_ratio(p.row(s, n), p.twin(s, n), n)) for n in images]
+        columns = zip(*(_against(p, s, n) for n in images), strict=True)
+        cells = [cell for column in columns for cell in column]
         lines.append(f"| `{s}` | {' | '.join(cells)} | {_captures(p, s)} |")
     if p.capture:
         c = p.capture
@@ -419,12 +423,11 @@ def verdict_lines(p: GpuPass | None) -> list[str]:
             if row is None:
                 continue
             twin = eager_twin(row, p.tables[n]["rows"])
-            text = f"`{s}` steps {_quotient(row, p.row(twin, n), n)} of eager `{twin}`"
+            eager, vs, peak = _against(p, s, n)
+            text = f"`{s}` steps {eager} of eager `{twin}`"
             if base_graphed and s != base_graphed:
-                vs = _quotient(row, p.row(base_graphed, n), n)
                 text += f", {vs} of `{base_graphed}`"
-            text += f", at {_x(_peak_ratio(row, p.row(twin, n), n))} its peak"
-            parts.append(text)
+            parts.append(f"{text}, at {peak} its peak")
         if parts:
             lines.append(f"- Graphed on the GPU ({gpu}), {n} images: " + "; ".join(parts) + ".")
     return lines
