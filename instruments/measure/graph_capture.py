@@ -8,16 +8,8 @@ run records one graph per bucket and batch size. Here: the bench's recipe (workl
 COCO recipe's two orientations as its buckets (``image_size`` by the long side, and turned),
 the bench's batch stretched to each. One model per setting takes each batch size and bucket in
 turn: its first steps timed one by one (the first pays the compile, the next the recording),
-then its steady steps. Per bucket: those seconds, what the first steps cost beyond steady ones
-(``capture_s``), the seconds torch spent recording CUDA graphs (``record_s``), the graphs Dynamo
-compiled and the times Inductor skipped CUDA graphs (``TORCH_LOGS=perf_hints`` prints why).
-Steps are the bench's (forward and backward, workload.train_step), synchronised; each row
-records the workload and the positive RoIs per image its steady steps had.
-
-The GPU table with ``--size-buckets`` (:func:`with_buckets`, :func:`bucket_batches`,
-:func:`first_steps`) trains every row as a run with the recipe's buckets: the same model and
-buckets, a landscape and a portrait batch taken in turn, and a compiled row's first steps in each
-bucket timed one by one before its timed steps.
+then its steady steps (``TORCH_LOGS=perf_hints`` prints why Inductor skipped a CUDA graph).
+The GPU table's ``--size-buckets`` rows take the same buckets (step_bench.run_benchmark).
 """
 
 from __future__ import annotations
