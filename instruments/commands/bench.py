@@ -343,17 +343,19 @@ def _gpu_table(args: argparse.Namespace) -> None:
     """The GPU table: one row per setting (instruments.measure.gpu_table), printed as JSON
     lines and a table; --json writes it with the run's provenance."""
     from instruments.measure.gpu_table import gpu_header, gpu_markdown, gpu_table, write_gpu_table
+    from instruments.measure.graph_capture import buckets_for
 
     if args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds}: allowed integers >= 1")
     settings = _settings(args)
+    buckets = [list(b) for b in buckets_for(args.image_size)] if args.size_buckets else None
     run = {
         "images": args.images, "budget_mb": args.max_batch, "batch_limit": args.batch_limit,
         "repeats": args.repeats, "rounds": args.rounds if args.repeats > 0 else None,
         "profile_steps": _profile_steps(args),
         "amp": args.amp, "image_size": args.image_size, "draws": args.draws,
         "workload": args.workload,
-        "size_buckets": _buckets(args.image_size) if args.size_buckets else None,
+        "size_buckets": buckets,
     }  # fmt: skip
     header = gpu_header(command_line(), args.device, args.quiet_machine, **run)
     produced = gpu_table(
@@ -369,12 +371,6 @@ def _gpu_table(args: argparse.Namespace) -> None:
     rows = _emit(produced, None, lambda rows: gpu_markdown({**header, "rows": rows}))
     if args.json:
         write_gpu_table(args.json, header, rows)
-
-
-def _buckets(image_size: int) -> list[list[int]]:
-    from instruments.measure.graph_capture import buckets_for
-
-    return [list(b) for b in buckets_for(image_size)]
 
 
 def _emit(
