@@ -64,8 +64,6 @@ README_ROWS = (
     "checkpoint_stages_quant_4bit",
     "accumulate_2",
 )
-# SAME_KERNELS (from gpu_table): the rows whose step ratios show what the lease's timing cannot
-# tell apart, in a table from before it said so itself (its step_resolution field).
 
 
 @dataclass(frozen=True)
@@ -619,7 +617,6 @@ def eager_block(folder: Path = EAGER_LEASE) -> str:
     )
 
 
-# Each generated block outside the page: (document, block) -> its text
 def blocks(
     lease: Lease | None, accuracy: Mapping[str, str], graphed: GpuPass | None = None
 ) -> dict[tuple[str, str], str]:
