@@ -331,10 +331,7 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
     budget = table.get("budget_mb")
     searched = (table.get("batch_limit") or 0) > 0  # a limit of 0: no batch search ran
     base = table["rows"][0] if table["rows"] else {}
-    heads = ["setting"]
-    heads += [f"step, {n} img" for n in images]
-    heads += [f"peak, {n} img" for n in images]
-    heads += [f"saved, {n} img" for n in images]
+    heads = ["setting", *(f"{what}, {n} img" for what in ("step", "peak", "saved") for n in images)]
     # a table measured before the forward's columns existed keeps its columns
     forward = any(
         r.get(f"forward_peak_mb_{n}img") is not None for r in table["rows"] for n in images
@@ -349,11 +346,10 @@ def gpu_markdown(table: Mapping[str, Any]) -> str:
     for r in table["rows"]:
         cells = [str(r.get("setting"))]
         cells += [_step_cell(r, n) for n in images]
-        for n in images:
-            cells.append(_cell(r.get(f"peak_mb_{n}img"), ".0f", " MB", r.get(f"peak_ratio_{n}img")))
-        for n in images:
-            saved = r.get(f"saved_mb_{n}img")
-            cells.append(_cell(saved, ".0f", " MB", ratio_at(r, "saved", n, base)))
+        for key in ("peak", "saved"):  # MB, and the ratio to the baseline
+            for n in images:
+                ratio = ratio_at(r, key, n, base)
+                cells.append(_cell(r.get(f"{key}_mb_{n}img"), ".0f", " MB", ratio))
         if forward:
             cells += [_forward_cell(r, n) for n in images]
         if searched:
