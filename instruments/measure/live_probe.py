@@ -151,12 +151,15 @@ class LiveReport:
     def lines(self, top: int = 15) -> list[str]:
         """The report as text: the peak, its split, and the ``top`` lines by bytes at the peak."""
         where = f" in the {self.phase}" if self.scope == "step" else ""
+        freed = "working set (freed before the end)"
+        if self.scope == "step":  # a step's end: what is left is the weights' gradients
+            freed = "freed before the step ends"
         out = [
             f"{self.scope} peak {self.peak_mb:.1f} MB{where} after op {self.peak_op} of "
             f"{self.ops} ({self.op_name} at {self.op_where}); "
             f"alive at the end {self.end_mb:.1f} MB",
             f"  at the peak: saved for backward {self.saved_mb:.1f} MB, held otherwise "
-            f"{self.held_mb:.1f} MB, {self._freed_name} {self.transient_mb:.1f} MB",
+            f"{self.held_mb:.1f} MB, {freed} {self.transient_mb:.1f} MB",
             f"  {'MB':>8} {'saved':>8} {'freed':>8} {'count':>6}  line that made them",
         ]
         for g in self.groups[:top]:
@@ -164,12 +167,6 @@ class LiveReport:
                 f"  {g.mb:8.1f} {g.saved_mb:8.1f} {g.transient_mb:8.1f} {g.count:6d}  {g.where}"
             )
         return out
-
-    @property
-    def _freed_name(self) -> str:
-        if self.scope == "step":  # a step's end: what is left is the weights' gradients
-            return "freed before the step ends"
-        return "working set (freed before the end)"
 
 
 class _Tracker(TorchDispatchMode):
