@@ -324,10 +324,7 @@ def budget_lines(p: GpuPass) -> list[str]:
         shape = ""
         if c.get("size_buckets"):
             shape = f", padded to {_size(c['size_buckets'][0])}"
-        positives = c.get("positive_rois_per_image")
-        seen = f"workload {c.get('workload', 'untrained')}" + (
-            "" if positives is None else f", {positives:.1f} positive RoIs per image"
-        )
+        seen = f"workload {c.get('workload', 'untrained')}{_fewest_positives([c])}"
         table = (
             f"the table's rows give `{c['table_choice']}` by the same rule"
             if c.get("table_choice")
