@@ -387,7 +387,8 @@ def weigh(points: Mapping[str, Point], resolution: float) -> str:
     pick = points.get(PICK)
     if pick is None:
         return f"`{PICK}` was not measured."
-    lower = [points[s] for s in EXACT_ALTERNATIVES if s in points and points[s].peak < pick.peak]
+    exact = [points[s] for s in EXACT_ALTERNATIVES if s in points]
+    lower = [p for p in exact if p.peak < pick.peak]
     if pick.step is None:
         head = f"`{PICK}` peaks at {_x(pick.peak)} of the baseline (steps not timed)"
         lower_words = ", ".join(f"`{p.setting}` at {_x(p.peak)}" for p in lower)
@@ -396,11 +397,7 @@ def weigh(points: Mapping[str, Point], resolution: float) -> str:
         )
     head = f"`{PICK}` peaks at {_x(pick.peak)} of the baseline at {_x(pick.step)} its step"
     if not lower:
-        faster = [
-            points[s]
-            for s in EXACT_ALTERNATIVES
-            if s in points and points[s].step is not None and points[s].step < pick.step
-        ]
+        faster = [p for p in exact if p.step is not None and p.step < pick.step]
         tail = "; no exact method is lower in peak"
         for p in faster:
             apart = p.step < pick.step - resolution
