@@ -365,19 +365,12 @@ class Point:
     step: float | None
 
 
-def _gpu_points(lease: Lease, n: int) -> dict[str, Point]:
+def _points(rows: Mapping[str, Mapping[str, Any]], suffix: str = "") -> dict[str, Point]:
+    """The rows' points; ``suffix``: a GPU table's batch size (``_8img``)."""
     return {
-        s: Point(s, r[f"peak_ratio_{n}img"], r.get(f"step_ratio_{n}img"))
-        for s, r in lease.rows.items()
-        if r.get(f"peak_ratio_{n}img") is not None
-    }
-
-
-def _cpu_points(table: Mapping[str, Mapping[str, Any]]) -> dict[str, Point]:
-    return {
-        s: Point(s, r["peak_ratio"], r.get("step_ratio"))
-        for s, r in table.items()
-        if r.get("peak_ratio") is not None
+        s: Point(s, r[f"peak_ratio{suffix}"], r.get(f"step_ratio{suffix}"))
+        for s, r in rows.items()
+        if r.get(f"peak_ratio{suffix}") is not None
     }
 
 
@@ -430,7 +423,7 @@ def verdict_lines(
     if lease is not None:
         res = timing_resolution(lease)
         for n in lease.table["images"]:
-            sentence = weigh(_gpu_points(lease, n), res)
+            sentence = weigh(_points(lease.rows, f"_{n}img"), res)
             lines.append(f"- On the GPU ({lease.table['gpu']}), {n} images: {sentence}")
         if batches and lease.batches:
             order = sorted(lease.batches.items(), key=lambda kv: -kv[1])
@@ -443,7 +436,7 @@ def verdict_lines(
             )
     if cpu:
         base = cpu["baseline"]
-        sentence = weigh(_cpu_points(cpu), 0.0)
+        sentence = weigh(_points(cpu), 0.0)
         lines.append(
             f"- On the CPU (fp32, {base['images']} images of {base['image_size']} px; step ratios "
             f"from one run, no interval): {sentence}"
