@@ -184,15 +184,11 @@ def read_methods_json(path: str | Path) -> list[dict[str, Any]]:
         if lacking:
             raise UsageError(f"{where}: record {i} lacks {lacking}")
         for key in ("saved_ratio", "peak_ratio"):
-            value = record[key]
+            value, field = record[key], f"{where}: record {i} ({record['setting']}): '{key}'"
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise UsageError(
-                    f"{where}: record {i} ({record['setting']}): '{key}' must be a number"
-                )
+                raise UsageError(f"{field} must be a number")
             if not math.isfinite(value) or value <= 0:
-                raise UsageError(
-                    f"{where}: record {i} ({record['setting']}): '{key}' {value} must be > 0"
-                )
+                raise UsageError(f"{field} {value} must be > 0")
     return [{**dict.fromkeys(LATER_KEYS), **record} for record in records]
 
 
