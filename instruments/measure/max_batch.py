@@ -31,10 +31,6 @@ from rcnn_dropit.config import Config
 from rcnn_dropit.engine.amp import check_amp
 
 
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-
-
 def largest_fitting(peak_of: Callable[[int], float | None], budget_mb: float, limit: int) -> int:
     """The largest n in [1, limit] whose ``peak_of(n)`` (MB; None: out of memory) fits the budget.
 
@@ -97,7 +93,7 @@ def _step_peak_mb(
         top = meter.peak_bytes
         peak = top / MB - floor if meter.cuda else (top - meter.start_bytes) / MB
     except (torch.OutOfMemoryError, RuntimeError) as err:
-        if not _is_oom(err):
+        if not isinstance(err, torch.OutOfMemoryError) and "out of memory" not in str(err).lower():
             raise
         peak = None
     model.zero_grad(set_to_none=False)  # gradients stay allocated, as in training

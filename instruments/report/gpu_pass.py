@@ -141,11 +141,6 @@ def _step_cell(row: Mapping | None, n: int) -> str:
     return text if low is None or low == high else f"{text} ({low:.2f}-{high:.2f})"
 
 
-def _peak_ratio(a: Mapping | None, b: Mapping | None, n: int) -> float | None:
-    key = f"peak_mb_{n}img"
-    return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
-
-
 def _fewest_positives(records: Sequence[Mapping[str, Any]]) -> str:
     """ ", 3.0 positive RoIs per image": the fewest any record counted ("" where none did)."""
     counted = [v for r in records if (v := r.get("positive_rois_per_image")) is not None]
@@ -264,7 +259,9 @@ def _against(p: GpuPass, s: str, n: int) -> tuple[str, str, str]:
     its peak over the twin's."""
     row, twin, base = p.row(s, n), p.twin(s, n), _graphed_baseline(p)
     other = p.row(base, n) if base and s != base else None
-    return _quotient(row, twin, n), _quotient(row, other, n), _x(_peak_ratio(row, twin, n))
+    key = f"peak_mb_{n}img"
+    peak = row[key] / twin[key] if row and twin and row.get(key) and twin.get(key) else None
+    return _quotient(row, twin, n), _quotient(row, other, n), _x(peak)
 
 
 def graphed_lines(p: GpuPass) -> list[str]:

@@ -223,10 +223,12 @@ def gpu_table_lines(lease: Lease, accuracy: Mapping[str, str]) -> list[str]:
     if t.get("step_resolution_note"):  # the table's own words, from its rounds
         resolves = f"What the timing can resolve: {t['step_resolution_note']}."
     else:  # a table from before the rounds: its same-kernel rows' ratios, read here
+        ratios = _same_kernel_steps(lease)
+        span = f"{min(ratios):.2f}x to {max(ratios):.2f}x" if ratios else "-"
         resolves = (
             f"What the timing can resolve: rows that run the baseline's kernels, give or take a "
             f"few launches ({', '.join(f'`{s}`' for s in SAME_KERNELS if s in rows)}), stepped "
-            f"{_span(lease)} of the baseline in this run, so read step ratios that differ by "
+            f"{span} of the baseline in this run, so read step ratios that differ by "
             f"less than {resolution:.2f} as not told apart."
         )
     lines += ["", f"{resolves} Peaks do not move between runs of one commit."]
@@ -242,11 +244,6 @@ def _step_words(t: Mapping[str, Any]) -> str:
         f"Step: {t['rounds']} alternating rounds of {t['repeats']} steps per setting, the median "
         "round's time; a ratio: the median of the rounds' ratios to the baseline."
     )
-
-
-def _span(lease: Lease) -> str:
-    ratios = _same_kernel_steps(lease)
-    return f"{min(ratios):.2f}x to {max(ratios):.2f}x" if ratios else "-"
 
 
 def _same_kernel_steps(lease: Lease) -> list[float]:
