@@ -436,18 +436,28 @@ def _bench(sources: Sources, setting: str, key: str) -> str:
     return f"{_bench_row_value(sources, BENCH_FILE, setting, key):.2f}x"
 
 
-# The newest methods bench that timed its steps, where BENCH_FILE did not (a run with
-# --repeats 0): the untrained workload's, quiet, 2026-11-27.
-TIMED_BENCH_FILE = "archive/untrained_methods_512/methods_bench.json"
+# The methods benches that timed their steps, where BENCH_FILE did not (a run with --repeats 0),
+# newest first: make bench-speed's on the trained workload (quiet, 2026-12-07: baseline,
+# quant_4bit, mink_0.8), then the untrained workload's whole table (quiet, 2026-11-27).
+TIMED_BENCH_FILES = (
+    "cpu_speed_512/methods.json",
+    "archive/untrained_methods_512/methods_bench.json",
+)
 
 
 def _step(sources: Sources, setting: str) -> str:
-    """The step ratio of ``setting`` on the methods bench, or on the newest timed one (named)."""
+    """The step ratio of ``setting`` on the methods bench, or on the newest timed one that has
+    it (named)."""
     ratio = _bench_row_value(sources, BENCH_FILE, setting, "step_ratio", required=False)
     if ratio is not None:
         return f"{ratio:.2f}x"
-    value = _bench_row_value(sources, TIMED_BENCH_FILE, setting, "step_ratio")
-    row = _bench_row(sources, TIMED_BENCH_FILE, setting)
+    for name in TIMED_BENCH_FILES[:-1]:
+        if setting in (methods_by_setting(sources.grad_dir / name) or {}):
+            break
+    else:
+        name = TIMED_BENCH_FILES[-1]  # the whole table, or its error naming what it has
+    value = _bench_row_value(sources, name, setting, "step_ratio")
+    row = _bench_row(sources, name, setting)
     workload = row.get("workload") or "untrained"
     return f"{value:.2f}x ({workload} workload, timed {row.get('date')})"
 

@@ -22,7 +22,7 @@ from instruments.report.goal import (
 )
 from instruments.report.notes import (
     FUNCTIONS,
-    TIMED_BENCH_FILE,
+    TIMED_BENCH_FILES,
     NotesError,
     Sources,
     grad_groups_file,
@@ -203,10 +203,24 @@ def test_every_placeholder_renders_its_figure(
 
 
 def test_a_step_ratio_comes_from_the_newest_timed_table_which_it_names(sources: Sources) -> None:
-    """The methods bench untimed (--repeats 0): the archived timed table's ratio, its workload
-    and date said; timed: its own ratio, nothing added; neither: one clear error."""
-    timed = sources.grad_dir / TIMED_BENCH_FILE
+    """The methods bench untimed (--repeats 0): the newest timed table that has the setting,
+    its workload and date said (else the archived one's); timed: its own ratio, nothing added;
+    neither: one clear error."""
+    newer, timed = (sources.grad_dir / name for name in TIMED_BENCH_FILES)
     timed.parent.mkdir(parents=True)
+    newer.parent.mkdir(parents=True)
+    newer.write_text(
+        bench_json(
+            {
+                "setting": "quant_4bit",
+                "saved_ratio": 0.3,
+                "peak_ratio": 0.5,
+                "step_ratio": 1.008,
+                "date": "2026-12-07",
+                "workload": "trained",
+            }
+        )
+    )
     timed.write_text(
         bench_json(
             {
@@ -219,6 +233,8 @@ def test_a_step_ratio_comes_from_the_newest_timed_table_which_it_names(sources: 
         )
     )
     assert render("{{step mink_0.8}}", sources) == ("1.23x (untrained workload, timed 2026-11-27)")
+    newer.write_text(newer.read_text().replace("quant_4bit", "mink_0.8"))
+    assert render("{{step mink_0.8}}", sources) == "1.01x (trained workload, timed 2026-12-07)"
     own = sources.grad_dir / BENCH_FILE
     own.write_text(
         bench_json(
@@ -227,7 +243,8 @@ def test_a_step_ratio_comes_from_the_newest_timed_table_which_it_names(sources: 
     )
     assert render("{{step mink_0.8}}", sources) == "1.10x"
     own.write_text(bench_json({"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6}))
-    timed.write_text(bench_json({"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6}))
+    for path in (newer, timed):
+        path.write_text(bench_json({"setting": "mink_0.8", "saved_ratio": 0.4, "peak_ratio": 0.6}))
     with pytest.raises(NotesError, match="'step_ratio' of 'mink_0.8' is not a number"):
         render("{{step mink_0.8}}", sources)
 
