@@ -36,6 +36,8 @@ PAGE = RESULTS / "README.md"
 CPU_TABLE = RESULTS / "cpu_methods/methods.json"
 # The GPU table's setting (8 images of 800 px, autocast) on the CPU under bf16, memory only
 CPU_PROXY_8 = RESULTS / "cpu_proxy8/methods.json"
+# Steps timed apart from the methods table (make bench-speed), when its newest run did not time them
+CPU_SPEED = RESULTS / "cpu_speed_512/methods.json"
 PLAN = REPO / "configs/study/plan.yaml"
 # The one lease that timed the packs both ways: eager torch (DROPIT_KERNELS=eager) and Triton
 EAGER_LEASE = RESULTS / "gpu_h200_2026-11-26"
@@ -272,6 +274,17 @@ def cpu_records() -> tuple[dict[str, Mapping[str, Any]], dict[str, Mapping[str, 
     return methods_by_setting(CPU_TABLE) or {}, methods_by_setting(CPU_PROXY_8) or {}
 
 
+SPEED_ANCHOR = "memory.md#the-cpu-step-on-the-trained-workload-4-bit-quantization-and-min-k-512-px"
+
+
+def cpu_speed(cpu: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """make bench-speed's rows by setting, when the CPU methods table has no step times ({}
+    otherwise, or without the file): a step ratio is read within its own run only."""
+    if not cpu or cpu["baseline"].get("step_s") is not None:
+        return {}
+    return methods_by_setting(CPU_SPEED) or {}
+
+
 def _run_words(r: Mapping[str, Any]) -> str:
     quiet = "machine quiet" if r["quiet"] else "machine NOT quiet (memory only: load moves no byte)"
     return (
@@ -314,6 +327,17 @@ def cpu_table_lines(
         f"- @{base['images']}: {_run_words(base)} "
         f"([memory.md](memory.md#every-method-in-one-table)).",
     ]
+    speed = cpu_speed(table)
+    if speed:
+        b = speed["baseline"]
+        ratios = ", ".join(
+            f"`{s}` {_x(r.get('step_ratio'))}" for s, r in speed.items() if s != "baseline"
+        )
+        lines.append(
+            f"- steps @{b['images']}, not timed in that run: `make bench-speed` timed {ratios} "
+            f"of the baseline's {b['step_s']:.2f} s, {_workload_words(b)}: {_run_words(b)} "
+            f"([memory.md]({SPEED_ANCHOR}))."
+        )
     if proxy:
         p = proxy["baseline"]
         lines.append(
@@ -434,6 +458,10 @@ def verdict_lines(
     if cpu:
         base = cpu["baseline"]
         sentence = weigh(_points(cpu), 0.0)
+        timed = cpu_speed(cpu).get(PICK, {}).get("step_ratio")
+        if timed is not None:
+            # No link: these lines go into README.md and choosing.md too.
+            sentence += f" Its step, timed apart (`make bench-speed`): {_x(timed)} the baseline's."
         lines.append(
             f"- On the CPU (fp32, {base['images']} images of {base['image_size']} px; step ratios "
             f"from one run, no interval): {sentence}"

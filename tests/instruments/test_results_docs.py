@@ -224,6 +224,30 @@ def test_an_untimed_table_is_weighed_by_peak_alone() -> None:
     assert "faster" not in text and "slower" not in text
 
 
+def test_an_untimed_cpu_table_quotes_the_steps_timed_apart(tmp_path, monkeypatch) -> None:
+    """The methods table without step times: make bench-speed's own run gives the step, named as
+    its own run; a timed methods table, or no speed file, leaves the page as it was."""
+    records = json.loads((RESULTS / "cpu_speed_512/methods.json").read_text())
+    steps = {"baseline": (1.0, 10.0), "quant_4bit": (1.004, None), "mink_0.8": (1.306, None)}
+    for r in records:
+        r["step_ratio"], step_s = steps[r["setting"]]
+        r["step_s"] = step_s if step_s is not None else r.get("step_s")
+    speed = tmp_path / "speed.json"
+    speed.write_text(json.dumps(records))
+    monkeypatch.setattr(rp, "CPU_SPEED", speed)
+    cpu = {r["setting"]: {**r, "step_s": None, "step_ratio": None} for r in records[:2]}
+    assert list(rp.cpu_speed(cpu)) == ["baseline", "quant_4bit", "mink_0.8"]
+    assert rp.cpu_speed({"baseline": {"step_s": 9.0}}) == {}
+    verdict = rp.verdict_lines(None, cpu)[-1]
+    assert verdict.endswith("Its step, timed apart (`make bench-speed`): 1.00x the baseline's.")
+    table = "\n".join(rp.cpu_table_lines(cpu, {}, {}))
+    expected = "timed `quant_4bit` 1.00x, `mink_0.8` 1.31x of the baseline's 10.00 s"
+    assert expected in table
+    monkeypatch.setattr(rp, "CPU_SPEED", tmp_path / "absent.json")
+    assert "bench-speed" not in rp.verdict_lines(None, cpu)[-1]
+    assert "bench-speed" not in "\n".join(rp.cpu_table_lines(cpu, {}, {}))
+
+
 def test_the_timing_resolution_is_the_widest_same_kernel_ratio() -> None:
     rows = [
         {"setting": "baseline", "step_ratio_2img": 1.0, "step_ratio_8img": 1.0},
