@@ -163,9 +163,11 @@ def _quiet_stderr() -> Iterator[None]:
 
 class PeakMeter:
     """The peak of one call on one device, what was alive when it began included: on CUDA the
-    allocator's; on the CPU the bytes of ``held()`` plus the peak of torch's allocations over the
-    call, from the profiler's memory events (which miss frees of blocks made before: the call
-    must not free what ``held()`` counted)."""
+    allocator's counters (not its reserve, not the CUDA context); on the CPU the bytes of
+    ``held()`` plus the peak of torch's allocations over the call, from the profiler's memory
+    events: exact to the byte whatever malloc keeps (RSS would carry the heap earlier calls left).
+    The profiler misses frees of blocks made before it started, so the call must not free what
+    ``held()`` counted: set the gradients to None before measuring a step that would."""
 
     def __init__(
         self, device: torch.device | str, held: Callable[[], Iterable[torch.Tensor]] = tuple

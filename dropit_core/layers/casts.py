@@ -63,7 +63,8 @@ def autocast_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype | None]:
     """(weight, bias, the input's dtype) as autocast would cast them for conv/linear (the dtype
     None without autocast). The weights are cast here, outside the Function, so that autograd
-    sees the casts, shared through ``cache`` (None while tracing); the input inside the op."""
+    sees the casts, shared through ``cache`` (None while tracing); the input inside the op, so
+    that its cast can go as soon as the op has run."""
     # One C call answers the usual fp32 case; the device's own flag only under some autocast.
     if not _any_autocast():
         return weight, bias, None
