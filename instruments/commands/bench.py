@@ -147,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
         "into what the backward keeps and the working set; any device",
     )
     live.add_argument("--settings", nargs="+", default=["baseline", "quant_4bit"])
-    live.add_argument("--plan", type=Path, default=Path("configs/study/plan.yaml"))
+    _plan_argument(live)
+    _workload_argument(live)
     live.add_argument("--images", type=int, nargs="+", default=[2])
     live.add_argument("--image-size", type=int, default=800)
     live.add_argument("--step", action="store_true", help="follow the backward too")
@@ -231,6 +232,26 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _plan_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--plan",
+        type=Path,
+        default=Path("configs/study/plan.yaml"),
+        help="the study plan whose settings --settings names (default: %(default)s)",
+    )
+
+
+def _workload_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--workload",
+        default="trained",
+        help="the batch and the RoIs its heads see (instruments/measure/workload.py): trained "
+        "(a trained detector's positives, most of the sampler's cap), cap (the sampler's "
+        "128 per image), untrained (random weights: the ground truth's 3); default: "
+        "%(default)s",
+    )
+
+
 def _model_arguments(p: argparse.ArgumentParser, images: str, repeats: str) -> None:
     """The settings, the bench's recipe and workload, and the measuring of steps and gpu-table."""
     p.add_argument(
@@ -245,12 +266,7 @@ def _model_arguments(p: argparse.ArgumentParser, images: str, repeats: str) -> N
         help="settings of --plan by name (its config overrides, applied to the bench's recipe), "
         "measured before any --variants",
     )
-    p.add_argument(
-        "--plan",
-        type=Path,
-        default=Path("configs/study/plan.yaml"),
-        help="the study plan whose settings --settings names (default: %(default)s)",
-    )
+    _plan_argument(p)
     p.add_argument(
         "--draws",
         type=int,
@@ -267,14 +283,7 @@ def _model_arguments(p: argparse.ArgumentParser, images: str, repeats: str) -> N
         "conv, as torchvision's *_resnet50_fpn_v2 (default: v1)",
     )
     p.add_argument("--image-size", type=int, default=512)
-    p.add_argument(
-        "--workload",
-        default="trained",
-        help="the batch and the RoIs its heads see (instruments/measure/workload.py): trained "
-        "(a trained detector's positives, most of the sampler's cap), cap (the sampler's "
-        "128 per image), untrained (random weights: the ground truth's 3); default: "
-        "%(default)s",
-    )
+    _workload_argument(p)
     p.add_argument(
         "--repeats",
         type=int,
@@ -459,20 +468,30 @@ def _live(args: argparse.Namespace) -> None:
 
     from instruments.measure import live_probe
     from instruments.measure import workload as wl
+    from rcnn_dropit.models.sampling import roi_sample_counter
 
-    settings = wl.plan_settings(args.plan, args.settings)  # a bad name fails before any model
+    wl.workload_named(args.workload)  # a bad name fails before any model, as does a setting's
+    settings = wl.plan_settings(args.plan, args.settings)
     device = torch.device(args.device)
     amp = args.amp or ("fp16" if device.type == "cuda" else "none")
     base = wl.recipe_config(False, args.image_size)
     for setting in settings:
         model = wl.detector(wl.setting_config(base, setting)).to(device).train()
+        counter = roi_sample_counter(model)
         for n in args.images:
-            batch = wl.make_batch(args.image_size, device, n)
-            print(f"== {setting.name}, {n} images of {args.image_size} px, {device} amp {amp}")
+            batch = wl.make_batch(args.image_size, device, n, args.workload)
             wl.step_loss(model, batch, amp).backward()  # warm: lazy state, compiled packs
             model.zero_grad(set_to_none=True)
+            if counter is not None:
+                counter.take()  # the warm-up's
             report = (live_probe.step_report if args.step else live_probe.forward_report)(
                 model, batch, amp
+            )
+            positives, _, images = counter.take() if counter is not None else (0, 0, 0)
+            seen = f"{positives / images:.1f} positive RoIs per image" if images else "no RoIs"
+            print(
+                f"== {setting.name}, {n} images of {args.image_size} px, {device} amp {amp}; "
+                f"the {args.workload} workload: {seen}"
             )
             print("\n".join(report.lines(args.top)), flush=True)
         del model

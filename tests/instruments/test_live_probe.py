@@ -130,4 +130,5 @@ def test_bench_live_prints_a_report_per_setting_and_batch(monkeypatch, capsys) -
     assert bench.main([*argv, "--settings", "baseline", "quant_4bit", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert out.count("== ") == 4 and out.count("step peak") == 4
-    assert "== quant_4bit, 2 images of 64 px, cpu amp none" in out
+    assert "== quant_4bit, 2 images of 64 px, cpu amp none; the trained workload: " in out
+    assert out.count(" positive RoIs per image") == 4  # what each probed step's heads saw
